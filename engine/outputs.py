@@ -1,0 +1,50 @@
+"""What the engine hands back: per-request outputs with streaming deltas and timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int                 # prompt tokens served from the prefix cache
+    num_output_tokens: int
+    num_preemptions: int
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between generated tokens after the first (inter-token latency)."""
+        if self.num_output_tokens < 2 or self.last_token_time is None or self.first_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]                   # generated so far
+    text: str                              # generated text so far (stop string cut off)
+    new_token_ids: list[int]               # delta since the last output of this request
+    new_text: str                          # text delta since the last output
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob}
+    prompt: str | None = None
+    kv_blocks: list[int] = field(default_factory=list)   # prefill role: the pinned block ids

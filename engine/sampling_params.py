@@ -1,0 +1,62 @@
+"""SamplingParams: how one request is decoded (vLLM's names and meanings)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int = 0                    # 0 or -1 = off
+    top_p: float = 1.0                # nucleus mass, in (0, 1]
+    min_p: float = 0.0                # drop tokens below min_p * p_max, in [0, 1]
+    seed: int | None = None           # per-request generator: same seed, same tokens
+    max_tokens: int | None = 16       # None = up to max_model_len
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # top-n logprobs per generated token (0 = only the sampled one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise InvalidRequestError(msg)
+
+        if not _finite(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
+            bad(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,79 @@
+"""Sequence: one request's tokens, blocks, progress and timings as it moves through the engine."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_counter = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]                  # prompt, then generated tokens
+    params: SamplingParams
+    priority: int = 0                     # lower runs first (vLLM's convention)
+    prefill_only: bool = False            # prefill role: stop after the first token, keep blocks pinned
+    num_prompt_tokens: int = 0
+    seq_no: int = field(default_factory=lambda: next(_counter))    # FCFS order
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # hashes of this sequence's full blocks
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    detok: object = None                  # engine.detokenizer.Detokenizer
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.seq_no)
+
+    def __lt__(self, other: "Sequence") -> bool:      # for the waiting heap
+        return self.sort_key < other.sort_key

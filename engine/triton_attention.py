@@ -1,0 +1,149 @@
+"""Triton paged attention for a mixed batch (decodes, prefills, prefill chunks) in one launch."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs every dimension >= 16 on NVIDIA GPUs.
+_MIN_DOT = 16
+_MAX_BLOCK_M = 64     # query rows (tokens x heads of one KV group) per program
+
+
+@triton.jit
+def _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence owning global query block `q_block_idx`: seq i's blocks start at qsl[i] // BLOCK_Q + i."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_seqs,
+    s_qt, s_qh, s_qd,
+    s_ot, s_oh, s_od,
+    s_kb, s_ks, s_kh, s_kd,
+    s_vb, s_vs, s_vh, s_vd,
+    s_bt0, s_bt1,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    q_block_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block_local = q_block_idx - (q_start // BLOCK_Q + seq)
+    # The grid is an upper bound on the number of query blocks: spare programs leave here.
+    if q_block_local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len                      # cached tokens before the new ones
+
+    # Row r of the tile is query token r // GROUP_P, head r % GROUP_P of this KV head's group,
+    # so each K/V tile is loaded once for the whole group (GQA).
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block_local * BLOCK_Q + rows // GROUP_P
+    head_in_group = rows % GROUP_P
+    head = kv_head * GROUP + head_in_group
+    row_ok = (q_local < q_len) & (head_in_group < GROUP)
+    q_pos = ctx_len + q_local                      # absolute position: causal limit of the row
+    tok = (q_start + q_local).to(tl.int64)
+
+    d = tl.arange(0, HEAD_P)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + d[None, :] * s_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P], tl.float32)
+
+    # Keys past the last query of this tile are masked for every row: skip them.
+    kv_end = tl.minimum(seq_len, ctx_len + (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    n = tl.arange(0, TILE_N)
+    bt_row = bt_ptr + seq.to(tl.int64) * s_bt0
+    k_head = k_ptr + kv_head * s_kh
+    v_head = v_ptr + kv_head * s_vh
+
+    for t in range(0, num_tiles):
+        k_pos = t * TILE_N + n
+        k_ok = k_pos < kv_end
+        # A tile may span several pages, so look up the page of every key; int64 because
+        # block * block stride overflows int32 on large caches.
+        blk = tl.load(bt_row + (k_pos // BLOCK_SIZE) * s_bt1, mask=k_ok, other=0).to(tl.int64)
+        off = k_pos % BLOCK_SIZE
+        k = tl.load(k_head + blk[None, :] * s_kb + off[None, :] * s_ks + d[:, None] * s_kd,
+                    mask=k_ok[None, :] & d_ok[:, None], other=0.0)           # [HEAD_P, TILE_N]
+        v = tl.load(v_head + blk[:, None] * s_vb + off[:, None] * s_vs + d[None, :] * s_vd,
+                    mask=k_ok[:, None] & d_ok[None, :], other=0.0)           # [TILE_N, HEAD_P]
+
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2             # log2 domain for exp2
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    # Padding rows saw no key (l = 0); they are not stored, but avoid 0/0 anyway.
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :] * s_od,
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           max_query_len: int, scale: float) -> torch.Tensor:
+    """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    assert v_cache.shape == k_cache.shape and kv_dim == head_dim, "cache shape mismatch"
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    head_p = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    # Size the query tile from the longest query (a host int, no sync): decode-only batches get
+    # the smallest tile, prefills up to _MAX_BLOCK_M rows. Only speed depends on it, not results.
+    block_m = min(max(_MIN_DOT, group_p * triton.next_power_of_2(max(1, max_query_len))),
+                  max(_MAX_BLOCK_M, group_p))
+    block_q = block_m // group_p
+    tile_n = 32 if block_m >= 64 else _MIN_DOT
+    # Upper bound of sum_i ceil(qlen_i / block_q) (see _find_seq); spare programs exit early.
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    # 64 x 128 fp32 accumulator plus per-key K/V addresses spill at 4 warps (ptxas, sm_90).
+    num_warps = 8 if block_m * head_p >= 64 * 128 else 4
+    # fp32 caches are the test path: keep dots exact instead of TF32 (None: backend default).
+    dot_prec = "ieee" if k_cache.dtype == torch.float32 else None
+
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        float(scale) * 1.4426950408889634, num_seqs,
+        *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        DOT_PREC=dot_prec, num_warps=num_warps,
+    )
+    return out
