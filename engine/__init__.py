@@ -1,11 +1,12 @@
 """Baton's engine: a paged-KV Llama-family runtime with prefix caching and continuous batching."""
 from engine.config import EngineConfig
 from engine.errors import BatonError, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
+from engine.async_llm import AsyncLLM
 from engine.llm import LLM
 from engine.llm_engine import KVReservation, LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
+__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
            "KVReservation", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
            "PromptTooLongError"]

@@ -122,6 +122,9 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
     if model in DUMMY_SHAPES:
         return None
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if Path(model).is_dir() and not any((Path(model) / n).is_file() for n in names):
+        return None                                        # weights-only dir: prompts are token ids
     try:
         return AutoTokenizer.from_pretrained(model)
     except Exception as e:                                 # noqa: BLE001

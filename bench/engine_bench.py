@@ -1,0 +1,384 @@
+"""`baton bench engine`: Baton's throughput, prefix-hit TTFT and decode speed against transformers, in one run."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+# Full-size workload; --quick swaps in the small one so a check on a shared CPU takes a minute or two.
+FULL = dict(prompt_len=(32, 512), output_len=(16, 256), prefix_len=1024, suffix_len=32, ttft_trials=3,
+            decode_prompt_len=32, decode_tokens=128)
+QUICK = dict(prompt_len=(16, 64), output_len=(4, 16), prefix_len=256, suffix_len=16, ttft_trials=2,
+             decode_prompt_len=16, decode_tokens=16)
+
+
+# -- the workload (shared with other benchmarks) --------------------------------------------------
+@dataclass
+class WorkloadRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def allowed_token_ids(tokenizer: Any, vocab_size: int) -> np.ndarray:
+    """Token ids a random prompt may use: the model's vocab minus special tokens (BOS/EOS/chat markers),
+    so no prompt accidentally ends a turn or a sequence."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or []) if tokenizer is not None else set()
+    ids = np.arange(vocab_size)
+    return ids[~np.isin(ids, list(special))] if special else ids
+
+
+def make_workload(allowed: np.ndarray, num_requests: int, seed: int, prompt_len: tuple[int, int] = (32, 512),
+                  output_len: tuple[int, int] = (16, 256)) -> list[WorkloadRequest]:
+    """A seeded list of requests: lengths uniform in the inclusive ranges, prompts random ids from `allowed`.
+    The same arguments give the same workload on every machine and for every system."""
+    rng = np.random.default_rng(seed)
+    p_lens = rng.integers(prompt_len[0], prompt_len[1] + 1, size=num_requests)
+    o_lens = rng.integers(output_len[0], output_len[1] + 1, size=num_requests)
+    return [WorkloadRequest(rng.choice(allowed, size=int(p)).tolist(), int(o)) for p, o in zip(p_lens, o_lens)]
+
+
+# -- small helpers ----------------------------------------------------------------------------------
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr, so `--json` keeps stdout clean."""
+    print(f"[engine-bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _exact_match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of requests whose greedy tokens agree exactly: a check that the systems did the same work."""
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+
+
+def machine_info() -> dict:
+    import transformers
+    return {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_threads": torch.get_num_threads(),
+            # the machine may be shared: the load at start says how much to trust the timings
+            "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+# -- phase 1: throughput ----------------------------------------------------------------------------
+def bench_baton(llm, workload: list[WorkloadRequest]) -> tuple[dict, list[list[int]]]:
+    from engine import SamplingParams
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0) for r in workload]
+    t = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in workload], params, use_tqdm=True)
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.token_ids) for o in outs)
+    res = {"wall_s": wall, "output_tokens": n_out, "output_tokens_per_s": n_out / wall,
+           "mean_ttft_s": _mean([o.metrics.ttft for o in outs]),
+           "mean_itl_s": _mean([o.metrics.time_per_output_token for o in outs])}
+    return res, [list(o.token_ids) for o in outs]
+
+
+def bench_hf_static(model, workload: list[WorkloadRequest], pad_id: int, batch_size: int) -> tuple[dict, list[list[int]]]:
+    """transformers `generate` on fixed batches in request order: every batch runs until its longest request is
+    done, so only the tokens each request asked for count as throughput."""
+    dev = model.device
+    tokens, wall, raw = [], 0.0, 0
+    batches = [workload[i:i + batch_size] for i in range(0, len(workload), batch_size)]
+    for batch in tqdm(batches, desc="hf static", file=sys.stderr):
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):                     # left padding: every prompt ends at the same column
+            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids):] = 1
+        max_new = max(r.max_tokens for r in batch)
+        _sync(dev)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+        _sync(dev)
+        wall += time.perf_counter() - t
+        gen = out[:, width:].cpu()
+        raw += gen.numel()
+        tokens += [gen[i, :r.max_tokens].tolist() for i, r in enumerate(batch)]
+    requested = sum(r.max_tokens for r in workload)
+    return {"wall_s": wall, "batch_size": batch_size, "output_tokens": requested,
+            "output_tokens_per_s": requested / wall, "raw_generated_tokens": raw,
+            "raw_generated_tokens_per_s": raw / wall}, tokens
+
+
+def bench_hf_continuous(model, workload: list[WorkloadRequest], pad_id: int, max_num_seqs: int,
+                        max_batch_tokens: int) -> tuple[dict, list[list[int]] | None]:
+    """transformers' own continuous batching (`generation/continuous_batching`). Its manager takes a
+    max_new_tokens and eos_token_id per request (generate_batch only takes one for all), so we drive the
+    manager directly: each request gets exactly its own length, and eos -1 means "never stop"."""
+    try:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError as e:
+        return {"available": False, "error": f"not in this transformers: {e}"}, None
+    page = 256
+    # size the paged cache for the workload instead of the default (60% of RAM on CPU)
+    blocks = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page) for r in workload) + 4
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in workload),
+                               eos_token_id=-1, pad_token_id=pad_id)
+    cb_cfg = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
+                                      max_requests_per_batch=max_num_seqs)
+    try:
+        t_setup = time.perf_counter()
+        # no inference_mode here: the manager's thread updates tensors in place and handles no_grad itself
+        with model.continuous_batching_context_manager(
+                generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30) as mgr:
+            setup = time.perf_counter() - t_setup
+            t = time.perf_counter()
+            ids = [mgr.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1)
+                   for r in workload]
+            results = _collect_cb(mgr, ids)
+            wall = time.perf_counter() - t
+    except Exception as e:                       # a peer failing (e.g. on this device) must not sink the run
+        return {"available": False, "error": f"{type(e).__name__}: {e}"}, None
+    failed = [rid for rid in ids if results.get(rid) is None or results[rid].error is not None]
+    if failed:
+        first = results.get(failed[0])
+        why = first.error if first is not None else "missing (generation thread stopped)"
+        return {"available": False, "error": f"{len(failed)}/{len(ids)} requests failed, e.g. {failed[0]}: {why}"}, None
+    tokens = [list(results[rid].generated_tokens)[:r.max_tokens] for rid, r in zip(ids, workload)]
+    raw = sum(len(results[rid].generated_tokens) for rid in ids)
+    requested = sum(r.max_tokens for r in workload)
+    return {"available": True, "api": "ContinuousBatchingManager.add_request (per-request max_new_tokens, eos -1)",
+            "per_request_max_new_tokens": True, "page_size": page, "num_blocks": blocks,
+            "max_batch_tokens": max_batch_tokens, "max_requests_per_batch": max_num_seqs, "setup_s": setup,
+            "wall_s": wall, "output_tokens": requested, "output_tokens_per_s": requested / wall,
+            "raw_generated_tokens": raw}, tokens
+
+
+def _collect_cb(mgr, ids: list[str]) -> dict:
+    results: dict = {}
+    bar = tqdm(total=len(ids), desc="hf continuous", file=sys.stderr)
+    while len(results) < len(ids):
+        r = mgr.get_result(timeout=1)
+        if r is not None and r.is_finished():
+            results[r.request_id] = r
+            bar.update()
+        elif r is None and not mgr.is_running():
+            break                                # the generation thread died: report what is missing
+    bar.close()
+    return results
+
+
+# -- phase 2: TTFT with and without a prefix hit --------------------------------------------------
+def bench_prefix_ttft(llm, allowed: np.ndarray, seed: int, prefix_len: int, suffix_len: int, trials: int) -> dict:
+    """Cold: a fresh prefix the cache has never seen. Warm: the same prefix with another suffix, so only
+    the suffix needs computing. Fresh prefixes per trial keep trials independent."""
+    from engine import SamplingParams
+    rng = np.random.default_rng(seed + 1)
+    one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    cold, warm, cached = [], [], []
+    for i in range(trials):
+        prefix = rng.choice(allowed, size=prefix_len).tolist()
+        sa, sb = (rng.choice(allowed, size=suffix_len).tolist() for _ in range(2))
+        llm.engine.pool.reset_prefix_cache()
+        a = llm.generate([prefix + sa], one)[0]
+        b = llm.generate([prefix + sb], one)[0]
+        cold.append(a.metrics.ttft)
+        warm.append(b.metrics.ttft)
+        cached.append(b.metrics.num_cached_tokens)
+        log(f"  trial {i + 1}/{trials}: cold {a.metrics.ttft * 1e3:.1f} ms (cached {a.metrics.num_cached_tokens}), "
+            f"warm {b.metrics.ttft * 1e3:.1f} ms (cached {b.metrics.num_cached_tokens})")
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"prefix_len": prefix_len, "suffix_len": suffix_len, "trials": trials, "cold_ttft_s": cold,
+            "warm_ttft_s": warm, "median_cold_ttft_s": c, "median_warm_ttft_s": w, "warm_over_cold": w / c,
+            "goal_warm_over_cold": 0.2, "meets_goal": w / c <= 0.2, "warm_num_cached_tokens": cached}
+
+
+# -- phase 3: batch-1 decode against the memory-bandwidth bound -----------------------------------
+def measure_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> dict:
+    """Copy bandwidth: a copy reads and writes every byte, so traffic = 2 x size; best of several runs
+    (the least disturbed by other work on the machine)."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    nbytes = src.numel() * 4
+    return {"copy_mib": mib, "repeats": repeats, "best_copy_s": best, "bytes_per_s": 2 * nbytes / best,
+            "definition": "bandwidth = 2 * bytes_copied / best_time (read + write traffic)"}
+
+
+def bench_decode(llm, allowed: np.ndarray, seed: int, prompt_len: int, n_tokens: int, bandwidth: dict) -> dict:
+    """One request alone: each decode step must read every weight once, so weight_bytes / bandwidth is a floor."""
+    from engine import SamplingParams
+    rng = np.random.default_rng(seed + 2)
+    prompt = rng.choice(allowed, size=prompt_len).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=n_tokens, ignore_eos=True, temperature=0.0))[0]
+    ms = out.metrics.time_per_output_token * 1e3
+    wbytes = llm.engine.runner.weight_bytes
+    bound_ms = wbytes / bandwidth["bytes_per_s"] * 1e3
+    return {"prompt_len": prompt_len, "output_tokens": n_tokens, "ms_per_token": ms, "weight_bytes": wbytes,
+            "bound_ms": bound_ms, "ms_per_token_over_bound": ms / bound_ms,
+            "bound_definition": "bound_ms = weight_bytes / copy bandwidth"}
+
+
+# -- plots ------------------------------------------------------------------------------------------
+def plot_throughput(result: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    t = result["throughput"]
+    systems = {"Baton": t["baton"], "HF static": t.get("hf_static"), "HF continuous": t.get("hf_continuous")}
+    names = [n for n, r in systems.items() if r and r.get("available", True)]
+    vals = [systems[n]["output_tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = ax.bar(names, vals, color=["tab:blue", "tab:gray", "tab:orange"][:len(names)])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("output tokens / s (requested tokens)")
+    ax.set_title(f"{result['workload']['num_requests']} requests, {Path(result['model']).name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_ttft(prefix: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 4))
+    vals = [prefix["median_cold_ttft_s"] * 1e3, prefix["median_warm_ttft_s"] * 1e3]
+    bars = ax.bar(["cold (no prefix hit)", "warm (prefix hit)"], vals, color=["tab:red", "tab:green"])
+    ax.bar_label(bars, fmt="%.1f ms")
+    for x, key in ((0, "cold_ttft_s"), (1, "warm_ttft_s")):   # every trial, so the spread is visible
+        ax.scatter([x] * len(prefix[key]), [v * 1e3 for v in prefix[key]], color="black", s=12, zorder=3)
+    ax.set_ylabel("TTFT (ms), median of trials")
+    ax.set_title(f"{prefix['prefix_len']}-token prefix + {prefix['suffix_len']}-token suffix: "
+                 f"warm/cold {prefix['warm_over_cold']:.2f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- the command ------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the transformers peer")
+    p.add_argument("--skip-hf", action="store_true", help="measure Baton only")
+    p.add_argument("--quick", action="store_true",
+                   help=f"short prompts/outputs and a small prefix for a smoke run: {QUICK}")
+    p.add_argument("--out-dir", default="bench_out/engine")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def _phase(name: str, fn: Callable, *args) -> Any:
+    log(f"{name} ...")
+    t = time.perf_counter()
+    res = fn(*args)
+    log(f"{name} done in {time.perf_counter() - t:.1f} s")
+    return res
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.loader import resolve_model
+    cfg = QUICK if args.quick else FULL
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model)
+
+    log(f"loading Baton on {model_path}")
+    llm = LLM(model_path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    runner = llm.engine.runner
+    allowed = allowed_token_ids(llm.tokenizer, llm.engine.hf_config.vocab_size)
+    workload = make_workload(allowed, args.num_requests, args.seed, cfg["prompt_len"], cfg["output_len"])
+    result: dict[str, Any] = {
+        "benchmark": "engine", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "model": model_path,
+        "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "engine_config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "block_size": llm.engine.block_size, "kv_blocks": llm.engine.pool.num_blocks},
+        "workload": {"num_requests": args.num_requests, "seed": args.seed, "quick": args.quick,
+                     "prompt_len_range": list(cfg["prompt_len"]), "output_len_range": list(cfg["output_len"]),
+                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
+                     "requested_output_tokens": sum(r.max_tokens for r in workload),
+                     "ignore_eos": True, "temperature": 0.0, "prompt_ids": "uniform over non-special vocab"},
+    }
+    # a first tiny request pays one-off costs (allocator, kernels) outside every timed phase
+    llm.generate([workload[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+
+    baton, baton_tokens = _phase("phase 1: Baton throughput", bench_baton, llm, workload)
+    result["throughput"] = {"baton": baton}
+    result["prefix_ttft"] = _phase("phase 2: prefix-hit TTFT", bench_prefix_ttft, llm, allowed, args.seed,
+                                   cfg["prefix_len"], cfg["suffix_len"], cfg["ttft_trials"])
+    bw = _phase("memory bandwidth", measure_bandwidth, runner.device)
+    result["decode"] = _phase("phase 3: batch-1 decode", bench_decode, llm, allowed, args.seed,
+                              cfg["decode_prompt_len"], cfg["decode_tokens"], bw)
+    result["decode"]["bandwidth"] = bw
+    device, dtype = runner.device, runner.dtype
+    del llm, runner                                      # free Baton's KV cache before the peers load
+    gc.collect()
+
+    if not args.skip_hf:
+        result["throughput"].update(_bench_peers(args, model_path, device, dtype, workload, baton_tokens))
+    _ratios(result["throughput"])
+
+    plots = {"throughput": out_dir / "engine_throughput.png", "ttft": out_dir / "engine_ttft.png"}
+    plot_throughput(result, plots["throughput"])
+    plot_ttft(result["prefix_ttft"], plots["ttft"])
+    result["plots"] = {k: str(v) for k, v in plots.items()}
+    result["json_path"] = str(out_dir / "engine.json")
+    (out_dir / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {result['json_path']} and {len(plots)} plots in {time.perf_counter() - _T0:.0f} s")
+    return result
+
+
+def _bench_peers(args, model_path: str, device: torch.device, dtype: torch.dtype,
+                 workload: list[WorkloadRequest], baton_tokens: list[list[int]]) -> dict:
+    """The transformers peers on the same weights, device and dtype (fp32 on CPU) as Baton."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    log("loading transformers model")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with torch.inference_mode():                          # warm-up, as for Baton
+        model.generate(input_ids=torch.tensor([workload[0].prompt_token_ids[:8]], device=device), max_new_tokens=2,
+                       do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    static, static_tokens = _phase("phase 1: HF static batching", bench_hf_static, model, workload, pad_id,
+                                   args.hf_batch_size)
+    static["exact_match_vs_baton"] = _exact_match(baton_tokens, static_tokens)
+    cont, cont_tokens = _phase("phase 1: HF continuous batching", bench_hf_continuous, model, workload, pad_id,
+                               args.max_num_seqs, args.max_num_batched_tokens)
+    if cont_tokens is not None:
+        cont["exact_match_vs_baton"] = _exact_match(baton_tokens, cont_tokens)
+    else:
+        log(f"HF continuous batching unavailable: {cont['error']}")
+    return {"hf_static": static, "hf_continuous": cont}
+
+
+def _ratios(t: dict) -> None:
+    b = t["baton"]["output_tokens_per_s"]
+    for key, name in (("hf_static", "baton_vs_static"), ("hf_continuous", "baton_vs_hf_continuous")):
+        peer = t.get(key)
+        t[name] = b / peer["output_tokens_per_s"] if peer and peer.get("available", True) else None

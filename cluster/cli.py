@@ -1,0 +1,68 @@
+"""The `baton` command: generate with the engine, run benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, BatonError, SamplingParams
+    try:
+        llm = LLM(args.model, max_model_len=args.max_model_len)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        out = llm.chat(messages, params) if not args.raw else llm.generate([args.prompt], params)[0]
+    except BatonError as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+    print(out.text)
+    m = out.metrics
+    print(f"[{m.num_output_tokens} tokens, finish={out.finish_reason}, ttft={m.ttft * 1e3:.0f} ms, "
+          f"{(m.time_per_output_token or 0) * 1e3:.1f} ms/token]", file=sys.stderr)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    result = args.bench_fn(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt with the chat template (default model: SmolLM2-135M-Instruct)")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--system", default=None, help="optional system message")
+    g.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.set_defaults(fn=_generate)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from bench import engine_bench
+    e = bsub.add_parser("engine", help="engine throughput and latency against transformers")
+    engine_bench.add_arguments(e)
+    e.set_defaults(fn=_bench, bench_fn=engine_bench.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""AsyncLLM: the streaming interface the workers wrap — add a request, iterate its outputs, abort.
+
+One background thread runs engine steps while there is work; asyncio callers get their outputs
+through per-request queues. A consumer that stops iterating (client gone, task cancelled) aborts
+its request, which frees its blocks before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, AsyncIterator
+
+from engine.config import EngineConfig
+from engine.llm_engine import KVReservation, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, engine: LLMEngine | None = None, **kwargs: Any):
+        self.engine = engine or LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        self._lock = threading.Lock()                 # guards the engine: steps vs add/abort
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        """Yield one RequestOutput per new token (deltas in new_text/new_token_ids); the last has
+        finished=True. Bad input raises InvalidRequestError before anything is queued."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            rid = self.engine.add_request(prompt, params, request_id, **kwargs)
+            self._streams[rid] = (loop, queue)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            return self.engine.abort_request(request_id)
+
+    def call(self, fn, *args, **kwargs):
+        """Run fn(engine, ...) under the engine lock (reserve/release blocks, stats)."""
+        with self._lock:
+            return fn(self.engine, *args, **kwargs)
+
+    def stats(self) -> dict:
+        return self.call(LLMEngine.stats)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                busy = self.engine.has_unfinished_requests()
+                try:
+                    outputs, error = (self.engine.step() if busy else []), None
+                except Exception as e:                   # noqa: BLE001 - fail the batch, keep serving
+                    log.exception("engine step failed")
+                    outputs, error = [], e
+                    for rid in list(self._streams):
+                        self.engine.abort_request(rid)
+                deliveries = []
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream:
+                        deliveries.append((stream, out))
+                        if out.finished:
+                            del self._streams[out.request_id]
+                if error is not None:
+                    deliveries += [(s, error) for s in self._streams.values()]
+                    self._streams.clear()
+            for (loop, queue), item in deliveries:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            if not busy:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+
+
+__all__ = ["AsyncLLM", "KVReservation"]

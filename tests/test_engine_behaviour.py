@@ -1,0 +1,247 @@
+"""What a user of the engine notices: prefix hits, no leaked blocks, clear errors, streaming, seeds."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import (LLM, AsyncLLM, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError,
+                    SamplingParams)
+from engine.kv import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from tests.conftest import make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    pool = llm.engine.pool
+    assert pool.num_free_blocks == pool.num_blocks, f"{pool.num_used_blocks} KV blocks leaked"
+    assert all(b.ref_count == 0 for b in pool.blocks)
+
+
+def _random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- prefix cache -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_shared_1024_prefix_computes_only_the_suffix(smol_path):
+    prefix = _random_ids(1024, 1)
+    a, b = prefix + _random_ids(32, 2), prefix + _random_ids(32, 3)
+    llm = LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048)
+    llm.generate([a], GREEDY)
+    before = llm.engine.num_computed_tokens_total
+    out = llm.generate([b], GREEDY)[0]
+    computed = llm.engine.num_computed_tokens_total - before
+    assert out.metrics.num_cached_tokens == 1024
+    assert computed == 32 + GREEDY.max_tokens - 1          # the suffix, then one token per decode step
+    cold = LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048, enable_prefix_caching=False)
+    assert cold.generate([b], GREEDY)[0].token_ids == out.token_ids
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == 1024 and stats["prefix_cache_query_tokens"] == 2 * 1056
+    assert_no_leak(llm)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(smol_llm):
+    ids = _random_ids(48, 4)                                  # exactly three blocks
+    first = smol_llm.generate([ids], GREEDY)[0]
+    again = smol_llm.generate([ids], GREEDY)[0]
+    assert again.metrics.num_cached_tokens == 32              # the last block is recomputed for logits
+    assert again.token_ids == first.token_ids
+    assert_no_leak(smol_llm)
+
+
+def test_kv_events_use_the_shared_block_hash(smol_path):
+    events = []
+    from engine import EngineConfig, LLMEngine
+    eng = LLMEngine(EngineConfig(smol_path, num_kv_blocks=24, max_model_len=256), on_kv_event=events.append)
+    ids = _random_ids(40, 5)
+    eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+    while eng.has_unfinished_requests():
+        eng.step()
+    stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == block_hashes(ids, 16, eng.model_key)    # the router can recompute these
+    assert events[1].parent_block_hash == stored[0]
+    for i in range(3):                                        # fill the pool: cached blocks get evicted
+        eng.add_request(_random_ids(200, 10 + i), SamplingParams(temperature=0, max_tokens=1))
+        while eng.has_unfinished_requests():
+            eng.step()
+    removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
+    assert set(stored) <= removed
+    assert eng.pool.reset_prefix_cache() and isinstance(events[-1], AllBlocksCleared)
+
+
+# -- leaks, preemption, abort -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_preemption_and_aborts_leak_nothing_and_keep_outputs(smol_path):
+    prompts = [_random_ids(70 + 9 * i, 20 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(smol_path, kv_cache_memory=128 << 20, max_model_len=256)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    tight = LLM(smol_path, num_kv_blocks=26, max_model_len=256)   # 416 tokens for ~6 x 120
+    outs = tight.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want                  # recompute gives the same tokens
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert_no_leak(tight)
+    eng = tight.engine                                          # now abort some mid-flight
+    ids = [eng.add_request(p, params) for p in prompts]
+    for _ in range(12):
+        eng.step()
+    assert eng.abort_request(ids[0]) and eng.abort_request(ids[3])
+    assert not eng.abort_request("no-such-request")
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_no_leak(tight)
+
+
+def test_priority_runs_first(smol_llm):
+    prompts = [_random_ids(20, 30 + i) for i in range(3)]
+    eng = smol_llm.engine
+    old = eng.config.max_num_seqs
+    eng.config.max_num_seqs = 1
+    try:
+        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2), priority=pr)
+               for p, pr in zip(prompts, (5, 0, 1))]
+        order = []
+        while eng.has_unfinished_requests():
+            order += [o.request_id for o in eng.step() if o.finished]
+    finally:
+        eng.config.max_num_seqs = old
+    assert order == [ids[1], ids[2], ids[0]]
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt,params,error,words", [
+    ("", GREEDY, InvalidRequestError, "empty"),
+    ([], GREEDY, InvalidRequestError, "empty"),
+    ([1] * 2048, GREEDY, PromptTooLongError, "max_model_len"),
+    ([1, 10**9], GREEDY, InvalidRequestError, "token ids"),
+    ("hi", dict(max_tokens=0), InvalidRequestError, "max_tokens"),
+    ("hi", dict(temperature=-1), InvalidRequestError, "temperature"),
+    ("hi", dict(top_p=0.0), InvalidRequestError, "top_p"),
+    ("hi", dict(top_p=1.5), InvalidRequestError, "top_p"),
+])
+def test_bad_requests_raise_typed_errors_and_engine_keeps_serving(smol_llm, prompt, params, error, words):
+    with pytest.raises(error, match=words):
+        sp = SamplingParams(**params) if isinstance(params, dict) else params
+        smol_llm.generate([prompt, "a good prompt"], sp)
+    assert_no_leak(smol_llm)                                  # nothing of the batch was queued
+    assert smol_llm.generate(["Hello"], GREEDY)[0].token_ids
+
+
+def test_bad_model_sources_raise_model_load_error(tmp_path, smol_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    bad = tmp_path / "truncated"
+    bad.mkdir()
+    for f in Path(smol_path).iterdir():
+        if f.name != "model.safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "model.safetensors").write_bytes((Path(smol_path) / "model.safetensors").read_bytes()[:5_000_000])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        LLM(str(bad))
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        LLM(smol_path, max_num_seq=4)
+    with pytest.raises(ConfigError, match="less than max_model_len"):
+        LLM(smol_path, num_kv_blocks=4, max_model_len=1024)
+
+
+def test_max_model_len_ends_with_length(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    llm = LLM(path, max_model_len=40, num_kv_blocks=16)
+    out = llm.generate([list(range(3, 33))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+# -- sampling through the engine ----------------------------------------------------------------
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(smol_llm):
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=7, max_tokens=24)
+    alone = smol_llm.generate(["Tell me a story."], p)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=24)
+    mixed = smol_llm.generate(["Hi", "Tell me a story.", "Count to ten"], [others, p, others])[1]
+    assert alone.token_ids == mixed.token_ids
+    other_seed = smol_llm.generate(["Tell me a story."], SamplingParams(temperature=0.9, top_p=0.95, top_k=50,
+                                                                         seed=8, max_tokens=24))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_strings_stop_tokens_and_logprobs(smol_llm):
+    prompt = "1, 2, 3, 4,"
+    full = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert full.text.startswith(" 5, 6, 7")
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=["6, 7"]))[0]
+    assert out.text == " 5, " and out.finish_reason == "stop" and out.stop_reason == "6, 7"
+    tok = full.token_ids[2]
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok]))[0]
+    assert out.token_ids == full.token_ids[:3] and out.stop_reason == tok
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
+    assert out.finish_reason == "length" and len(out.logprobs) == 5
+    for t, lp in zip(out.token_ids, out.logprobs):
+        assert t in lp and lp[t] == max(lp.values()) and len(lp) == 3 and all(v <= 0 for v in lp.values())
+
+
+def test_chat_applies_the_template_and_stops_at_eos(smol_llm):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=64))
+    assert "Paris" in out.text and out.finish_reason == "stop" and "<|im_end|>" not in out.text
+    assert out.metrics.ttft > 0 and out.metrics.time_per_output_token > 0
+
+
+# -- async streaming ----------------------------------------------------------------------------
+
+def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
+    llm = AsyncLLM(smol_path, kv_cache_memory=64 << 20, max_model_len=512)
+
+    async def consume(prompt, n):
+        pieces, last = [], None
+        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+            pieces.append(out.new_text)
+            last = out
+        return "".join(pieces), last
+
+    async def abort_midway():
+        agen = llm.generate("Write a long poem.", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        async for out in agen:
+            if len(out.token_ids) == 3:
+                break
+        await agen.aclose()                                   # the client went away
+        return llm.stats()
+
+    async def main():
+        return await asyncio.gather(consume("Hello, my name is", 20), consume("héllo 🌍 世界, say", 20),
+                                    abort_midway())
+
+    try:
+        (t1, o1), (t2, o2), stats = asyncio.run(main())
+        assert t1 == o1.text and len(o1.token_ids) == 20 and o1.finished
+        assert t2 == o2.text and "\ufffd" not in t2
+        sync = LLM(engine_path := smol_path, kv_cache_memory=64 << 20, max_model_len=512)
+        assert sync.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=20,
+                                                                   ignore_eos=True))[0].token_ids == o1.token_ids
+        assert engine_path
+        final = llm.stats()
+        assert final["kv_blocks_used"] == 0 and final["num_running"] == 0
+    finally:
+        llm.shutdown()
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+def test_cli_generate_prints_a_completion():
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    ok = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--max-tokens", "24",
+                         "What is the capital of France?"], capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "Paris" in ok.stdout and "tokens" in ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/no/such/model", "hi"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr

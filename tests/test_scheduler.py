@@ -1,0 +1,467 @@
+"""The scheduler without a model: token budget, chunked prefill, admission order, prefix hits, preemption.
+
+A step is simulated the way LLMEngine.step does it: schedule(), then on_computed(seq, n) for every
+scheduled (seq, n); a sequence whose tokens are all computed gets one (fake) sampled token appended,
+and a sequence with max_tokens outputs finishes: removed from the scheduler, its blocks freed.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.kv import BlockPool
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, Status
+
+BS = 4
+KEY = "test-model"
+
+
+def make(num_blocks: int = 64, **cfg) -> tuple[Scheduler, BlockPool]:
+    kw = dict(block_size=BS, max_num_seqs=3, max_num_batched_tokens=16)
+    kw.update(cfg)
+    config = EngineConfig(**kw)
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+    return Scheduler(config, pool, KEY), pool
+
+
+_fresh = itertools.count(10_000, 1000)
+
+
+def seq(rid: str, prompt, max_tokens: int = 4, priority: int = 0) -> Sequence:
+    """`prompt` is token ids, or a length (then distinct tokens, sharing no prefix with any other)."""
+    if isinstance(prompt, int):
+        start = next(_fresh)
+        prompt = list(range(start, start + prompt))
+    else:
+        prompt = list(prompt)
+    return Sequence(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
+
+
+def fake_token(s: Sequence) -> int:
+    return 50_000 + 7 * s.num_output_tokens + len(s.request_id)
+
+
+def check_invariants(sched: Scheduler, pool: BlockPool, out: SchedulerOutput) -> None:
+    budget = sched.config.max_num_batched_tokens
+    assert out.num_tokens <= budget, f"step used {out.num_tokens} tokens, budget {budget}"
+    assert len(sched.running) <= sched.config.max_num_seqs
+    seen = [s for s, _ in out.scheduled]
+    assert len(seen) == len(set(map(id, seen))), "a sequence scheduled twice in one step"
+    for s, n in out.scheduled:
+        assert n > 0
+        assert s.status is Status.RUNNING and s in sched.running
+        assert s.num_computed_tokens + n <= s.num_tokens
+        assert len(s.block_table) * BS >= s.num_computed_tokens + n, "scheduled without KV room"
+    for s in out.preempted:
+        assert s.status is Status.WAITING and s in sched.waiting and s not in sched.running
+        assert s.block_table == [] and s.num_computed_tokens == 0
+        assert s not in seen
+    # ref counts equal the number of running sequences holding each block
+    holders: dict[int, int] = {}
+    for s in sched.running:
+        assert len(set(s.block_table)) == len(s.block_table)
+        for b in s.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    for s in sched.waiting:
+        assert s.block_table == [], "a waiting sequence holds KV blocks"
+    for blk in pool.blocks:
+        assert blk.ref_count == holders.get(blk.block_id, 0), f"block {blk.block_id} ref count is off"
+    assert pool.num_free_blocks == pool.num_blocks - len(holders)
+
+
+def step(sched: Scheduler, pool: BlockPool, finished: list[Sequence] | None = None) -> SchedulerOutput:
+    running_before = list(sched.running)
+    out = sched.schedule()
+    check_invariants(sched, pool, out)
+    still_running = list(running_before)
+    for victim in out.preempted:           # each victim is the newest (lowest priority) still running then
+        assert victim.sort_key == max(s.sort_key for s in still_running), "preempted a sequence that is not the newest"
+        still_running.remove(victim)
+    for s, n in out.scheduled:
+        sched.on_computed(s, n)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(fake_token(s))
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.remove(s)
+                s.status = Status.FINISHED
+                pool.free(s.block_table)
+                s.block_table = []
+                if finished is not None:
+                    finished.append(s)
+    return out
+
+
+def run_all(sched: Scheduler, pool: BlockPool, max_steps: int = 500) -> tuple[list[SchedulerOutput], list[Sequence]]:
+    outs, finished = [], []
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return outs, finished
+        outs.append(step(sched, pool, finished))
+        assert outs[-1].scheduled or outs[-1].preempted, "no progress: nothing scheduled while work remains"
+    raise AssertionError("requests did not finish")
+
+
+def expected_tokens(s: Sequence, prompt_len: int) -> list[int]:
+    """Outputs are a function of the output index only, so a recomputed sequence ends the same way."""
+    out = list(s.token_ids[:prompt_len])
+    for k in range(s.params.max_tokens):
+        out.append(50_000 + 7 * k + len(s.request_id))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+def test_token_budget_respected_and_used():
+    sched, pool = make(max_num_seqs=8)
+    seqs = [seq(f"r{i}", 9 + i, max_tokens=5) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    outs, finished = run_all(sched, pool)
+    assert all(o.num_tokens <= 16 for o in outs)
+    assert outs[0].num_tokens == 16, "the first step should fill the budget with prompt tokens"
+    assert len(finished) == 6
+    assert all(s.num_output_tokens == 5 for s in seqs)
+
+
+def test_long_prompt_is_chunked():
+    sched, pool = make()
+    s = seq("long", 40, max_tokens=3)
+    sched.add(s)
+    sizes = []
+    for _ in range(3):
+        out = step(sched, pool)
+        assert [x for x, _ in out.scheduled] == [s]
+        sizes.append(out.scheduled[0][1])
+    assert sizes == [16, 16, 8]
+    assert s.num_output_tokens == 1, "only the last chunk yields a token"
+    out = step(sched, pool)
+    assert out.scheduled == [(s, 1)]                  # then one token per decode step
+
+
+def test_decodes_run_in_the_same_step_as_a_prefill_chunk():
+    sched, pool = make()
+    a = seq("a", 5, max_tokens=10)
+    sched.add(a)
+    step(sched, pool)                                 # a's prompt
+    b = seq("b", 40, max_tokens=2)
+    sched.add(b)
+    out = step(sched, pool)
+    assert out.scheduled == [(a, 1), (b, 15)]         # a's decode, b's first chunk fills the rest
+    out = step(sched, pool)
+    assert out.scheduled == [(a, 1), (b, 15)]
+    out = step(sched, pool)
+    assert out.scheduled == [(a, 1), (b, 10)]
+    out = step(sched, pool)
+    assert out.scheduled == [(a, 1), (b, 1)]
+
+
+def test_max_num_seqs_respected():
+    sched, pool = make(max_num_seqs=3, max_num_batched_tokens=64)
+    seqs = [seq(f"r{i}", 3, max_tokens=3) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    out = step(sched, pool)
+    assert [x for x, _ in out.scheduled] == seqs[:3]
+    assert len(sched.running) == 3 and len(sched.waiting) == 2
+    outs, finished = run_all(sched, pool)
+    assert all(len(o.scheduled) <= 3 for o in outs)
+    assert len(finished) == 5
+
+
+def test_fcfs_order():
+    sched, pool = make(max_num_seqs=1)
+    seqs = [seq(f"r{i}", 6, max_tokens=2) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    _, finished = run_all(sched, pool)
+    assert finished == seqs
+
+
+def test_fcfs_admission_within_one_step():
+    sched, pool = make(max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [seq(f"r{i}", 5 + (i % 3), max_tokens=2) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    out = step(sched, pool)
+    assert [x for x, _ in out.scheduled] == seqs
+
+
+def test_lower_priority_value_is_admitted_first():
+    sched, pool = make(max_num_seqs=1)
+    low = seq("low", 6, max_tokens=2, priority=5)
+    normal = seq("normal", 6, max_tokens=2)
+    urgent = seq("urgent", 6, max_tokens=2, priority=-1)
+    for s in (low, normal, urgent):
+        sched.add(s)
+    _, finished = run_all(sched, pool)
+    assert finished == [urgent, normal, low]
+
+
+def test_same_priority_keeps_arrival_order():
+    sched, pool = make(max_num_seqs=1)
+    seqs = [seq(f"r{i}", 6, max_tokens=1, priority=p) for i, p in enumerate([2, 1, 2, 1])]
+    for s in seqs:
+        sched.add(s)
+    _, finished = run_all(sched, pool)
+    assert finished == [seqs[1], seqs[3], seqs[0], seqs[2]]
+
+
+# ---------------------------------------------------------------------------------------------
+# prefix cache
+
+def test_prefix_cache_hit_for_a_shared_prefix():
+    sched, pool = make()
+    shared = list(range(200, 212))                    # 3 full blocks
+    a = seq("a", shared + [1, 2], max_tokens=3)
+    sched.add(a)
+    step(sched, pool)                                 # a's whole prompt is computed and cached
+    a_blocks = list(a.block_table)
+    b = seq("b", shared + [7, 8, 9], max_tokens=3)
+    sched.add(b)
+    out = step(sched, pool)
+    assert (b, 3) in out.scheduled, "only the 3 tokens after the cached prefix are computed"
+    assert b.num_cached_tokens == 12
+    assert b.block_table[:3] == a_blocks[:3], "the prefix blocks are shared, not copied"
+    assert all(pool.blocks[x].ref_count == 2 for x in a_blocks[:3])
+    assert pool.hit_tokens == 12 and pool.query_tokens == 14 + 15
+    _, finished = run_all(sched, pool)
+    assert b.num_output_tokens == 3
+
+
+def test_prefix_hit_starts_at_the_hit():
+    sched, pool = make()
+    prompt = list(range(300, 309))                    # 9 tokens: 2 full blocks + 1
+    a = seq("a", prompt, max_tokens=1)
+    sched.add(a)
+    run_all(sched, pool)
+    b = seq("b", prompt, max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.scheduled == [(b, 1)]
+    assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
+
+
+def test_whole_prompt_cached_still_computes_the_last_token():
+    sched, pool = make()
+    prompt = list(range(400, 408))                    # exactly 2 full blocks
+    a = seq("a", prompt, max_tokens=1)
+    sched.add(a)
+    run_all(sched, pool)
+    b = seq("b", prompt, max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    # block 1 holds the last prompt token, which must run to give logits: it cannot be a hit
+    assert out.scheduled == [(b, 4)]
+    assert b.num_cached_tokens == 4 and b.num_computed_tokens == 4
+    for s, n in out.scheduled:
+        sched.on_computed(s, n)
+    assert b.num_computed_tokens == b.num_tokens
+
+
+def test_prompt_shorter_than_a_block_has_no_hit():
+    sched, pool = make()
+    a = seq("a", [5, 6, 7, 8], max_tokens=1)
+    sched.add(a)
+    run_all(sched, pool)
+    b = seq("b", [5, 6, 7, 8], max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.scheduled == [(b, 4)] and b.num_cached_tokens == 0
+
+
+def test_different_prefix_no_hit():
+    sched, pool = make()
+    a = seq("a", list(range(10, 19)), max_tokens=1)
+    sched.add(a)
+    run_all(sched, pool)
+    b = seq("b", [11] + list(range(11, 19)), max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.scheduled == [(b, 9)] and b.num_cached_tokens == 0
+
+
+def test_prefix_caching_disabled_has_no_hit():
+    sched, pool = make(enable_prefix_caching=False)
+    prompt = list(range(300, 309))
+    for rid in ("a", "b"):
+        s = seq(rid, prompt, max_tokens=1)
+        sched.add(s)
+        out = sched.schedule()
+        assert out.scheduled == [(s, 9)]
+        assert s.num_cached_tokens == 0
+        run_all_from(sched, pool, out)
+
+
+def run_all_from(sched, pool, out):
+    for s, n in out.scheduled:
+        sched.on_computed(s, n)
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(fake_token(s))
+            if s.num_output_tokens >= s.params.max_tokens:
+                sched.remove(s)
+                s.status = Status.FINISHED
+                pool.free(s.block_table)
+                s.block_table = []
+    run_all(sched, pool)
+
+
+def test_generated_tokens_are_cached_too():
+    """A follow-up turn that repeats prompt + answer hits the blocks filled during decode."""
+    sched, pool = make()
+    a = seq("a", list(range(500, 506)), max_tokens=6)
+    sched.add(a)
+    run_all(sched, pool)
+    convo = list(a.token_ids)                          # 12 tokens: 3 full blocks
+    b = seq("b", convo + [1, 2], max_tokens=1)
+    sched.add(b)
+    out = sched.schedule()
+    # the last generated token was never computed, so block 2 (tokens 8..11) is not cached
+    assert b.num_cached_tokens == 8
+    assert out.scheduled == [(b, 6)]
+
+
+# ---------------------------------------------------------------------------------------------
+# preemption
+
+def test_newest_running_sequence_is_preempted_and_resumes():
+    # 6 blocks of 4 tokens; three 7-token prompts fill them, and the first decode past 8 tokens needs more
+    sched, pool = make(num_blocks=6, max_num_seqs=3, max_num_batched_tokens=16)
+    a, b, c = seq("a", 7, max_tokens=6), seq("b", 7, max_tokens=6), seq("c", 7, max_tokens=6)
+    prompts = {s.request_id: list(s.token_ids) for s in (a, b, c)}
+    for s in (a, b, c):
+        sched.add(s)
+    preempted_at = None
+    finished: list[Sequence] = []
+    for k in range(200):
+        if not sched.has_work():
+            break
+        out = step(sched, pool, finished)
+        if out.preempted and preempted_at is None:
+            preempted_at = k
+            assert out.preempted == [c], "the newest running sequence is the victim"
+            assert c.status is Status.WAITING and c.block_table == [] and c.num_preemptions == 1
+            assert c not in [x for x, _ in out.scheduled]
+    assert preempted_at is not None, "the scenario should run out of blocks"
+    assert a.num_preemptions == 0
+    assert sorted(s.request_id for s in finished) == ["a", "b", "c"]
+    for s in (a, b, c):
+        assert s.status is Status.FINISHED
+        assert s.token_ids == expected_tokens(s, 7)
+        assert s.token_ids[:7] == prompts[s.request_id]
+    assert pool.num_free_blocks == 6
+
+
+def test_preempted_sequence_keeps_its_generated_tokens():
+    sched, pool = make(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=16)
+    a, b = seq("a", 7, max_tokens=6), seq("b", 6, max_tokens=6)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(50):
+        out = step(sched, pool)
+        if out.preempted:
+            break
+    victim = out.preempted[0]
+    assert victim is b
+    outputs = list(victim.output_token_ids)
+    assert outputs, "b had generated tokens before it was preempted"
+    assert victim.num_prompt_tokens == 6
+    run_all(sched, pool)
+    assert victim.output_token_ids[:len(outputs)] == outputs
+    assert victim.token_ids == expected_tokens(victim, 6)
+
+
+def test_lowest_priority_is_preempted_first():
+    sched, pool = make(num_blocks=6, max_num_seqs=3, max_num_batched_tokens=16)
+    a = seq("a", 7, max_tokens=6, priority=5)          # oldest, but least important
+    b = seq("b", 7, max_tokens=6)
+    c = seq("c", 7, max_tokens=6)
+    for s in (a, b, c):
+        sched.add(s)
+    first = None
+    finished: list[Sequence] = []
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        out = step(sched, pool, finished)
+        if out.preempted and first is None:
+            first = out.preempted[0]
+    assert first is a
+    assert len(finished) == 3
+
+
+def test_pool_returns_to_start_after_everything_finishes():
+    sched, pool = make(num_blocks=10, max_num_seqs=3, max_num_batched_tokens=16)
+    start = pool.num_free_blocks
+    seqs = [seq(f"r{i}", 5 + 3 * i, max_tokens=7) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    outs, finished = run_all(sched, pool)
+    assert len(finished) == 6
+    assert any(o.preempted for o in outs), "the scenario should exercise preemption"
+    assert pool.num_free_blocks == start
+    assert all(b.ref_count == 0 for b in pool.blocks)
+    assert not sched.running and not sched.waiting
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_finish_with_consistent_blocks(seed):
+    rng = random.Random(seed)
+    sched, pool = make(num_blocks=rng.choice([8, 12, 20]), max_num_seqs=rng.choice([2, 3, 5]),
+                       max_num_batched_tokens=rng.choice([8, 16, 32]))
+    base = [rng.randrange(1, 100) for _ in range(20)]
+    seqs = []
+    for i in range(10):
+        shared = rng.randrange(0, 13)
+        prompt = base[:shared] + [rng.randrange(1, 100) for _ in range(rng.randrange(1, 12))]
+        s = seq(f"r{i}", prompt, max_tokens=rng.randrange(1, 8), priority=rng.choice([0, 0, 1]))
+        seqs.append((s, len(prompt)))
+    pending = list(seqs)
+    finished: list[Sequence] = []
+    for k in range(2000):
+        if pending and rng.random() < 0.4:
+            sched.add(pending.pop(0)[0])
+        if not sched.has_work():
+            if not pending:
+                break
+            continue
+        out = step(sched, pool, finished)
+        assert out.scheduled or out.preempted
+    assert len(finished) == 10
+    for s, n in seqs:
+        assert s.token_ids == expected_tokens(s, n)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked prefill off
+
+def test_chunked_prefill_off_never_splits_a_prompt():
+    sched, pool = make(enable_chunked_prefill=False, max_num_seqs=4, max_num_batched_tokens=16)
+    seqs = [seq("a", 12, max_tokens=3), seq("b", 10, max_tokens=3), seq("c", 3, max_tokens=3)]
+    for s in seqs:
+        sched.add(s)
+    out = step(sched, pool)
+    # b does not fit in the 4 tokens left; it is not split, and c behind it waits (FCFS)
+    assert out.scheduled == [(seqs[0], 12)]
+    outs = [out]
+    more, finished = run_all(sched, pool)
+    outs += more
+    for o in outs:
+        for s, n in o.scheduled:
+            assert n == 1 or n == s.num_prompt_tokens - s.num_cached_tokens, \
+                f"{s.request_id} got a partial chunk of {n}"
+    assert len(finished) == 3
+
+
+def test_chunked_prefill_on_splits_the_same_prompt():
+    sched, pool = make(max_num_seqs=4, max_num_batched_tokens=16)
+    a, b = seq("a", 12, max_tokens=3), seq("b", 10, max_tokens=3)
+    sched.add(a)
+    sched.add(b)
+    out = step(sched, pool)
+    assert out.scheduled == [(a, 12), (b, 4)]
