@@ -245,8 +245,15 @@ def bench_decode(llm, allowed: np.ndarray, seed: int, prompt_len: int, n_tokens:
 
 
 # -- plots ------------------------------------------------------------------------------------------
-def plot_throughput(result: dict, path: Path) -> None:
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")                       # files only: no display on a server
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_throughput(result: dict, path: Path) -> None:
+    plt = _pyplot()
     t = result["throughput"]
     systems = {"Baton": t["baton"], "HF static": t.get("hf_static"), "HF continuous": t.get("hf_continuous")}
     names = [n for n, r in systems.items() if r and r.get("available", True)]
@@ -262,7 +269,7 @@ def plot_throughput(result: dict, path: Path) -> None:
 
 
 def plot_ttft(prefix: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
     vals = [prefix["median_cold_ttft_s"] * 1e3, prefix["median_warm_ttft_s"] * 1e3]
     bars = ax.bar(["cold (no prefix hit)", "warm (prefix hit)"], vals, color=["tab:red", "tab:green"])

@@ -36,10 +36,25 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots."""
-    block_size = k_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        rows, base, block_stride = _row_view(cache)
+        bs = cache.shape[1]
+        idx = base + (slot_mapping // bs) * block_stride + slot_mapping % bs
+        rows.index_copy_(0, idx, x.reshape(x.shape[0], -1).to(rows.dtype))
+
+
+def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A 2-D view of the cache's whole storage, one token's [kv_heads * head_dim] per row.
+
+    Row copies (index_copy_/index_select) are ~100x faster on CPU than advanced indexing into
+    the strided per-layer view. Returns (rows, row of block 0 slot 0, rows between blocks).
+    """
+    hd = cache.shape[2] * cache.shape[3]
+    if cache.stride(3) != 1 or cache.stride(2) != cache.shape[3] or cache.stride(1) != hd:
+        raise ValueError("KV cache rows (kv_heads x head_dim) must be contiguous")
+    n_rows = cache.untyped_storage().nbytes() // cache.element_size() // hd
+    rows = cache.as_strided((n_rows, hd), (hd, 1), 0)
+    return rows, cache.storage_offset() // hd, cache.stride(0) // hd
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
@@ -63,6 +78,8 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
     decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
+    if len(decodes) == md.num_seqs:                       # the common all-decode step: no scatter
+        return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens_list, scale)
     if decodes:
         rows = torch.tensor([qsl[i] for i in decodes])
         lens = [md.seq_lens_list[i] for i in decodes]
@@ -74,14 +91,20 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
         if ctx == n and k_new is not None:
             k, v = k_new[s:e], v_new[s:e]
         else:
-            k, v = _gather(k_cache, md.block_tables[i], ctx), _gather(v_cache, md.block_tables[i], ctx)
+            bt = md.block_tables[i:i + 1]
+            k, v = _gather(k_cache, bt, ctx)[0], _gather(v_cache, bt, ctx)[0]
         out[s:e] = _prefill_attention(q[s:e], k, v, scale)
     return out
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
-    nb = -(-ctx // cache.shape[1])
-    return cache[block_table[:nb].long()].flatten(0, 1)[:ctx]          # [ctx, kv_heads, D]
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """The first n_tokens of K (or V) of each sequence: [num_seqs, n_tokens, kv_heads, D]."""
+    rows, base, block_stride = _row_view(cache)
+    bs = cache.shape[1]
+    nb = -(-n_tokens // bs)
+    idx = base + block_tables[:, :nb].long().unsqueeze(-1) * block_stride + torch.arange(bs)
+    out = rows.index_select(0, idx.flatten()).view(block_tables.shape[0], nb * bs, *cache.shape[2:])
+    return out[:, :n_tokens]
 
 
 def _prefill_attention(q, k, v, scale):
@@ -99,13 +122,10 @@ def _prefill_attention(q, k, v, scale):
 
 def _decode_attention(q, k_cache, v_cache, block_tables, lens: list[int], scale):
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
-    bs = k_cache.shape[1]
     max_len = max(lens)
-    nb = -(-max_len // bs)
-    bt = block_tables[:, :nb].long()
-    k = k_cache[bt].flatten(1, 2).transpose(1, 2)                      # [B, Hkv, nb*bs, D]
-    v = v_cache[bt].flatten(1, 2).transpose(1, 2)
-    mask = torch.arange(nb * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    k = _gather(k_cache, block_tables, max_len).transpose(1, 2)        # [B, Hkv, max_len, D]
+    v = _gather(v_cache, block_tables, max_len).transpose(1, 2)
+    mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -48,8 +48,6 @@ class EngineConfig:
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
-        if not self.enable_chunked_prefill and self.max_model_len and self.max_model_len > self.max_num_batched_tokens:
-            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
     @property
     def torch_device(self) -> torch.device:

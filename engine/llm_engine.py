@@ -49,6 +49,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
+            raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                              f"must be >= max_model_len ({self.max_model_len}): a prompt must fit one step")
         self.runner = ModelRunner(config, self.model_path, self.max_model_len)
         self.hf_config = self.runner.hf_config
         self.block_size = config.block_size

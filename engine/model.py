@@ -43,13 +43,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * self.attention_scaling), persistent=False)
         self.register_buffer("sin", (freqs.sin() * self.attention_scaling), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for this step's positions, [T, 1, D/2]: looked up once, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x, cos, sin):
-    # HF's rotate_half convention: the two halves of head_dim form the pairs
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, D] (HF's rotate_half convention: the two halves of D form the pairs)."""
     dtype = x.dtype
     x = x.float()
     x1, x2 = x.chunk(2, dim=-1)
@@ -86,12 +86,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache: torch.Tensor, md: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(x.shape[0], -1, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]        # one rotation for q and k
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[:, self.layer_idx, 0], kv_cache[:, self.layer_idx, 1]
         write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v)
@@ -119,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, md):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, md)
+    def forward(self, x, rope, kv_cache, md):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -165,8 +164,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices):
         h = self.model.embed_tokens(input_ids)
+        rope = self.rope.tables(positions)
         for layer in self.model.layers:
-            h = layer(h, positions, self.rope, kv_cache, md)
+            h = layer(h, rope, kv_cache, md)
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
         return self.lm_head(h).float()
 

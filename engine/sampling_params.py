@@ -34,6 +34,9 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
+        for name in ("max_tokens", "top_k", "logprobs", "seed"):
+            if isinstance(getattr(self, name), bool):
+                bad(f"{name} must be an integer, got {getattr(self, name)!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -59,4 +62,4 @@ class SamplingParams:
 
 
 def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

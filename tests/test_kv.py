@@ -81,16 +81,23 @@ def test_parent_continues_a_chain():
 
 def test_hashes_stable_across_processes():
     """The router and other engines compute hashes in other processes: no dependence on hash()."""
-    code = ("import json; from engine.kv import block_hashes; "
-            f"print(json.dumps([block_hashes({TOKENS!r}, {BS}, {KEY!r}), "
-            f"block_hashes({TOKENS!r}, 8, b'k', parent=12345)]))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # load engine/kv.py by path: the same code, without importing torch via the engine package
+    code = ("import importlib.util, json, sys; "
+            "spec = importlib.util.spec_from_file_location('kv', sys.argv[1]); "
+            "kv = sys.modules['kv'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv); "
+            f"print(json.dumps([kv.block_hashes({TOKENS!r}, {BS}, {KEY!r}), "
+            f"kv.block_hashes({TOKENS!r}, 8, b'k', parent=12345), hash('baton')]))")
     here = [block_hashes(TOKENS, BS, KEY), block_hashes(TOKENS, 8, b"k", parent=12345)]
+    seen_str_hashes = set()
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
-                             text=True, timeout=60, check=True)
-        assert json.loads(res.stdout) == here
+        res = subprocess.run([sys.executable, "-c", code, os.path.join(root, "engine", "kv.py")], env=env,
+                             cwd=root, capture_output=True, text=True, timeout=60, check=True)
+        *theirs, str_hash = json.loads(res.stdout)
+        assert theirs == here
+        seen_str_hashes.add(str_hash)
+    assert len(seen_str_hashes) == 2, "precondition: the subprocesses really had different hash seeds"
 
 
 # ---------------------------------------------------------------------------------------------

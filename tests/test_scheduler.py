@@ -465,3 +465,23 @@ def test_chunked_prefill_on_splits_the_same_prompt():
     sched.add(b)
     out = step(sched, pool)
     assert out.scheduled == [(a, 12), (b, 4)]
+
+
+def test_engine_with_chunked_prefill_off_needs_a_budget_for_the_longest_prompt():
+    """Without chunking a prompt must fit one step: the config is refused rather than left to hang."""
+    from engine.errors import ConfigError, PromptTooLongError
+    from engine.llm_engine import LLMEngine
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        LLMEngine(EngineConfig(model="llama-tiny", load_format="dummy", enable_chunked_prefill=False,
+                               max_num_batched_tokens=16, num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model="llama-tiny", load_format="dummy", enable_chunked_prefill=False,
+                                    max_num_batched_tokens=16, max_model_len=16, num_kv_blocks=256))
+    with pytest.raises(PromptTooLongError):
+        engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=2), request_id="long")
+    engine.add_request(list(range(1, 15)), SamplingParams(max_tokens=2), request_id="short")
+    done = set()
+    for _ in range(20):
+        done |= {o.request_id for o in engine.step() if o.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert done == {"short"}
