@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("engine").setLevel(logging.INFO)     # start-up report: KV blocks, memory, load time
     return args.fn(args)
 
 

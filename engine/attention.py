@@ -64,26 +64,31 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
         from engine.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                       md.query_start_loc, md.max_query_len, scale)
-    return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new)
+    from engine import cpu_attention
+    kernel = q.dtype == torch.float32 and cpu_attention.available()
+    return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel)
 
 
 def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                          k_new=None, v_new=None) -> torch.Tensor:
+                          k_new=None, v_new=None, decode_kernel: bool = False) -> torch.Tensor:
     """Reference: single-token queries batched in one SDPA call, longer queries one by one.
 
-    `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather.
+    `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather;
+    `decode_kernel` sends the single-token queries to the C++ kernel (engine/cpu_attention.py).
     """
+    decode = _decode_attention
+    if decode_kernel:
+        from engine.cpu_attention import paged_decode_attention as decode
     out = torch.empty_like(q)
     qsl = [0]
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
     decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
     if len(decodes) == md.num_seqs:                       # the common all-decode step: no scatter
-        return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens_list, scale)
+        return decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
     if decodes:
         rows = torch.tensor([qsl[i] for i in decodes])
-        lens = [md.seq_lens_list[i] for i in decodes]
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, md.block_tables[decodes], lens, scale)
+        out[rows] = decode(q[rows], k_cache, v_cache, md.block_tables[decodes], md.seq_lens[decodes], scale)
     for i, n in enumerate(md.query_lens_list):
         if n == 1:
             continue
@@ -120,12 +125,13 @@ def _prefill_attention(q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, lens: list[int], scale):
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale):
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
+    lens = seq_lens.tolist()
     max_len = max(lens)
     k = _gather(k_cache, block_tables, max_len).transpose(1, 2)        # [B, Hkv, max_len, D]
     v = _gather(v_cache, block_tables, max_len).transpose(1, 2)
-    mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    mask = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=True)
     return o.squeeze(2)
