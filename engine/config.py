@@ -1,7 +1,7 @@
 """EngineConfig: the engine's knobs, with vLLM's names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +31,6 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None  # bytes (int) or fraction of device memory (float)
     num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
     seed: int = 0                             # for dummy weights and unseeded sampling
-    speculative_config: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -66,5 +64,5 @@ class EngineConfig:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'extra'})}")
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **kwargs)

@@ -31,11 +31,12 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
-        for p, sp in zip(prompts, plist):
+        token_ids = [self.engine.tokenize(p) for p in prompts]
+        for t, sp in zip(token_ids, plist):
             sp.validate()
-            self.engine._check_prompt(self.engine.tokenize(p))
-        ids = [self.engine.add_request(p, sp, priority=priority[i] if priority else 0)
-               for i, (p, sp) in enumerate(zip(prompts, plist))]
+            self.engine.check_prompt(t)
+        ids = [self.engine.add_request(t, sp, priority=priority[i] if priority else 0)
+               for i, (t, sp) in enumerate(zip(token_ids, plist))]
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from engine.kv import KV_LAYOUT_VERSION, BlockPool, KVEvent, block_hashes
-from engine.loader import load_tokenizer, resolve_model
+from engine.loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampler import Sampler
@@ -44,7 +44,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
-        hf = self._peek_config()
+        hf = load_config(self.model_path)
         limit = getattr(hf, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
         self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > limit:
@@ -52,8 +52,8 @@ class LLMEngine:
         if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                               f"must be >= max_model_len ({self.max_model_len}): a prompt must fit one step")
-        self.runner = ModelRunner(config, self.model_path, self.max_model_len)
-        self.hf_config = self.runner.hf_config
+        self.runner = ModelRunner(config, self.model_path, hf, self.max_model_len)
+        self.hf_config = hf
         self.block_size = config.block_size
         if self.runner.num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache holds {self.runner.num_blocks * self.block_size} tokens, "
@@ -71,10 +71,6 @@ class LLMEngine:
                  self.runner.device, self.pool.num_blocks, self.block_size,
                  self.pool.num_blocks * self.runner.block_bytes / 2**20, self.pool.num_blocks * self.block_size,
                  self.max_model_len, self.runner.load_seconds)
-
-    def _peek_config(self):
-        from engine.loader import load_config
-        return load_config(self.model_path)
 
     def _eos_ids(self) -> set[int]:
         ids = getattr(self.hf_config, "eos_token_id", None)
@@ -104,7 +100,7 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
-        self._check_prompt(ids)
+        self.check_prompt(ids)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -118,7 +114,7 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request_id
 
-    def _check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -230,7 +226,7 @@ class LLMEngine:
     def reserve_blocks(self, token_ids: list[int]) -> KVReservation:
         """Decode role: hold blocks for a prompt's K/V; leading blocks in the local prefix cache are
         reused (no transfer needed for them), the rest are fresh and must be filled."""
-        self._check_prompt(token_ids)
+        self.check_prompt(token_ids)
         bs = self.block_size
         n_blocks = -(-len(token_ids) // bs)
         hashes = block_hashes(token_ids, bs, self.model_key)

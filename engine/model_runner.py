@@ -9,7 +9,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
-from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights, load_config
+from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
 from engine.model import LlamaForCausalLM
 from engine.sequence import Sequence
 
@@ -17,10 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_path: str, hf_config, max_model_len: int):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.hf_config = load_config(model_path)
+        self.hf_config = hf_config
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len)
