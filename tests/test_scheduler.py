@@ -82,6 +82,12 @@ def step(sched: Scheduler, pool: BlockPool, finished: list[Sequence] | None = No
     for victim in out.preempted:           # each victim is the newest (lowest priority) still running then
         assert victim.sort_key == max(s.sort_key for s in still_running), "preempted a sequence that is not the newest"
         still_running.remove(victim)
+    apply(sched, pool, out, finished)
+    return out
+
+
+def apply(sched: Scheduler, pool: BlockPool, out: SchedulerOutput, finished: list[Sequence] | None = None) -> None:
+    """What the engine does after the model ran: advance, sample a fake token, finish at max_tokens."""
     for s, n in out.scheduled:
         sched.on_computed(s, n)
         if s.num_computed_tokens == s.num_tokens:
@@ -93,7 +99,6 @@ def step(sched: Scheduler, pool: BlockPool, finished: list[Sequence] | None = No
                 s.block_table = []
                 if finished is not None:
                     finished.append(s)
-    return out
 
 
 def run_all(sched: Scheduler, pool: BlockPool, max_steps: int = 500) -> tuple[list[SchedulerOutput], list[Sequence]]:
@@ -298,15 +303,7 @@ def test_prefix_caching_disabled_has_no_hit():
 
 
 def run_all_from(sched, pool, out):
-    for s, n in out.scheduled:
-        sched.on_computed(s, n)
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(fake_token(s))
-            if s.num_output_tokens >= s.params.max_tokens:
-                sched.remove(s)
-                s.status = Status.FINISHED
-                pool.free(s.block_table)
-                s.block_table = []
+    apply(sched, pool, out)
     run_all(sched, pool)
 
 
