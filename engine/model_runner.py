@@ -10,7 +10,7 @@ from engine.attention import AttentionMetadata
 from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
 from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
-from engine.model import LlamaForCausalLM
+from engine.model import LlamaForCausalLM, can_prepack
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -29,6 +29,9 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         else:
             self.model.load_weights(iter_weights(model_path))
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if can_prepack(self.device, self.dtype):
+            self.model.prepack_linears()
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
@@ -53,10 +56,6 @@ class ModelRunner:
         import hashlib
         rows = self.model.model.embed_tokens.weight[:8].detach().float().cpu().numpy().tobytes()
         return hashlib.blake2b(rows, digest_size=8).hexdigest()
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def _num_blocks(self) -> int:
         c = self.config
