@@ -245,3 +245,37 @@ def test_cli_generate_prints_a_completion():
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/no/such/model", "hi"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_async_engine_survives_a_failing_step(smol_path):
+    """A step that raises fails the requests in flight with that error; their blocks are freed and
+    the engine serves the next request normally."""
+    llm = AsyncLLM(smol_path, kv_cache_memory=64 << 20, max_model_len=512)
+    runner = llm.engine.runner
+    real_execute, calls = runner.execute, []
+
+    def flaky(scheduled):
+        calls.append(len(scheduled))
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return real_execute(scheduled)
+
+    async def collect(prompt):
+        outs = []
+        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)):
+            outs.append(out)
+        return outs
+
+    async def main():
+        return await asyncio.gather(collect("First request"), collect("Second request"), return_exceptions=True)
+
+    try:
+        runner.execute = flaky
+        results = asyncio.run(main())
+        assert all(isinstance(r, RuntimeError) and "injected fault" in str(r) for r in results)
+        assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0
+        after = asyncio.run(collect("Third request"))
+        assert after[-1].finished and len(after[-1].token_ids) == 12
+        assert llm.stats()["kv_blocks_used"] == 0
+    finally:
+        llm.shutdown()
