@@ -11,7 +11,8 @@ def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, BatonError, SamplingParams
     try:
         llm = LLM(args.model, max_model_len=args.max_model_len)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
         out = llm.chat(messages, params) if not args.raw else llm.generate([args.prompt], params)[0]
@@ -43,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="optional system message")
     g.add_argument("--raw", action="store_true", help="no chat template: complete the text as is")
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.set_defaults(fn=_generate)

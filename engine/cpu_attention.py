@@ -104,7 +104,7 @@ def _load():
                 from engine.loader import cache_dir
                 build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{_cpu_key()}"
                 build.mkdir(parents=True, exist_ok=True)
-                log.info("compiling the CPU paged-attention kernel (once per machine, ~1 min)")
+                log.info("loading the CPU paged-attention kernel (compiled on first use per machine, ~30 s)")
                 _module = load_inline("baton_cpu_attention_v2", cpp_sources=_SOURCE, functions=["paged_decode"],
                                       extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
                                       extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
