@@ -25,11 +25,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # computed in fp32 like HF, then cast back
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:            # one fused op; bit-identical to the steps below in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF's order for low precision: normalise in fp32, cast back, then scale
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
