@@ -224,10 +224,9 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
         (t1, o1), (t2, o2), stats = asyncio.run(main())
         assert t1 == o1.text and len(o1.token_ids) == 20 and o1.finished
         assert t2 == o2.text and "\ufffd" not in t2
-        sync = LLM(engine_path := smol_path, kv_cache_memory=64 << 20, max_model_len=512)
+        sync = LLM(smol_path, kv_cache_memory=64 << 20, max_model_len=512)
         assert sync.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=20,
                                                                    ignore_eos=True))[0].token_ids == o1.token_ids
-        assert engine_path
         final = llm.stats()
         assert final["kv_blocks_used"] == 0 and final["num_running"] == 0
     finally:
