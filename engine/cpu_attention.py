@@ -10,6 +10,7 @@ if no compiler is there, the torch reference is used and a warning says so.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -127,7 +128,9 @@ def _cpu_key() -> str:
     return hashlib.blake2b(flags.encode(), digest_size=6).hexdigest()
 
 
+@functools.cache
 def available() -> bool:
+    """Decided once per process (it is asked on every layer of every step)."""
     return os.environ.get("BATON_CPU_KERNEL", "1") != "0" and _load() is not None
 
 

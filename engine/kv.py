@@ -126,6 +126,11 @@ class BlockPool:
             found.append(bid)
         return found
 
+    def match(self, hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
+        """lookup() for a flat token list: block i of `token_ids` is checked against hashes[i]."""
+        bs = self.block_size
+        return self.lookup(hashes, [token_ids[j * bs:(j + 1) * bs] for j in range(len(hashes))])
+
     # -- ref counting -------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):

@@ -230,7 +230,7 @@ class LLMEngine:
         bs = self.block_size
         n_blocks = -(-len(token_ids) // bs)
         hashes = block_hashes(token_ids, bs, self.model_key)
-        hit = self.pool.lookup(hashes, [token_ids[j * bs:(j + 1) * bs] for j in range(len(hashes))])
+        hit = self.pool.match(hashes, token_ids)
         if not self.pool.can_allocate(n_blocks - len(hit)):
             raise MemoryError(f"no room for {n_blocks - len(hit)} KV blocks")
         self.pool.touch(hit)

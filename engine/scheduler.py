@@ -115,7 +115,7 @@ class Scheduler:
         if not seq.block_hashes or len(seq.block_hashes) < usable:
             seq.block_hashes = block_hashes(seq.token_ids[:usable * bs], bs, self.model_key)
         hashes = seq.block_hashes[:usable]
-        hit = self.pool.lookup(hashes, [seq.token_ids[j * bs:(j + 1) * bs] for j in range(len(hashes))])
+        hit = self.pool.match(hashes, seq.token_ids)
         self.pool.touch(hit)
         seq.block_table = list(hit)
         seq.num_computed_tokens = len(hit) * bs
