@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None  # bytes (int) or fraction of device memory (float)
     num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
     seed: int = 0                             # for dummy weights and unseeded sampling
+    speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -46,6 +47,8 @@ class EngineConfig:
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
+        from engine.spec.config import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_device(self) -> torch.device:

@@ -62,6 +62,10 @@ class LLMEngine:
         self.model_key = self.compat_key()
         self.scheduler = Scheduler(config, self.pool, self.model_key)
         self.sampler = Sampler(config.seed)
+        self.spec = None
+        if config.speculative_config is not None:
+            from engine.spec.decoder import SpecDecoder
+            self.spec = SpecDecoder(self)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Sequence] = {}
         self.pinned: dict[str, list[int]] = {}
@@ -130,6 +134,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.remove(seq)
+        self._drop_spec(seq)
         self._free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         seq.finished_time = time.monotonic()
@@ -140,33 +145,79 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        drafted = (self.spec.propose(self.scheduler.running, self.config.max_num_batched_tokens)
+                   if self.spec is not None else [])
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self._drop_spec(seq)
         if not sched.scheduled:
             return []
         now = time.monotonic()
         for seq, _ in sched.scheduled:
             seq.first_scheduled_time = seq.first_scheduled_time or now
+        t0 = time.perf_counter()
         logits, samplers = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
-            self.scheduler.on_computed(seq, n)
+            if not seq.spec_tokens:                     # a verify step advances after acceptance
+                self.scheduler.on_computed(seq, n)
             self.num_computed_tokens_total += n
-        result = self.sampler(logits, [s.params for s in samplers], [s.generator for s in samplers])
+        plain, verify, row = [], [], 0
+        for seq in samplers:
+            (verify if seq.spec_tokens else plain).append((seq, row))
+            row += 1 + len(seq.spec_tokens)
+        result = None
+        if plain:
+            rows = [r for _, r in plain] if verify else slice(None)
+            result = self.sampler(logits[rows], [s.params for s, _ in plain], [s.generator for s, _ in plain])
+        emitted = self.spec.verify(logits, verify, self.sampler.generator) if verify else []
+        seconds = time.perf_counter() - t0
         now = time.monotonic()
         outputs = []
-        for seq, tok, lp in zip(samplers, result.token_ids, result.logprobs):
-            self._append(seq, tok, lp, now)
+        for i, (seq, _) in enumerate(plain):
+            tok = result.token_ids[i]
+            if self.spec is not None:
+                self.spec.observe_plain(seq, tok)
+            self._append(seq, [tok], [result.logprobs[i]], now)
             outputs.append(self._output(seq))
+        for (seq, _), (toks, lps) in zip(verify, emitted):
+            self._append(seq, toks, lps, now)
+            outputs.append(self._output(seq))
+        if self.spec is not None:
+            self.spec.end_step(drafted, [s for s, _ in verify], sched.num_tokens, seconds)
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logprobs, now: float) -> None:
-        seq.token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
+        """Add sampled tokens one by one (a verify step emits several), stopping where a stop token,
+        stop string or length limit falls; the rest are dropped."""
+        kept = 0
+        for token, lp in zip(tokens, logprobs):
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            kept += 1
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                break
         seq.first_token_time = seq.first_token_time or now
         seq.last_token_time = now
-        self._check_stop(seq, token)
+        if seq.spec_tokens:
+            # the K/V of the last token and of the accepted drafts are valid: `kept` positions
+            seq.spec_tokens, seq.spec_probs = [], None
+            self.scheduler.on_computed(seq, kept)
         if seq.finish_reason is not None or seq.prefill_only:
             self._finish(seq)
+
+    def trim_blocks(self, seq: Sequence) -> None:
+        """Speculation rollback: free blocks past the one that will hold the next token; they hold
+        only rejected drafts' K/V (never hashed, so never shared)."""
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _drop_spec(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -182,6 +233,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self._drop_spec(seq)
         seq.status = Status.FINISHED
         seq.finished_time = time.monotonic()
         if seq.detok is not None and not isinstance(seq.stop_reason, str):
@@ -200,10 +252,12 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
+        new_ids = seq.output_token_ids[seq.num_streamed:]
+        seq.num_streamed = seq.num_output_tokens
         new_text = seq.detok.take(finished) if seq.detok is not None else ""
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
-            text=seq.detok.text if seq.detok is not None else "", new_token_ids=seq.output_token_ids[-1:],
+            text=seq.detok.text if seq.detok is not None else "", new_token_ids=new_ids,
             new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             kv_blocks=self.pinned.get(seq.request_id, []) if seq.prefill_only else [])
@@ -212,7 +266,9 @@ class LLMEngine:
     def _metrics(seq: Sequence) -> RequestMetrics:
         return RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
                               seq.last_token_time, seq.finished_time, seq.num_prompt_tokens,
-                              seq.num_cached_tokens, seq.num_output_tokens, seq.num_preemptions)
+                              seq.num_cached_tokens, seq.num_output_tokens, seq.num_preemptions,
+                              seq.spec.num_drafts, seq.spec.num_draft_tokens, seq.spec.num_accepted_tokens,
+                              seq.spec.draft_time, seq.spec.verify_time)
 
     # -- roles for the pools ----------------------------------------------------------------------
     def release_pinned(self, request_id: str) -> bool:
@@ -253,7 +309,7 @@ class LLMEngine:
             # recompute the last prompt token to get logits: its K/V slot is rewritten identically
             seq.num_computed_tokens -= 1
         else:
-            self._append(seq, first_token, None, time.monotonic())
+            self._append(seq, [first_token], [None], time.monotonic())
         if not seq.is_finished:
             seq.status = Status.RUNNING
             self.scheduler.running.append(seq)
@@ -269,4 +325,5 @@ class LLMEngine:
             "num_pinned": len(self.pinned),
             "prefix_cache_query_tokens": self.pool.query_tokens,
             "prefix_cache_hit_tokens": self.pool.hit_tokens,
+            **(self.spec.stats() if self.spec is not None else {}),
         }

@@ -187,10 +187,12 @@ class LlamaForCausalLM(nn.Module):
         return self
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices):
+    def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices,
+                num_layers: int | None = None):
+        """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts)."""
         h = self.model.embed_tokens(input_ids)
         rope = self.rope.tables(positions)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:num_layers]:
             h = layer(h, rope, kv_cache, md)
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
         return self.lm_head(h).float()

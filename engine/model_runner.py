@@ -80,25 +80,47 @@ class ModelRunner:
 
     # -- one forward ------------------------------------------------------------------------------
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the model over the scheduled tokens; logits for sequences that now sample a token."""
-        input_ids, positions, slots, qlens, slens, logit_rows, samplers = [], [], [], [], [], [], []
-        bs = self.block_size
+        """Run the model over the scheduled tokens; logits for sequences that now sample.
+
+        A sequence's tokens are its token_ids followed by its draft tokens (seq.spec_tokens). One that
+        reaches its end samples: a plain one gets one logits row, a speculating one gets 1 + k rows
+        (the target's distribution after each of its last token and k drafts), in batch order.
+        """
+        items, samplers = [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
+            tokens = seq.token_ids[start:start + n]
+            spec = seq.spec_tokens
+            if start + n > seq.num_tokens:                  # a verify step: last token + drafts
+                tokens = tokens + spec[:start + n - seq.num_tokens]
+            done = start + n == seq.num_tokens + len(spec)
+            items.append((tokens, start, seq.block_table, (1 + len(spec)) if done else 0))
+            if done:
+                samplers.append(seq)
+        return self.forward_batch(items), samplers
+
+    def forward_batch(self, items: list[tuple[list[int], int, list[int], int]],
+                      num_layers: int | None = None) -> torch.Tensor:
+        """items: (new tokens, position of the first, block table, how many trailing rows want logits).
+
+        Writes the tokens' K/V to the cache at their slots and returns the requested logits rows
+        [sum of rows, vocab] in order. `num_layers` runs only the first layers (layer-skip drafts).
+        """
+        input_ids, positions, slots, qlens, slens, logit_rows = [], [], [], [], [], []
+        bs = self.block_size
+        for tokens, start, bt, n_logits in items:
+            n = len(tokens)
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(tokens)
             positions.extend(range(start, end))
-            bt = seq.block_table
             slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
             qlens.append(n)
             slens.append(end)
-            if end == seq.num_tokens:                       # prompt done (or a decode): sample
-                logit_rows.append(len(input_ids) - 1)
-                samplers.append(seq)
-        max_blocks = max(len(s.block_table) for s, _ in scheduled)
-        tables = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for i, (s, _) in enumerate(scheduled):
-            tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            logit_rows.extend(range(len(input_ids) - n_logits, len(input_ids)))
+        max_blocks = max(len(bt) for _, _, bt, _ in items)
+        tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
+        for i, (_, _, bt, _) in enumerate(items):
+            tables[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
         qsl = [0]
         for n in qlens:
             qsl.append(qsl[-1] + n)
@@ -110,6 +132,6 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             max_query_len=max(qlens), max_seq_len=max(slens),
             seq_lens_list=slens, query_lens_list=qlens)
-        logits = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_cache, md, torch.tensor(logit_rows, device=dev))
-        return logits, samplers
+        return self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                          self.kv_cache, md, torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+                          num_layers=num_layers)

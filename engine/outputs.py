@@ -15,6 +15,20 @@ class RequestMetrics:
     num_cached_tokens: int                 # prompt tokens served from the prefix cache
     num_output_tokens: int
     num_preemptions: int
+    spec_num_drafts: int = 0               # verify steps with drafts (speculative decoding)
+    spec_num_draft_tokens: int = 0         # drafts proposed
+    spec_num_accepted_tokens: int = 0      # drafts accepted
+    spec_draft_time: float = 0.0           # seconds of draft passes it took part in
+    spec_verify_time: float = 0.0          # seconds of target steps that verified its drafts
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Accepted drafts per verify step (a verify step emits one more token than this)."""
+        return self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
     def ttft(self) -> float | None:

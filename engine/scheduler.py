@@ -1,7 +1,8 @@
 """Iteration-level scheduler: continuous batching, chunked prefill, prefix-cache hits, preemption.
 
 Every step has a token budget (max_num_batched_tokens). Running sequences go first (a decode costs
-one token, an unfinished prompt a chunk of what is left); waiting ones join, highest priority then
+one token, or 1 + k with k draft tokens to verify, cut to the budget; an unfinished prompt a chunk
+of what is left); waiting ones join, highest priority then
 oldest first, while budget, max_num_seqs and KV blocks allow. When blocks run out, the lowest
 priority, newest running sequence is preempted by recompute: its blocks are freed (they stay in the
 prefix cache until reused, so the recompute is often a cache hit) and it waits again.
@@ -93,7 +94,11 @@ class Scheduler:
             budget -= n
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        if seq.spec_tokens:                             # a verify step: last token + drafts, cut to budget
+            del seq.spec_tokens[max(budget - 1, 0):]
+            if seq.spec_probs is not None:
+                seq.spec_probs = seq.spec_probs[:len(seq.spec_tokens)] if seq.spec_tokens else None
+        remaining = seq.num_tokens + len(seq.spec_tokens) - seq.num_computed_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
@@ -138,6 +143,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table, seq.num_computed_tokens = [], 0
+        seq.spec_tokens, seq.spec_probs = [], None
         seq.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)

@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.spec.metrics import SpecStats
 
 _counter = itertools.count()
 
@@ -39,6 +40,10 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     generator: torch.Generator | None = None
     detok: object = None                  # engine.detokenizer.Detokenizer
+    num_streamed: int = 0                 # output tokens already reported in a RequestOutput
+    spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step
+    spec_probs: torch.Tensor | None = None                    # their draft distributions q [k, V] (None: one-hot)
+    spec: SpecStats = field(default_factory=SpecStats)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

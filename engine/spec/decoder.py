@@ -1,0 +1,216 @@
+"""SpecDecoder: speculative decoding inside the engine's continuous batching.
+
+Each step, before scheduling, it picks a depth k for every request in decode (adaptive.py), asks the
+proposer for k drafts and leaves them on the sequence (seq.spec_tokens). The scheduler gives such a
+request 1 + k tokens; the runner computes the target's logits at all of them, in the same forward
+as plain decodes and prefill chunks. After the forward, verify() runs exact rejection sampling
+(rejection.py) and the engine appends the emitted tokens one by one, so stop tokens, stop strings
+and max_tokens cut a run of accepted tokens where they fall. Then K/V past the accepted tokens
+is rolled back: target blocks past the next token's slot and the draft cache's stale entries are
+freed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.errors import ConfigError
+from engine.kv import BlockPool
+from engine.sampler import Sampler, target_probs
+from engine.sequence import Sequence
+from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost
+from engine.spec.config import SpeculativeConfig
+from engine.spec.metrics import SpecMetrics
+from engine.spec.proposers import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from engine.spec.rejection import rejection_sample
+
+log = logging.getLogger(__name__)
+
+MAX_FIT_TOKENS = 512          # steps larger than this (big prefill chunks) do not refit the cost line
+
+
+class SpecDecoder:
+    def __init__(self, engine):
+        self.engine = engine
+        self.cfg: SpeculativeConfig = engine.config.speculative_config
+        self.max_k = self.cfg.num_speculative_tokens
+        self.metrics = SpecMetrics()
+        self.drafter = self._build_drafter()
+        verify_cost = self._calibrate(engine.runner, None)
+        if self.cfg.method == "ngram":
+            draft_cost = (0.0, 2e-5)                         # a numpy lookup per request
+        else:
+            draft_cost = self._calibrate(self.drafter.runner, self.drafter.num_layers)
+        self.controller = DepthController(self.max_k, self.cfg.adaptive, LinearCost(*verify_cost),
+                                          LinearCost(*draft_cost))
+        log.info("speculative decoding: %s, up to %d drafts (%s); step cost %.1f ms + %.2f ms/token, "
+                 "draft pass %.1f ms + %.2f ms/request", self.cfg.method, self.max_k,
+                 "adaptive" if self.cfg.adaptive else "fixed", verify_cost[0] * 1e3, verify_cost[1] * 1e3,
+                 draft_cost[0] * 1e3, draft_cost[1] * 1e3)
+
+    def _build_drafter(self):
+        e, cfg = self.engine, self.cfg
+        if cfg.method == "ngram":
+            return NgramDrafter(cfg)
+        if cfg.method == "layer_skip":
+            total = e.runner.model.num_layers
+            if not cfg.num_layers < total:
+                raise ConfigError(f"speculative_config: num_layers must be below the target's {total} layers, "
+                                  f"got {cfg.num_layers}")
+            return LayerSkipDrafter(e.runner, cfg.num_layers, e.scheduler._allocate)
+        return self._load_draft_model()
+
+    def _load_draft_model(self) -> DraftModelDrafter:
+        from engine.config import EngineConfig
+        from engine.loader import load_config, resolve_model
+        from engine.model_runner import ModelRunner
+        e, cfg = self.engine, self.cfg
+        path = resolve_model(cfg.model)
+        hf = load_config(path)
+        if hf.vocab_size != e.hf_config.vocab_size:
+            raise ConfigError(f"speculative_config: the draft model's vocabulary ({hf.vocab_size}) differs from "
+                              f"the target's ({e.hf_config.vocab_size}); a draft must share the target's tokenizer")
+        limit = getattr(hf, "max_position_embeddings", e.max_model_len)
+        if limit < e.max_model_len:
+            raise ConfigError(f"speculative_config: the draft model has {limit} positions, fewer than "
+                              f"max_model_len {e.max_model_len}; lower max_model_len or pick another draft")
+        c = e.config
+        dcfg = EngineConfig(model=cfg.model, dtype=c.dtype, device=c.device, block_size=c.block_size,
+                            num_kv_blocks=cfg.draft_kv_blocks or e.runner.num_blocks, seed=c.seed,
+                            load_format="dummy" if c.load_format == "dummy" else "auto")
+        runner = ModelRunner(dcfg, path, hf, e.max_model_len)
+        log.info("draft model %s: %.1f MiB of weights, %d KV blocks", path, runner.weight_bytes / 2**20,
+                 runner.num_blocks)
+        return DraftModelDrafter(runner, BlockPool(runner.num_blocks, c.block_size, enable_caching=False))
+
+    @staticmethod
+    def _calibrate(runner, num_layers: int | None) -> tuple[float, float]:
+        """Seconds of a forward over 1 and over 8 one-token rows: the prior (a, b) of its cost line.
+        Writes garbage K/V to slot 0 of block 0, which nothing uses yet."""
+        def timed(n: int) -> float:
+            items = [([0], 0, [0], 1)] * n
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                runner.forward_batch(items, num_layers=num_layers)
+                best = min(best, time.perf_counter() - t0)
+            return best
+        timed(1)                                             # warm-up (kernel build, allocator)
+        t1, t8 = timed(1), timed(8)
+        b = max((t8 - t1) / 7, 0.0)
+        return max(t1 - b, 0.0), b
+
+    # -- before scheduling: choose depths, draft ----------------------------------------------------
+    def propose(self, running: list[Sequence], budget: int) -> list[Sequence]:
+        """Leave drafts on decode-phase requests; returns the requests that got some."""
+        e = self.engine
+        cands, limits, alphas = [], [], []
+        base = 0
+        for seq in running:
+            seq.spec_tokens, seq.spec_probs = [], None
+            base += seq.num_tokens - seq.num_computed_tokens
+            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1 or seq.prefill_only:
+                continue                                     # still in prefill
+            room = min(self.max_k, e.max_model_len - seq.num_tokens - 1)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+            cands.append(seq)
+            limits.append(self.drafter.available(seq, room))
+            alphas.append(self.controller.alpha(seq.spec.acc, seq.spec.trials))
+        if not cands:
+            return []
+        ks = self.controller.choose(alphas, limits, min(base, e.config.max_num_batched_tokens))
+        for i, seq in enumerate(cands):
+            if ks[i] == 0 and limits[i] > 0 and self.cfg.adaptive:
+                seq.spec.shadow = self.drafter.peek(seq)
+                seq.spec.idle_steps += 1
+                if self.drafter.model_based and seq.spec.idle_steps >= PROBE_EVERY:
+                    ks[i], seq.spec.idle_steps = 1, 0        # re-measure a request left at k = 0
+            elif ks[i] > 0:
+                seq.spec.idle_steps, seq.spec.shadow = 0, None
+            self.metrics.num_steps_k[ks[i]] = self.metrics.num_steps_k.get(ks[i], 0) + 1
+        chosen = [(s, k) for s, k in zip(cands, ks) if k > 0]
+        t0 = time.perf_counter()
+        drafts, passes = self.drafter.draft([s for s, _ in chosen], [k for _, k in chosen], e.sampler.generator)
+        elapsed = time.perf_counter() - t0
+        for n, secs in passes:
+            self.controller.draft.observe(n, secs)
+        out = []
+        for (seq, _), d in zip(chosen, drafts):
+            if d.tokens:
+                seq.spec_tokens, seq.spec_probs = d.tokens, d.probs
+                seq.spec.draft_time += elapsed
+                out.append(seq)
+        self.metrics.draft_time += elapsed
+        return out
+
+    # -- after the forward: verify ------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, entries: list[tuple[Sequence, int]],
+               generator: torch.Generator) -> list[tuple[list[int], list]]:
+        """entries: (sequence, its first logits row). Returns per sequence the emitted tokens (the
+        accepted drafts and one corrected or bonus token) and their logprobs (or Nones)."""
+        logits = logits.float().cpu()
+        rows, params = [], []
+        for seq, row in entries:
+            if not seq.params.greedy:
+                k = len(seq.spec_tokens)
+                rows.extend(range(row, row + k + 1))
+                params.extend([seq.params] * (k + 1))
+        probs = target_probs(logits[rows], params) if rows else None
+        ps, off = [], 0
+        for seq, row in entries:
+            k = len(seq.spec_tokens)
+            if seq.params.greedy:
+                ps.append(logits[row:row + k + 1])
+            else:
+                ps.append(probs[off:off + k + 1])
+                off += k + 1
+        emitted = rejection_sample([s.spec_tokens for s, _ in entries], ps, [s.spec_probs for s, _ in entries],
+                                   [s.params.greedy for s, _ in entries],
+                                   [s.generator or generator for s, _ in entries])
+        out = []
+        for (seq, row), toks in zip(entries, emitted):
+            if seq.params.logprobs is not None:
+                lps = Sampler._logprobs(logits[row:row + len(toks)], [seq.params] * len(toks), toks)
+            else:
+                lps = [None] * len(toks)
+            out.append((toks, lps))
+            k, accepted = len(seq.spec_tokens), len(toks) - 1
+            self.metrics.record(k, accepted)
+            self.controller.observe(seq.spec, k, accepted)
+            seq.spec.num_drafts += 1
+            seq.spec.num_draft_tokens += k
+            seq.spec.num_accepted_tokens += accepted
+        return out
+
+    def observe_plain(self, seq: Sequence, token: int) -> None:
+        """A plain decode of a request left at k = 0 by prompt lookup: had it drafted, its first
+        draft would have been accepted iff it equals the token the target chose (for a one-hot
+        draft the chance of that is p(draft), exactly the acceptance probability)."""
+        if seq.spec.shadow is not None:
+            self.controller.observe(seq.spec, 1, int(token == seq.spec.shadow))
+            seq.spec.shadow = None
+
+    def end_step(self, drafted: list[Sequence], verified: list[Sequence], num_tokens: int,
+                 seconds: float) -> None:
+        if num_tokens <= MAX_FIT_TOKENS:
+            self.controller.verify.observe(num_tokens, seconds)
+        if verified:
+            self.metrics.verify_time += seconds
+        for seq in verified:
+            seq.spec.verify_time += seconds
+        for seq in drafted:
+            seq.spec_tokens, seq.spec_probs = [], None
+            if not seq.is_finished:
+                self.engine.trim_blocks(seq)
+                self.drafter.rollback(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """The request finished, was aborted or preempted: its draft state goes."""
+        seq.spec_tokens, seq.spec_probs = [], None
+        self.drafter.release(seq)
+
+    def stats(self) -> dict:
+        return {**self.metrics.as_dict(), **self.drafter.stats()}

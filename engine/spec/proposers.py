@@ -1,0 +1,198 @@
+"""Proposers: where draft tokens come from.
+
+- ngram: prompt lookup in the request's own tokens (no model; q is one-hot).
+- draft_model: a smaller model with the target's vocabulary, in this worker, with its own paged KV
+  cache and block pool. Each request's draft KV tracks the tokens it was fed; after a verify step
+  the entries past the accepted tokens are dropped and their blocks freed.
+- layer_skip: the target's own first n layers, then its final norm and head. It shares the
+  target's KV cache: the K/V of those layers at the accepted positions are exactly what the draft
+  would compute, so there is nothing to catch up; the draft writes layers < n of its own positions
+  into blocks the verify step then overwrites.
+
+A model proposer drafts autoregressively in batched passes: the first pass feeds each request what
+its draft cache has not seen (for layer_skip, the last token), later passes feed the previous draft.
+Drafts are sampled from the *filtered* draft distribution (engine.sampler.target_probs), whose rows
+are kept as q for exact rejection sampling; greedy requests take the argmax.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv import BlockPool
+from engine.sampler import sample_from_probs, target_probs
+from engine.sequence import Sequence
+from engine.spec.ngram import NgramProposer
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None          # [k, V] filtered draft distributions; None for one-hot
+
+
+@dataclass
+class _DraftKV:
+    fed: list[int] = field(default_factory=list)      # tokens whose K/V are in the draft cache
+    blocks: list[int] = field(default_factory=list)
+
+
+class NgramDrafter:
+    """Prompt lookup: the candidates are known before depth is chosen, so `available` proposes."""
+    model_based = False
+
+    def __init__(self, cfg):
+        self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
+        self._pending: dict[str, list[int]] = {}
+
+    def available(self, seq: Sequence, room: int) -> int:
+        tokens = self.ngram.propose(seq.token_ids, room) if room > 0 else []
+        self._pending[seq.request_id] = tokens
+        return len(tokens)
+
+    def peek(self, seq: Sequence) -> int | None:
+        tokens = self._pending.get(seq.request_id)
+        return tokens[0] if tokens else None
+
+    def draft(self, seqs: list[Sequence], ks: list[int], sampler_gen) -> tuple[list[Draft], list[tuple[int, float]]]:
+        out = [Draft(self._pending.pop(s.request_id, [])[:k], None) for s, k in zip(seqs, ks)]
+        self._pending.clear()
+        return out, []
+
+    def rollback(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+class _ModelDrafter:
+    model_based = True
+
+    def __init__(self, runner, num_layers: int | None):
+        self.runner, self.num_layers = runner, num_layers
+
+    def available(self, seq: Sequence, room: int) -> int:
+        return room
+
+    def peek(self, seq: Sequence) -> int | None:
+        return None
+
+    def _prepare(self, seq: Sequence, k: int) -> tuple[list[int], int, list[int]] | None:
+        """(tokens to feed first, their first position, block table), or None if there is no room."""
+        raise NotImplementedError
+
+    def _after(self, seq: Sequence, fed: list[int]) -> None:
+        pass
+
+    def draft(self, seqs: list[Sequence], ks: list[int], sampler_gen) -> tuple[list[Draft], list[tuple[int, float]]]:
+        """Batched autoregressive drafting; returns the drafts and (requests, seconds) per pass."""
+        live = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            prep = self._prepare(seq, k) if k > 0 else None
+            if prep is not None:
+                live.append((i, seq, k, *prep))
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        fed = {i: list(first) for i, _, _, first, _, _ in live}
+        starts = {i: start for i, _, _, _, start, _ in live}
+        timings = []
+        for depth in range(max((k for _, _, k, *_ in live), default=0)):
+            active = [(i, seq, bt) for i, seq, k, _, _, bt in live if k > depth]
+            items = []
+            for i, seq, bt in active:
+                if depth == 0:
+                    feed, pos = fed[i], starts[i]
+                else:                                   # the previous draft, right after what was fed
+                    feed, pos = [tokens[i][-1]], starts[i] + len(fed[i])
+                    fed[i].append(tokens[i][-1])
+                items.append((feed, pos, bt, 1))
+            t0 = time.perf_counter()
+            logits = self.runner.forward_batch(items, num_layers=self.num_layers).float().cpu()
+            picks = logits.argmax(-1)
+            sampled = [r for r, (_, seq, _) in enumerate(active) if not seq.params.greedy]
+            if sampled:
+                q = target_probs(logits[sampled], [active[r][1].params for r in sampled])
+                picks[sampled] = sample_from_probs(q, [active[r][1].generator for r in sampled], sampler_gen)
+                for j, r in enumerate(sampled):
+                    probs[active[r][0]].append(q[j])
+            for r, (i, _, _) in enumerate(active):
+                tokens[i].append(int(picks[r]))
+            timings.append((len(active), time.perf_counter() - t0))
+        for i, seq, *_ in live:
+            self._after(seq, fed[i])
+        drafts = [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(len(seqs))]
+        return drafts, timings
+
+
+class DraftModelDrafter(_ModelDrafter):
+    def __init__(self, runner, pool: BlockPool):
+        super().__init__(runner, None)
+        self.pool = pool
+        self.state: dict[str, _DraftKV] = {}
+
+    def _prepare(self, seq, k):
+        st = self.state.setdefault(seq.request_id, _DraftKV())
+        need = -(-(seq.num_tokens + k - 1) // self.pool.block_size) - len(st.blocks)
+        if need > 0:
+            if not self.pool.can_allocate(need):
+                self.release(seq)                      # no room in the draft cache: no drafts now
+                return None
+            st.blocks.extend(self.pool.allocate(need))
+        return seq.token_ids[len(st.fed):], len(st.fed), st.blocks
+
+    def _after(self, seq, fed):
+        st = self.state[seq.request_id]
+        st.fed.extend(fed)
+
+    def rollback(self, seq: Sequence) -> None:
+        """Keep the draft K/V of tokens still in the sequence; free blocks past them."""
+        st = self.state.get(seq.request_id)
+        if st is None:
+            return
+        n = min(len(st.fed), seq.num_tokens)
+        for j in range(max(0, n - 32), n):              # only the last drafts can differ
+            if st.fed[j] != seq.token_ids[j]:
+                n = j
+                break
+        del st.fed[n:]
+        keep = -(-(n + 1) // self.pool.block_size)
+        if len(st.blocks) > keep:
+            self.pool.free(st.blocks[keep:])
+            del st.blocks[keep:]
+
+    def release(self, seq: Sequence) -> None:
+        st = self.state.pop(seq.request_id, None)
+        if st is not None and st.blocks:
+            self.pool.free(st.blocks)
+
+    def stats(self) -> dict:
+        return {"spec_draft_kv_blocks_used": self.pool.num_used_blocks,
+                "spec_draft_kv_blocks_total": self.pool.num_blocks}
+
+
+class LayerSkipDrafter(_ModelDrafter):
+    def __init__(self, runner, num_layers: int, allocate):
+        super().__init__(runner, num_layers)
+        self.allocate = allocate                         # Scheduler._allocate: target blocks
+
+    def _prepare(self, seq, k):
+        # the verify step needs slots for the last token and k drafts: take them now (the draft
+        # writes its layers' K/V there); no room means no drafts this step
+        if not self.allocate(seq, 1 + k):
+            return None
+        return [seq.token_ids[-1]], seq.num_tokens - 1, seq.block_table
+
+    def rollback(self, seq: Sequence) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
