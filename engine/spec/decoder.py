@@ -23,7 +23,7 @@ from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
-from engine.spec.proposers import DraftModelDrafter, LayerSkipDrafter, NgramDrafter
+from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramDrafter
 from engine.spec.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,10 @@ class SpecDecoder:
             if not cfg.num_layers < total:
                 raise ConfigError(f"speculative_config: num_layers must be below the target's {total} layers, "
                                   f"got {cfg.num_layers}")
-            return LayerSkipDrafter(e.runner, cfg.num_layers, e.scheduler._allocate)
+            return LayerSkipProposer(e.runner, cfg.num_layers, e.scheduler._allocate)
         return self._load_draft_model()
 
-    def _load_draft_model(self) -> DraftModelDrafter:
+    def _load_draft_model(self) -> DraftModelProposer:
         from engine.config import EngineConfig
         from engine.loader import load_config, resolve_model
         from engine.model_runner import ModelRunner
@@ -83,7 +83,7 @@ class SpecDecoder:
         runner = ModelRunner(dcfg, path, hf, e.max_model_len)
         log.info("draft model %s: %.1f MiB of weights, %d KV blocks", path, runner.weight_bytes / 2**20,
                  runner.num_blocks)
-        return DraftModelDrafter(runner, BlockPool(runner.num_blocks, c.block_size, enable_caching=False))
+        return DraftModelProposer(runner, BlockPool(runner.num_blocks, c.block_size, enable_caching=False))
 
     @staticmethod
     def _calibrate(runner, num_layers: int | None) -> tuple[float, float]:

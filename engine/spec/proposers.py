@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv import BlockPool
 from engine.sampler import sample_from_probs, target_probs
-from engine.sequence import Sequence
 from engine.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 @dataclass
@@ -71,7 +74,7 @@ class NgramDrafter:
         return {}
 
 
-class _ModelDrafter:
+class _ModelProposer:
     model_based = True
 
     def __init__(self, runner, num_layers: int | None):
@@ -130,7 +133,7 @@ class _ModelDrafter:
         return drafts, timings
 
 
-class DraftModelDrafter(_ModelDrafter):
+class DraftModelProposer(_ModelProposer):
     def __init__(self, runner, pool: BlockPool):
         super().__init__(runner, None)
         self.pool = pool
@@ -176,7 +179,7 @@ class DraftModelDrafter(_ModelDrafter):
                 "spec_draft_kv_blocks_total": self.pool.num_blocks}
 
 
-class LayerSkipDrafter(_ModelDrafter):
+class LayerSkipProposer(_ModelProposer):
     def __init__(self, runner, num_layers: int, allocate):
         super().__init__(runner, num_layers)
         self.allocate = allocate                         # Scheduler._allocate: target blocks
