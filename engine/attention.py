@@ -17,6 +17,11 @@ import torch
 import torch.nn.functional as F
 
 
+# Queries of at most this many tokens (decodes, speculative verify steps of k+1 tokens, short
+# prompts) go to the C++ CPU kernel; longer ones (prefill chunks) to SDPA.
+SHORT_QUERY = 16
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset
@@ -65,7 +70,7 @@ def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                       md.query_start_loc, md.max_query_len, scale)
     from engine import cpu_attention
-    kernel = q.dtype == torch.float32 and cpu_attention.available()
+    kernel = q.dtype == torch.float32 and k_cache.dtype == torch.float32 and cpu_attention.available()
     return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel)
 
 
@@ -74,25 +79,43 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     """Reference: single-token queries batched in one SDPA call, longer queries one by one.
 
     `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather;
-    `decode_kernel` sends the single-token queries to the C++ kernel (engine/cpu_attention.py).
+    `decode_kernel` sends every query of at most SHORT_QUERY tokens (decodes, speculative verify
+    steps, short prompts) to the C++ kernel (engine/cpu_attention.py) in one call, and leaves only
+    the longer ones (prefill chunks) to SDPA.
     """
-    decode = _decode_attention
-    if decode_kernel:
-        from engine.cpu_attention import paged_decode_attention as decode
-    out = torch.empty_like(q)
     qsl = [0]
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
-    decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
-    if len(decodes) == md.num_seqs:                       # the common all-decode step: no scatter
-        return decode(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
-    if decodes:
-        rows = torch.tensor([qsl[i] for i in decodes])
-        out[rows] = decode(q[rows], k_cache, v_cache, md.block_tables[decodes], md.seq_lens[decodes], scale)
-    for i, n in enumerate(md.query_lens_list):
-        if n == 1:
-            continue
-        ctx, s, e = md.seq_lens_list[i], qsl[i], qsl[i + 1]
+    if decode_kernel:
+        from engine.cpu_attention import paged_attention_varlen
+        short = [i for i, n in enumerate(md.query_lens_list) if n <= SHORT_QUERY]
+        if len(short) == md.num_seqs:                     # decode / verify steps: no copy, no scatter
+            return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                          md.query_start_loc, scale)
+        out = torch.empty_like(q)
+        if short:
+            rows = torch.tensor([t for i in short for t in range(qsl[i], qsl[i + 1])])
+            sub_qsl = [0]
+            for i in short:
+                sub_qsl.append(sub_qsl[-1] + md.query_lens_list[i])
+            sel = torch.tensor(short)
+            o = paged_attention_varlen(q.index_select(0, rows), k_cache, v_cache,
+                                       md.block_tables.index_select(0, sel), md.seq_lens.index_select(0, sel),
+                                       torch.tensor(sub_qsl, dtype=torch.int32), scale)
+            out.index_copy_(0, rows, o)
+        rest = [i for i, n in enumerate(md.query_lens_list) if n > SHORT_QUERY]
+    else:
+        decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
+        if len(decodes) == md.num_seqs:                   # the common all-decode step: no scatter
+            return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
+        out = torch.empty_like(q)
+        if decodes:
+            rows = torch.tensor([qsl[i] for i in decodes])
+            out[rows] = _decode_attention(q[rows], k_cache, v_cache, md.block_tables[decodes],
+                                          md.seq_lens[decodes], scale)
+        rest = [i for i, n in enumerate(md.query_lens_list) if n != 1]
+    for i in rest:
+        n, ctx, s, e = md.query_lens_list[i], md.seq_lens_list[i], qsl[i], qsl[i + 1]
         if ctx == n and k_new is not None:
             k, v = k_new[s:e], v_new[s:e]
         else:

@@ -1,25 +1,37 @@
-"""The C++ CPU decode kernel equals the torch reference on the real strided cache layout."""
+"""The C++ CPU attention kernel (decode and short variable-length queries) equals the torch
+reference on the real strided cache layout.
+
+`python -m tests.test_cpu_attention` prints timings of one attention layer (kernel vs reference).
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine import cpu_attention
-from engine.attention import AttentionMetadata, paged_attention_torch
+from engine.attention import SHORT_QUERY, AttentionMetadata, paged_attention_torch
 
 
-def _batch(lens, heads, kv_heads, head_dim, block_size=16, num_blocks=128, layers=3, layer=1, seed=0):
+def _batch(lens, heads, kv_heads, head_dim, block_size=16, num_blocks=128, layers=3, layer=1, seed=0,
+           qlens=None):
+    """Sequences with contexts `lens`, each ending in its `qlens` (default 1) query tokens; K/V as a
+    layer slice of the real [blocks, layers, 2, block_size, kv_heads, head_dim] tensor."""
+    qlens = list(qlens or [1] * len(lens))
     g = torch.Generator().manual_seed(seed)
-    kv = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g)
     max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = max(num_blocks, len(lens) * max_blocks)
+    kv = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g)
     perm = torch.randperm(num_blocks, generator=g)
     tables = perm[:len(lens) * max_blocks].view(len(lens), max_blocks).int()
-    q = torch.randn(len(lens), heads, head_dim, generator=g)
-    md = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.int64), block_tables=tables,
+    q = torch.randn(sum(qlens), heads, head_dim, generator=g)
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    md = AttentionMetadata(slot_mapping=torch.zeros(len(q), dtype=torch.int64), block_tables=tables,
                            seq_lens=torch.tensor(lens, dtype=torch.int32),
-                           query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-                           max_query_len=1, max_seq_len=max(lens), seq_lens_list=list(lens),
-                           query_lens_list=[1] * len(lens))
+                           query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                           max_query_len=max(qlens), max_seq_len=max(lens), seq_lens_list=list(lens),
+                           query_lens_list=qlens)
     return q, kv[:, layer, 0], kv[:, layer, 1], md
 
 
@@ -38,6 +50,8 @@ def test_kernel_matches_reference(lens, heads, kv_heads, head_dim):
     want = paged_attention_torch(q, k, v, md, head_dim ** -0.5)
     got = paged_attention_torch(q, k, v, md, head_dim ** -0.5, decode_kernel=True)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    direct = cpu_attention.paged_decode_attention(q, k, v, md.block_tables, md.seq_lens, head_dim ** -0.5)
+    torch.testing.assert_close(direct, want, atol=2e-5, rtol=2e-5)
 
 
 def test_kernel_in_a_mixed_batch_with_a_prefill_chunk():
@@ -49,3 +63,91 @@ def test_kernel_in_a_mixed_batch_with_a_prefill_chunk():
     want = paged_attention_torch(q, k, v, md, 0.125)
     got = paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lens,qlens,heads,kv_heads,head_dim,block_size", [
+    # decodes, verify steps of 3/5/9 tokens, a 16-token query; a 5- and a 16-token fresh prompt
+    # (context == query length); contexts crossing block boundaries, a 1-token context
+    ([1, 40, 5, 300, 17, 16], [1, 3, 5, 9, 1, 16], 9, 3, 64, 16),     # SmolLM2: GQA 9/3, D 64
+    ([33, 7, 129, 2, 700], [2, 7, 4, 2, 5], 8, 2, 128, 16),           # GQA 8/2, D 128
+    ([50, 9, 100, 12], [3, 9, 1, 12], 4, 4, 32, 8),                   # MHA, small blocks
+    ([64, 31], [16, 4], 6, 1, 48, 32),                                # MQA, big blocks, D 48
+])
+def test_varlen_kernel_matches_reference(lens, qlens, heads, kv_heads, head_dim, block_size):
+    q, k, v, md = _batch(lens, heads, kv_heads, head_dim, block_size=block_size, qlens=qlens)
+    want = paged_attention_torch(q, k, v, md, head_dim ** -0.5)
+    got = cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc,
+                                               head_dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    via = paged_attention_torch(q, k, v, md, head_dim ** -0.5, decode_kernel=True)
+    torch.testing.assert_close(via, got, atol=0, rtol=0)
+
+
+def test_all_short_batch_goes_to_the_kernel_without_a_copy(monkeypatch):
+    q, k, v, md = _batch([20, 300], 9, 3, 64, qlens=[5, 9])
+    calls = []
+    real = cpu_attention.paged_attention_varlen
+
+    def spy(q_, *args):
+        calls.append(q_)
+        return real(q_, *args)
+
+    monkeypatch.setattr(cpu_attention, "paged_attention_varlen", spy)
+    paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True)
+    assert len(calls) == 1 and calls[0] is q
+
+
+def test_short_queries_and_a_long_chunk_in_one_batch(monkeypatch):
+    # a 40-token chunk on a 60-token cached prefix and a fresh 17-token prompt (both > SHORT_QUERY)
+    # among decodes and verify steps
+    lens, qlens = [30, 100, 64, 200, 17, 700], [1, 40, 5, 9, 17, 1]
+    q, k, v, md = _batch(lens, 9, 3, 64, qlens=qlens)
+    seen = []
+    real = cpu_attention.paged_attention_varlen
+
+    def spy(q_, k_, v_, bt, sl, qsl, scale):
+        seen.append((sl.tolist(), qsl.tolist()))
+        return real(q_, k_, v_, bt, sl, qsl, scale)
+
+    monkeypatch.setattr(cpu_attention, "paged_attention_varlen", spy)
+    want = paged_attention_torch(q, k, v, md, 0.125)
+    got = paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    short = [i for i, n in enumerate(qlens) if n <= SHORT_QUERY]
+    assert seen == [([lens[i] for i in short], [0, 1, 6, 15, 16])]
+
+
+def test_kernel_rejects_bad_metadata():
+    q, k, v, md = _batch([4, 10], 9, 3, 64, qlens=[5, 1])              # 5 queries on a 4-token context
+    with pytest.raises(RuntimeError, match="query tokens"):
+        cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc, 0.125)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_attention.paged_attention_varlen(q.double(), k, v, md.block_tables, md.seq_lens,
+                                             md.query_start_loc, 0.125)
+
+
+def _timings():
+    """One attention layer, SmolLM2's heads (9 / 3 kv, D 64), 30-layer cache, contexts ~700."""
+    import time
+
+    def best_ms(fn, reps=20):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts) * 1e3
+
+    for seqs, n in [(32, 5), (1, 5), (64, 1), (1, 1)]:
+        lens = [700 + (7 * i) % 50 for i in range(seqs)]
+        q, k, v, md = _batch(lens, 9, 3, 64, layers=30, layer=7, num_blocks=seqs * 48 + 8, qlens=[n] * seqs)
+        ref = best_ms(lambda: paged_attention_torch(q, k, v, md, 0.125), reps=5)
+        ker = best_ms(lambda: paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True))
+        print(f"{seqs:3d} seqs x {n} query tokens, context ~700: reference {ref:8.3f} ms   "
+              f"kernel {ker:7.3f} ms   ({ref / ker:.1f}x)  [{torch.get_num_threads()} threads]")
+
+
+if __name__ == "__main__":
+    assert cpu_attention.available()
+    _timings()
