@@ -52,10 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import engine_bench
+    from bench import engine_bench, spec_bench
     e = bsub.add_parser("engine", help="engine throughput and latency against transformers")
     engine_bench.add_arguments(e)
     e.set_defaults(fn=_bench, bench_fn=engine_bench.run)
+    s = bsub.add_parser("spec", help="batch-1 inter-token latency with and without speculative decoding")
+    spec_bench.add_arguments(s)
+    s.set_defaults(fn=_bench, bench_fn=spec_bench.run)
     return p
 
 
