@@ -10,19 +10,25 @@ import sys
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, BatonError, SamplingParams
     try:
-        llm = LLM(args.model, max_model_len=args.max_model_len)
+        spec = json.loads(args.speculative_config) if args.speculative_config else None
+        llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=spec)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
         out = llm.chat(messages, params) if not args.raw else llm.generate([args.prompt], params)[0]
+    except json.JSONDecodeError as e:
+        print(f"baton: error: --speculative-config is not valid JSON: {e}", file=sys.stderr)
+        return 2
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
     print(out.text)
     m = out.metrics
+    spec = (f", {m.spec_num_accepted_tokens}/{m.spec_num_draft_tokens} drafts accepted"
+            if m.spec_num_draft_tokens else "")
     print(f"[{m.num_output_tokens} tokens, finish={out.finish_reason}, ttft={m.ttft * 1e3:.0f} ms, "
-          f"{(m.time_per_output_token or 0) * 1e3:.1f} ms/token]", file=sys.stderr)
+          f"{(m.time_per_output_token or 0) * 1e3:.1f} ms/token{spec}]", file=sys.stderr)
     return 0
 
 
@@ -48,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM-style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.set_defaults(fn=_generate)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")

@@ -239,6 +239,11 @@ def test_no_block_leaks_after_rejections_aborts_and_preemption(tiny_pair):
     while engine.has_unfinished_requests():
         preempted += sum(o.metrics.num_preemptions for o in engine.step() if o.finished)
         steps += 1
+        for seq in engine.scheduler.running:              # rollback: nothing held past the next token
+            assert len(seq.block_table) <= -(-seq.num_tokens // 16)
+            st = engine.spec.drafter.state.get(seq.request_id)
+            if st is not None:
+                assert st.fed == seq.token_ids[:len(st.fed)] and len(st.blocks) <= -(-(len(st.fed) + 1) // 16)
         if steps % 5 == 0:                                     # abort one mid-flight now and then
             live = [r for r in rids if r in engine.requests]
             if live:
@@ -320,3 +325,15 @@ def _tv_all(samples, exact):
     for s in samples:
         counts[s] = counts.get(s, 0) + 1
     return _tv(counts, len(samples), exact)
+
+
+def test_cli_generate_takes_a_speculative_config(capsys):
+    from cluster.cli import main
+    assert main(["generate", "--temperature", "0", "--max-tokens", "24", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 4}', "Repeat after me: one two three, one two three"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and "24 tokens" in out.err
+    assert main(["generate", "--speculative-config", "{method: ngram", "hi"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "--speculative-config", '{"method": "eagle"}', "hi"]) == 2
+    assert "method must be one of" in capsys.readouterr().err
