@@ -2,6 +2,15 @@
 
 `target_probs` gives the filtered distribution a request samples from; speculative decoding uses
 the same function for both the draft and the target, so their filters agree.
+
+The filters never sort the whole vocabulary when they do not have to: a row's kept set is found
+inside its K largest logits (`torch.topk`), K = its top_k, or a candidate set (256, then 4096) for
+top-p / min-p rows, which is enough whenever those candidates already reach top_p (or already fall
+below min_p * p_max). A row the candidates do not cover takes the full sort. Both ways run the same
+cut (`_cut`), so the kept set of a row does not depend on which way it went, nor on the batch.
+
+Sampling is an exponential race, argmax w / E with E ~ Exp(1), drawn only over the tokens that can
+win (w > 0), in token-id order, from the row's own generator (or the sampler's).
 """
 from __future__ import annotations
 
@@ -11,6 +20,9 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+# candidate-set sizes tried, in turn, for top-p / min-p rows without top-k; then the full sort
+_CANDIDATES = (256, 4096)
+
 
 @dataclass
 class SampleResult:
@@ -18,52 +30,151 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]     # per row: {token: logprob} incl. the sampled one
 
 
-def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with top-k / top-p / min-p applied (filtered entries at -inf)."""
+@dataclass
+class _Block:
+    """Filtered rows. ids None: whole rows in vocabulary order, nothing filtered (vals = the row).
+    Otherwise ids [r, K]: each row's K largest logits (vals, descending), of which keep says which
+    survive the filters; every token outside ids is filtered."""
+    rows: list[int]
+    vals: torch.Tensor
+    ids: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+
+def _scale(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                          dtype=logits.dtype, device=logits.device)
-    logits = logits / temps.unsqueeze(1)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = _top_k_top_p(logits, params)
-    if any(p.min_p > 0 for p in params):
-        probs = logits.softmax(-1)
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
-        cut = probs < min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(cut, float("-inf"))
-    return logits
+    return logits / temps.unsqueeze(1)
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    return p.top_k if 0 < p.top_k < vocab else 0      # top_k >= vocab keeps everything: off
+
+
+def _filters(p: SamplingParams, vocab: int) -> bool:
+    return _top_k(p, vocab) > 0 or p.top_p < 1.0 or p.min_p > 0
+
+
+def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for ascending distinct rows, without a copy when that is all of t."""
+    return t if len(rows) == t.shape[0] else t[rows]
+
+
+def _blocks(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Block]:
+    """logits: temperature-scaled [R, V]. Splits the rows into blocks whose kept sets are known."""
+    vocab = logits.shape[-1]
+    plain = [i for i, p in enumerate(params) if not _filters(p, vocab)]
+    blocks = [_Block(plain, _take(logits, plain))] if plain else []
+    pending = [i for i, p in enumerate(params) if _filters(p, vocab)]
+    if not pending:
+        return blocks
+    x, sub = _take(logits, pending), [params[i] for i in pending]
+    ks = [_top_k(p, vocab) for p in sub]
+    first = max(max(ks), _CANDIDATES[0]) if min(ks) == 0 else max(ks)
+    sizes = [k for k in (first, *(c for c in _CANDIDATES[1:] if c > first)) if 2 * k < vocab]
+    live = list(range(len(pending)))                        # rows of x not yet covered
+    s_full = None
+    for size in sizes + [vocab]:
+        xl = _take(x, live)
+        if size == vocab:                                   # the full sort: covers every row
+            vals, ids = xl.sort(dim=-1, descending=True)
+        else:
+            vals, ids = xl.topk(size, dim=-1)
+        if s_full is None:      # the normalizer of a top-p row without top-k: sum of exp(x - max), float64
+            s_full = torch.zeros(len(pending), dtype=torch.float64, device=x.device)
+            need = [j for j, (k, p) in enumerate(zip(ks, sub)) if k == 0 and p.top_p < 1.0]
+            if need:
+                s_full[need] = (_take(x, need) - vals[need, :1]).exp_().sum(-1, dtype=torch.float64)
+        keep, covered = _cut(vals, [sub[j] for j in live], s_full[live], vocab)
+        done = covered.nonzero().squeeze(1)
+        if len(done) == len(live):
+            blocks.append(_Block([pending[j] for j in live], vals, ids, keep))
+            return blocks
+        if len(done):
+            blocks.append(_Block([pending[live[j]] for j in done.tolist()], vals[done], ids[done], keep[done]))
+        live = [j for j, c in zip(live, covered.tolist()) if not c]
+    raise AssertionError("unreachable: the full sort covers every row")
+
+
+def _cut(vals: torch.Tensor, params: list[SamplingParams], s_full: torch.Tensor,
+         vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filters on each row's K largest temperature-scaled logits `vals` [R, K] (descending).
+
+    top-k keeps the first top_k; top-p then keeps a token while the mass before it, in the top-k
+    renormalized distribution (the full one without top-k), is < top_p; min-p drops tokens with
+    p < min_p * p_max. With w = exp(x - max): p_max = 1 / s, so min-p is w < min_p, and top-p is
+    (w's prefix sum before the token) / s >= top_p, s = sum of w over the top-k (or the row, s_full).
+    Returns keep [R, K] and covered [R]: whether every token after the K is filtered too.
+    """
+    rows, size = vals.shape
+    dev = vals.device
+    w = (vals - vals[:, :1]).exp().double()
+    csum = w.cumsum(-1)
+    before = torch.cat([torch.zeros(rows, 1, dtype=csum.dtype, device=dev), csum[:, :-1]], dim=1)
+    ks = torch.tensor([_top_k(p, vocab) for p in params], device=dev)
+    has_k = ks > 0
+    s = torch.where(has_k, csum.gather(1, (ks - 1).clamp(0, size - 1).unsqueeze(1)).squeeze(1), s_full)
+    has_p = torch.tensor([p.top_p < 1.0 for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)
+    ranks = torch.arange(size, device=dev)
+    drop = has_k.unsqueeze(1) & (ranks >= ks.unsqueeze(1))
+    drop |= has_p.unsqueeze(1) & (before / s.unsqueeze(1) >= top_p.unsqueeze(1))
+    drop |= w < min_p.unsqueeze(1)
+    drop[:, 0] = False
+    covered = has_k | (size == vocab)
+    covered |= has_p & (csum[:, -1] / s >= top_p)            # the token after the K is cut by top-p
+    covered |= w[:, -1] < min_p                              # ... or by min-p, as are all after it
+    return ~drop, covered
+
+
+def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled logits with top-k / top-p / min-p applied (filtered entries at -inf)."""
+    logits = _scale(logits, params)
+    out = torch.full_like(logits, float("-inf"))
+    for b in _blocks(logits, params):
+        if b.ids is None:
+            out[b.rows] = b.vals
+        else:
+            out[b.rows] = out[b.rows].scatter_(-1, b.ids, b.vals.masked_fill(~b.keep, float("-inf")))
+    return out
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return apply_filters(logits, params).softmax(-1)
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    sorted_logits, idx = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    drop = ranks >= k.unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    mass_before = probs.cumsum(-1) - probs                  # keep a token while the mass before it < p
-    drop |= mass_before >= top_p.unsqueeze(1)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
-
-
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None],
                       default: torch.Generator | None = None) -> torch.Tensor:
-    """Exponential race (argmax p/E, E ~ Exp(1)): one draw per row, per-row generators honoured."""
-    q = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), dtype=probs.dtype,
-                                  device=probs.device).exponential_(generator=default)
-    for i, g in enumerate(generators):
-        if g is not None:
-            q[i].exponential_(generator=g)
-    return (probs / q).argmax(-1)
+    """Exponential race (argmax p/E, E ~ Exp(1)) per row, with draws only where p > 0, in token
+    order, from the row's generator (`default` for None)."""
+    return _race(probs, generators, default)
+
+
+def _race(weights: torch.Tensor, generators: list[torch.Generator | None],
+          default: torch.Generator | None) -> torch.Tensor:
+    """argmax over columns of weights / E (weights >= 0, not necessarily normalized); a row's draws,
+    one per positive weight, in column order, come from its own generator (`default` for None), so
+    a seeded row's result depends on that row alone."""
+    support = weights > 0
+    e = torch.empty_like(weights)
+    unseeded = [r for r, g in enumerate(generators) if g is None]
+    if unseeded:                                            # one block from `default`, in row order
+        mask = _take(support, unseeded)
+        block = torch.full_like(mask, float("inf"), dtype=weights.dtype)
+        block[mask] = torch.empty(int(mask.sum()), dtype=weights.dtype,
+                                  device=weights.device).exponential_(generator=default)
+        e[unseeded] = block
+    for r, g in enumerate(generators):
+        if g is None:
+            continue
+        n = int(support[r].sum())
+        if n == weights.shape[1]:
+            e[r].exponential_(generator=g)
+        else:
+            e[r].fill_(float("inf"))
+            e[r, support[r]] = torch.empty(n, dtype=e.dtype, device=e.device).exponential_(generator=g)
+    return (weights / e).argmax(-1)
 
 
 class Sampler:
@@ -73,13 +184,36 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SampleResult:
         logits = logits.float().cpu()
-        tokens = logits.argmax(-1)
+        tokens = torch.empty(len(params), dtype=torch.long)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            tokens[greedy] = _take(logits, greedy).argmax(-1)
         if sampled:
-            probs = target_probs(logits[sampled], [params[i] for i in sampled])
-            tokens[sampled] = sample_from_probs(probs, [generators[i] for i in sampled], self.generator)
+            tokens[sampled] = self._sample(_take(logits, sampled), [params[i] for i in sampled],
+                                           [generators[i] for i in sampled])
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(logits, params, token_list))
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        """sample_from_probs(target_probs(logits, params)) without the dense [R, V] distribution: the
+        race runs over each row's kept tokens (in token order), weights exp(x - max) (the softmax for
+        rows without filters, exactly as the dense path)."""
+        out = torch.empty(len(params), dtype=torch.long)
+        for b in _blocks(_scale(logits, params), params):
+            gens = [generators[i] for i in b.rows]
+            if b.ids is None:                               # as target_probs + sample_from_probs
+                out[b.rows] = _race(b.vals.softmax(-1), gens, self.generator)
+                continue
+            w = (b.vals - b.vals[:, :1]).exp_().masked_fill_(~b.keep, 0.0)
+            if b.ids.shape[1] == logits.shape[1]:           # the full sort: back to token order
+                out[b.rows] = _race(torch.zeros_like(w).scatter_(-1, b.ids, w), gens, self.generator)
+            else:
+                ids, order = b.ids.sort(-1)
+                pick = _race(w.gather(-1, order), gens, self.generator)
+                out[b.rows] = ids.gather(-1, pick.unsqueeze(1)).squeeze(1)
+        return out
 
     @staticmethod
     def _logprobs(logits, params, tokens) -> list[dict[int, float] | None]:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampler import Sampler, target_probs
+from engine import sampler as sampler_mod
+from engine.sampler import Sampler, apply_filters, sample_from_probs, target_probs
 from engine.sampling_params import SamplingParams
 
 N = 20_000
@@ -280,3 +281,193 @@ def test_revalidation_catches_mutation():
     with pytest.raises(InvalidRequestError, match="temperature"):
         p.validate()
     assert not math.isnan(SamplingParams().temperature)
+
+
+# ---------------------------------------------------------------------------------------------
+# the filters without a full sort: the same kept set as the full-sort definition
+
+VOCAB = 49_152
+
+
+def reference_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The full-sort filter (sort, top-k, top-p on the top-k renormalized distribution, then min-p
+    relative to the top token), computed in float64 from the float32 temperature-scaled logits.
+
+    The earlier float32 version of this code rounded the softmax / cumsum enough (up to ~1e-5 of
+    mass) to move the top-p boundary by a token now and then, and with top_p = 1 cut the tail where
+    the float32 cumsum reached 1.0; the definition is what is compared against here."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+    x = logits / temps.unsqueeze(1)
+    vocab = x.shape[-1]
+    xs, idx = x.sort(dim=-1, descending=True)
+    x64 = xs.double()
+    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    drop = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)
+    probs = x64.masked_fill(drop, float("-inf")).softmax(-1)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=torch.float64)
+    drop |= probs.cumsum(-1) - probs >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    probs = x64.masked_fill(drop, float("-inf")).softmax(-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+    drop |= probs < min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+    return torch.empty_like(x).scatter_(-1, idx, xs.masked_fill(drop, float("-inf")))
+
+
+def _random_case(seed: int, rows: int = 6, vocab: int = VOCAB) -> tuple[torch.Tensor, list[SamplingParams]]:
+    """Random rows: peaked (few tokens hold the mass), medium, and near-flat logits, with a mix of
+    filters: some cut inside the first 256 candidates, some need 4096, some the full sort."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.02, 0.3, 1.0, 3.0, 6.0])[torch.randint(0, 5, (rows, 1), generator=g)]
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    choices = [dict(top_p=0.9), dict(top_p=0.99), dict(top_p=0.999), dict(top_p=0.5), dict(top_k=50),
+               dict(top_k=1), dict(top_k=300, top_p=0.8), dict(top_k=5000, top_p=0.95),
+               dict(top_k=30_000, top_p=0.97), dict(top_k=vocab + 5), dict(min_p=0.1), dict(min_p=0.9),
+               dict(min_p=0.05, top_p=0.97), dict(top_k=300, min_p=0.2, top_p=0.8), dict()]
+    temps = [0.3, 0.7, 1.0, 1.5]
+    params = []
+    for _ in range(rows):
+        c = choices[int(torch.randint(0, len(choices), (1,), generator=g))]
+        t = temps[int(torch.randint(0, len(temps), (1,), generator=g))]
+        params.append(SamplingParams(temperature=t, **c))
+    return logits, params
+
+
+def _assert_same_filter(logits, params):
+    got, ref = apply_filters(logits, params), reference_filters(logits, params)
+    kept_got, kept_ref = torch.isfinite(got), torch.isfinite(ref)
+    for r, p in enumerate(params):
+        assert torch.equal(kept_got[r], kept_ref[r]), (
+            f"row {r} {p}: kept {int(kept_got[r].sum())} tokens, the full sort keeps {int(kept_ref[r].sum())}")
+    assert torch.equal(got[kept_got], ref[kept_ref]), "kept logits must be the temperature-scaled logits"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_filters_equal_the_full_sort_on_random_logits(seed):
+    logits, params = _random_case(seed)
+    _assert_same_filter(logits, params)
+    for r, p in enumerate(params):                   # and each row alone: nothing depends on the batch
+        _assert_same_filter(logits[r:r + 1], [p])
+
+
+def test_filters_cover_every_path():
+    """The random cases above go through the 256 candidates, the 4096 ones, a top_k above both, and
+    the full sort."""
+    widths = set()
+    for seed in range(8):
+        logits, params = _random_case(seed)
+        for rows in [list(range(len(params)))] + [[r] for r in range(len(params))]:
+            ps = [params[r] for r in rows]
+            scaled = sampler_mod._scale(logits[rows], ps)
+            widths |= {b.ids.shape[1] for b in sampler_mod._blocks(scaled, ps) if b.ids is not None}
+    assert {256, 4096, 5000, VOCAB} <= widths, widths
+
+
+def test_filters_fallback_rows():
+    """Rows the candidates cannot cover: flat logits with top_p near 1, min-p that keeps most of the
+    vocabulary, top_k above the candidate sizes; alone and next to rows that are covered."""
+    g = torch.Generator().manual_seed(7)
+    flat = torch.randn(4, VOCAB, generator=g) * 0.02
+    peaked = torch.randn(2, VOCAB, generator=g) * 4
+    logits = torch.cat([flat, peaked])
+    params = [SamplingParams(top_p=0.999), SamplingParams(temperature=0.5, top_p=0.95),
+              SamplingParams(min_p=0.97), SamplingParams(top_k=10_000, top_p=0.99, min_p=0.98),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=50, min_p=0.01)]
+    _assert_same_filter(logits, params)
+    blocks = sampler_mod._blocks(sampler_mod._scale(logits, params), params)
+    assert any(b.ids is not None and b.ids.shape[1] == VOCAB for b in blocks), "no row took the full sort"
+    for r in range(len(params)):
+        _assert_same_filter(logits[r:r + 1], params[r:r + 1])
+
+
+def test_top_p_near_the_boundary_keeps_the_token_whose_mass_before_is_below_p():
+    # mass before each token: 0, 0.5, 0.75, 0.875, ...: top_p exactly at such a sum drops that token
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    logits = torch.log(probs).unsqueeze(0)
+    for top_p, n in [(0.5, 1), (0.5000001, 2), (0.75, 2), (0.76, 3), (0.875, 3), (0.9, 4), (1.0, 5)]:
+        got = apply_filters(logits, [SamplingParams(top_p=top_p)])
+        assert int(torch.isfinite(got).sum()) == n, (top_p, got)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampling over the kept tokens only
+
+def _tv(freq: torch.Tensor, target: torch.Tensor) -> float:
+    return 0.5 * float((freq - target).abs().sum())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_p=0.9),          # the strong tokens only
+    SamplingParams(temperature=1.0, top_p=0.7),          # ~200 tokens: inside the first 256 candidates
+    SamplingParams(temperature=1.0, top_p=0.95),         # ~1570 tokens: the full sort (vocab 2000)
+    SamplingParams(temperature=0.8, top_k=40, min_p=0.05),
+])
+def test_sampled_frequencies_match_the_filtered_distribution(params):
+    g = torch.Generator().manual_seed(11)
+    # 12 strong tokens holding about half the mass, then a long, slowly decreasing (tie-free) tail
+    row = torch.linspace(0.0, -1.0, 2000)
+    row[torch.randperm(2000, generator=g)[:12]] += 5.0 + torch.rand(12, generator=g)
+    target = target_probs(row.unsqueeze(0), [params])[0]
+    n = 8000
+    res = Sampler(seed=2)(row.expand(n, -1).clone(), [params] * n, [None] * n)
+    freq = torch.bincount(torch.tensor(res.token_ids), minlength=2000).float() / n
+    assert freq[target == 0].sum() == 0, "a filtered token was sampled"
+    strong = target.topk(12).indices
+    assert (freq[strong] - target[strong]).abs().max() < 0.015
+    # the tail, in 10 bins of kept tokens: each bin's mass matches
+    kept = (target > 0).nonzero().squeeze(1)
+    kept = kept[~torch.isin(kept, strong)]
+    for chunk in kept.chunk(10):
+        assert abs(float(freq[chunk].sum() - target[chunk].sum())) < 0.02
+
+
+def test_seeded_rows_sample_the_same_whatever_the_batch_and_path():
+    """A seeded filtered row gets the same tokens alone and next to rows that change the candidate
+    size (a big top_k) or force other rows through the full sort."""
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(VOCAB, generator=g) * 3.0           # top_p 0.9 keeps ~1300 tokens: 4096 candidates
+    others = torch.randn(3, VOCAB, generator=g) * 0.02
+    p = SamplingParams(temperature=0.9, top_p=0.9, seed=3)
+    scaled = sampler_mod._scale(row.unsqueeze(0), [p])
+    assert sampler_mod._blocks(scaled, [p])[0].ids.shape[1] == 4096
+
+    def run(extra_params):
+        gen = torch.Generator().manual_seed(3)
+        logits = torch.cat([others[:len(extra_params)], row.unsqueeze(0)])
+        params = extra_params + [p]
+        gens = [None] * len(extra_params) + [gen]
+        sampler = Sampler(seed=0)
+        return [sampler(logits, params, gens).token_ids[-1] for _ in range(10)]
+
+    alone = run([])
+    assert run([SamplingParams(top_k=8000)]) == alone
+    assert run([SamplingParams(top_p=0.999), SamplingParams(), SamplingParams(min_p=0.5)]) == alone
+    assert run([SamplingParams(temperature=0.0)]) == alone
+
+
+def test_sampler_matches_target_probs_then_sample_from_probs():
+    """The Sampler's sparse race and the dense path speculative decoding uses (target_probs +
+    sample_from_probs) draw the same numbers for the same tokens, so they pick the same tokens."""
+    logits, params = _random_case(3, rows=10)
+    for _ in range(5):
+        gens_a = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
+        gens_b = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
+        fast = Sampler(seed=0)._sample(logits, params, gens_a)
+        dense = sample_from_probs(target_probs(logits, params), gens_b)
+        assert fast.tolist() == dense.tolist()
+        logits = logits + torch.randn_like(logits) * 0.1
+
+
+def test_plain_rows_sample_as_before():
+    """Rows without filters still draw one Exp(1) per vocabulary entry: the same tokens as the dense
+    exponential race over softmax(logits / T) with the same generator."""
+    torch.manual_seed(6)
+    logits = torch.randn(4, 500)
+    params = [SamplingParams(temperature=0.8, seed=i) for i in range(4)]
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    got = Sampler()(logits, params, gens).token_ids
+    probs = (logits / 0.8).softmax(-1)
+    expect = []
+    for i in range(4):
+        e = torch.empty(500).exponential_(generator=torch.Generator().manual_seed(i))
+        expect.append(int((probs[i] / e).argmax()))
+    assert got == expect
