@@ -183,7 +183,7 @@ class LLMEngine:
             self._append(seq, toks, lps, now)
             outputs.append(self._output(seq))
         if self.spec is not None:
-            self.spec.end_step(drafted, [s for s, _ in verify], sched.num_tokens, seconds)
+            self.spec.end_step(drafted, [s for s, _ in verify], sched.scheduled, seconds)
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:

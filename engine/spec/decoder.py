@@ -20,7 +20,7 @@ from engine.errors import ConfigError
 from engine.kv import BlockPool
 from engine.sampler import Sampler, target_probs
 from engine.sequence import Sequence
-from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost
+from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
 from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramDrafter
@@ -28,7 +28,7 @@ from engine.spec.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
 
-MAX_FIT_TOKENS = 512          # steps larger than this (big prefill chunks) do not refit the cost line
+SHADOW_EVERY = 4              # prompt lookup at k = 0: look (and learn) every this many steps
 
 
 class SpecDecoder:
@@ -38,17 +38,20 @@ class SpecDecoder:
         self.max_k = self.cfg.num_speculative_tokens
         self.metrics = SpecMetrics()
         self.drafter = self._build_drafter()
-        verify_cost = self._calibrate(engine.runner, None)
+        sizes = [t for t in (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128)
+                 if t <= max(engine.config.max_num_batched_tokens, 2)]
+        verify = StepCost(self._profile(engine.runner, None, sizes)) if self.cfg.adaptive else StepCost([(1, 1.0)])
         if self.cfg.method == "ngram":
             draft_cost = (0.0, 2e-5)                         # a numpy lookup per request
         else:
-            draft_cost = self._calibrate(self.drafter.runner, self.drafter.num_layers)
-        self.controller = DepthController(self.max_k, self.cfg.adaptive, LinearCost(*verify_cost),
-                                          LinearCost(*draft_cost))
-        log.info("speculative decoding: %s, up to %d drafts (%s); step cost %.1f ms + %.2f ms/token, "
+            d1, d8 = (t for _, t in self._profile(self.drafter.runner, self.drafter.num_layers, [1, 8]))
+            b = max((d8 - d1) / 7, 0.0)
+            draft_cost = (max(d1 - b, 0.0), b)
+        self.controller = DepthController(self.max_k, self.cfg.adaptive, verify, LinearCost(*draft_cost))
+        log.info("speculative decoding: %s, up to %d drafts (%s); step %.1f ms at 1 token, %.1f ms at %d; "
                  "draft pass %.1f ms + %.2f ms/request", self.cfg.method, self.max_k,
-                 "adaptive" if self.cfg.adaptive else "fixed", verify_cost[0] * 1e3, verify_cost[1] * 1e3,
-                 draft_cost[0] * 1e3, draft_cost[1] * 1e3)
+                 "adaptive" if self.cfg.adaptive else "fixed", verify(1) * 1e3, verify(sizes[-1]) * 1e3,
+                 sizes[-1], draft_cost[0] * 1e3, draft_cost[1] * 1e3)
 
     def _build_drafter(self):
         e, cfg = self.engine, self.cfg
@@ -86,21 +89,19 @@ class SpecDecoder:
         return DraftModelProposer(runner, BlockPool(runner.num_blocks, c.block_size, enable_caching=False))
 
     @staticmethod
-    def _calibrate(runner, num_layers: int | None) -> tuple[float, float]:
-        """Seconds of a forward over 1 and over 8 one-token rows: the prior (a, b) of its cost line.
+    def _profile(runner, num_layers: int | None, sizes: list[int]) -> list[tuple[int, float]]:
+        """Seconds of a forward over T one-token rows, for each T (best of 2): the cost table's prior.
         Writes garbage K/V to slot 0 of block 0, which nothing uses yet."""
         def timed(n: int) -> float:
             items = [([0], 0, [0], 1)] * n
             best = float("inf")
-            for _ in range(3):
+            for _ in range(2):
                 t0 = time.perf_counter()
                 runner.forward_batch(items, num_layers=num_layers)
                 best = min(best, time.perf_counter() - t0)
             return best
         timed(1)                                             # warm-up (kernel build, allocator)
-        t1, t8 = timed(1), timed(8)
-        b = max((t8 - t1) / 7, 0.0)
-        return max(t1 - b, 0.0), b
+        return [(n, timed(n)) for n in sizes]
 
     # -- before scheduling: choose depths, draft ----------------------------------------------------
     def propose(self, running: list[Sequence], budget: int) -> list[Sequence]:
@@ -117,16 +118,23 @@ class SpecDecoder:
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             cands.append(seq)
-            limits.append(self.drafter.available(seq, room))
+            limits.append(room)
             alphas.append(self.controller.alpha(seq.spec.acc, seq.spec.trials))
         if not cands:
             return []
-        ks = self.controller.choose(alphas, limits, min(base, e.config.max_num_batched_tokens))
+        base = min(base, e.config.max_num_batched_tokens)
+        if not self.drafter.model_based:
+            # prompt lookup only where a draft could pay (a first pass with every room open), and
+            # every SHADOW_EVERY idle steps to keep measuring requests left at k = 0
+            pre = self.controller.choose(alphas, limits, base)
+            limits = [self.drafter.available(seq, room) if k > 0 or (seq.spec.idle_steps + 1) % SHADOW_EVERY == 0
+                      else 0 for seq, room, k in zip(cands, limits, pre)]
+        ks = self.controller.choose(alphas, limits, base)
         for i, seq in enumerate(cands):
-            if ks[i] == 0 and limits[i] > 0 and self.cfg.adaptive:
-                seq.spec.shadow = self.drafter.peek(seq)
+            if ks[i] == 0 and self.cfg.adaptive:
+                seq.spec.shadow = self.drafter.peek(seq) if limits[i] > 0 else None
                 seq.spec.idle_steps += 1
-                if self.drafter.model_based and seq.spec.idle_steps >= PROBE_EVERY:
+                if self.drafter.model_based and limits[i] > 0 and seq.spec.idle_steps >= PROBE_EVERY:
                     ks[i], seq.spec.idle_steps = 1, 0        # re-measure a request left at k = 0
             elif ks[i] > 0:
                 seq.spec.idle_steps, seq.spec.shadow = 0, None
@@ -193,10 +201,10 @@ class SpecDecoder:
             self.controller.observe(seq.spec, 1, int(token == seq.spec.shadow))
             seq.spec.shadow = None
 
-    def end_step(self, drafted: list[Sequence], verified: list[Sequence], num_tokens: int,
+    def end_step(self, drafted: list[Sequence], verified: list[Sequence], scheduled: list[tuple[Sequence, int]],
                  seconds: float) -> None:
-        if num_tokens <= MAX_FIT_TOKENS:
-            self.controller.verify.observe(num_tokens, seconds)
+        if all(n <= 1 + self.max_k for _, n in scheduled):  # decode/verify steps correct the cost table
+            self.controller.verify.observe(sum(n for _, n in scheduled), seconds)
         if verified:
             self.metrics.verify_time += seconds
         for seq in verified:

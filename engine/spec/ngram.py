@@ -19,15 +19,20 @@ class NgramProposer:
             raise ValueError("num_speculative_tokens must be >= 1")
 
     def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
-        """Up to k draft tokens (possibly none): try the longest n-gram first, newest match first."""
+        """Up to k draft tokens (possibly none): the longest tail n-gram (<= prompt_lookup_max) that
+        occurred earlier, newest occurrence first; what followed it is the proposal."""
         k = self.num_speculative_tokens if k is None else k
         ids = np.asarray(token_ids)
         n_tok = len(ids)
-        for n in range(min(self.prompt_lookup_max, n_tok - 1), self.prompt_lookup_min - 1, -1):
-            tail = ids[n_tok - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:n_tok - 1], n)   # starts 0..n_tok-1-n
-            hits = np.flatnonzero((windows == tail).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n                                     # what followed the match
-                return ids[start:start + k].tolist()
-        return []
+        ends = np.flatnonzero(ids[:n_tok - 1] == ids[n_tok - 1])     # earlier matches of the last token
+        best = int(ends[-1]) if ends.size and self.prompt_lookup_min <= 1 else None
+        for length in range(1, min(self.prompt_lookup_max, n_tok - 1)):
+            ends = ends[ends >= length]                               # extend matches one token back
+            ends = ends[ids[ends - length] == ids[n_tok - 1 - length]]
+            if not ends.size:
+                break
+            if length + 1 >= self.prompt_lookup_min:
+                best = int(ends[-1])
+        if best is None:
+            return []
+        return ids[best + 1:best + 1 + k].tolist()
