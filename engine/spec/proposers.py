@@ -42,9 +42,30 @@ class _DraftKV:
     blocks: list[int] = field(default_factory=list)
 
 
-class NgramDrafter:
-    """Prompt lookup: the candidates are known before depth is chosen, so `available` proposes."""
+class Proposer:
+    """What SpecDecoder asks of a proposer; the defaults suit one that keeps no state."""
     model_based = False
+
+    def available(self, seq: Sequence, room: int) -> int:
+        """How many drafts it could offer (at most `room`)."""
+        return room
+
+    def peek(self, seq: Sequence) -> int | None:
+        """The first draft it would propose now, if it knows without a model pass."""
+        return None
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a verify step: forget draft state past the accepted tokens."""
+
+    def release(self, seq: Sequence) -> None:
+        """The request finished, was aborted or preempted."""
+
+    def stats(self) -> dict:
+        return {}
+
+
+class NgramDrafter(Proposer):
+    """Prompt lookup: the candidates are known before depth is chosen, so `available` proposes."""
 
     def __init__(self, cfg):
         self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
@@ -64,27 +85,12 @@ class NgramDrafter:
         self._pending.clear()
         return out, []
 
-    def rollback(self, seq: Sequence) -> None:
-        pass
 
-    def release(self, seq: Sequence) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
-
-
-class _ModelProposer:
+class _ModelProposer(Proposer):
     model_based = True
 
     def __init__(self, runner, num_layers: int | None):
         self.runner, self.num_layers = runner, num_layers
-
-    def available(self, seq: Sequence, room: int) -> int:
-        return room
-
-    def peek(self, seq: Sequence) -> int | None:
-        return None
 
     def _prepare(self, seq: Sequence, k: int) -> tuple[list[int], int, list[int]] | None:
         """(tokens to feed first, their first position, block table), or None if there is no room."""
@@ -190,12 +196,3 @@ class LayerSkipProposer(_ModelProposer):
         if not self.allocate(seq, 1 + k):
             return None
         return [seq.token_ids[-1]], seq.num_tokens - 1, seq.block_table
-
-    def rollback(self, seq: Sequence) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
