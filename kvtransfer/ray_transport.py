@@ -1,0 +1,136 @@
+"""RayTransport: the fallback KV transport, block bytes copied through the Ray object store.
+
+Same interface and unpin semantics as NixlTransport, for where NIXL cannot run. The consumer asks
+the producer for the blocks with `block_source(agent, request_id, block_ids)` (in Ray: a call to the
+producer actor's `read_blocks`, returning an ObjectRef, so many pulls can be in flight); the producer
+copies them out of its cache while they are pinned and counts the request as pulled (its next
+poll() returns it); the consumer copies the bytes into its blocks. Two more copies than NIXL's
+one-sided READ, plus Ray's object transfer: that is why it is not the default.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kvtransfer.errors import KVTransferError
+from kvtransfer.handle import KVHandle
+from kvtransfer.transport import KVTransport
+
+
+class RayTransport(KVTransport):
+    kind = "ray"
+
+    def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
+                 block_source: Callable[[str, str, list[int]], Any] | None = None):
+        super().__init__(kv_cache, name_prefix, compat_key)
+        self.block_source = block_source
+        self.blocks = kv_cache.view(-1).view(torch.uint8).view(self.num_blocks, self.block_bytes)
+        self.peers: dict[str, str] = {}           # agent name -> prefix
+        self._pulled: list[str] = []
+
+    # -- producer ---------------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        return self._envelope()
+
+    def read_blocks(self, agent: str, request_id: str, block_ids: list[int]) -> np.ndarray:
+        """The bytes of pinned blocks [len, block_bytes], for a consumer; the request counts as pulled."""
+        pin = self.pins.get(request_id)
+        if agent != self.name or pin is None or time.time() >= pin.expiry:
+            raise KVTransferError(f"{self.name} holds no KV pin for {request_id} of {agent} "
+                                  f"(restarted, expired or already pulled)")
+        if not set(block_ids) <= set(pin.block_ids):
+            raise KVTransferError(f"{request_id}: blocks {sorted(set(block_ids) - set(pin.block_ids))} are not pinned")
+        data = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
+        for i, b in enumerate(block_ids):        # block by block: memcpy speed; a gather by index is 10x slower
+            data[i].copy_(self.blocks[b])
+        self._pulled.append(request_id)
+        return data.numpy()
+
+    def _notified(self) -> list[str]:
+        pulled, self._pulled = self._pulled, []
+        return pulled
+
+    # -- handshake --------------------------------------------------------------------------------
+    def add_peer(self, metadata: bytes) -> str:
+        env = self._open_envelope(metadata)
+        self.peers = {n: p for n, p in self.peers.items() if p != env["prefix"]}     # a restart replaces
+        self.peers[env["name"]] = env["prefix"]
+        return env["name"]
+
+    # -- consumer ---------------------------------------------------------------------------------
+    def start_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0) -> RayPull:
+        self._check_pull(handle, dst_block_ids, skip_blocks)
+        if self.block_source is None:
+            raise KVTransferError(f"{self.name}: no block_source to ask producer {handle.agent}")
+        try:
+            ref = self.block_source(handle.agent, handle.request_id, handle.block_ids[skip_blocks:])
+        except Exception as e:
+            raise KVTransferError(f"{self.name}: cannot ask producer {handle.agent} for blocks: {e!r}") from e
+        return RayPull(self, handle, list(dst_block_ids[skip_blocks:]), ref)
+
+    def write_blocks(self, dst_block_ids: list[int], data) -> None:
+        arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.size != len(dst_block_ids) * self.block_bytes:
+            raise KVTransferError(f"{self.name}: got {getattr(arr, 'size', '?')} bytes for "
+                                  f"{len(dst_block_ids)} blocks of {self.block_bytes}")
+        if dst_block_ids:
+            with warnings.catch_warnings():          # Ray hands out read-only arrays; we only read them
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.from_numpy(arr.reshape(len(dst_block_ids), self.block_bytes))
+            for i, b in enumerate(dst_block_ids):
+                self.blocks[b].copy_(src[i])
+
+
+class RayPull:
+    """One request's blocks on their way through the object store."""
+
+    def __init__(self, transport: RayTransport, handle: KVHandle, dst: list[int], ref):
+        self.t, self.handle, self.dst, self.ref = transport, handle, dst, ref
+        self.request_id = handle.request_id
+        self.finished = False
+        self.error: KVTransferError | None = None
+
+    def done(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        if self.finished:
+            return True
+        import ray
+        data = self.ref
+        if isinstance(self.ref, ray.ObjectRef):
+            if not ray.wait([self.ref], timeout=0)[0]:
+                if time.time() >= self.handle.expiry:
+                    self._fail(KVTransferError(f"pull of {self.request_id} not done by the handle's expiry"))
+                return False
+            try:
+                data = ray.get(self.ref)
+            except Exception as e:
+                cause = getattr(e, "cause", None) or e          # a RayTaskError carries the producer's error
+                self._fail(KVTransferError(f"pull of {self.request_id} from {self.handle.agent} failed: {cause}"))
+        try:
+            self.t.write_blocks(self.dst, data)
+        except KVTransferError as e:
+            self._fail(e)
+        self.finished, self.ref = True, None
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        import ray
+        if isinstance(self.ref, ray.ObjectRef) and self.error is None:
+            left = self.handle.expiry - time.time()
+            ray.wait([self.ref], timeout=max(0.0, left if timeout_s is None else min(left, timeout_s)))
+        if not self.done():
+            self._fail(KVTransferError(f"pull of {self.request_id} timed out"))
+
+    async def wait_async(self, poll_s: float = 5e-4) -> None:
+        while not self.done():
+            await asyncio.sleep(poll_s)
+
+    def _fail(self, error: KVTransferError):
+        self.ref, self.error = None, error
+        raise error

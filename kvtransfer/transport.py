@@ -1,0 +1,147 @@
+"""What every KV transport shares: the cache's block geometry, the producer's pin table (unpin on the
+consumer's notification or at the handle's expiry), and the checks a pull passes before it copies.
+
+Producer (prefill engine owner):           Consumer (decode engine owner):
+    handle = t.export(rid, blocks, ...)        kv = engine.reserve_blocks(ids)
+    ... send handle.to_bytes() ...             t.pull(handle, kv.block_ids, skip_blocks=kv.num_local_blocks)
+    for rid in t.poll():                       # or: x = t.start_pull(...); ... x.done() / x.wait()
+        engine.release_pinned(rid)
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgpack
+import torch
+
+from kvtransfer.errors import KVCompatibilityError, KVTransferError
+from kvtransfer.handle import KVHandle, compat_hash
+
+log = logging.getLogger(__name__)
+
+ENVELOPE_VERSION = 1
+
+
+class Pull(Protocol):
+    """One request's transfer in flight. done() never blocks; both raise KVTransferError on failure."""
+    request_id: str
+
+    def done(self) -> bool: ...
+    def wait(self, timeout_s: float | None = None) -> None: ...
+
+
+@dataclass(slots=True)
+class Pin:
+    block_ids: list[int]
+    expiry: float
+
+
+class KVTransport:
+    """Base of NixlTransport and RayTransport: one per engine, producer and consumer at once.
+
+    `name_prefix` names the replica and must survive its restarts (a restart gets the same prefix
+    and a new uuid: consumers drop the dead incarnation); `compat_key` is engine.compat_key().
+    Use a transport from one thread (or one asyncio loop): NIXL's agent is not locked."""
+    kind = ""
+
+    def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str):
+        if not kv_cache.is_contiguous() or kv_cache.dim() < 2:
+            raise ValueError("the KV cache must be one contiguous tensor [num_blocks, ...]")
+        self.kv_cache = kv_cache
+        self.num_blocks = kv_cache.shape[0]
+        self.block_bytes = kv_cache.stride(0) * kv_cache.element_size()
+        self.prefix = name_prefix
+        self.name = f"{name_prefix}-{uuid.uuid4().hex[:12]}"     # a restart is a new peer, never the old one
+        self.compat_key = compat_key
+        self.compat = compat_hash(compat_key)
+        self.pins: dict[str, Pin] = {}
+        self.num_released = {"notified": 0, "expired": 0}
+
+    # -- producer ---------------------------------------------------------------------------------
+    def export(self, request_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int,
+               ttl_s: float = 30.0) -> KVHandle:
+        """Pin `block_ids` for a consumer until it notifies or `ttl_s` passes; poll() says when."""
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        expiry = time.time() + ttl_s
+        self.pins[request_id] = Pin(list(block_ids), expiry)
+        return KVHandle(self.name, request_id, list(block_ids), list(block_hashes), num_tokens, self.compat,
+                        expiry, self.kind)
+
+    def poll(self) -> list[str]:
+        """Request ids to unpin now (engine.release_pinned): pulled by their consumer, or expired."""
+        done = [r for r in self._notified() if self.pins.pop(r, None) is not None]
+        now = time.time()
+        expired = [r for r, pin in self.pins.items() if now >= pin.expiry]
+        for r in expired:
+            del self.pins[r]
+        if expired:
+            log.warning("%s: %d KV pins expired unpulled: %s", self.name, len(expired), expired[:8])
+        self.num_released["notified"] += len(done)
+        self.num_released["expired"] += len(expired)
+        return done + expired
+
+    def _notified(self) -> list[str]:
+        raise NotImplementedError
+
+    # -- handshake --------------------------------------------------------------------------------
+    def _envelope(self, **extra) -> bytes:
+        return msgpack.packb({"v": ENVELOPE_VERSION, "kind": self.kind, "name": self.name, "prefix": self.prefix,
+                              "compat_key": self.compat_key, "block_bytes": self.block_bytes,
+                              "num_blocks": self.num_blocks, **extra})
+
+    def _open_envelope(self, metadata: bytes) -> dict:
+        """A peer's metadata, checked against ours before anything else is done with it."""
+        try:
+            env = msgpack.unpackb(metadata)
+            name, key, kind, version = env["name"], env["compat_key"], env["kind"], env["v"]
+        except Exception as e:
+            raise KVTransferError(f"{self.name}: malformed peer metadata ({e!r})") from e
+        if version != ENVELOPE_VERSION:
+            raise KVTransferError(f"peer {name} speaks metadata version {version}, not {ENVELOPE_VERSION}")
+        if kind != self.kind:
+            raise KVCompatibilityError(f"peer {name} uses the {kind!r} transport, this engine {self.kind!r}")
+        if key != self.compat_key or env["block_bytes"] != self.block_bytes:
+            raise KVCompatibilityError(f"peer {name}'s KV cache is not compatible with {self.name}'s: "
+                                       f"{key!r} ({env['block_bytes']} B/block) vs "
+                                       f"{self.compat_key!r} ({self.block_bytes} B/block)")
+        return env
+
+    # -- consumer ---------------------------------------------------------------------------------
+    def pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0,
+             timeout_s: float | None = None) -> None:
+        """Copy the producer's blocks [skip:] into dst [skip:] and tell the producer; blocking."""
+        self.start_pull(handle, dst_block_ids, skip_blocks).wait(timeout_s)
+
+    def start_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0) -> Pull:
+        raise NotImplementedError
+
+    def _check_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int) -> None:
+        """Refuse, before any byte moves, a pull that could copy the wrong thing."""
+        if handle.kind != self.kind:
+            raise KVCompatibilityError(f"handle {handle.request_id} is for the {handle.kind!r} transport, "
+                                       f"this engine uses {self.kind!r}")
+        if handle.compat != self.compat:
+            raise KVCompatibilityError(f"handle {handle.request_id} comes from an incompatible engine "
+                                       f"(compat {handle.compat} vs {self.compat} = {self.compat_key!r})")
+        if len(dst_block_ids) != len(handle.block_ids):
+            raise KVTransferError(f"handle {handle.request_id} has {len(handle.block_ids)} blocks, "
+                                  f"{len(dst_block_ids)} destination blocks given")
+        if not 0 <= skip_blocks <= len(dst_block_ids):
+            raise KVTransferError(f"skip_blocks {skip_blocks} is outside [0, {len(dst_block_ids)}]")
+        if any(not 0 <= b < self.num_blocks for b in dst_block_ids):
+            raise KVTransferError(f"destination block ids must be in [0, {self.num_blocks})")
+        if time.time() >= handle.expiry:
+            raise KVTransferError(f"handle {handle.request_id} expired {time.time() - handle.expiry:.1f} s ago: "
+                                  f"its producer may have reused the blocks")
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"kv_pinned_requests": len(self.pins), "kv_released_notified": self.num_released["notified"],
+                "kv_released_expired": self.num_released["expired"]}

@@ -1,0 +1,249 @@
+"""KV hand-off between engines in separate processes (Ray actors): exact pulls, partial pulls, 32 in
+flight, unpin on notification and on timeout, a producer restarted mid-run, compatibility checks;
+for NIXL and for the Ray fallback."""
+from __future__ import annotations
+
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from kvtransfer import KVCompatibilityError, KVHandle, KVHandleError, KVTransferError, make_transport  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_BLOCKS = 256
+LAYOUT = (4, 2, 16, 2, 16)      # layers, K/V, block size, kv heads, head dim: 16 KiB fp32 blocks
+COMPAT = "llama:test:torch.float32:bs16:L4:kv2x16:v1"
+
+
+def _actor(agent: str):
+    return ray.get_actor(agent.rsplit("-", 1)[0])        # in these tests an agent's prefix names its actor
+
+
+def _nixl_source(agent: str) -> bytes:
+    return ray.get(_actor(agent).metadata.remote())
+
+
+def _ray_source(agent: str, request_id: str, block_ids: list[int]):
+    return _actor(agent).read_blocks.remote(agent, request_id, block_ids)
+
+
+class KVOwner:
+    """Stands in for an engine's owner: a random KV cache of the engine's layout and its transport."""
+
+    def __init__(self, kind: str, prefix: str, compat: str = COMPAT, num_blocks: int = NUM_BLOCKS):
+        self.kv = torch.randn((num_blocks, *LAYOUT))     # different in every incarnation
+        self.t = make_transport(self.kv, prefix, compat, kind=kind,
+                                source=_nixl_source if kind == "nixl" else _ray_source)
+
+    def name(self) -> str:
+        return self.t.name
+
+    def metadata(self) -> bytes:
+        return self.t.metadata()
+
+    def read_blocks(self, agent, request_id, block_ids):
+        return self.t.read_blocks(agent, request_id, block_ids)
+
+    def export(self, request_id: str, block_ids: list[int], ttl_s: float = 60.0) -> bytes:
+        return self.t.export(request_id, block_ids, [], 16 * len(block_ids), ttl_s).to_bytes()
+
+    def poll(self) -> list[str]:
+        return self.t.poll()
+
+    def blocks(self, block_ids: list[int]) -> np.ndarray:
+        return self.kv[block_ids].numpy()
+
+    def pull(self, jobs: list[tuple[bytes, list[int], int]]) -> list[str | None]:
+        """Start every pull, then wait for each: None where it succeeded, else 'ErrorType: message'."""
+        started = []
+        for handle, dst, skip in jobs:
+            try:
+                started.append(self.t.start_pull(KVHandle.from_bytes(handle), dst, skip))
+            except Exception as e:
+                started.append(e)
+        out = []
+        for p in started:
+            try:
+                if isinstance(p, Exception):
+                    raise p
+                p.wait(timeout_s=30)
+                out.append(None)
+            except Exception as e:
+                out.append(f"{type(e).__name__}: {e}")
+        return out
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            return self.t.add_peer(metadata)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+
+def _spawn(kind: str, prefix: str, **kw):
+    return ray.remote(KVOwner).options(name=prefix, num_cpus=0, max_restarts=1).remote(kind, prefix, **kw)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.tobytes() == b.tobytes()
+
+
+def _released(producer, want: set[str], timeout_s: float = 10.0) -> set[str]:
+    got, deadline = set(), time.monotonic() + timeout_s
+    while not want <= got and time.monotonic() < deadline:
+        got |= set(ray.get(producer.poll.remote()))
+        time.sleep(0.02)
+    return got
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])    # workers cannot import this file
+    ray.init(num_cpus=2, namespace="test-kvtransfer", include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=["nixl", "ray"])
+def pair(request, cluster):
+    kind = request.param
+    producer, consumer = _spawn(kind, f"producer-{kind}"), _spawn(kind, f"consumer-{kind}")
+    ray.get([producer.name.remote(), consumer.name.remote()])
+    yield kind, producer, consumer
+    for a in (producer, consumer):
+        ray.kill(a)
+
+
+# -- without Ray ----------------------------------------------------------------------------------
+
+def test_handle_round_trips_and_rejects_malformed_bytes():
+    h = KVHandle("prefill-0-ab12", "req-1", [3, 1, 2], [2**64 - 1, 7], 40, "c0ffee", 1.8e9, "nixl")
+    assert KVHandle.from_bytes(h.to_bytes()) == h
+    d = msgpack.unpackb(h.to_bytes())
+    for bad in (b"\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({**d, "v": 99}),
+                msgpack.packb({k: v for k, v in d.items() if k != "expiry"}),
+                msgpack.packb({**d, "block_ids": [1, "x"]}), msgpack.packb({**d, "kind": "carrier-pigeon"}),
+                msgpack.packb({**d, "extra": 1})):
+        with pytest.raises(KVHandleError):
+            KVHandle.from_bytes(bad)
+
+
+def test_make_transport_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match="nixl"):
+        make_transport(torch.zeros(4, 8), "x", COMPAT, kind="carrier-pigeon")
+
+
+# -- two processes --------------------------------------------------------------------------------
+
+def test_pull_is_byte_exact_and_touches_only_its_blocks(pair):
+    _, producer, consumer = pair
+    src, dst = [3, 7, 8, 9, 40], [100, 5, 6, 200, 11]
+    before = ray.get(consumer.blocks.remote(list(range(NUM_BLOCKS))))
+    handle = ray.get(producer.export.remote("exact", src))
+    assert ray.get(consumer.pull.remote([(handle, dst, 0)])) == [None]
+    after = ray.get(consumer.blocks.remote(list(range(NUM_BLOCKS))))
+    assert _same(after[dst], ray.get(producer.blocks.remote(src)))
+    rest = sorted(set(range(NUM_BLOCKS)) - set(dst))
+    assert _same(after[rest], before[rest])
+
+
+def test_partial_pull_leaves_the_locally_cached_blocks_alone(pair):
+    _, producer, consumer = pair
+    src, dst = [20, 21, 22, 23, 24, 25], [50, 51, 52, 53, 54, 55]
+    before = ray.get(consumer.blocks.remote(dst))
+    handle = ray.get(producer.export.remote("partial", src))
+    assert ray.get(consumer.pull.remote([(handle, dst, 2)])) == [None]
+    after = ray.get(consumer.blocks.remote(dst))
+    assert _same(after[:2], before[:2])
+    assert _same(after[2:], ray.get(producer.blocks.remote(src[2:])))
+    # every block already local: nothing is copied, but the producer still hears it can unpin
+    handle = ray.get(producer.export.remote("all-local", [30, 31]))
+    before = ray.get(consumer.blocks.remote([60, 61]))
+    assert ray.get(consumer.pull.remote([(handle, [60, 61], 2)])) == [None]
+    assert _same(ray.get(consumer.blocks.remote([60, 61])), before)
+    assert "all-local" in _released(producer, {"all-local"})
+
+
+def test_32_transfers_in_flight_are_all_exact_and_all_unpinned(pair):
+    _, producer, consumer = pair
+    rng = np.random.default_rng(0)
+    srcs = [rng.choice(NUM_BLOCKS, size=3, replace=False).tolist() for _ in range(32)]
+    dsts = rng.permutation(NUM_BLOCKS)[:96].reshape(32, 3).tolist()       # disjoint destinations
+    handles = ray.get([producer.export.remote(f"many-{i}", s) for i, s in enumerate(srcs)])
+    assert ray.get(consumer.pull.remote([(h, d, 0) for h, d in zip(handles, dsts)])) == [None] * 32
+    got = ray.get(consumer.blocks.remote(sum(dsts, [])))
+    want = ray.get(producer.blocks.remote(sum(srcs, [])))
+    assert _same(got, want)
+    ids = {f"many-{i}" for i in range(32)}
+    assert ids <= _released(producer, ids)
+
+
+def test_producer_unpins_when_the_consumer_says_it_pulled(pair):
+    _, producer, consumer = pair
+    ray.get(producer.poll.remote())
+    handle = ray.get(producer.export.remote("notify", [1, 2]))
+    assert "notify" not in ray.get(producer.poll.remote())          # pinned while nobody pulled
+    assert ray.get(consumer.pull.remote([(handle, [1, 2], 0)])) == [None]
+    assert "notify" in _released(producer, {"notify"})
+
+
+def test_producer_unpins_at_expiry_and_an_expired_handle_is_refused(pair):
+    _, producer, consumer = pair
+    handle = ray.get(producer.export.remote("ttl", [4, 5], 0.5))
+    assert "ttl" not in ray.get(producer.poll.remote())
+    time.sleep(0.6)
+    assert "ttl" in ray.get(producer.poll.remote())
+    before = ray.get(consumer.blocks.remote([70, 71]))
+    (err,) = ray.get(consumer.pull.remote([(handle, [70, 71], 0)]))
+    assert err.startswith("KVTransferError") and "expired" in err
+    assert _same(ray.get(consumer.blocks.remote([70, 71])), before)
+
+
+def test_incompatible_engines_never_copy(pair):
+    kind, producer, consumer = pair
+    odd = _spawn(kind, f"odd-{kind}", compat=COMPAT.replace("bs16", "bs32"), num_blocks=16)
+    try:
+        before = ray.get(consumer.blocks.remote([0]))
+        (err,) = ray.get(consumer.pull.remote([(ray.get(odd.export.remote("odd", [1])), [0], 0)]))
+        assert err.startswith("KVCompatibilityError")
+        assert ray.get(consumer.add_peer.remote(ray.get(odd.metadata.remote()))).startswith("KVCompatibilityError")
+        assert _same(ray.get(consumer.blocks.remote([0])), before)
+    finally:
+        ray.kill(odd)
+    # a handle of the other transport kind is refused the same way
+    other = "ray" if kind == "nixl" else "nixl"
+    h = KVHandle.from_bytes(ray.get(producer.export.remote("kind", [1])))
+    forged = KVHandle(h.agent, h.request_id, h.block_ids, h.block_hashes, h.num_tokens, h.compat, h.expiry, other)
+    (err,) = ray.get(consumer.pull.remote([(forged.to_bytes(), [0], 0)]))
+    assert err.startswith("KVCompatibilityError")
+
+
+def test_consumer_recovers_from_a_producer_restart(pair):
+    _, producer, consumer = pair
+    old = ray.get(producer.name.remote())
+    first, stale = ray.get([producer.export.remote("before", [10, 11]), producer.export.remote("stale", [12])])
+    assert ray.get(consumer.pull.remote([(first, [80, 81], 0)])) == [None]       # the old agent is known
+    ray.kill(producer, no_restart=False)
+    new, deadline = old, time.monotonic() + 60                     # ray.kill returns before the process dies
+    while new == old:
+        assert time.monotonic() < deadline, "the producer did not come back"
+        try:
+            new = ray.get(producer.name.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.2)
+    before = ray.get(consumer.blocks.remote([90]))
+    (err,) = ray.get(consumer.pull.remote([(stale, [90], 0)]))     # names the dead agent: fails alone
+    assert err.startswith("KVTransferError"), err
+    assert _same(ray.get(consumer.blocks.remote([90])), before)
+    after = ray.get(producer.export.remote("after", [10, 11, 12]))
+    assert ray.get(consumer.pull.remote([(after, [82, 83, 84], 0)])) == [None]
+    assert _same(ray.get(consumer.blocks.remote([82, 83, 84])), ray.get(producer.blocks.remote([10, 11, 12])))
+    (err,) = ray.get(consumer.pull.remote([(stale, [90], 0)]))     # the new incarnation replaced the old
+    assert err.startswith("KVTransferError"), err
