@@ -9,11 +9,10 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
-
-from kvtransfer import KVCompatibilityError, KVHandle, KVHandleError, KVTransferError, make_transport  # noqa: E402
+from kvtransfer import KVHandle, KVHandleError, make_transport
 
 pytestmark = pytest.mark.timeout(300)
 
