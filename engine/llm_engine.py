@@ -145,8 +145,7 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        drafted = (self.spec.propose(self.scheduler.running, self.config.max_num_batched_tokens)
-                   if self.spec is not None else [])
+        drafted = self.spec.propose(self.scheduler.running) if self.spec is not None else []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self._drop_spec(seq)

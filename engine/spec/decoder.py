@@ -104,7 +104,7 @@ class SpecDecoder:
         return [(n, timed(n)) for n in sizes]
 
     # -- before scheduling: choose depths, draft ----------------------------------------------------
-    def propose(self, running: list[Sequence], budget: int) -> list[Sequence]:
+    def propose(self, running: list[Sequence]) -> list[Sequence]:
         """Leave drafts on decode-phase requests; returns the requests that got some."""
         e = self.engine
         cands, limits, alphas = [], [], []
