@@ -54,9 +54,14 @@ def make_workload(allowed: np.ndarray, num_requests: int, seed: int, prompt_len:
 _T0 = time.perf_counter()
 
 
-def log(msg: str) -> None:
-    """Progress on stderr, so `--json` keeps stdout clean."""
-    print(f"[engine-bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+def make_logger(name: str) -> Callable[[str], None]:
+    """Progress lines `[name  seconds] msg` on stderr, so `--json` keeps stdout clean."""
+    def log(msg: str) -> None:
+        print(f"[{name} {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+    return log
+
+
+log = make_logger("engine-bench")
 
 
 def _sync(device: torch.device) -> None:
@@ -245,7 +250,7 @@ def bench_decode(llm, allowed: np.ndarray, seed: int, prompt_len: int, n_tokens:
 
 
 # -- plots ------------------------------------------------------------------------------------------
-def _pyplot():
+def pyplot():
     import matplotlib
     matplotlib.use("Agg")                       # files only: no display on a server
     import matplotlib.pyplot as plt
@@ -253,7 +258,7 @@ def _pyplot():
 
 
 def plot_throughput(result: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     t = result["throughput"]
     systems = {"Baton": t["baton"], "HF static": t.get("hf_static"), "HF continuous": t.get("hf_continuous")}
     names = [n for n, r in systems.items() if r and r.get("available", True)]
@@ -269,7 +274,7 @@ def plot_throughput(result: dict, path: Path) -> None:
 
 
 def plot_ttft(prefix: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
     vals = [prefix["median_cold_ttft_s"] * 1e3, prefix["median_warm_ttft_s"] * 1e3]
     bars = ax.bar(["cold (no prefix hit)", "warm (prefix hit)"], vals, color=["tab:red", "tab:green"])

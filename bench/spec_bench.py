@@ -17,12 +17,11 @@ import argparse
 import datetime as dt
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.engine_bench import _pyplot, machine_info
+from bench.engine_bench import machine_info, make_logger, pyplot
 
 FULL = dict(max_tokens=256, batch_max_tokens=128, num_repeat=None, num_chat=None)
 QUICK = dict(max_tokens=32, batch_max_tokens=16, num_repeat=3, num_chat=3)
@@ -235,12 +234,7 @@ def batch_prompts(n: int) -> list[str]:
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-_T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    """Progress on stderr, so `--json` keeps stdout clean."""
-    print(f"[spec-bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+log = make_logger("spec-bench")
 
 
 def _itl(outs: list) -> float | None:
@@ -396,7 +390,7 @@ def run_batch(engines: Engines, spec_name: str, prompts: list[list[int]], max_to
 
 # -- plot --------------------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 4]})
     w = result["workloads"]
     names = [n for n in ("repeat", "chat", "batch32") if n in w]
@@ -487,6 +481,7 @@ def _main_spec(args) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from engine.loader import resolve_model
+    started = time.perf_counter()
     cfg = QUICK if args.quick else FULL
     max_tokens = args.max_tokens or cfg["max_tokens"]
     batch_max_tokens = args.batch_max_tokens or cfg["batch_max_tokens"]
@@ -585,5 +580,5 @@ def run(args: argparse.Namespace) -> dict:
     result["plots"] = {"itl": str(png)}
     result["json_path"] = str(out_dir / "spec.json")
     (out_dir / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    log(f"wrote {result['json_path']} and {png} in {time.perf_counter() - _T0:.0f} s")
+    log(f"wrote {result['json_path']} and {png} in {time.perf_counter() - started:.0f} s")
     return result
