@@ -60,13 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import engine_bench, spec_bench
+    from bench import engine_bench, spec_bench, transfer_bench
     e = bsub.add_parser("engine", help="engine throughput and latency against transformers")
     engine_bench.add_arguments(e)
     e.set_defaults(fn=_bench, bench_fn=engine_bench.run)
     s = bsub.add_parser("spec", help="batch-1 inter-token latency with and without speculative decoding")
     spec_bench.add_arguments(s)
     s.set_defaults(fn=_bench, bench_fn=spec_bench.run)
+    t = bsub.add_parser("transfer", help="one request's KV between two processes: NIXL vs the Ray fallback vs a copy")
+    transfer_bench.add_arguments(t)
+    t.set_defaults(fn=_bench, bench_fn=transfer_bench.run)
     return p
 
 

@@ -2,7 +2,7 @@
 
 `make_transport(kv_cache, name_prefix, compat_key, kind="nixl" | "ray")` builds one transport per
 engine; NIXL (one-sided READs over UCX) is the default, the Ray object store the fallback. See
-kvtransfer/transport.py for the flow.
+kvtransfer/transport.py for the flow; `KVLink` (engine_link.py) ties a transport to an LLMEngine.
 """
 from __future__ import annotations
 
@@ -31,5 +31,7 @@ def make_transport(kv_cache: torch.Tensor, name_prefix: str, compat_key: str, ki
     return RayTransport(kv_cache, name_prefix, compat_key, block_source=source, **options)
 
 
-__all__ = ["KVHandle", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
+from kvtransfer.engine_link import KVImport, KVLink  # noqa: E402  (needs make_transport)
+
+__all__ = ["KVHandle", "KVLink", "KVImport", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
            "KVTransferError", "KVCompatibilityError", "KVHandleError", "TRANSPORTS"]

@@ -1,0 +1,256 @@
+"""`baton bench transfer`: the KV of one long request moved between two processes, in one run.
+
+For each model shape (the default model, and the dummy 1B Llama shape):
+  1. prefill time: a fresh engine of that shape prefills one random prompt of --tokens tokens
+     (TTFT of a max_tokens=1 request, prefix cache cold), the time the transfer must stay well under;
+  2. the copy bound: one process copies the same bytes (a) as one contiguous tensor copy and
+     (b) block by block between two caches of the engine's layout;
+  3. NIXL: two Ray actors, each with a random KV cache of that layout and a NixlTransport; the
+     consumer pulls the prompt's blocks (scattered, as a prefill leaves them) into its own scattered
+     blocks, `--repeats` times (the first pull, which includes the handshake, is reported apart);
+  4. the Ray fallback (RayTransport), same actors' layout, same blocks.
+Every pull is checked byte-exact afterwards. Goals: NIXL >= 30% of the contiguous copy bound,
+>= 3x the fallback, and NIXL's pull < 10% of the prefill time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.engine_bench import machine_info, make_logger, pyplot
+
+log = make_logger("transfer-bench")
+
+SHAPES = ("default", "llama-1b")
+GOAL_OF_BOUND, GOAL_VS_FALLBACK, GOAL_OF_PREFILL = 0.30, 3.0, 0.10
+BLOCK_SIZE = 16
+
+
+class Endpoint:
+    """One engine's KV cache (random bytes, the engine's layout) and its transport, in its own process."""
+
+    def __init__(self, kind: str, prefix: str, shape: tuple[int, ...], seed: int):
+        from kvtransfer import make_transport
+        torch.manual_seed(seed)
+        self.kv = torch.randn(shape)
+        self.t = make_transport(self.kv, prefix, "bench:" + "x".join(map(str, shape[1:])), kind=kind,
+                                source=_source(kind))
+
+    def metadata(self) -> bytes:
+        return self.t.metadata()
+
+    def read_blocks(self, agent, request_id, block_ids):
+        return self.t.read_blocks(agent, request_id, block_ids)
+
+    def export(self, request_ids: list[str], block_ids: list[int]) -> list[bytes]:
+        return [self.t.export(r, block_ids, [], BLOCK_SIZE * len(block_ids), 600).to_bytes() for r in request_ids]
+
+    def pull_times(self, handles: list[bytes], dst: list[int]) -> list[float]:
+        from kvtransfer import KVHandle
+        times = []
+        for h in handles:
+            t = time.perf_counter()
+            self.t.pull(KVHandle.from_bytes(h), dst, timeout_s=120)
+            times.append(time.perf_counter() - t)
+        return times
+
+    def released(self) -> int:
+        return len(self.t.poll())
+
+    def digest(self, block_ids: list[int]) -> str:
+        return hashlib.blake2b(self.kv[block_ids].numpy().tobytes(), digest_size=16).hexdigest()
+
+    def env(self) -> dict:
+        return {"UCX_TLS": os.environ.get("UCX_TLS"), "pid": os.getpid()}
+
+
+def _source(kind: str):
+    import ray
+    if kind == "nixl":
+        return lambda agent: ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
+    return lambda agent, rid, blocks: ray.get_actor(agent.rsplit("-", 1)[0]).read_blocks.remote(agent, rid, blocks)
+
+
+# -- measurements -----------------------------------------------------------------------------------
+def measure_prefill(model: str, tokens: int) -> dict:
+    """TTFT of one cold prompt of `tokens` random ids (after a short warm-up request), and the engine's KV layout."""
+    from engine import LLM, SamplingParams
+    dummy = model not in (None, "default") and model.startswith("llama-")
+    llm = LLM(None if model == "default" else model, load_format="dummy" if dummy else "auto",
+              max_model_len=tokens + 16, kv_cache_memory=None, num_kv_blocks=-(-(tokens + 16) // BLOCK_SIZE) + 8,
+              enable_prefix_caching=False)
+    runner = llm.engine.runner
+    rng = np.random.default_rng(0)
+    vocab = llm.engine.hf_config.vocab_size
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([rng.integers(100, vocab - 100, 32).tolist()], one)                # warm-up
+    out = llm.generate([rng.integers(100, vocab - 100, tokens).tolist()], one)[0]
+    res = {"model": llm.engine.model_path, "prefill_s": out.metrics.ttft, "tokens": tokens,
+           "kv_block_shape": list(runner.kv_shape(1)[1:]), "dtype": str(runner.dtype).removeprefix("torch."),
+           "block_bytes": runner.block_bytes, "weight_bytes": runner.weight_bytes}
+    del llm, runner
+    gc.collect()
+    return res
+
+
+def measure_copy_bound(num_blocks: int, block_shape: tuple[int, ...], repeats: int) -> dict:
+    """The same bytes copied within one process: one contiguous copy_, and block by block between caches."""
+    rng = np.random.default_rng(1)
+    cache = 2 * num_blocks + 8
+    src, dst = torch.randn((cache, *block_shape)), torch.randn((cache, *block_shape))
+    s_ids, d_ids = rng.permutation(cache)[:num_blocks].tolist(), rng.permutation(cache)[:num_blocks].tolist()
+    flat_src, flat_dst = src[:num_blocks].clone(), torch.empty_like(src[:num_blocks])
+    contiguous, per_block = [], []
+    for _ in range(repeats + 1):                                  # the first of each is a warm-up
+        t = time.perf_counter()
+        flat_dst.copy_(flat_src)
+        contiguous.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        for a, b in zip(s_ids, d_ids):
+            dst[b].copy_(src[a])
+        per_block.append(time.perf_counter() - t)
+    assert torch.equal(dst[d_ids], src[s_ids])
+    return {"contiguous_s": statistics.median(contiguous[1:]), "per_block_s": statistics.median(per_block[1:])}
+
+
+def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: tuple[int, ...],
+                      repeats: int) -> dict:
+    import ray
+    cache = 2 * num_blocks + 8
+    rng = np.random.default_rng(2)
+    src, dst = rng.permutation(cache)[:num_blocks].tolist(), rng.permutation(cache)[:num_blocks].tolist()
+    actor = ray.remote(Endpoint)
+    names = [f"{p}-{kind}-{shape_name}".replace("_", "") for p in ("producer", "consumer")]
+    producer, consumer = (actor.options(name=n, num_cpus=0).remote(kind, n, (cache, *block_shape), i)
+                          for i, n in enumerate(names))
+    try:
+        env = ray.get(consumer.env.remote())
+        handles = ray.get(producer.export.remote([f"pull-{i}" for i in range(repeats + 1)], src))
+        times = ray.get(consumer.pull_times.remote(handles, dst))
+        exact = ray.get(consumer.digest.remote(dst)) == ray.get(producer.digest.remote(src))
+        released, deadline = 0, time.monotonic() + 10
+        while released < repeats + 1 and time.monotonic() < deadline:
+            released += ray.get(producer.released.remote())
+            time.sleep(0.01)
+    finally:
+        for a in (producer, consumer):
+            ray.kill(a)
+    return {"first_pull_s": times[0], "pull_s": statistics.median(times[1:]), "pull_s_min": min(times[1:]),
+            "pull_s_all": times[1:], "byte_exact": exact, "producer_unpinned": released,
+            "ucx_tls": env["UCX_TLS"] if kind == "nixl" else None}
+
+
+def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
+    log(f"{shape}: prefill of {tokens} tokens")
+    pre = measure_prefill(shape, tokens)
+    num_blocks, block_shape = -(-tokens // BLOCK_SIZE), tuple(pre["kv_block_shape"])
+    nbytes = num_blocks * pre["block_bytes"]
+    log(f"{shape}: prefill {pre['prefill_s']:.2f} s; KV {nbytes / 1e6:.1f} MB in {num_blocks} blocks")
+    bound = measure_copy_bound(num_blocks, block_shape, repeats)
+    res: dict[str, Any] = {**pre, "num_blocks": num_blocks, "bytes": nbytes,
+                           "copy_bound_gbps": nbytes / bound["contiguous_s"] / 1e9,
+                           "per_block_copy_gbps": nbytes / bound["per_block_s"] / 1e9, **bound}
+    for kind in ("nixl", "ray"):
+        r = measure_transport(kind, shape, num_blocks, block_shape, repeats)
+        r["gbps"] = nbytes / r["pull_s"] / 1e9
+        log(f"{shape}: {kind} {r['gbps']:.2f} GB/s (median of {repeats}; first pull {r['first_pull_s'] * 1e3:.0f} ms), "
+            f"exact {r['byte_exact']}")
+        res[kind] = r
+    n, bound_gbps = res["nixl"], res["copy_bound_gbps"]
+    res["ratios"] = {"nixl_of_copy_bound": n["gbps"] / bound_gbps,
+                     "nixl_of_per_block_copy": n["gbps"] / res["per_block_copy_gbps"],
+                     "nixl_vs_fallback": n["gbps"] / res["ray"]["gbps"],
+                     "nixl_pull_of_prefill": n["pull_s"] / res["prefill_s"]}
+    q = res["ratios"]
+    res["goals"] = {f"nixl_ge_{GOAL_OF_BOUND:.0%}_of_copy_bound": q["nixl_of_copy_bound"] >= GOAL_OF_BOUND,
+                    f"nixl_ge_{GOAL_VS_FALLBACK:g}x_fallback": q["nixl_vs_fallback"] >= GOAL_VS_FALLBACK,
+                    f"nixl_pull_lt_{GOAL_OF_PREFILL:.0%}_of_prefill": q["nixl_pull_of_prefill"] < GOAL_OF_PREFILL,
+                    "byte_exact": n["byte_exact"] and res["ray"]["byte_exact"]}
+    log(f"{shape}: copy bound {bound_gbps:.2f} GB/s, per-block copy {res['per_block_copy_gbps']:.2f} GB/s; "
+        f"NIXL = {q['nixl_of_copy_bound']:.0%} of bound, {q['nixl_vs_fallback']:.1f}x fallback, "
+        f"{q['nixl_pull_of_prefill']:.2%} of prefill")
+    return res
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    shapes = list(result["shapes"])
+    series = [("copy, one process", lambda r: r["copy_bound_gbps"]),
+              ("per-block copy, one process", lambda r: r["per_block_copy_gbps"]),
+              ("NIXL, two processes", lambda r: r["nixl"]["gbps"]),
+              ("Ray fallback, two processes", lambda r: r["ray"]["gbps"])]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    w = 0.8 / len(series)
+    for i, (label, f) in enumerate(series):
+        vals = [f(result["shapes"][s]) for s in shapes]
+        bars = ax.bar(np.arange(len(shapes)) + (i - (len(series) - 1) / 2) * w, vals, w, label=label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(np.arange(len(shapes)),
+                  [f"{s}\n{result['shapes'][s]['bytes'] / 1e6:.0f} MB, {result['tokens']} tokens" for s in shapes])
+    ax.set_ylabel("GB/s")
+    ax.set_title("KV of one request between two engines")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=2048, help="prompt length whose KV is moved (default 2048)")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help="comma-separated: 'default' (SmolLM2-135M) and/or dummy shapes such as llama-1b")
+    p.add_argument("--repeats", type=int, default=10, help="timed pulls per transport (default 10)")
+    p.add_argument("--ucx-tls", default=None, help="UCX_TLS for the NIXL actors (default: kvtransfer's choice)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, default model only, 3 repeats")
+    p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/transfer",
+                   help="directory for transfer.json and transfer.png (default bench_out/transfer)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+    started = time.perf_counter()
+    tokens, repeats = (256, 3) if args.quick else (args.tokens, args.repeats)
+    shapes = ["default"] if args.quick else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
+    ray.init(namespace="baton-bench-transfer", include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING", runtime_env={"env_vars": env} if env else None)
+    try:
+        per_shape = {s: bench_shape(s, tokens, repeats) for s in shapes}
+    finally:
+        ray.shutdown()
+    result: dict[str, Any] = {
+        "benchmark": "transfer", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "tokens": tokens, "repeats": repeats, "quick": args.quick,
+        "method_notes": {
+            "prefill_s": "TTFT of one cold max_tokens=1 request of `tokens` random ids, after a warm-up request",
+            "copy_bound": "median of one contiguous torch copy_ of the same bytes in one process",
+            "per_block_copy": "median of a block-by-block copy_ between two caches of the engine's layout",
+            "pull_s": "median wall time of a blocking pull in the consumer actor, handshake excluded "
+                      "(first_pull_s includes it); blocks scattered on both sides",
+            "goals": f"NIXL >= {GOAL_OF_BOUND:.0%} of the copy bound, >= {GOAL_VS_FALLBACK:g}x the fallback, "
+                     f"pull < {GOAL_OF_PREFILL:.0%} of prefill"},
+        "shapes": per_shape,
+        "goals": {f"{s}:{g}": ok for s, r in per_shape.items() for g, ok in r["goals"].items()},
+    }
+    png = out_dir / "transfer.png"
+    plot(result, png)
+    result["plots"] = {"gbps": str(png)}
+    result["json_path"] = str(out_dir / "transfer.json")
+    (out_dir / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"goals: {result['goals']}")
+    log(f"wrote {result['json_path']} and {png} in {time.perf_counter() - started:.0f} s")
+    return result

@@ -1,0 +1,101 @@
+"""KVLink: one engine's side of the baton pass, the glue between an LLMEngine and its KV transport.
+
+    prefill replica                                  decode replica
+    engine.add_request(..., prefill_only=True)
+    out = <step until finished>
+    handle = link.export(out)  ---- handle bytes ---> x = link.start_import(handle, prompt_ids)
+                                                     await x.wait_async()        (or x.wait())
+                                                     engine.add_request(prompt_ids, params, kv=x.kv,
+                                                                        first_token=first)
+    link.release_finished()  <- notification ---     (the producer unpins; on failure x.cancel())
+
+The decode side reserves its blocks first; leading blocks its own prefix cache already holds are
+not pulled. The handle's block hashes must equal the hashes of the prompt the decode side was
+given, so a handle never fills the blocks of another prompt.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.kv import block_hashes
+from engine.llm_engine import KVReservation, LLMEngine
+from engine.outputs import RequestOutput
+from kvtransfer import make_transport
+from kvtransfer.errors import KVTransferError
+from kvtransfer.handle import KVHandle
+from kvtransfer.transport import Pull
+
+
+class KVImport:
+    """A reservation being filled by a pull. Pass `kv` to add_request once done; cancel() on failure."""
+
+    def __init__(self, engine: LLMEngine, kv: KVReservation, pull: Pull):
+        self.engine, self.kv, self.pull = engine, kv, pull
+        self.request_id = pull.request_id
+        self.num_pulled_blocks = len(kv.block_ids) - kv.num_local_blocks
+
+    def done(self) -> bool:
+        return self.pull.done()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        self.pull.wait(timeout_s)
+
+    async def wait_async(self) -> None:
+        await self.pull.wait_async()
+
+    def cancel(self) -> None:
+        """Give the reserved blocks back (the pull failed, or the request was aborted)."""
+        if self.kv is not None:
+            self.engine.cancel_reservation(self.kv)
+            self.kv = None
+
+
+class KVLink:
+    def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl", source: Callable | None = None,
+                 ttl_s: float = 30.0, **options):
+        self.engine, self.ttl_s = engine, ttl_s
+        self.transport = make_transport(engine.runner.kv_cache, name_prefix, engine.compat_key(), kind=kind,
+                                        source=source, **options)
+
+    @property
+    def name(self) -> str:
+        return self.transport.name
+
+    def metadata(self) -> bytes:
+        return self.transport.metadata()
+
+    # -- producer ---------------------------------------------------------------------------------
+    def export(self, out: RequestOutput) -> KVHandle:
+        """The handle of a finished prefill_only request's pinned prompt blocks."""
+        if not out.finished or not out.kv_blocks:
+            raise KVTransferError(f"request {out.request_id} holds no pinned prompt blocks to export")
+        ids = out.prompt_token_ids
+        hashes = block_hashes(ids, self.engine.block_size, self.engine.model_key)
+        return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
+
+    def release_finished(self) -> list[str]:
+        """Unpin the prompts consumers have pulled (or that expired); call it from the engine loop."""
+        done = self.transport.poll()
+        for request_id in done:
+            self.engine.release_pinned(request_id)
+        return done
+
+    # -- consumer ---------------------------------------------------------------------------------
+    def start_import(self, handle: KVHandle, token_ids: list[int]) -> KVImport:
+        """Reserve blocks for `token_ids` and start pulling the ones not cached here."""
+        bs = self.engine.block_size
+        if handle.num_tokens != len(token_ids) or len(handle.block_ids) != -(-len(token_ids) // bs):
+            raise KVTransferError(f"handle {handle.request_id} covers {handle.num_tokens} tokens in "
+                                  f"{len(handle.block_ids)} blocks, not this prompt's {len(token_ids)}")
+        kv = self.engine.reserve_blocks(token_ids)
+        try:
+            if handle.block_hashes != kv.block_hashes:
+                raise KVTransferError(f"handle {handle.request_id} was made for another prompt (block hashes differ)")
+            pull = self.transport.start_pull(handle, kv.block_ids, skip_blocks=kv.num_local_blocks)
+        except BaseException:
+            self.engine.cancel_reservation(kv)
+            raise
+        return KVImport(self.engine, kv, pull)
+
+    def close(self) -> None:
+        self.transport.close()

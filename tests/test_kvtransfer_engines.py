@@ -1,0 +1,126 @@
+"""The baton pass between two engines in two processes: one prefills (blocks pinned), the other pulls
+the KV over the transport and decodes; greedy tokens equal one engine doing both. NIXL and the Ray
+fallback, on the default model."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from kvtransfer import KVHandle, KVLink
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+ENGINE = dict(num_kv_blocks=96, max_model_len=1024)
+STORY = ("The history of the relay race begins in ancient Greece, where runners carried torches from "
+         "altar to altar. Modern relays pass a baton instead: four runners, each covering one leg, and "
+         "the race is often won or lost in the exchange zone, where")
+
+
+def _source(kind: str):
+    if kind == "nixl":
+        return lambda agent: ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
+    return lambda agent, rid, blocks: ray.get_actor(agent.rsplit("-", 1)[0]).read_blocks.remote(agent, rid, blocks)
+
+
+class EngineHost:
+    """A pool replica in miniature: one engine and its KVLink, in its own process."""
+
+    def __init__(self, kind: str, prefix: str, model: str):
+        self.engine = LLMEngine(EngineConfig(model, **ENGINE))
+        self.link = KVLink(self.engine, prefix, kind=kind, source=_source(kind))
+
+    def metadata(self) -> bytes:
+        return self.link.metadata()
+
+    def read_blocks(self, agent, request_id, block_ids):
+        return self.link.transport.read_blocks(agent, request_id, block_ids)
+
+    def _run(self):
+        outs = []
+        while self.engine.has_unfinished_requests():
+            outs += [o for o in self.engine.step() if o.finished]
+        return outs
+
+    def prefill(self, prompt: list[int], request_id: str) -> tuple[int, bytes]:
+        self.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id, prefill_only=True)
+        (out,) = self._run()
+        return out.token_ids[0], self.link.export(out).to_bytes()
+
+    def decode(self, handle: bytes, prompt: list[int], first: int, max_tokens: int) -> dict:
+        x = self.link.start_import(KVHandle.from_bytes(handle), prompt)
+        local = x.kv.num_local_blocks
+        x.wait(timeout_s=60)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(prompt, params, x.request_id, kv=x.kv, first_token=first)
+        (out,) = self._run()
+        return {"tokens": out.token_ids, "local_blocks": local, "pulled_blocks": x.num_pulled_blocks}
+
+    def try_import(self, handle: bytes, prompt: list[int]) -> str:
+        try:
+            self.link.start_import(KVHandle.from_bytes(handle), prompt).cancel()
+            return "imported"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    def release(self) -> list[str]:
+        return self.link.release_finished()
+
+    def used_blocks(self) -> int:
+        return self.engine.pool.num_used_blocks
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])    # workers cannot import this file
+    ray.init(num_cpus=2, namespace="test-kv-engines", include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(smol_path):
+    llm = LLM(smol_path, **ENGINE)
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+    return llm.engine.tokenize, greedy
+
+
+@pytest.mark.parametrize("kind", ["nixl", "ray"])
+def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(kind, cluster, reference, smol_path):
+    tokenize, greedy = reference
+    host = ray.remote(EngineHost)
+    prefill = host.options(name=f"prefill-{kind}", num_cpus=0).remote(kind, f"prefill-{kind}", smol_path)
+    decode = host.options(name=f"decode-{kind}", num_cpus=0).remote(kind, f"decode-{kind}", smol_path)
+    try:
+        prompt = tokenize(STORY)                               # 50-odd tokens: 3 full blocks and a partial one
+        want = greedy(prompt, 24)
+        first, handle = ray.get(prefill.prefill.remote(prompt, "story"))
+        assert first == want[0]
+        assert ray.get(prefill.used_blocks.remote()) == -(-len(prompt) // 16)     # pinned for the pull
+        got = ray.get(decode.decode.remote(handle, prompt, first, 24))
+        assert got["tokens"] == want and got["local_blocks"] == 0
+        assert "story" in ray.get(prefill.release.remote()) and ray.get(prefill.used_blocks.remote()) == 0
+        assert ray.get(decode.used_blocks.remote()) == 0
+
+        # the same opening, another ending: decode already caches the shared full blocks and pulls the rest
+        other = tokenize(STORY.removesuffix(", where") + ". Coaches drill the hand-off because")
+        want = greedy(other, 16)
+        first, handle = ray.get(prefill.prefill.remote(other, "other"))
+        got = ray.get(decode.decode.remote(handle, other, first, 16))
+        assert got["tokens"] == want
+        assert got["local_blocks"] >= 2 and got["pulled_blocks"] == -(-len(other) // 16) - got["local_blocks"]
+
+        # a handle for one prompt never fills the blocks of another, and the refusal leaks nothing
+        _, handle = ray.get(prefill.prefill.remote(prompt, "wrong"))
+        forged = prompt[:2] + [prompt[2] + 1] + prompt[3:]     # same length, another first block
+        err = ray.get(decode.try_import.remote(handle, forged))
+        assert err.startswith("KVTransferError") and "another prompt" in err
+        assert ray.get(decode.used_blocks.remote()) == 0
+    finally:
+        ray.kill(prefill)
+        ray.kill(decode)
