@@ -1,4 +1,4 @@
-"""The `baton` command: generate with the engine, run benchmarks."""
+"""The `baton` command: generate with the engine, serve the cluster, run benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -32,6 +32,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Start Ray locally unless one is running (RAY_ADDRESS / `ray start`), deploy the app, serve until ^C."""
+    import time
+
+    from engine import BatonError
+    try:
+        from cluster.config import ClusterConfig
+        config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
+        config = config.with_overrides(model=args.model, prefill_replicas=args.prefill_replicas,
+                                       decode_replicas=args.decode_replicas, port=args.port)
+    except BatonError as e:
+        print(f"baton: error: {e}", file=sys.stderr)
+        return 2
+    from cluster.serving import start
+    start(config, blocking=False)
+    print(f"baton: serving {config.model_name()} ({config.mode}) on http://{config.host}:{config.port}/v1 "
+          f"- Ctrl-C to stop", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from cluster.serving import stop
+        stop()
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     result = args.bench_fn(args)
     if args.json:
@@ -57,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM-style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.set_defaults(fn=_generate)
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible API from a local Ray cluster (port 8000)")
+    sv.add_argument("--config", default=None, help="cluster YAML (see deploy/cluster.yaml); default: built-in")
+    sv.add_argument("--model", default=None, help="model for both pools (default: the config's, or SmolLM2)")
+    sv.add_argument("--prefill-replicas", type=int, default=None, help="fixed prefill replica count")
+    sv.add_argument("--decode-replicas", type=int, default=None, help="fixed decode replica count")
+    sv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    sv.set_defaults(fn=_serve)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
     bsub = b.add_subparsers(dest="bench", required=True)

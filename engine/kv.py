@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import msgpack
 import numpy as np
 import xxhash
 
@@ -64,6 +65,34 @@ class AllBlocksCleared:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def encode_events(events: Sequence[KVEvent]) -> bytes:
+    """KV events as msgpack, for the router's index in another process (never pickle)."""
+    rows = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            rows.append(["stored", list(e.block_hashes), e.parent_block_hash])
+        elif isinstance(e, BlockRemoved):
+            rows.append(["removed", list(e.block_hashes)])
+        else:
+            rows.append(["cleared"])
+    return msgpack.packb(rows)
+
+
+def decode_events(data: bytes) -> list[KVEvent]:
+    out: list[KVEvent] = []
+    for row in msgpack.unpackb(data):
+        kind = row[0]
+        if kind == "stored":
+            out.append(BlockStored(row[1], row[2]))
+        elif kind == "removed":
+            out.append(BlockRemoved(row[1]))
+        elif kind == "cleared":
+            out.append(AllBlocksCleared())
+        else:
+            raise ValueError(f"unknown KV event kind {kind!r}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

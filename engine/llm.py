@@ -58,10 +58,15 @@ class LLM:
         return self.generate([self.apply_chat_template(messages)], params)[0]
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        from engine.errors import InvalidRequestError
-        if not messages:
-            raise InvalidRequestError("messages must not be empty")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_token_ids(self.tokenizer, messages)
+
+
+def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's token ids under the model's chat template, ready for the assistant's turn."""
+    from engine.errors import InvalidRequestError
+    if not messages:
+        raise InvalidRequestError("messages must not be empty")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -69,6 +69,7 @@ class LLMEngine:
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Sequence] = {}
         self.pinned: dict[str, list[int]] = {}
+        self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
                  "max_model_len %d, weights loaded in %.1f s", self.model_path, self.runner.dtype,
@@ -100,7 +101,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
-                    kv: KVReservation | None = None, first_token: int | None = None) -> str:
+                    kv: KVReservation | None = None, first_token: int | None = None,
+                    first_logprobs: dict[int, float] | None = None) -> str:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -113,7 +115,7 @@ class LLMEngine:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         self.requests[request_id] = seq
         if kv is not None:
-            self._admit_transferred(seq, kv, first_token)
+            self._admit_transferred(seq, kv, first_token, first_logprobs)
         else:
             self.scheduler.add(seq)
         return request_id
@@ -141,16 +143,17 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._early_outputs)
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        early, self._early_outputs = self._early_outputs, []
         drafted = self.spec.propose(self.scheduler.running) if self.spec is not None else []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self._drop_spec(seq)
         if not sched.scheduled:
-            return []
+            return early
         now = time.monotonic()
         for seq, _ in sched.scheduled:
             seq.first_scheduled_time = seq.first_scheduled_time or now
@@ -171,7 +174,7 @@ class LLMEngine:
         emitted = self.spec.verify(logits, verify, self.sampler.generator) if verify else []
         seconds = time.perf_counter() - t0
         now = time.monotonic()
-        outputs = []
+        outputs = early
         for i, (seq, _) in enumerate(plain):
             tok = result.token_ids[i]
             if self.spec is not None:
@@ -296,7 +299,8 @@ class LLMEngine:
     def cancel_reservation(self, kv: KVReservation) -> None:
         self.pool.free(kv.block_ids)
 
-    def _admit_transferred(self, seq: Sequence, kv: KVReservation, first_token: int | None) -> None:
+    def _admit_transferred(self, seq: Sequence, kv: KVReservation, first_token: int | None,
+                           first_logprobs: dict[int, float] | None) -> None:
         if kv.token_ids != seq.token_ids:
             raise InvalidRequestError("the KV reservation was made for other tokens")
         seq.block_table = list(kv.block_ids)
@@ -308,8 +312,10 @@ class LLMEngine:
             # recompute the last prompt token to get logits: its K/V slot is rewritten identically
             seq.num_computed_tokens -= 1
         else:
-            self._append(seq, [first_token], [None], time.monotonic())
-        if not seq.is_finished:
+            self._append(seq, [first_token], [first_logprobs], time.monotonic())
+        if seq.is_finished:                  # the prefill's token already ended it: report at the next step
+            self._early_outputs.append(self._output(seq))
+        else:
             seq.status = Status.RUNNING
             self.scheduler.running.append(seq)
 

@@ -12,9 +12,15 @@
 The decode side reserves its blocks first; leading blocks its own prefix cache already holds are
 not pulled. The handle's block hashes must equal the hashes of the prompt the decode side was
 given, so a handle never fills the blocks of another prompt.
+
+Threads: the transport is used under the link's own lock (NIXL's agent is not thread-safe), never
+under the engine's, so checking a pull does not wait for an engine step. Engine calls
+(reserve/release) are the caller's to serialise with its engine loop (AsyncLLM.call).
 """
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Callable
 
 from engine.kv import block_hashes
@@ -29,19 +35,22 @@ from kvtransfer.transport import Pull
 class KVImport:
     """A reservation being filled by a pull. Pass `kv` to add_request once done; cancel() on failure."""
 
-    def __init__(self, engine: LLMEngine, kv: KVReservation, pull: Pull):
-        self.engine, self.kv, self.pull = engine, kv, pull
+    def __init__(self, engine: LLMEngine, kv: KVReservation, pull: Pull, lock: threading.Lock):
+        self.engine, self.kv, self.pull, self._lock = engine, kv, pull, lock
         self.request_id = pull.request_id
         self.num_pulled_blocks = len(kv.block_ids) - kv.num_local_blocks
 
     def done(self) -> bool:
-        return self.pull.done()
+        with self._lock:
+            return self.pull.done()
 
     def wait(self, timeout_s: float | None = None) -> None:
-        self.pull.wait(timeout_s)
+        with self._lock:
+            self.pull.wait(timeout_s)
 
-    async def wait_async(self) -> None:
-        await self.pull.wait_async()
+    async def wait_async(self, poll_s: float = 5e-4) -> None:
+        while not self.done():
+            await asyncio.sleep(poll_s)
 
     def cancel(self) -> None:
         """Give the reserved blocks back (the pull failed, or the request was aborted)."""
@@ -54,6 +63,7 @@ class KVLink:
     def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl", source: Callable | None = None,
                  ttl_s: float = 30.0, **options):
         self.engine, self.ttl_s = engine, ttl_s
+        self._lock = threading.Lock()
         self.transport = make_transport(engine.runner.kv_cache, name_prefix, engine.compat_key(), kind=kind,
                                         source=source, **options)
 
@@ -62,7 +72,8 @@ class KVLink:
         return self.transport.name
 
     def metadata(self) -> bytes:
-        return self.transport.metadata()
+        with self._lock:
+            return self.transport.metadata()
 
     # -- producer ---------------------------------------------------------------------------------
     def export(self, out: RequestOutput) -> KVHandle:
@@ -71,11 +82,13 @@ class KVLink:
             raise KVTransferError(f"request {out.request_id} holds no pinned prompt blocks to export")
         ids = out.prompt_token_ids
         hashes = block_hashes(ids, self.engine.block_size, self.engine.model_key)
-        return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
+        with self._lock:
+            return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
 
     def release_finished(self) -> list[str]:
         """Unpin the prompts consumers have pulled (or that expired); call it from the engine loop."""
-        done = self.transport.poll()
+        with self._lock:
+            done = self.transport.poll()
         for request_id in done:
             self.engine.release_pinned(request_id)
         return done
@@ -91,11 +104,17 @@ class KVLink:
         try:
             if handle.block_hashes != kv.block_hashes:
                 raise KVTransferError(f"handle {handle.request_id} was made for another prompt (block hashes differ)")
-            pull = self.transport.start_pull(handle, kv.block_ids, skip_blocks=kv.num_local_blocks)
+            with self._lock:
+                pull = self.transport.start_pull(handle, kv.block_ids, skip_blocks=kv.num_local_blocks)
         except BaseException:
             self.engine.cancel_reservation(kv)
             raise
-        return KVImport(self.engine, kv, pull)
+        return KVImport(self.engine, kv, pull, self._lock)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.transport.stats()
 
     def close(self) -> None:
-        self.transport.close()
+        with self._lock:
+            self.transport.close()

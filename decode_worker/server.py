@@ -1,0 +1,63 @@
+"""DecodeServer: a decode-pool replica. It pulls a prompt's KV named by a KVHandle into blocks it
+reserved (or prefills the prompt itself when told to), then streams tokens by continuous batching.
+In colocated mode it is the only pool and always prefills itself."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from engine import SamplingParams
+from engine.outputs import RequestOutput
+from kvtransfer import KVHandle
+from prefill_worker.replica import EngineReplica, run_blocking
+
+
+class DecodeServer(EngineReplica):
+    pool = "decode"
+
+    async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """req: request_id, token_ids, sampling, and `prefill` (PrefillServer.prefill's answer) or None
+        for a local prefill. Yields token deltas; the last one has finished=True and the usage."""
+        ids, rid = req["token_ids"], req["request_id"]
+        params = SamplingParams(**req["sampling"])
+        kw: dict[str, Any] = {}
+        if req.get("prefill"):
+            kw = await self._import(req["prefill"], ids, rid)
+        first = True
+        async for out in self.llm.generate(ids, params, rid, **kw):
+            yield _delta(out, self.replica if first else None, bool(kw))
+            first = False
+
+    async def _import(self, p: dict[str, Any], ids: list[int], rid: str) -> dict[str, Any]:
+        handle = KVHandle.from_bytes(p["handle"])
+        if self.transfer_kind == "nixl":
+            self._peer_metadata[handle.agent] = p["agent_metadata"]
+        else:
+            self._blocks[handle.request_id] = (p["blocks_ref"], len(handle.block_ids))
+        t0, x = time.perf_counter(), None
+        try:
+            x = await run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids))
+            await x.wait_async()
+        except BaseException:
+            if x is not None:
+                await asyncio.shield(run_blocking(self.llm.call, lambda e: x.cancel()))
+            self.metrics.transfer_failed()
+            raise
+        finally:
+            self._blocks.pop(handle.request_id, None)
+        self.metrics.observe_transfer(x.num_pulled_blocks * self.link.transport.block_bytes, time.perf_counter() - t0)
+        return {"kv": x.kv, "first_token": p["first_token"], "first_logprobs": p["first_logprobs"]}
+
+
+def _delta(out: RequestOutput, replica: str | None, transferred: bool) -> dict[str, Any]:
+    n = len(out.new_token_ids)
+    d: dict[str, Any] = {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
+                         "logprobs": out.logprobs[-n:] if out.logprobs is not None and n else None}
+    if replica is not None:
+        d["replica"] = replica
+    if out.finished:
+        d.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                 prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
+                 cached_tokens=out.metrics.num_cached_tokens, transferred=transferred)
+    return d

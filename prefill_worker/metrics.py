@@ -1,0 +1,96 @@
+"""A replica's Prometheus metrics (both pools), labelled pool and replica; the ingress merges every
+replica's exposition into its own /metrics (router/metrics.py).
+
+Contract names (like vLLM's, stable):
+  baton_kv_blocks_used / baton_kv_blocks_free (gauges): blocks held by live sequences or pinned for a
+      transfer / blocks allocatable (cached but unreferenced blocks count as free)
+  baton_prefix_cache_query_tokens_total / baton_prefix_cache_hit_tokens_total (counters)
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineCollector:
+    """Reads the engine's counters at scrape time (under the engine lock), so they are never stale copies."""
+
+    def __init__(self, pool: str, replica: str, owner):
+        self.labels, self.owner = {"pool": pool, "replica": replica}, owner
+
+    def collect(self):
+        s = self.owner.llm.stats()
+        t = self.owner.link.stats()
+        names, values = list(self.labels), list(self.labels.values())
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("baton_kv_blocks_used", "KV blocks held by live sequences or pinned for a transfer",
+                    s["kv_blocks_used"])
+        yield gauge("baton_kv_blocks_free", "KV blocks allocatable (cached but unreferenced blocks count as free)",
+                    s["kv_blocks_free"])
+        yield gauge("baton_kv_blocks_total", "KV blocks in the cache", s["kv_blocks_total"])
+        yield counter("baton_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                      s["prefix_cache_query_tokens"])
+        yield counter("baton_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
+                      s["prefix_cache_hit_tokens"])
+        yield gauge("baton_num_requests_running", "Sequences in the running batch", s["num_running"])
+        yield gauge("baton_num_requests_waiting", "Sequences waiting to be scheduled (queue depth)", s["num_waiting"])
+        yield gauge("baton_kv_pinned_requests", "Prompts whose blocks are pinned for a decode replica's pull",
+                    t["kv_pinned_requests"])
+        released = CounterMetricFamily("baton_kv_pins_released", "Pinned prompts released, by reason",
+                                       labels=names + ["reason"])
+        released.add_metric(values + ["pulled"], t["kv_released_notified"])
+        released.add_metric(values + ["expired"], t["kv_released_expired"])
+        yield released
+        yield counter("baton_spec_proposed_tokens", "Draft tokens proposed (speculative decoding)",
+                      s.get("spec_num_draft_tokens", 0))
+        yield counter("baton_spec_accepted_tokens", "Draft tokens accepted (speculative decoding)",
+                      s.get("spec_num_accepted_tokens", 0))
+
+
+class ReplicaMetrics:
+    def __init__(self, pool: str, replica: str, owner):
+        self.registry = CollectorRegistry()
+        self.labels = {"pool": pool, "replica": replica}
+        self.registry.register(_EngineCollector(pool, replica, owner))
+        names = list(self.labels)
+        self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes pulled into this replica", names,
+                                      registry=self.registry).labels(**self.labels)
+        self.transfer_seconds = Histogram("baton_kv_transfer_seconds", "Seconds per KV pull (reserve to done)",
+                                          names, buckets=TRANSFER_BUCKETS, registry=self.registry).labels(**self.labels)
+        self.transfer_failures = Counter("baton_kv_transfer_failures", "KV pulls that failed", names,
+                                         registry=self.registry).labels(**self.labels)
+        self._lock = threading.Lock()
+        self._counts = {"bytes": 0, "pulls": 0, "failures": 0}
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.inc(nbytes)
+        self.transfer_seconds.observe(seconds)
+        with self._lock:
+            self._counts["bytes"] += nbytes
+            self._counts["pulls"] += 1
+
+    def transfer_failed(self) -> None:
+        self.transfer_failures.inc()
+        with self._lock:
+            self._counts["failures"] += 1
+
+    def transfer_stats(self) -> dict:
+        with self._lock:
+            return {f"kv_transfer_{k}": v for k, v in self._counts.items()}
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

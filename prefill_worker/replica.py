@@ -1,0 +1,146 @@
+"""EngineReplica: what a replica of either pool is: one engine (AsyncLLM), its KVLink, KV events shipped
+to the cluster state actor, load stats for the request routers, and its Prometheus metrics.
+
+The prefill pool's PrefillServer and the decode pool's DecodeServer subclass it. Everything that
+crosses a process is msgpack or plain dicts; the cluster state actor (router/cluster_state.py) is
+reached by name, never imported.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from engine import EngineConfig, LLMEngine
+from engine.async_llm import AsyncLLM
+from engine.kv import KVEvent, encode_events
+from kvtransfer import KVLink
+from prefill_worker.metrics import ReplicaMetrics
+
+log = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
+REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
+
+
+def replica_id() -> str:
+    """Serve's id of this replica (what the request routers see), or a fresh one outside Serve."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return uuid.uuid4().hex[:8]
+
+
+class EngineReplica:
+    pool = ""
+
+    def __init__(self, engine: dict[str, Any], transfer: dict[str, Any], state_actor: str | None,
+                 served_model_name: str):
+        self.replica = replica_id()
+        self.served_model_name = served_model_name
+        self._events: list[KVEvent] = []
+        self._events_lock = threading.Lock()
+        self._seq = 0
+        eng = LLMEngine(EngineConfig.from_kwargs(**engine), on_kv_event=self._on_event)
+        self.llm = AsyncLLM(engine=eng)
+        self.engine = eng
+        self.transfer_kind = transfer.get("backend", "nixl")
+        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=self.transfer_kind, source=self._source,
+                           ttl_s=transfer.get("ttl_s", 30.0))
+        self.metrics = ReplicaMetrics(self.pool, self.replica, self)
+        self._state_name, self._state = state_actor, None   # found lazily: the ingress creates it
+        self._peer_metadata: dict[str, bytes] = {}       # NIXL: producer agent -> metadata, from requests
+        self._blocks: dict[str, Any] = {}                 # Ray fallback: request id -> (ref, block count)
+        self._closed = False
+        self._bg = threading.Thread(target=self._background, name="baton-replica-bg", daemon=True)
+        self._bg.start()
+        log.info("%s replica %s ready: %s", self.pool, self.replica, self.engine.compat_key())
+
+    # -- model facts for the ingress ------------------------------------------------------------------
+    def model_info(self) -> dict:
+        e = self.engine
+        return {"model_key": e.model_key, "block_size": e.block_size, "max_model_len": e.max_model_len,
+                "vocab_size": e.hf_config.vocab_size, "eos_token_ids": sorted(e.eos_ids),
+                "model_path": e.model_path, "served_model_name": self.served_model_name}
+
+    # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
+    def record_routing_stats(self) -> dict[str, Any]:
+        return self.llm.call(_load)
+
+    # -- KV events and unpins, off the request path ---------------------------------------------------
+    def _on_event(self, event: KVEvent) -> None:          # engine thread
+        with self._events_lock:
+            self._events.append(event)
+
+    def _find_state(self) -> None:
+        import ray
+        try:
+            state = ray.get_actor(self._state_name, namespace="baton")   # router.cluster_state.STATE_NAMESPACE
+        except ValueError:                  # not created yet
+            return
+        ray.get(state.register.remote(self.pool, self.replica, b"", 0))
+        self._state = state
+
+    def _background(self) -> None:
+        last_report = 0.0
+        while not self._closed:
+            try:
+                if self._state is None and self._state_name:
+                    self._find_state()
+                self.llm.call(lambda _: self.link.release_finished())
+                self._publish()
+                if time.monotonic() - last_report > REPORT_INTERVAL_S and self._state is not None:
+                    last_report = time.monotonic()
+                    self._state.report.remote(self.pool, self.replica, self.metrics.exposition())
+            except Exception:                                  # noqa: BLE001 - keep serving, say why
+                log.exception("%s replica %s: background loop", self.pool, self.replica)
+            time.sleep(PUBLISH_INTERVAL_S)
+
+    def _publish(self) -> None:
+        with self._events_lock:
+            events, self._events = self._events, []
+        if self._state is None:
+            with self._events_lock:              # keep them for when the state actor is found
+                self._events[:0] = events
+            return
+        if events:
+            self._seq += 1          # Ray runs one caller's calls to an actor in order: no gaps unless lost
+            self._state.publish.remote(self.pool, self.replica, self._seq, encode_events(events))
+
+    # -- transfer sources: what the ingress passed along with a request ----------------------------------
+    def _source(self, agent: str, *rest):
+        if self.transfer_kind == "nixl":
+            return self._peer_metadata[agent]
+        request_id, block_ids = rest
+        ref, count = self._blocks.pop(request_id)
+        import ray
+        data = ray.get(ref)
+        return data[count - len(block_ids):]            # the leading blocks are cached here: skipped
+
+    def stats(self) -> dict:
+        return {**self.llm.stats(), **self.link.stats(), **self.metrics.transfer_stats()}
+
+    def check_health(self) -> None:
+        if not self.llm._thread.is_alive():
+            raise RuntimeError("the engine thread died")
+
+    def __del__(self):
+        self._closed = True
+
+
+def _load(engine: LLMEngine) -> dict[str, Any]:
+    """What the routers weigh: prompt tokens not yet computed, sequences, KV use (under the engine lock)."""
+    s = engine.scheduler
+    queued = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in (*s.waiting, *s.running))
+    return {"queued_prefill_tokens": queued, "num_running": len(s.running), "num_waiting": len(s.waiting),
+            "kv_blocks_used": engine.pool.num_used_blocks, "kv_blocks_total": engine.pool.num_blocks,
+            "time": time.time()}
+
+
+async def run_blocking(fn, *args):
+    """Engine-lock calls from asyncio code: in a thread, so an engine step never stalls the event loop."""
+    return await asyncio.to_thread(fn, *args)

@@ -1,0 +1,39 @@
+"""PrefillServer: a prefill-pool replica. It computes a prompt up to its first token, keeps the prompt's
+blocks pinned and hands back a KVHandle (plus what a decode replica needs to reach it)."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine import SamplingParams
+from prefill_worker.replica import EngineReplica, run_blocking
+
+
+class PrefillServer(EngineReplica):
+    pool = "prefill"
+
+    async def prefill(self, req: dict[str, Any]) -> dict[str, Any]:
+        """req: request_id, token_ids, sampling (SamplingParams fields). The first token is sampled here
+        with the request's own parameters; decode continues from it."""
+        params = SamplingParams(**{**req["sampling"], "max_tokens": 1})
+        out = None
+        async for out in self.llm.generate(req["token_ids"], params, req["request_id"], prefill_only=True):
+            pass
+        handle = self.link.export(out)
+        res = {"first_token": out.token_ids[0], "first_logprobs": out.logprobs[0] if out.logprobs else None,
+               "handle": handle.to_bytes(), "replica": self.replica,
+               "num_cached_tokens": out.metrics.num_cached_tokens}
+        if self.transfer_kind == "nixl":
+            res["agent_metadata"] = self.link.metadata()
+        else:       # the fallback copies the blocks out now; the pin is released at the next poll
+            import ray
+            data = await run_blocking(self._read_blocks, handle)
+            res["blocks_ref"] = ray.put(data)
+        return res
+
+    def _read_blocks(self, handle):
+        with self.link._lock:
+            return self.link.transport.read_blocks(handle.agent, handle.request_id, handle.block_ids)
+
+    async def abort(self, request_id: str) -> bool:
+        """The client left: stop the prefill or unpin its blocks."""
+        return await run_blocking(self.llm.call, lambda e: e.abort_request(request_id) or e.release_pinned(request_id))

@@ -1,0 +1,189 @@
+"""ClusterState: the one Ray actor that every replica reports to and every router reads from.
+
+- KV events: each replica of both pools publishes numbered batches (msgpack, engine.kv.encode_events);
+  the actor keeps the exact PrefixIndex of each pool and a log of recent batches. Routers (in every
+  ingress replica, and wherever a handle routes) hold an IndexMirror that pulls the log since its
+  version, or a snapshot when it fell too far behind, in the background: `choose_replicas` only reads
+  the local mirror, so every ingress replica sees the same index and routing never waits on a call.
+- Metrics: each replica sends its Prometheus exposition every REPORT_INTERVAL_S; the ingress /metrics
+  merges them. A replica that stops reporting for DEAD_AFTER_S is forgotten (index and metrics), as
+  is one whose actor the router saw die.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+
+from engine.kv import decode_events
+from router.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+LOG_CAPACITY = 4096             # event batches kept for mirrors; older mirrors take a snapshot
+DEAD_AFTER_S = 15.0
+POOLS = ("prefill", "decode")
+
+
+STATE_NAMESPACE = "baton"       # Serve replicas run in the "serve" namespace, drivers in theirs: name it
+
+
+def state_actor_name(app_name: str) -> str:
+    return f"baton-state-{app_name}"
+
+
+class ClusterState:
+    def __init__(self):
+        self.index = {p: PrefixIndex() for p in POOLS}
+        self.version = 0
+        self.log: deque[tuple[int, str, str, int, bytes]] = deque(maxlen=LOG_CAPACITY)
+        self.metrics: dict[tuple[str, str], tuple[float, bytes]] = {}
+        self.seen: dict[tuple[str, str], float] = {}
+
+    # -- replicas ---------------------------------------------------------------------------------
+    def register(self, pool: str, replica: str, _events: bytes, seq: int) -> None:
+        """A replica starts with an empty cache at sequence `seq`."""
+        self.seen[(pool, replica)] = time.monotonic()
+        self.index[pool].load_snapshot(replica, seq, [])
+        self._append(pool, replica, -seq - 1, b"")            # negative seq: "reset to empty at seq"
+
+    def publish(self, pool: str, replica: str, seq: int, events: bytes) -> None:
+        self.seen[(pool, replica)] = time.monotonic()
+        if not self.index[pool].apply(replica, seq, decode_events(events)):
+            log.warning("%s replica %s: KV event batch %d arrived out of order; index marks it stale", pool,
+                        replica, seq)
+        self._append(pool, replica, seq, events)
+
+    def report(self, pool: str, replica: str, exposition: bytes) -> None:
+        now = time.monotonic()
+        self.seen[(pool, replica)] = now
+        self.metrics[(pool, replica)] = (now, exposition)
+
+    def forget(self, pool: str, replica: str) -> None:
+        self.seen.pop((pool, replica), None)
+        self.metrics.pop((pool, replica), None)
+        self.index[pool].remove_replica(replica)
+        self._append(pool, replica, 0, b"forget")
+
+    def _append(self, pool: str, replica: str, seq: int, events: bytes) -> None:
+        self.version += 1
+        self.log.append((self.version, pool, replica, seq, events))
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for (pool, replica), t in list(self.seen.items()):
+            if now - t > DEAD_AFTER_S:
+                log.warning("%s replica %s silent for %.0f s: forgotten", pool, replica, now - t)
+                self.forget(pool, replica)
+
+    # -- readers ----------------------------------------------------------------------------------
+    def changes(self, since: int) -> tuple[int, list | None, dict | None]:
+        """(version, log entries after `since`, None) or (version, None, snapshots) when `since` is too old."""
+        self._reap()
+        if since == self.version:
+            return self.version, [], None
+        if self.log and since >= self.log[0][0] - 1:
+            return self.version, [e for e in self.log if e[0] > since], None
+        return self.version, None, {p: idx.snapshot() for p, idx in self.index.items()}
+
+    def metrics_texts(self) -> list[bytes]:
+        self._reap()
+        return [text for _, text in self.metrics.values()]
+
+    def replicas(self) -> dict[str, list[str]]:
+        return {p: sorted(r for q, r in self.seen if q == p) for p in POOLS}
+
+
+class IndexMirror:
+    """A router process's copy of the pools' prefix indexes, kept current by one background task.
+    One per process and actor (IndexMirror.shared): the ingress and its request routers share it."""
+    _shared: dict[str, "IndexMirror"] = {}
+
+    @classmethod
+    def shared(cls, actor_name: str, interval_s: float = 0.01) -> "IndexMirror":
+        if actor_name not in cls._shared:
+            cls._shared[actor_name] = cls(actor_name, interval_s)
+        return cls._shared[actor_name]
+
+    def __init__(self, actor_name: str, interval_s: float = 0.01):
+        self.actor_name, self.interval_s = actor_name, interval_s
+        self.index = {p: PrefixIndex() for p in POOLS}
+        self.version = 0
+        self._task: asyncio.Task | None = None
+        self._actor = None
+        self.last_sync = 0.0
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._task is None:
+            loop = loop or asyncio.get_event_loop()
+            self._task = loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        import ray
+        while True:
+            try:
+                if self._actor is None:
+                    self._actor = ray.get_actor(self.actor_name, namespace=STATE_NAMESPACE)
+                await self.sync_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:                     # the actor not up yet, or restarting: try again
+                log.debug("index mirror: %r", e)
+                self._actor = None
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(self.interval_s)
+
+    async def sync_once(self) -> None:
+        version, entries, snapshots = await self._actor.changes.remote(self.version)
+        if snapshots is not None:
+            self.index = {p: PrefixIndex.from_snapshot(s) for p, s in snapshots.items()}
+        else:
+            for _, pool, replica, seq, events in entries:
+                apply_entry(self.index[pool], replica, seq, events)
+        self.version = version
+        self.last_sync = time.monotonic()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
+def apply_entry(index: PrefixIndex, replica: str, seq: int, events: bytes) -> None:
+    if events == b"forget":
+        index.remove_replica(replica)
+    elif seq < 0:
+        index.load_snapshot(replica, -seq - 1, [])
+    else:
+        index.apply(replica, seq, decode_events(events))
+
+
+def merge_expositions(texts: list[bytes]) -> bytes:
+    """Many replicas' Prometheus text as one exposition: each family's HELP/TYPE once, all samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+    families: dict[str, object] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text.decode()):
+            have = families.get(fam.name)
+            if have is None:
+                families[fam.name] = fam
+            else:
+                have.samples.extend(fam.samples)
+    return _render(families.values())
+
+
+def _render(families) -> bytes:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class _Static:
+        def collect(self):
+            return list(families)
+
+    reg = CollectorRegistry()
+    reg.register(_Static())
+    return generate_latest(reg)
+
+
+__all__ = ["ClusterState", "IndexMirror", "state_actor_name", "merge_expositions"]

@@ -1,0 +1,163 @@
+"""Ingress: the OpenAI-compatible HTTP front door (FastAPI through serve.ingress).
+
+POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
+GET /metrics (this process's metrics merged with every replica's). Requests are parsed and checked
+by router/protocol.py, tokenized once here (chat template), and run by router/pipeline.py.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+import prometheus_client
+from ray import serve
+
+from engine.llm import chat_token_ids
+from engine.loader import load_tokenizer
+from router import protocol as oa
+from router.cluster_state import STATE_NAMESPACE, ClusterState, merge_expositions
+from router.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+app = FastAPI(title="Baton", description="OpenAI-compatible API of a disaggregated Baton cluster")
+
+
+async def _json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise oa.OpenAIError(400, f"the request body is not valid JSON: {e}", "BadRequestError") from e
+
+
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, prefill, decode, config: dict[str, Any], state_actor: str):
+        import ray
+        self.config = config
+        self.state = ray.remote(ClusterState).options(name=state_actor, namespace=STATE_NAMESPACE,
+                                                      get_if_exists=True, lifetime="detached", num_cpus=0).remote()
+        self.decode = decode
+        self.info = None
+        self._prefill, self._state_name = prefill, state_actor
+        self.served_name = None
+        self.tokenizer = None
+        self.pipeline = None
+        self._ready = asyncio.Lock()
+
+    async def _setup(self) -> Pipeline:
+        """Model facts come from a decode replica once (the model key that block hashes use)."""
+        if self.pipeline is None:
+            async with self._ready:
+                if self.pipeline is None:
+                    info = await self.decode.model_info.remote()
+                    self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
+                    self.served_name = info["served_model_name"]
+                    self.info = info
+                    self.pipeline = Pipeline(self._prefill, self.decode, info, self._state_name,
+                                             self.config["disaggregation"]["min_remote_prefill_tokens"],
+                                             self.config["router"]["index_sync_interval_s"])
+        return self.pipeline
+
+    # -- routes -----------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        await self._setup()
+        return oa.models_body([self.served_name], self.info["max_model_len"])
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        texts = await self.state.metrics_texts.remote()
+        # the module attribute, not a name imported here: Serve ships this class by value, and a
+        # registry captured at import would be a copy, not this process's live one
+        body = merge_expositions([prometheus_client.generate_latest(prometheus_client.REGISTRY), *texts])
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    # -- one request ------------------------------------------------------------------------------
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        try:
+            pipeline = await self._setup()
+            body = await _json(request)
+            req = oa.parse_request(body, chat)
+            oa.check_model(req.model, [self.served_name])
+            prompts = self._prompts(req, chat)
+            jobs = [(ids, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
+                    for ids in prompts for i in range(req.n)]
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created, model = int(time.time()), self.served_name
+        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer)
+        if req.stream:
+            return StreamingResponse(self._stream(pipeline, jobs, builder), media_type="text/event-stream")
+        return await self._complete(pipeline, jobs, builder)
+
+    def _prompts(self, req, chat: bool) -> list[list[int]]:
+        if chat:
+            return [chat_token_ids(self.tokenizer, oa.chat_messages(req))]
+        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
+
+    async def _complete(self, pipeline: Pipeline, jobs, builder) -> Response:
+        async def one(i: int, ids: list[int], params) -> None:
+            async for d in pipeline.stream(ids, params):
+                builder.add(i, d)
+        try:
+            await asyncio.gather(*(one(i, ids, p) for i, (ids, p) in enumerate(jobs)))
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception as e:                      # noqa: BLE001 - one request fails, the server goes on
+            log.exception("request %s failed", builder.id)
+            return JSONResponse(oa.OpenAIError(500, f"internal error: {e}", "InternalServerError").body(),
+                                status_code=500)
+        return JSONResponse(builder.final())
+
+    async def _stream(self, pipeline: Pipeline, jobs, builder) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def one(i: int, ids: list[int], params) -> None:
+            try:
+                async for d in pipeline.stream(ids, params):
+                    await queue.put((i, d))
+            except Exception as e:                  # noqa: BLE001
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(one(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
+        try:
+            for chunk in builder.first_chunks():
+                yield oa.sse(chunk)
+            done = 0
+            while done < len(tasks):
+                i, d = await queue.get()
+                if isinstance(d, Exception):
+                    log.error("request %s choice %d failed: %r", builder.id, i, d)
+                    yield oa.sse(oa.OpenAIError(500, f"internal error: {d}", "InternalServerError").body())
+                    break
+                for chunk in builder.chunks(i, d):
+                    yield oa.sse(chunk)
+                done += d["finished"]
+            else:
+                usage = builder.usage_chunk()
+                if usage is not None:
+                    yield oa.sse(usage)
+            yield oa.SSE_DONE
+        finally:
+            for t in tasks:                 # client gone: cancel every choice; the pools abort and free
+                t.cancel()
+

@@ -1,0 +1,93 @@
+"""Pipeline: one request's way through the pools, behind the HTTP layer (router/ingress.py).
+
+    token ids + SamplingParams
+      -> block hashes (the engine's function, the model's key from a replica)
+      -> disaggregated?  uncached part on the best decode replica > min_remote_prefill_tokens
+           yes: prefill pool (PrefixAwareRouter) -> first token + KVHandle -> decode pool pulls
+           no:  decode pool prefills itself (DecodeRouter prefers the replica that caches most)
+      -> token deltas streamed back from the decode replica (Serve streaming handle)
+Cancelling the iteration (client gone) cancels the Serve calls: each pool aborts its request and
+frees its blocks. Latency histograms are observed here, where the client sees them.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any, AsyncIterator
+
+from prometheus_client import Counter, Histogram
+
+from engine import SamplingParams
+from engine.kv import block_hashes
+from router.cluster_state import IndexMirror
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
+TTFT = Histogram("baton_time_to_first_token_seconds", "Time to first token, as the ingress sees it",
+                 ["pool", "replica"], buckets=LATENCY_BUCKETS)
+ITL = Histogram("baton_inter_token_latency_seconds", "Time between streamed token deltas, per token",
+                ["pool", "replica"], buckets=LATENCY_BUCKETS)
+E2E = Histogram("baton_e2e_request_latency_seconds", "Arrival to last token", ["pool", "replica"],
+                buckets=LATENCY_BUCKETS)
+REQUESTS = Counter("baton_requests", "Finished requests by status and finish reason",
+                   ["status", "finish_reason"])
+PATHS = Counter("baton_disaggregation_decisions", "Where prompts were prefilled", ["path"])
+
+
+class Pipeline:
+    def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
+                 min_remote_prefill_tokens: int, sync_interval_s: float = 0.01):
+        self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
+        self.model = model                        # DecodeServer.model_info(): key, block size, limits
+        self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
+        self.min_remote = min_remote_prefill_tokens
+
+    def hashes(self, token_ids: list[int]) -> list[int]:
+        return block_hashes(token_ids, self.model["block_size"], self.model["model_key"])
+
+    def remote_prefill(self, token_ids: list[int], hashes: list[int]) -> bool:
+        """Remote prefill pays a transfer; worth it only when the decode side would compute a lot."""
+        if self.prefill is None:
+            return False
+        hit = 0
+        if self.mirror is not None:
+            self.mirror.start()
+            hit = max(self.mirror.index["decode"].match(hashes).values(), default=0)
+        return len(token_ids) - hit * self.model["block_size"] > self.min_remote
+
+    async def stream(self, token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Token deltas of one request (see DecodeServer.generate); the last has finished=True."""
+        rid = request_id or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        hashes = self.hashes(token_ids)
+        sampling = {k: v for k, v in asdict(params).items()}
+        req: dict[str, Any] = {"request_id": rid, "token_ids": token_ids, "block_hashes": hashes,
+                               "sampling": sampling, "prefill": None}
+        status, reason, pool, replica = "error", "error", "decode", "?"
+        try:
+            if self.remote_prefill(token_ids, hashes):
+                PATHS.labels("remote").inc()
+                req["prefill"] = await self.prefill.prefill.remote(req)
+            else:
+                PATHS.labels("local").inc()
+            last, n = None, 0
+            async for delta in self.decode.generate.remote(req):
+                now = time.perf_counter()
+                replica = delta.get("replica", replica)
+                if last is None:
+                    TTFT.labels(pool, replica).observe(now - t0)
+                elif delta["token_ids"]:
+                    ITL.labels(pool, replica).observe((now - last) / len(delta["token_ids"]))
+                last, n = now, n + len(delta["token_ids"])
+                if delta["finished"]:
+                    status, reason = "ok", delta["finish_reason"] or "stop"
+                yield delta
+        except (asyncio.CancelledError, GeneratorExit):
+            status, reason = "aborted", "abort"
+            raise
+        finally:
+            REQUESTS.labels(status, reason).inc()
+            if status == "ok":
+                E2E.labels(pool, replica).observe(time.perf_counter() - t0)

@@ -1,0 +1,281 @@
+"""The OpenAI wire protocol: request models and their checks, errors in OpenAI's shape, response and
+SSE chunk builders. No server here (router/ingress.py serves it).
+
+Decisions: unknown request fields are ignored, as OpenAI and vLLM do; features the engine lacks
+(presence/frequency penalties other than 0, echo, best_of, tools) are refused with a 400 naming the
+field rather than silently dropped.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine import SamplingParams
+from engine.errors import InvalidRequestError
+
+MAX_N = 8
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None,
+                 code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code if code is not None else status
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- requests ---------------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart]
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+
+def parse_request(body: Any, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) if err["loc"] else None
+        raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
+    _check(req, chat)
+    return req
+
+
+def _check(req, chat: bool) -> None:
+    if chat and not req.messages:
+        raise OpenAIError(400, "messages must be a non-empty list", param="messages")
+    if not chat and (req.prompt == [] or req.prompt == ""):
+        raise OpenAIError(400, "prompt must not be empty", param="prompt")
+    if not 1 <= req.n <= MAX_N:
+        raise OpenAIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 4:
+        raise OpenAIError(400, "at most 4 stop sequences are allowed", param="stop")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) != 0:
+            raise OpenAIError(400, f"{name} is not supported (only 0)", param=name)
+    if not chat and req.echo:
+        raise OpenAIError(400, "echo is not supported", param="echo")
+
+
+def check_model(requested: str, served: list[str]) -> None:
+    if requested not in served:
+        raise OpenAIError(404, f"The model `{requested}` does not exist. Served: {served}", "NotFoundError",
+                          "model", "model_not_found")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    def text(c) -> str:
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+    return [{"role": "system" if m.role == "developer" else m.role, "content": text(m.content)}
+            for m in req.messages]
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0) -> SamplingParams:
+    """The engine's parameters for choice `index` (seeded choices get seed + index), with OpenAI's checks."""
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                               f"prompt has {prompt_len} tokens. Please reduce the length of the prompt.",
+                          param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                          code="context_length_exceeded")
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if max_tokens is not None and max_tokens <= 0:
+        raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens is not None and max_tokens > room:
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+                               f"{max_tokens} in the completion). Please reduce the length of the prompt or "
+                               f"completion.", param="max_tokens", code="context_length_exceeded")
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    try:
+        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                              seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens or room,
+                              stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+                              ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except InvalidRequestError as e:
+        param = str(e).split(" ", 1)[0]
+        raise OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e
+
+
+# -- responses --------------------------------------------------------------------------------------
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def models_body(names: list[str], max_model_len: int) -> dict:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()), "owned_by": "baton",
+                                        "max_model_len": max_model_len} for n in names]}
+
+
+class ResponseBuilder:
+    """Collects one request's choices from the pipeline's token deltas; emits OpenAI bodies or chunks."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer):
+        self.id, self.created, self.model, self.chat, self.req, self.tok = rid, created, model, chat, req, tokenizer
+        self.text: dict[int, list[str]] = {}
+        self.lps: dict[int, list] = {}
+        self.finish: dict[int, str] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def add(self, i: int, d: dict) -> None:
+        self.text.setdefault(i, []).append(d["text"])
+        if self.want_lp:
+            self.lps.setdefault(i, []).extend(self._logprobs(d))
+        if d["finished"]:
+            self.finish[i] = "length" if d["finish_reason"] == "length" else "stop"
+            self.prompt_tokens[i] = d["prompt_tokens"]
+            self.completion_tokens[i] = d["completion_tokens"]
+            self.cached_tokens[i] = d.get("cached_tokens", 0)
+
+    def _logprobs(self, d: dict) -> list:
+        out = []
+        for tok, lp in zip(d["token_ids"], d.get("logprobs") or []):
+            if lp is None:
+                continue
+            text = self.tok.decode([tok])
+            top = sorted(lp.items(), key=lambda kv: -kv[1])
+            out.append((text, lp.get(tok, top[0][1] if top else 0.0),
+                        [(self.tok.decode([t]), v) for t, v in top]))
+        return out
+
+    def _lp_body(self, items: list) -> dict | None:
+        if not self.want_lp:
+            return None
+        if self.chat:
+            n = self.req.top_logprobs or 0
+            return {"content": [{"token": t, "logprob": v, "bytes": list(t.encode()),
+                                 "top_logprobs": [{"token": a, "logprob": b, "bytes": list(a.encode())}
+                                                  for a, b in top[:n]]} for t, v, top in items]}
+        offsets, pos = [], 0
+        for t, _, _ in items:
+            offsets.append(pos)
+            pos += len(t)
+        n = self.req.logprobs or 0
+        return {"tokens": [t for t, _, _ in items], "token_logprobs": [v for _, v, _ in items],
+                "top_logprobs": [dict(top[:n]) for _, _, top in items] if n else None, "text_offset": offsets}
+
+    def usage(self) -> dict:
+        prompt = sum(v for i, v in self.prompt_tokens.items() if i % self.req.n == 0)   # once per prompt, not per choice
+        completion = sum(self.completion_tokens.values())
+        cached = sum(v for i, v in self.cached_tokens.items() if i % self.req.n == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def final(self) -> dict:
+        choices = []
+        for i in sorted(self.text):
+            text = "".join(self.text[i])
+            lp = self._lp_body(self.lps.get(i, []))
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": self.finish.get(i, "stop")})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish.get(i, "stop")})
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    # -- streaming --------------------------------------------------------------------------------
+    def _chunk(self, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if self.req.include_usage:
+            body["usage"] = usage
+        return body
+
+    def first_chunks(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(self._num_choices())])]
+
+    def _num_choices(self) -> int:
+        return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))
+
+    def chunks(self, i: int, d: dict) -> list[dict]:
+        self.add(i, d)
+        items = self._logprobs(d) if self.want_lp else []
+        lp = self._lp_body(items)
+        finish = self.finish.get(i) if d["finished"] else None
+        if not d["text"] and finish is None and not items:
+            return []
+        if self.chat:
+            choice = {"index": i, "delta": {"content": d["text"]} if d["text"] else {}, "logprobs": lp,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": d["text"], "logprobs": lp, "finish_reason": finish}
+        return [self._chunk([choice])]
+
+    def usage_chunk(self) -> dict | None:
+        return self._chunk([], self.usage()) if self.req.include_usage else None

@@ -1,0 +1,141 @@
+"""The Serve RequestRouters of both pools. They run wherever a handle to the pool lives (the ingress
+replicas), read only local state in `choose_replicas` (the IndexMirror, Serve's routing stats, what
+they routed themselves since), and return ranked tiers like Serve's own routers.
+
+- PrefixAwareRouter (prefill pool): ranks replicas by the prompt's leading blocks each caches, corrected
+  by queued prefill tokens (router.prefix_index.PrefillRanker states the rule and its fallback).
+- DecodeRouter (decode pool): a request that brings its KV goes to the replica with the most free KV
+  and fewest running sequences; one that prefills locally prefers the replica caching most of it.
+Requests without routing fields (control calls) go to any replica.
+"""
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from router.cluster_state import IndexMirror
+from router.prefix_index import PrefillRanker
+
+ROUTING_DECISIONS = Counter("baton_routing_decisions", "Routing decisions, by pool and reason", ["pool", "reason"])
+ROUTING_SECONDS = Histogram("baton_routing_decision_seconds", "Time spent in choose_replicas", ["pool"],
+                            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2))
+INFLIGHT_TTL_S = 5.0
+
+
+def _observe(pool: str, reason: str, seconds: float) -> None:
+    """Count a decision in this process's live registry. Serve ships router classes by value, so the
+    module-level metrics a method sees may be pickled copies; the imported module's are the real ones."""
+    live = importlib.import_module(__name__)
+    live.ROUTING_DECISIONS.labels(pool, reason).inc()
+    live.ROUTING_SECONDS.labels(pool).observe(seconds)
+
+
+def request_payload(pending: PendingRequest | None) -> dict[str, Any] | None:
+    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+        return None
+    return pending.args[0]
+
+
+class _InflightLoad:
+    """Work this router sent that the replica's last stats cannot show yet (they predate it)."""
+
+    def __init__(self):
+        self.sent: dict[str, list[tuple[float, int]]] = {}
+
+    def add(self, replica: str, tokens: int) -> None:
+        self.sent.setdefault(replica, []).append((time.time(), tokens))
+
+    def extra(self, replica: str, stats_time: float) -> int:
+        items = [(t, n) for t, n in self.sent.get(replica, []) if t > stats_time and time.time() - t < INFLIGHT_TTL_S]
+        self.sent[replica] = items
+        return sum(n for _, n in items)
+
+
+class PrefixAwareRouter(RequestRouter):
+    pool = "prefill"
+
+    def initialize_state(self, state_actor: str = "", block_size: int = 16, load_weight: float = 1.0,
+                         imbalance_threshold_tokens: int = 8192, index_sync_interval_s: float = 0.01, **_):
+        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
+        self.ranker = PrefillRanker(load_weight=load_weight, imbalance_threshold=imbalance_threshold_tokens)
+        self.block_size = block_size
+        self.inflight = _InflightLoad()
+        self._last: dict[str, int] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        req = request_payload(pending_request)
+        if req is None or "block_hashes" not in req:
+            return [candidate_replicas]
+        self.mirror.start()
+        t0 = time.perf_counter()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {}
+        for rid, r in by_id.items():
+            stats = r.routing_stats or {}
+            loads[rid] = stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0))
+        matches = self.mirror.index[self.pool].match(req["block_hashes"])
+        tiers, reason = self.ranker.rank(req["block_hashes"], len(req["token_ids"]), self.block_size,
+                                         {rid: matches.get(rid, 0) for rid in by_id}, loads)
+        _observe(self.pool, reason, time.perf_counter() - t0)
+        best = tiers[0][0] if tiers and tiers[0] else None
+        if best is not None:
+            self._last[pending_request.metadata.request_id] = max(
+                len(req["token_ids"]) - matches.get(best, 0) * self.block_size, 0)
+        return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        tokens = self._last.pop(pending_request.metadata.request_id, None)
+        if tokens is not None:
+            self.inflight.add(replica_id.unique_id, tokens)
+
+
+class DecodeRouter(RequestRouter):
+    pool = "decode"
+
+    def initialize_state(self, state_actor: str = "", block_size: int = 16, max_num_seqs: int = 64,
+                         index_sync_interval_s: float = 0.01, **_):
+        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.inflight = _InflightLoad()
+        self._last: dict[str, int] = {}
+
+    def _pressure(self, r: RunningReplica, rid: str) -> float:
+        """0..~2: KV fraction in use plus running-batch fraction, counting requests sent since the stats."""
+        s = r.routing_stats or {}
+        extra = self.inflight.extra(rid, s.get("time", 0.0))
+        total = max(s.get("kv_blocks_total", 1), 1)
+        return (s.get("kv_blocks_used", 0) + extra) / total + (s.get("num_running", 0) + (extra > 0)) / self.max_num_seqs
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        req = request_payload(pending_request)
+        if req is None or "token_ids" not in req:
+            return [candidate_replicas]
+        self.mirror.start()
+        t0 = time.perf_counter()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
+        blocks = -(-len(req["token_ids"]) // self.block_size)
+        if req.get("prefill") is None and req.get("block_hashes"):
+            # local prefill: computing what the replica lacks dominates; pressure breaks ties
+            hits = self.mirror.index[self.pool].match(req["block_hashes"])
+            order = sorted(by_id, key=lambda rid: (len(req["token_ids"]) - hits.get(rid, 0) * self.block_size,
+                                                    pressure[rid], rid))
+            reason = "local_prefill_hit" if any(hits.get(rid, 0) for rid in by_id) else "local_prefill"
+        else:
+            order = sorted(by_id, key=lambda rid: (pressure[rid], rid))
+            reason = "least_kv_pressure"
+        _observe(self.pool, reason, time.perf_counter() - t0)
+        if order:
+            self._last[pending_request.metadata.request_id] = blocks
+        return [[by_id[rid]] for rid in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        blocks = self._last.pop(pending_request.metadata.request_id, None)
+        if blocks is not None:
+            self.inflight.add(replica_id.unique_id, blocks)

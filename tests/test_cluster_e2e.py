@@ -1,0 +1,174 @@
+"""The real Serve app on loopback, driven by the official `openai` client: one prefill and one decode
+replica of the default model, KV over NIXL. Greedy output equals the offline engine's; stop strings,
+max_tokens and usage hold; bad input gets OpenAI error JSON; /metrics shows both pools."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PORT = 8731
+BASE = f"http://127.0.0.1:{PORT}"
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def server():
+    from cluster.config import ClusterConfig
+    from cluster.serving import start, stop
+    cfg = ClusterConfig.from_dict({
+        "port": PORT, "ingress": {"num_cpus": 0},
+        "prefill": {"num_cpus": 0, "engine": ENGINE}, "decode": {"num_cpus": 0, "engine": ENGINE},
+        "disaggregation": {"min_remote_prefill_tokens": 16}})
+    start(cfg, num_cpus=2)
+    yield cfg
+    stop()
+    import ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(smol_path):
+    return LLM(smol_path, **ENGINE)
+
+
+def _metrics() -> dict[str, float]:
+    """Sample name with labels -> value, from one scrape of the ingress."""
+    text = urllib.request.urlopen(f"{BASE}/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _pool_sum(m: dict[str, float], metric: str, pool: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith(metric + "{") and f'pool="{pool}"' in k)
+
+
+def _post(path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"{BASE}{path}", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_and_health(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert json.loads(urllib.request.urlopen(f"{BASE}/health").read()) == {"status": "ok"}
+
+
+def test_chat_greedy_equals_the_offline_engine_streamed_or_not(client, offline):
+    messages = [{"role": "user", "content": "Name three things a relay runner must practise."}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40))
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
+
+
+def test_completions_stop_strings_and_max_tokens_hold(client, offline):
+    prompt = "The four strokes of a relay swim are backstroke, breaststroke, butterfly and"
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    stop = want.text.split()[2]                                 # a word the model will write
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and stop not in r.choices[0].text
+    assert want.text.startswith(r.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[stop], stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
+    cases = [
+        (b"{not json", 400, None),
+        ({"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 1100}]}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ]
+    for body, status, param in cases:
+        code, err = _post("/v1/chat/completions", body)
+        assert code == status, (body, err)
+        assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"], err
+        assert err["error"]["param"] == param, (body, err)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "hi"}])
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Still there?"}],
+                                       temperature=0, max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_metrics_show_both_pools_and_the_transfer(client):
+    client.completions.create(model=MODEL, prompt="Relay teams win or lose in the exchange zone because " * 3,
+                              temperature=0, max_tokens=4)
+    deadline = time.monotonic() + 10
+    while True:
+        m = _metrics()
+        if _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for pool in ("prefill", "decode"):
+        assert _pool_sum(m, "baton_kv_blocks_free", pool) > 0, pool
+        assert _pool_sum(m, "baton_prefix_cache_query_tokens_total", pool) > 0, pool
+    assert _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") > 0
+    assert _pool_sum(m, "baton_kv_pins_released_total", "prefill") >= 1
+    assert sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="ok"' in k) >= 1
+    assert sum(v for k, v in m.items() if k.startswith("baton_routing_decisions_total{")) >= 1
+    assert sum(v for k, v in m.items() if k.startswith("baton_time_to_first_token_seconds_count{")) >= 1
+
+
+def test_a_request_aborted_mid_stream_frees_its_blocks_in_both_pools(client):
+    prompt = "Write a very long story about a relay race across a whole continent. " * 4
+    stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=600,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    got = 0
+    for chunk in stream:
+        got += 1
+        if got == 5:
+            break
+    stream.close()                                                # the client goes away mid-stream
+    deadline, m = time.monotonic() + 20, {}
+    while time.monotonic() < deadline:
+        m = _metrics()
+        if all(_pool_sum(m, "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")):
+            break
+        time.sleep(0.5)
+    assert _pool_sum(m, "baton_kv_blocks_used", "decode") == 0
+    assert _pool_sum(m, "baton_kv_blocks_used", "prefill") == 0
+    assert sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="aborted"' in k) >= 1
