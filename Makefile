@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a haiku about relay races.
 
-.PHONY: install test test-fast generate bench clean
+.PHONY: install test test-fast generate serve bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml Makefile
 
 generate: install
 	$(BIN)/baton generate "$(PROMPT)"
+
+serve: install
+	$(BIN)/baton serve
 
 test: install
 	$(BIN)/python -m pytest -q -ra

@@ -17,10 +17,23 @@ def start(config: ClusterConfig, app_name: str = APP_NAME, blocking: bool = Fals
 
     from cluster.app import build_app
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=num_cpus, include_dashboard=False,
-                 logging_level="WARNING", namespace="baton")
+        address = os.environ.get("RAY_ADDRESS")
+        if num_cpus is None and address is None:   # a local Ray: room for every replica's logical CPUs
+            num_cpus = max(os.cpu_count() or 1, int(-(-_cpus_needed(config) // 1)))
+        ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
+                 namespace="baton")
     serve.start(http_options={"host": config.host, "port": config.port})
     return serve.run(build_app(config, app_name), name=app_name, route_prefix="/", blocking=blocking)
+
+
+def _cpus_needed(config: ClusterConfig) -> float:
+    total = config.ingress.num_replicas * config.ingress.num_cpus
+    for name in ("prefill", "decode"):
+        pool = getattr(config, name)
+        if pool is not None:
+            n = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
+            total += n * pool.num_cpus
+    return total
 
 
 def stop(app_name: str = APP_NAME) -> None:

@@ -64,3 +64,23 @@ def test_imported_kv_without_first_token_recomputes_only_the_last_token(smol_pat
     engine.add_request(prompt, params, kv=kv)
     assert _run(engine)[0].token_ids == want
     assert engine.num_computed_tokens_total - before == 1 + (params.max_tokens - 1)
+
+
+def test_a_request_the_prefill_token_already_ends_is_still_reported(smol_path):
+    """max_tokens=1 (or the first token is a stop): decode admits it finished and reports it at once."""
+    from engine.async_llm import AsyncLLM
+    import asyncio
+    cfg = dict(num_kv_blocks=64, max_model_len=512)
+    prefill, decode = LLMEngine(EngineConfig(smol_path, **cfg)), AsyncLLM(engine=LLMEngine(EngineConfig(smol_path, **cfg)))
+    prompt = prefill.tokenize("Relay batons are made of")
+    prefill.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id="r", prefill_only=True)
+    (first,) = _run(prefill)
+    kv = decode.call(LLMEngine.reserve_blocks, prompt)
+
+    async def run():
+        return [o async for o in decode.generate(prompt, SamplingParams(temperature=0, max_tokens=1), "r", kv=kv,
+                                                 first_token=first.token_ids[0])]
+    outs = asyncio.run(asyncio.wait_for(run(), 30))
+    decode.shutdown()
+    assert len(outs) == 1 and outs[0].finished and outs[0].token_ids == first.token_ids
+    assert outs[0].finish_reason == "length" and decode.engine.pool.num_used_blocks == 0

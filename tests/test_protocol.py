@@ -1,0 +1,76 @@
+"""The OpenAI wire format without a server: checks give OpenAI's status/param, and the bodies and chunks
+we build parse as the official client's types."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from router import protocol as oa
+
+
+class Tok:
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def _chat(**kw):
+    return oa.parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}, chat=True)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": list("abcde")}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+])
+def test_bad_requests_name_the_field(body, param):
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.parse_request(body, chat=True)
+    assert e.value.status == 400 and e.value.param == param
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_context_length_and_sampling_mapping():
+    with pytest.raises(oa.OpenAIError, match="maximum context length is 100 tokens.*90 in the prompt, 20 in"):
+        oa.to_sampling_params(_chat(max_tokens=20), 100, 90)
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.to_sampling_params(_chat(temperature=-1), 100, 10)
+    assert e.value.param == "temperature"
+    p = oa.to_sampling_params(_chat(seed=5, n=2, stop="x", top_p=0.5), 100, 10, index=1)
+    assert (p.seed, p.max_tokens, p.stop, p.top_p) == (6, 90, ["x"], 0.5)
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.check_model("other", ["m"])
+    assert e.value.status == 404 and e.value.body()["error"]["code"] == "model_not_found"
+
+
+def _deltas():
+    return [{"token_ids": [5], "text": "Hel", "finished": False, "logprobs": [{5: -0.1, 6: -2.0}]},
+            {"token_ids": [6], "text": "lo", "finished": True, "logprobs": [{6: -0.3, 5: -1.5}],
+             "finish_reason": "length", "prompt_tokens": 7, "completion_tokens": 2, "cached_tokens": 0}]
+
+
+def test_bodies_and_chunks_parse_as_the_official_types():
+    req = _chat(logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True})
+    b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok())
+    chunks = b.first_chunks() + [c for d in _deltas() for c in b.chunks(0, d)] + [b.usage_chunk()]
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert "".join(p.choices[0].delta.content or "" for p in parsed if p.choices) == "Hello"
+    assert parsed[-1].usage.total_tokens == 9 and parsed[-2].choices[0].finish_reason == "length"
+    assert oa.sse(chunks[0]).startswith(b"data: {") and oa.sse(chunks[0]).endswith(b"\n\n")
+    assert json.loads(oa.sse(chunks[0])[6:]) == chunks[0]
+    full = ChatCompletion.model_validate(b.final())
+    assert full.choices[0].message.content == "Hello"
+    assert [t.token for t in full.choices[0].logprobs.content] == ["<5>", "<6>"]
+
+    creq = oa.parse_request({"model": "m", "prompt": "x", "logprobs": 1}, chat=False)
+    cb = oa.ResponseBuilder("cmpl-1", 1, "m", False, creq, Tok())
+    for d in _deltas():
+        cb.add(0, d)
+    comp = Completion.model_validate(cb.final())
+    assert comp.choices[0].text == "Hello" and comp.choices[0].logprobs.token_logprobs == [-0.1, -0.3]
+    assert comp.usage.completion_tokens == 2
