@@ -121,3 +121,20 @@ def test_ranker_prefers_hits_sticks_and_falls_back_when_imbalanced():
     firsts = {ranker.rank([k], 16, 16, {}, dict.fromkeys("abcd", 0))[0][0][0] for k in range(40)}
     assert len(firsts) > 1
     assert len({ranker.rank([7], 16, 16, {}, dict.fromkeys("abcd", 0))[0][0][0] for _ in range(5)}) == 1
+
+
+def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
+    import argparse
+    import json
+
+    from bench import router_bench
+    p = argparse.ArgumentParser()
+    router_bench.add_arguments(p)
+    args = p.parse_args(["--prefixes", "300", "--replicas", "4", "--tenants", "5", "--decisions", "400",
+                         "--tokens", "512", "--out", str(tmp_path)])
+    r = router_bench.run(args)
+    d = r["decision_us"]
+    assert 0 < d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+    assert 0.4 < r["prefix_hit_decisions"] <= 0.75 + 1e-9      # half the queries continue a cached prompt
+    assert json.loads((tmp_path / "router.json").read_text())["decision_us"] == d
+    assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
