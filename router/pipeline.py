@@ -60,6 +60,7 @@ class Pipeline:
                      request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Token deltas of one request (see DecodeServer.generate); the last has finished=True."""
         rid = request_id or uuid.uuid4().hex
+        _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = self.hashes(token_ids)
         sampling = {k: v for k, v in asdict(params).items()}
@@ -91,3 +92,11 @@ class Pipeline:
             REQUESTS.labels(status, reason).inc()
             if status == "ok":
                 E2E.labels(pool, replica).observe(time.perf_counter() - t0)
+
+
+def _own_serve_request_ids(rid: str) -> None:
+    """Give this task's Serve calls their own request ids. The n choices of one HTTP request run as
+    sibling tasks that would otherwise share the HTTP request's ids, and Serve keys in-flight calls
+    (streams, cancellation) by them: with n > 1 streams crossed and hung. Call inside the task."""
+    from ray.serve import context
+    context._set_request_context(request_id=rid, _internal_request_id=uuid.uuid4().hex)

@@ -132,14 +132,15 @@ class PrefixIndex:
 class PrefillRanker:
     """The prefill pool's rule. A replica's cost is an estimate of the prompt's time to first token in
     tokens of work: cost = uncached prompt tokens there + load_weight * its queued prefill tokens.
-    Cheapest first (ties: a stable hash of the prompt's first block, so one prompt sticks to one replica).
+    Cheapest first; ties go to the replica caching fewer blocks (it has room: new prefixes spread over
+    the pool instead of piling onto one), then to a stable hash of the prompt's first block.
     When the queued tokens of the replicas differ by more than imbalance_threshold, a hot prefix would
     pile onto one replica: the rule is then least-loaded first, whatever the hits."""
     load_weight: float = 1.0
     imbalance_threshold: int = 8192
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
-             loads: dict[str, int]) -> tuple[list[list[str]], str]:
+             loads: dict[str, int], cached: dict[str, int] | None = None) -> tuple[list[list[str]], str]:
         replicas = list(loads)
         if not replicas:
             return [], "no_replica"
@@ -154,6 +155,7 @@ class PrefillRanker:
         def cost(r: str) -> float:
             return max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * loads[r]
 
-        order = sorted(replicas, key=lambda r: (cost(r), tie(r)))
+        cached = cached or {}
+        order = sorted(replicas, key=lambda r: (cost(r), cached.get(r, 0), tie(r)))
         reason = "prefix_hit" if matches.get(order[0], 0) > 0 else "no_hit_least_cost"
         return [[r] for r in order], reason

@@ -78,9 +78,10 @@ class PrefixAwareRouter(RequestRouter):
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
             loads[rid] = stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0))
-        matches = self.mirror.index[self.pool].match(req["block_hashes"])
+        index = self.mirror.index[self.pool]
+        matches = index.match(req["block_hashes"])
         tiers, reason = self.ranker.rank(req["block_hashes"], len(req["token_ids"]), self.block_size,
-                                         {rid: matches.get(rid, 0) for rid in by_id}, loads)
+                                         {rid: matches.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
         _observe(self.pool, reason, time.perf_counter() - t0)
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is not None:

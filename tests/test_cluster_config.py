@@ -51,3 +51,18 @@ def test_options_fit_ray_serve_and_overrides_apply():
     assert colo.prefill is None
     with pytest.raises(ConfigError, match="no prefill pool"):
         colo.with_overrides(prefill_replicas=1)
+
+
+def test_the_serve_config_file_names_the_same_builder():
+    import importlib
+
+    import yaml
+    from ray import serve
+    from ray.serve.schema import ServeDeploySchema
+    doc = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(doc)
+    (app,) = schema.applications
+    module, attr = app.import_path.split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    built = builder({"config": str(ROOT / app.args["config"])})
+    assert isinstance(built, serve.Application)

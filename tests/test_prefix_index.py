@@ -138,3 +138,9 @@ def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
     assert 0.4 < r["prefix_hit_decisions"] <= 0.75 + 1e-9      # half the queries continue a cached prompt
     assert json.loads((tmp_path / "router.json").read_text())["decision_us"] == d
     assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_new_prefixes_spread_to_the_emptier_replica():
+    ranker = PrefillRanker()
+    tiers, _ = ranker.rank([1, 2], 32, 16, {}, {"a": 0, "b": 0}, {"a": 64, "b": 3})
+    assert tiers[0] == ["b"]

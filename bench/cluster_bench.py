@@ -1,0 +1,306 @@
+"""`baton bench cluster`: open-loop load against the HTTP API of a real local Serve app, in one run.
+
+Load: Poisson arrivals at `--rate` requests/s, streamed /v1/completions with token-id prompts (exact
+lengths), timings taken by the client from the SSE stream. Workloads (seeded):
+  tenants      multi-tenant chat: 4 tenants' shared system prompts of --prefix-tokens, a unique
+               32-token question each, 16-token answers
+  long_prompt  unique 1,024-1,536-token prompts, 8-token answers
+  long_answer  32-token prompts, 128-token answers (ignore_eos)
+Comparisons, each cluster started afresh with the same engines and the same requests:
+  routing  prefix-aware vs Serve's power-of-two routing on `tenants`, 2 prefill replicas whose KV cache
+           holds about 2.5 tenants' prefixes: the prefill pool's prefix hit rate (from /metrics, after
+           one warm-up request per tenant) and TTFT
+  pd       disaggregated (1 prefill + 1 decode) vs colocated (2 replicas doing both) on long_answer
+           streams with long_prompt arrivals mixed in: ITL p99 of the streams
+Reports TTFT and ITL p50/p90/p99, throughput and goodput under the SLO (--slo-ttft-ms, --slo-itl-ms).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.engine_bench import machine_info, make_logger, pyplot
+
+log = make_logger("cluster-bench")
+PORT = 8741
+VOCAB = (200, 40000)            # random prompt ids: clear of SmolLM2's special tokens
+BLOCK_BYTES = 737_280           # SmolLM2-135M fp32, block of 16 tokens
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int
+    at: float = 0.0                                  # arrival, seconds after the start
+    tag: str = ""
+
+
+@dataclass
+class Result:
+    tag: str
+    ok: bool
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    tokens: int = 0
+    e2e: float | None = None
+    error: str | None = None
+
+
+# -- workloads --------------------------------------------------------------------------------------
+def tenants(n: int, prefix_tokens: int, rng: np.random.Generator, num_tenants: int = 4) -> tuple[list[Req], list[Req]]:
+    systems = [rng.integers(*VOCAB, size=prefix_tokens).tolist() for _ in range(num_tenants)]
+    warm = [Req(s + rng.integers(*VOCAB, size=32).tolist(), 4, tag=f"warm{t}") for t, s in enumerate(systems)]
+    reqs = [Req(systems[i % num_tenants] + rng.integers(*VOCAB, size=32).tolist(), 16, tag="tenants")
+            for i in range(n)]
+    return warm, reqs
+
+
+def long_prompts(n: int, rng: np.random.Generator) -> list[Req]:
+    return [Req(rng.integers(*VOCAB, size=int(rng.integers(1024, 1537))).tolist(), 8, tag="long_prompt")
+            for _ in range(n)]
+
+
+def long_answers(n: int, rng: np.random.Generator) -> list[Req]:
+    return [Req(rng.integers(*VOCAB, size=32).tolist(), 128, tag="long_answer") for _ in range(n)]
+
+
+def poisson(reqs: list[Req], rate: float, rng: np.random.Generator) -> list[Req]:
+    t = 0.0
+    for r in reqs:
+        t += rng.exponential(1.0 / rate)
+        r.at = t
+    return reqs
+
+
+# -- the client -------------------------------------------------------------------------------------
+async def one(session, base: str, model: str, r: Req, t0: float) -> Result:
+    await asyncio.sleep(max(0.0, r.at - (time.perf_counter() - t0)))
+    body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    res, last = Result(r.tag, False), None
+    try:
+        async with session.post(f"{base}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return Result(r.tag, False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Result(r.tag, False, error=str(chunk["error"]))
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+                res.tokens += 1
+        res.ok, res.e2e = True, time.perf_counter() - start
+    except Exception as e:                              # noqa: BLE001 - a failed request is a data point
+        res.error = repr(e)
+    return res
+
+
+async def drive(base: str, model: str, reqs: list[Req]) -> tuple[list[Result], float]:
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(one(s, base, model, r, t0) for r in reqs))
+        return list(out), time.perf_counter() - t0
+
+
+def scrape(base: str) -> dict[str, float]:
+    import urllib.request
+    out = {}
+    for line in urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode().splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def pool_total(m: dict[str, float], metric: str, pool: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith(metric + "{") and f'pool="{pool}"' in k)
+
+
+def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = np.array([r.ttft for r in ok if r.ttft is not None])
+    itl = np.array([x for r in ok for x in r.itls])
+
+    def pct(a):
+        return {f"p{q}": float(np.percentile(a, q)) * 1e3 for q in (50, 90, 99)} if len(a) else None
+    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft
+            and (not r.itls or float(np.mean(r.itls)) <= slo_itl)]
+    return {"requests": len(results), "ok": len(ok), "errors": [r.error for r in results if not r.ok][:5],
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl), "wall_s": wall,
+            "output_tokens_per_s": sum(r.tokens for r in ok) / wall, "goodput_rps": len(good) / wall,
+            "slo_attainment": len(good) / max(len(results), 1)}
+
+
+# -- one cluster at a time ----------------------------------------------------------------------------
+def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64) -> Any:
+    from cluster.config import ClusterConfig
+    engine = {"kv_cache_memory": kv_bytes, "max_model_len": 2048}
+    d: dict[str, Any] = {"port": PORT, "mode": mode, "ingress": {"num_cpus": 0},
+                         "decode": {"num_replicas": decode, "num_cpus": 0, "engine": engine},
+                         "router": {"policy": policy}, "disaggregation": {"min_remote_prefill_tokens": min_remote}}
+    if mode == "disaggregated":
+        d["prefill"] = {"num_replicas": prefill, "num_cpus": 0, "engine": engine}
+    return ClusterConfig.from_dict(d)
+
+
+def with_cluster(cfg, fn):
+    from cluster.serving import start, stop
+    t = time.perf_counter()
+    start(cfg)
+    log(f"cluster up in {time.perf_counter() - t:.0f} s: {cfg.mode}, prefill routing {cfg.router.policy}")
+    try:
+        return fn(f"http://127.0.0.1:{PORT}", cfg.model_name())
+    finally:
+        stop()
+
+
+def routing_run(policy: str, n: int, rate: float, prefix_tokens: int, slo: tuple[float, float]) -> dict:
+    rng = np.random.default_rng(1)
+    warm, reqs = tenants(n, prefix_tokens, rng)
+    poisson(reqs, rate, rng)
+    kv = int(2.5 * prefix_tokens / 16 * BLOCK_BYTES)
+
+    def work(base, model):
+        for w in warm:                                          # one request per tenant, one at a time
+            asyncio.run(drive(base, model, [w]))
+        time.sleep(1.0)
+        before = scrape(base)
+        results, wall = asyncio.run(drive(base, model, reqs))
+        time.sleep(1.5)                                         # replicas report every 0.5 s
+        after = scrape(base)
+        q = pool_total(after, "baton_prefix_cache_query_tokens_total", "prefill") - \
+            pool_total(before, "baton_prefix_cache_query_tokens_total", "prefill")
+        h = pool_total(after, "baton_prefix_cache_hit_tokens_total", "prefill") - \
+            pool_total(before, "baton_prefix_cache_hit_tokens_total", "prefill")
+        return {**summarize(results, wall, *slo), "prefix_hit_rate": h / q if q else None,
+                "prefill_query_tokens": q, "prefill_hit_tokens": h}
+    # every prompt goes through the prefill pool (the decode replica would otherwise prefill a tenant's
+    # prompt itself once it caches the prefix: conditional disaggregation, but not what is measured here)
+    return with_cluster(serve_config("disaggregated", policy, 2, 1, kv, min_remote=0), work)
+
+
+def pd_run(mode: str, n_streams: int, n_long: int, rate: float, slo: tuple[float, float]) -> dict:
+    rng = np.random.default_rng(2)
+    streams, longs = long_answers(n_streams, rng), long_prompts(n_long, rng)
+    poisson(streams, rate, rng)
+    poisson(longs, rate * n_long / max(n_streams, 1), rng)
+    prefill, decode = (1, 1) if mode == "disaggregated" else (0, 2)
+
+    def work(base, model):
+        asyncio.run(drive(base, model, [Req([300] * 32, 2)]))  # warm-up
+        results, wall = asyncio.run(drive(base, model, streams + longs))
+        return {"streams": summarize([r for r in results if r.tag == "long_answer"], wall, *slo),
+                "long_prompts": summarize([r for r in results if r.tag == "long_prompt"], wall, *slo)}
+    return with_cluster(serve_config(mode, "prefix_aware", prefill, decode, 256 << 20), work)
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    r = result["routing"]
+    names = list(r)
+    axes[0].bar(names, [100 * (r[n]["prefix_hit_rate"] or 0) for n in names], color=["tab:green", "tab:gray"])
+    axes[0].set_ylabel("prefill prefix hit rate, %")
+    axes[0].set_title("tenants: hit rate")
+    for i, q in enumerate(("p50", "p90", "p99")):
+        axes[1].bar(np.arange(len(names)) + (i - 1) * 0.25, [r[n]["ttft_ms"][q] if r[n]["ttft_ms"] else 0
+                                                             for n in names], 0.25, label=q)
+    axes[1].set_xticks(np.arange(len(names)), names)
+    axes[1].set_ylabel("TTFT, ms")
+    axes[1].set_title("tenants: TTFT")
+    axes[1].legend(fontsize=8)
+    p = result["pd"]
+    modes = list(p)
+    for i, q in enumerate(("p50", "p90", "p99")):
+        axes[2].bar(np.arange(len(modes)) + (i - 1) * 0.25,
+                    [p[m]["streams"]["itl_ms"][q] if p[m]["streams"]["itl_ms"] else 0 for m in modes], 0.25, label=q)
+    axes[2].set_xticks(np.arange(len(modes)), modes)
+    axes[2].set_ylabel("ITL of streams, ms")
+    axes[2].set_title("long answers + long prompts: ITL")
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=48, help="tenants requests per routing policy (default 48)")
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (default 1.0)")
+    p.add_argument("--prefix-tokens", type=int, default=1024, help="tenants' shared prompt length (default 1024)")
+    p.add_argument("--streams", type=int, default=12, help="long-answer streams of the P/D comparison (default 12)")
+    p.add_argument("--long-prompts", type=int, default=6, help="long prompts mixed in (default 6)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: TTFT at most (default 2000)")
+    p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO: mean ITL at most (default 200)")
+    p.add_argument("--skip-pd", action="store_true", help="leave out the disaggregated vs colocated comparison")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 12 tenants requests, 256-token prefixes, "
+                                                        "4 streams, 2 long prompts")
+    p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/cluster",
+                   help="directory for cluster.json and cluster.png (default bench_out/cluster)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+    started = time.perf_counter()
+    if args.quick:
+        args.requests, args.prefix_tokens, args.streams, args.long_prompts = 12, 256, 4, 2
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             namespace="baton-bench-cluster")
+    try:
+        routing = {}
+        for policy in ("prefix_aware", "pow2"):
+            log(f"routing: {policy}, {args.requests} tenants requests at {args.rate}/s")
+            routing[policy] = routing_run(policy, args.requests, args.rate, args.prefix_tokens, slo)
+            log(f"routing {policy}: hit rate {routing[policy]['prefix_hit_rate']:.1%}, TTFT {routing[policy]['ttft_ms']}")
+        pd = {}
+        if not args.skip_pd:
+            for mode in ("disaggregated", "colocated"):
+                log(f"pd: {mode}, {args.streams} streams + {args.long_prompts} long prompts")
+                pd[mode] = pd_run(mode, args.streams, args.long_prompts, args.rate, slo)
+                log(f"pd {mode}: stream ITL {pd[mode]['streams']['itl_ms']}")
+    finally:
+        ray.shutdown()
+    result: dict[str, Any] = {
+        "benchmark": "cluster", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "quick": args.quick, "rate_rps": args.rate, "slo_ms":
+            {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}, "prefix_tokens": args.prefix_tokens,
+        "routing": routing, "pd": pd,
+        "method_notes": {
+            "timings": "client side, from the SSE stream: TTFT = send to first text chunk; ITL = between chunks",
+            "prefix_hit_rate": "prefill pool's prefix-cache hit tokens / query tokens over the measured requests "
+                               "(after one warm-up request per tenant), from the ingress /metrics",
+            "routing_kv": "each prefill replica's KV cache holds ~2.5 tenants' prefixes",
+            "pd": "disaggregated = 1 prefill + 1 decode replica; colocated = 2 replicas doing both"},
+    }
+    if routing.get("pow2", {}).get("prefix_hit_rate") is not None and routing["prefix_aware"]["prefix_hit_rate"]:
+        result["routing_hit_rate_gain"] = routing["prefix_aware"]["prefix_hit_rate"] - routing["pow2"]["prefix_hit_rate"]
+    png = out_dir / "cluster.png"
+    if pd:
+        plot(result, png)
+        result["plots"] = {"cluster": str(png)}
+    result["json_path"] = str(out_dir / "cluster.json")
+    (out_dir / "cluster.json").write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
+    return result

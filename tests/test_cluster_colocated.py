@@ -1,0 +1,50 @@
+"""Colocated mode from the same config (one pool prefills and decodes): the openai client gets the offline
+engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool."""
+from __future__ import annotations
+
+import urllib.request
+
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PORT = 8733
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def client():
+    from cluster.config import ClusterConfig
+    from cluster.serving import start, stop
+    start(ClusterConfig.from_dict({"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0},
+                                   "decode": {"num_cpus": 0, "engine": ENGINE}}), num_cpus=2)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+    stop()
+    import ray
+    ray.shutdown()
+
+
+def test_colocated_serves_greedy_n_and_logprobs(client, smol_path):
+    messages = [{"role": "user", "content": "Why do relay runners practise the baton exchange?"}]
+    want = LLM(smol_path, **ENGINE).chat(messages, SamplingParams(temperature=0, max_tokens=24))
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                       logprobs=True, top_logprobs=2)
+    assert r.choices[0].message.content == want.text
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in lp)
+    assert all(t.logprob <= 0 and t.logprob >= t.top_logprobs[-1].logprob for t in lp)   # greedy: the top token
+
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, n=3, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) > 1                       # seeds differ per choice
+    again = client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, max_tokens=16, n=3, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)                   # counted once, not per choice
+    assert r.usage.completion_tokens >= 3
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
+    assert 'baton_kv_blocks_free{pool="decode"' in text and 'pool="prefill"' not in text
