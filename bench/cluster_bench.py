@@ -151,11 +151,13 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: floa
 
 
 # -- one cluster at a time ----------------------------------------------------------------------------
-def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64) -> Any:
+def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64,
+                 decode_kv_bytes: int | None = None) -> Any:
     from cluster.config import ClusterConfig
     engine = {"kv_cache_memory": kv_bytes, "max_model_len": 2048}
     d: dict[str, Any] = {"port": PORT, "mode": mode, "ingress": {"num_cpus": 0},
-                         "decode": {"num_replicas": decode, "num_cpus": 0, "engine": engine},
+                         "decode": {"num_replicas": decode, "num_cpus": 0,
+                                    "engine": {**engine, "kv_cache_memory": decode_kv_bytes or kv_bytes}},
                          "router": {"policy": policy}, "disaggregation": {"min_remote_prefill_tokens": min_remote}}
     if mode == "disaggregated":
         d["prefill"] = {"num_replicas": prefill, "num_cpus": 0, "engine": engine}
@@ -195,7 +197,7 @@ def routing_run(policy: str, n: int, rate: float, prefix_tokens: int, slo: tuple
                 "prefill_query_tokens": q, "prefill_hit_tokens": h}
     # every prompt goes through the prefill pool (the decode replica would otherwise prefill a tenant's
     # prompt itself once it caches the prefix: conditional disaggregation, but not what is measured here)
-    return with_cluster(serve_config("disaggregated", policy, 2, 1, kv, min_remote=0), work)
+    return with_cluster(serve_config("disaggregated", policy, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20), work)
 
 
 def pd_run(mode: str, n_streams: int, n_long: int, rate: float, slo: tuple[float, float]) -> dict:

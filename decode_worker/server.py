@@ -13,6 +13,10 @@ from kvtransfer import KVHandle
 from prefill_worker.replica import EngineReplica, run_blocking
 
 
+RESERVE_RETRY_S = 0.05
+RESERVE_MARGIN_S = 2.0          # stop waiting for room this long before the producer unpins
+
+
 class DecodeServer(EngineReplica):
     pool = "decode"
 
@@ -37,7 +41,7 @@ class DecodeServer(EngineReplica):
             self._blocks[handle.request_id] = (p["blocks_ref"], len(handle.block_ids))
         t0, x = time.perf_counter(), None
         try:
-            x = await run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids))
+            x = await self._reserve_and_pull(handle, ids)
             await x.wait_async()
         except BaseException:
             if x is not None:
@@ -48,6 +52,17 @@ class DecodeServer(EngineReplica):
             self._blocks.pop(handle.request_id, None)
         self.metrics.observe_transfer(x.num_pulled_blocks * self.link.transport.block_bytes, time.perf_counter() - t0)
         return {"kv": x.kv, "first_token": p["first_token"], "first_logprobs": p["first_logprobs"]}
+
+    async def _reserve_and_pull(self, handle: KVHandle, ids: list[int]):
+        """Reserve blocks and start the pull. While the cache is full, wait for running requests to
+        free blocks (backpressure, like a waiting queue) until shortly before the producer unpins."""
+        while True:
+            try:
+                return await run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids))
+            except MemoryError:
+                if time.time() > handle.expiry - RESERVE_MARGIN_S:
+                    raise
+                await asyncio.sleep(RESERVE_RETRY_S)
 
 
 def _delta(out: RequestOutput, replica: str | None, transferred: bool) -> dict[str, Any]:
