@@ -172,3 +172,22 @@ def test_a_request_aborted_mid_stream_frees_its_blocks_in_both_pools(client):
     assert _pool_sum(m, "baton_kv_blocks_used", "decode") == 0
     assert _pool_sum(m, "baton_kv_blocks_used", "prefill") == 0
     assert sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="aborted"' in k) >= 1
+
+
+def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client):
+    """Conditional disaggregation: the second time, the decode replica holds all but the last partial
+    block (< min_remote_prefill_tokens uncached), so it prefills locally: same text, no transfer."""
+    def paths() -> dict[str, float]:
+        m = _metrics()
+        return {p: m.get(f'baton_disaggregation_decisions_total{{path="{p}"}}', 0.0) for p in ("local", "remote")}
+
+    prompt = "Coaches time each leg of the relay separately, and the fastest runner usually goes last: " * 2
+    before = paths()
+    first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+    mid = paths()
+    time.sleep(0.5)                                   # the decode replica's KV events reach the index
+    second = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+    after = paths()
+    assert mid["remote"] == before["remote"] + 1 and mid["local"] == before["local"]
+    assert after["local"] == mid["local"] + 1 and after["remote"] == mid["remote"]
+    assert second.choices[0].text == first.choices[0].text

@@ -144,3 +144,18 @@ def test_new_prefixes_spread_to_the_emptier_replica():
     ranker = PrefillRanker()
     tiers, _ = ranker.rank([1, 2], 32, 16, {}, {"a": 0, "b": 0}, {"a": 64, "b": 3})
     assert tiers[0] == ["b"]
+
+
+def test_a_replica_that_stops_reporting_is_forgotten(monkeypatch):
+    import router.cluster_state as cs
+    state, r = ClusterState(), Replica("dead", 16)
+    state.register("prefill", "dead", b"", 0)
+    r.run_prompt(list(range(8)))
+    state.publish("prefill", "dead", *r.batch())
+    state.report("prefill", "dead", b"# metrics\n")
+    h = block_hashes(list(range(8)), BS, KEY)
+    assert state.index["prefill"].match(h) == {"dead": 2} and state.metrics_texts() == [b"# metrics\n"]
+    monkeypatch.setattr(cs, "DEAD_AFTER_S", 0.0)
+    version, entries, _ = state.changes(0)             # readers trigger the reaping
+    assert state.index["prefill"].match(h) == {} and state.metrics_texts() == []
+    assert entries[-1][2] == "dead" and entries[-1][4] == b"forget"     # mirrors hear it too
