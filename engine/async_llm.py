@@ -34,11 +34,21 @@ class AsyncLLM:
         """Yield one RequestOutput per new token (deltas in new_text/new_token_ids); the last has
         finished=True. Bad input raises InvalidRequestError before anything is queued."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("engine is shut down")
-            rid = self.engine.add_request(prompt, params, request_id, **kwargs)
-            self._streams[rid] = (loop, queue)
+
+        def add() -> str:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("engine is shut down")
+                rid = self.engine.add_request(prompt, params, request_id, **kwargs)
+                self._streams[rid] = (loop, queue)
+                return rid
+        # in a thread: the lock is held for a whole engine step, which must not stall the event loop
+        adding = asyncio.ensure_future(asyncio.to_thread(add))
+        try:
+            rid = await asyncio.shield(adding)
+        except asyncio.CancelledError:           # the caller left while the request was being added
+            adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
+            raise
         self._wake.set()
         finished = False
         try:

@@ -68,8 +68,8 @@ class EngineReplica:
                 "model_path": e.model_path, "served_model_name": self.served_model_name}
 
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
-    def record_routing_stats(self) -> dict[str, Any]:
-        return self.llm.call(_load)
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return await run_blocking(self.llm.call, _load)
 
     # -- KV events and unpins, off the request path ---------------------------------------------------
     def _on_event(self, event: KVEvent) -> None:          # engine thread
