@@ -1,7 +1,17 @@
 """ClusterConfig: the one schema of a Baton cluster (pydantic), loaded from one YAML file.
 
-Every field is documented; unknown keys anywhere are refused with their path and a suggestion.
-`baton serve` flags override a few fields (with_overrides); build_app (cluster/app.py) reads the rest.
+    model, served_model_name, dtype, device, mode, host, port
+    ingress:         num_replicas, num_cpus, max_ongoing_requests
+    prefill, decode: num_replicas | autoscaling {min_replicas, max_replicas, initial_replicas,
+                     target_ongoing_requests, upscale_delay_s, downscale_delay_s},
+                     num_cpus, num_gpus, memory, max_ongoing_requests, engine {EngineConfig knobs}
+    router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
+    disaggregation:  min_remote_prefill_tokens
+    transfer:        backend, ttl_s, ucx_tls
+
+Every field has a description; a bad file raises one ConfigError listing each problem with its path,
+unknown keys with a suggestion. `baton serve` flags override a few fields (with_overrides); build_app
+(cluster/app.py) passes engine_kwargs and deployment_options on to Ray Serve unchanged.
 """
 from __future__ import annotations
 
@@ -13,127 +23,260 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
+from engine.spec.config import SpeculativeConfig
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
+# A replica without a GPU of its own gets a fixed, small KV cache instead of the engine's 2 GiB CPU
+# default: 512 MiB is ~11k tokens of SmolLM2-135M in fp32 (46 KB a token), room for one full 8k
+# context or 64 sequences of ~180 tokens, and two pools then hold 1 GiB of RAM between them, not 4.
+POOL_KV_CACHE_BYTES_WITHOUT_GPU = 512 << 20
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
-def _engine_fields() -> list[str]:
-    from engine.config import EngineConfig
-    return [f.name for f in dataclasses.fields(EngineConfig)]
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+def _knob(name: str, text: str, **constraints: Any) -> Any:
+    """A pool engine knob: unset (None) means the engine's own default, named in the description."""
+    default = _ENGINE_DEFAULTS[name]
+    return Field(None, description=text if default is None else f"{text} (engine default {default!r})",
+                 **constraints)
 
 
-class Autoscaling(_Strict):
-    """Ray Serve's autoscaling_config, for one pool."""
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas")
-    max_replicas: int = Field(1, ge=1, description="Most replicas")
-    initial_replicas: int | None = Field(None, ge=0, description="Replicas at start (default: min_replicas)")
-    target_ongoing_requests: float = Field(2.0, gt=0, description="Ongoing requests per replica to aim for")
-    upscale_delay_s: float = Field(30.0, ge=0, description="Seconds a scale-up decision must hold")
-    downscale_delay_s: float = Field(600.0, ge=0, description="Seconds a scale-down decision must hold")
+class Autoscaling(_Schema):
+    """Ray Serve's autoscaling_config for one pool: the same names and defaults, passed on unchanged."""
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 lets the pool scale to zero "
+                                                   "(the next request then waits for a replica to start)")
+    max_replicas: int = Field(1, ge=1, description="Most replicas; Ray's autoscaler adds nodes when the "
+                                                   "cluster lacks room for them")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time (default min_replicas)")
+    target_ongoing_requests: float = Field(2.0, gt=0, description="Running plus queued requests per replica "
+                                                                  "that Serve scales the pool to keep")
+    upscale_delay_s: float = Field(30.0, ge=0, description="Seconds the need for more replicas must last "
+                                                          "before Serve adds one")
+    downscale_delay_s: float = Field(600.0, ge=0, description="Seconds the need for fewer replicas must last "
+                                                             "before Serve removes one")
 
     @model_validator(mode="after")
-    def _order(self) -> Autoscaling:
-        init = self.min_replicas if self.initial_replicas is None else self.initial_replicas
-        if not self.min_replicas <= init <= self.max_replicas:
-            raise ValueError(f"need min_replicas <= initial_replicas <= max_replicas, got "
-                             f"{self.min_replicas} <= {init} <= {self.max_replicas}")
+    def _ordered(self) -> Autoscaling:
+        lo, hi, start = self.min_replicas, self.max_replicas, self.initial_replicas
+        if lo > hi:
+            raise ValueError(f"min_replicas ({lo}) is more than max_replicas ({hi})")
+        if start is not None and not lo <= start <= hi:
+            raise ValueError(f"initial_replicas ({start}) must lie between min_replicas ({lo}) "
+                             f"and max_replicas ({hi})")
         return self
 
 
-class PoolConfig(_Strict):
-    """One pool's replicas: how many, what each gets, and its engine knobs (vLLM names)."""
-    num_replicas: int = Field(1, ge=1, description="Fixed replica count (ignored when autoscaling is set)")
-    autoscaling: Autoscaling | None = Field(None, description="Scale between min and max replicas instead")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs per replica (Ray resource)")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (Ray resource); 1 for a CUDA engine")
-    memory: int | None = Field(None, ge=0, description="Bytes of memory per replica (Ray resource)")
-    max_ongoing_requests: int = Field(64, ge=1, description="Requests Serve sends one replica at once")
-    engine: dict[str, Any] = Field(default_factory=dict,
-                                   description="EngineConfig knobs (block_size, max_num_seqs, kv_cache_memory, "
-                                               "max_model_len, speculative_config, ...); model/dtype/device are "
-                                               "cluster-level")
+class EngineKnobs(_Schema):
+    """A pool's EngineConfig knobs (engine/config.py, vLLM's names); unset ones keep the engine's default.
+    model, dtype and device are cluster-level: one value for both pools."""
+    tokenizer: str | None = _knob("tokenizer", "Tokenizer directory (default: the model's own)")
+    load_format: Literal["auto", "safetensors", "dummy"] | None = _knob(
+        "load_format", "auto, safetensors, or dummy (random weights: benchmark a model without its checkpoint)")
+    block_size: int | None = _knob("block_size", "Tokens per KV block, a power of two; the same in both pools "
+                                                 "(blocks move between them whole)")
+    max_num_seqs: int | None = _knob("max_num_seqs", "Most sequences in one running batch")
+    max_num_batched_tokens: int | None = _knob("max_num_batched_tokens", "Token budget of one engine step "
+                                                                          "(prefill chunks plus decodes)")
+    max_model_len: int | None = _knob("max_model_len", "Longest prompt plus output, in tokens "
+                                                       "(default: the model's limit, at most 8192)")
+    enable_prefix_caching: bool | None = _knob("enable_prefix_caching", "Reuse the KV blocks of prompt "
+                                                                        "prefixes already computed")
+    enable_chunked_prefill: bool | None = _knob("enable_chunked_prefill", "Split long prompts over steps so "
+                                                                          "running decodes keep going")
+    kv_cache_memory: int | float | None = _knob(
+        "kv_cache_memory", "KV cache size: bytes (an integer) or a fraction of free device memory (a float in "
+                           "(0, 1]). Unset: 512 MiB in a pool with num_gpus 0, else "
+                           f"{DEFAULT_GPU_KV_FRACTION} of free GPU memory")
+    num_kv_blocks: int | None = _knob("num_kv_blocks", "Exact KV block count; overrides kv_cache_memory", ge=1)
+    seed: int | None = _knob("seed", "Seed of dummy weights and of requests that give none")
+    speculative_config: dict[str, Any] | None = _knob(
+        "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
+                              "num_speculative_tokens, ...} (off when unset)")
 
-    @field_validator("engine")
+    @field_validator("kv_cache_memory", mode="before")
     @classmethod
-    def _known_knobs(cls, v: dict[str, Any]) -> dict[str, Any]:
-        known = _engine_fields()
-        for key in v:
-            if key in CLUSTER_LEVEL_ENGINE_KEYS:
-                raise ValueError(f"{key!r} is set once for the cluster (top-level `{key}:`), not per pool")
-            if key not in known:
-                raise ValueError(f"unknown engine knob {key!r}{_suggest(key, known)}")
+    def _bytes_or_fraction(cls, v: Any) -> Any:
+        if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError(f"must be bytes (a positive integer) or a fraction of free device memory "
+                         f"(a float in (0, 1]), got {v!r}")
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            SpeculativeConfig.parse(v)          # the engine's own checks and messages
+        except ConfigError as e:
+            raise ValueError(str(e).removeprefix("speculative_config: ")) from None
         return v
 
+    @model_validator(mode="after")
+    def _engine_accepts(self) -> EngineKnobs:
+        EngineConfig(**self.set_knobs())        # block_size a power of two, positive limits, ...
+        return self
 
-class IngressConfig(_Strict):
-    num_replicas: int = Field(1, ge=1, description="HTTP ingress replicas (each has the same routing index)")
-    num_cpus: float = Field(0.5, ge=0, description="CPUs per ingress replica")
+    def set_knobs(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
 
 
-class RouterConfig(_Strict):
+class PoolConfig(_Schema):
+    """One pool of engine replicas (prefill or decode): how many, what Ray gives each, its engine knobs."""
+    num_replicas: int | None = Field(None, ge=1, description="Fixed replica count: 1 unless autoscaling is "
+                                                             "set (set one or the other)")
+    autoscaling: Autoscaling | None = Field(None, description="Scale between min_replicas and max_replicas "
+                                                              "with the load (Ray Serve's autoscaling_config)")
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves for each replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica: 1 for a CUDA engine; "
+                                                   "0 runs it without a GPU of its own")
+    memory: int | None = Field(None, gt=0, description="Bytes of memory Ray reserves for each replica "
+                                                      "(default: none reserved)")
+    max_ongoing_requests: int = Field(64, ge=1, description="Requests Serve sends one replica at once "
+                                                            "(running plus queued in its engine)")
+    engine: EngineKnobs = Field(default_factory=EngineKnobs, description="EngineConfig knobs of every "
+                                                                         "replica in the pool")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_replica_count(cls, d: Any) -> Any:
+        if not isinstance(d, dict):
+            return d
+        if d.get("autoscaling") is not None:
+            if d.get("num_replicas") is not None:
+                raise ValueError("set num_replicas or autoscaling, not both")
+        elif d.get("num_replicas") is None:
+            d = {**d, "num_replicas": 1}
+        return d
+
+    def engine_kwargs(self, cluster: ClusterConfig) -> dict[str, Any]:
+        """EngineConfig keyword arguments of this pool's replicas: the cluster's model/dtype/device + its knobs."""
+        kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs()}
+        if self.num_gpus == 0 and "kv_cache_memory" not in kw and "num_kv_blocks" not in kw:
+            kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
+        return kw
+
+    def engine_config(self, cluster: ClusterConfig) -> EngineConfig:
+        return EngineConfig(**self.engine_kwargs(cluster))
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Ray Serve deployment options: the replica count (or autoscaling_config), resources, concurrency."""
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory is not None:
+            actor["memory"] = self.memory
+        opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        if self.autoscaling is None:
+            opts["num_replicas"] = self.num_replicas
+        else:
+            opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
+        return opts
+
+
+class IngressConfig(_Schema):
+    """The HTTP front door (OpenAI API): parses, tokenizes and routes; each replica keeps the routing index."""
+    num_replicas: int = Field(1, ge=1, description="Ingress replicas")
+    num_cpus: float = Field(0.0, ge=0, description="Logical CPUs Ray reserves for each ingress replica; 0 so "
+                                                   "that one CPU per pool replica fits a small machine (the "
+                                                   "ingress mostly waits on the pools)")
+    max_ongoing_requests: int = Field(1024, ge=1, description="Requests one ingress replica holds at once (each "
+                                                              "until its last token streams); Serve's default "
+                                                              "of 5 would cap the whole cluster at 5")
+
+    def deployment_options(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_replicas, "ray_actor_options": {"num_cpus": self.num_cpus},
+                "max_ongoing_requests": self.max_ongoing_requests}
+
+
+class RouterConfig(_Schema):
+    """How the prefill pool is chosen (the decode pool always goes by KV pressure)."""
     policy: Literal["prefix_aware", "pow2"] = Field(
-        "prefix_aware", description="Prefill routing: prefix_aware (KV-block index) or pow2 (Serve's default "
-                                    "power-of-two choices, for comparison)")
-    load_weight: float = Field(1.0, ge=0, description="Weight of a replica's queued prefill tokens against "
-                                                       "the prompt tokens it would have to compute")
-    imbalance_threshold_tokens: int = Field(8192, ge=0, description="Above this spread of queued prefill tokens "
-                                                                    "between replicas, route least-loaded first")
-    index_sync_interval_s: float = Field(0.01, gt=0, description="How often routers pull the KV index's changes")
+        "prefix_aware", description="prefix_aware: the replica caching most of the prompt, load-corrected; "
+                                    "pow2: Ray Serve's default power-of-two choices, for comparison")
+    load_weight: float = Field(1.0, ge=0, description="Weight of a replica's queued prefill tokens against the "
+                                                      "prompt tokens it would have to compute")
+    imbalance_threshold_tokens: int = Field(8192, ge=0, description="When replicas' queued prefill tokens differ "
+                                                                    "by more, route least-loaded first")
+    index_sync_interval_s: float = Field(0.01, gt=0, description="Seconds between pulls of the KV-event index "
+                                                                 "by each router")
 
 
-class DisaggregationConfig(_Strict):
+class DisaggregationConfig(_Schema):
+    """When a prompt is worth a remote prefill and a KV transfer."""
     min_remote_prefill_tokens: int = Field(
         64, ge=0, description="A prompt whose uncached part (on the best decode replica) is at most this many "
                               "tokens is prefilled by the decode replica itself; longer ones go to the prefill pool")
 
 
-class TransferConfig(_Strict):
-    backend: Literal["nixl", "ray"] = Field("nixl", description="KV transport: nixl (default) or ray (object "
-                                                                "store fallback, where NIXL cannot run)")
-    ttl_s: float = Field(30.0, gt=0, description="Seconds a prefill replica keeps unpulled blocks pinned")
+class TransferConfig(_Schema):
+    """Moving KV blocks from a prefill replica to a decode replica (kvtransfer/)."""
+    backend: Literal["nixl", "ray"] = Field("nixl", description="nixl: one-sided READs over UCX; ray: the "
+                                                                "object store, where NIXL cannot run")
+    ttl_s: float = Field(30.0, gt=0, description="Seconds a prefill replica keeps blocks no decode replica "
+                                                 "pulled pinned")
+    ucx_tls: str | None = Field(None, min_length=1, description="UCX_TLS for the pools' NIXL agents, e.g. "
+                                                                "'shm,tcp' or 'rc,cuda_copy,cuda_ipc' (default: "
+                                                                "kvtransfer's choice); ignored with backend ray")
 
 
-class ClusterConfig(_Strict):
-    model: str | None = Field(None, description="HF directory, .gguf file or dummy shape; default SmolLM2-135M-Instruct")
-    served_model_name: str | None = Field(None, description="Name in /v1/models and requests (default: from model)")
-    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where engines run")
+class ClusterConfig(_Schema):
+    """A whole Baton cluster: the model, both pools, routing and the KV hand-off."""
+    model: str | None = Field(None, description="HF directory, .gguf file or dummy shape name "
+                                                "(default SmolLM2-135M-Instruct)")
+    served_model_name: str | None = Field(None, description="Name in /v1/models and in requests "
+                                                            "(default: the model's file or directory name)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Weights and KV cache; auto: bfloat16 on CUDA, float32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where engines run; auto: CUDA if the "
+                                                                       "replica sees a GPU, else CPU")
     mode: Literal["disaggregated", "colocated"] = Field(
-        "disaggregated", description="disaggregated: prefill and decode pools; colocated: the decode pool "
-                                     "does both (the prefill section is then not allowed)")
-    host: str = Field("127.0.0.1", description="HTTP bind address; 0.0.0.0 exposes it beyond this machine")
+        "disaggregated", description="disaggregated: a prefill pool and a decode pool; colocated: the decode "
+                                     "pool prefills too (small deployments, the benchmark baseline) and the "
+                                     "prefill section must be absent")
+    host: str = Field("127.0.0.1", description="HTTP bind address. The API has no authentication, so only this "
+                                               "machine by default; 0.0.0.0 serves others (containers, Kubernetes)")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="The HTTP ingress deployment")
-    prefill: PoolConfig | None = Field(default_factory=lambda: PoolConfig(engine={"kv_cache_memory": 512 << 20}),
-                                       description="The prefill pool (disaggregated mode)")
-    decode: PoolConfig = Field(default_factory=lambda: PoolConfig(engine={"kv_cache_memory": 512 << 20}),
-                               description="The decode pool (both modes)")
-    router: RouterConfig = Field(default_factory=RouterConfig, description="Routing weights and thresholds")
+    prefill: PoolConfig | None = Field(default_factory=PoolConfig, description="The prefill pool "
+                                                                               "(disaggregated mode only)")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool (both modes)")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Prefill routing")
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig,
-                                                 description="When to prefill remotely")
-    transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between pools")
+                                                 description="When to prefill remotely (ignored when colocated)")
+    transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
 
     @model_validator(mode="before")
     @classmethod
     def _colocated_has_no_prefill(cls, d: Any) -> Any:
         if isinstance(d, dict) and d.get("mode") == "colocated":
             if d.get("prefill") is not None:
-                raise ValueError("mode colocated has no prefill pool: remove the prefill section")
+                raise ValueError("prefill: mode colocated has no prefill pool (the decode pool prefills); "
+                                 "remove the prefill section or set mode: disaggregated")
             d = {**d, "prefill": None}
         return d
 
-    # -- loading ----------------------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _pools_fit_together(self) -> ClusterConfig:
+        if self.mode == "disaggregated":
+            if self.prefill is None:
+                raise ValueError("prefill: mode disaggregated needs a prefill pool")
+            sizes = {name: self.pool(name).engine_config(self).block_size for name in ("prefill", "decode")}
+            if sizes["prefill"] != sizes["decode"]:
+                raise ValueError(f"prefill.engine.block_size ({sizes['prefill']}) and decode.engine.block_size "
+                                 f"({sizes['decode']}) must match: KV blocks move between the pools whole")
+        return self
+
+    # -- loading and saving -----------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ClusterConfig:
+    def from_dict(cls, d: dict[str, Any] | None, source: str = "cluster config") -> ClusterConfig:
+        if d is not None and not isinstance(d, dict):
+            raise ConfigError(f"invalid {source}: expected a mapping of keys, got {type(d).__name__}")
         try:
             return cls.model_validate(d or {})
         except ValidationError as e:
-            raise ConfigError("invalid cluster config:\n" + _explain(e)) from None
+            raise ConfigError(f"invalid {source}:\n" + _explain(e)) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
@@ -141,77 +284,85 @@ class ClusterConfig(_Strict):
             d = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read cluster config {path}: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, source=f"cluster config {path}")
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """Every field that has a value; from_yaml reads it back equal."""
+        return yaml.safe_dump(self._dump(), sort_keys=False)
+
+    def _dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)     # None is every optional field's default
 
     def with_overrides(self, model: str | None = None, prefill_replicas: int | None = None,
                        decode_replicas: int | None = None, port: int | None = None) -> ClusterConfig:
-        d = self.model_dump(mode="json")
+        """A copy with `baton serve` flags applied (None keeps the value); a replica count replaces autoscaling."""
+        d = self._dump()
         if model is not None:
             d["model"] = model
         if port is not None:
             d["port"] = port
-        for pool, n in (("prefill", prefill_replicas), ("decode", decode_replicas)):
+        for name, n in (("prefill", prefill_replicas), ("decode", decode_replicas)):
             if n is not None:
-                if d.get(pool) is None:
-                    raise ConfigError(f"--{pool}-replicas: this config has no {pool} pool (mode {self.mode})")
-                d[pool]["num_replicas"], d[pool]["autoscaling"] = n, None
-        return ClusterConfig.from_dict(d)
+                if getattr(self, name) is None:
+                    raise ConfigError(f"--{name}-replicas: mode {self.mode} has no {name} pool")
+                d[name] = {k: v for k, v in d[name].items() if k != "autoscaling"} | {"num_replicas": n}
+        return ClusterConfig.from_dict(d, source="cluster config after command-line overrides")
 
     # -- what the builder needs -------------------------------------------------------------------
     def model_name(self) -> str:
+        """The served model name: served_model_name, else the model's file or directory name."""
         if self.served_model_name:
             return self.served_model_name
         from engine.loader import DEFAULT_MODEL
         return Path(self.model).name.removesuffix(".gguf") if self.model else DEFAULT_MODEL
 
     def pool(self, name: str) -> PoolConfig:
-        p = getattr(self, name)
+        p = getattr(self, name) if name in ("prefill", "decode") else None
         if p is None:
             raise ConfigError(f"this config has no {name} pool (mode {self.mode})")
         return p
 
     def engine_kwargs(self, pool: str) -> dict[str, Any]:
-        """EngineConfig keyword arguments of a pool's replicas: cluster-level model/dtype/device + its knobs."""
-        return {"model": self.model, "dtype": self.dtype, "device": self.device, **self.pool(pool).engine}
+        return self.pool(pool).engine_kwargs(self)
 
     def deployment_options(self, name: str) -> dict[str, Any]:
-        """Ray Serve deployment options (.options(**...)) of `ingress`, `prefill` or `decode`."""
+        """Ray Serve options (`.options(**...)`) of the `ingress`, `prefill` or `decode` deployment."""
         if name == "ingress":
-            return {"num_replicas": self.ingress.num_replicas,
-                    "ray_actor_options": {"num_cpus": self.ingress.num_cpus}}
-        p = self.pool(name)
-        actor = {"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
-        if p.memory:
-            actor["memory"] = p.memory
-        opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": p.max_ongoing_requests}
-        if p.autoscaling is not None:
-            opts["autoscaling_config"] = p.autoscaling.model_dump(exclude_none=True)
-        else:
-            opts["num_replicas"] = p.num_replicas
+            return self.ingress.deployment_options()
+        opts = self.pool(name).deployment_options()
+        if self.transfer.backend == "nixl" and self.transfer.ucx_tls:   # read when the NIXL agent starts
+            opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"UCX_TLS": self.transfer.ucx_tls}}
         return opts
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
+def _fields_at(loc: tuple) -> list[str]:
+    """Field names of the model at `loc` inside ClusterConfig ([] if it is not a model)."""
+    model: type[BaseModel] = ClusterConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        args = (field.annotation, *getattr(field.annotation, "__args__", ()))
+        sub = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if sub is None:
+            return []
+        model = sub
+    return list(model.model_fields)
 
 
 def _explain(e: ValidationError) -> str:
     lines = []
-    for err in e.errors():
-        path = ".".join(str(p) for p in err["loc"])
+    for err in e.errors(include_url=False):
+        loc, msg = err["loc"], err["msg"].removeprefix("Value error, ")
+        path = ".".join(str(p) for p in loc)
+        if err["type"] == "extra_forbidden" and loc[-2:-1] == ("engine",) and loc[-1] in CLUSTER_LEVEL_ENGINE_KEYS:
+            lines.append(f"  {path}: set once for the cluster (top-level `{loc[-1]}:`), not per pool")
+            continue
         if err["type"] == "extra_forbidden":
-            parent = ClusterConfig
-            for p in err["loc"][:-1]:
-                field = parent.model_fields.get(str(p)) if isinstance(parent, type) else None
-                ann = getattr(field, "annotation", None)
-                parent = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)
-                               and issubclass(a, BaseModel)), None)
-            known = list(parent.model_fields) if parent is not None else []
-            lines.append(f"  {path}: unknown key{_suggest(str(err['loc'][-1]), known)}")
-        else:
-            lines.append(f"  {path or '(top)'}: {err['msg'].removeprefix('Value error, ')}")
+            close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)
+            lines.append(f"  {path}: unknown key" + (f" (did you mean {close[0]}?)" if close else ""))
+            continue
+        if err["type"] not in ("value_error", "missing") and not isinstance(err.get("input"), (dict, list)):
+            msg += f" (got {err['input']!r})"           # pydantic's own messages do not say it
+        lines.append(f"  {path}: {msg}" if path else f"  {msg}")
     return "\n".join(lines)

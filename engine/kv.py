@@ -155,6 +155,10 @@ class BlockPool:
             found.append(bid)
         return found
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash the prefix cache holds, referenced or not: a replica's snapshot for the router's index."""
+        return list(self._cached)
+
     def match(self, hashes: Sequence[int], token_ids: Sequence[int]) -> list[int]:
         """lookup() for a flat token list: block i of `token_ids` is checked against hashes[i]."""
         bs = self.block_size

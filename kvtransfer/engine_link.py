@@ -85,6 +85,12 @@ class KVLink:
         with self._lock:
             return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
 
+    def copy_out(self, handle: KVHandle):
+        """Ray fallback: the handle's block bytes now, for the object store (its pin is released at the
+        next release_finished)."""
+        with self._lock:
+            return self.transport.read_blocks(handle.agent, handle.request_id, handle.block_ids)
+
     def release_finished(self) -> list[str]:
         """Unpin the prompts consumers have pulled (or that expired); call it from the engine loop."""
         with self._lock:

@@ -26,13 +26,8 @@ class PrefillServer(EngineReplica):
             res["agent_metadata"] = self.link.metadata()
         else:       # the fallback copies the blocks out now; the pin is released at the next poll
             import ray
-            data = await run_blocking(self._read_blocks, handle)
-            res["blocks_ref"] = ray.put(data)
+            res["blocks_ref"] = ray.put(await run_blocking(self.link.copy_out, handle))
         return res
-
-    def _read_blocks(self, handle):
-        with self.link._lock:
-            return self.link.transport.read_blocks(handle.agent, handle.request_id, handle.block_ids)
 
     async def abort(self, request_id: str) -> bool:
         """The client left: stop the prefill or unpin its blocks."""

@@ -63,9 +63,8 @@ class Pipeline:
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = self.hashes(token_ids)
-        sampling = {k: v for k, v in asdict(params).items()}
         req: dict[str, Any] = {"request_id": rid, "token_ids": token_ids, "block_hashes": hashes,
-                               "sampling": sampling, "prefill": None}
+                               "sampling": asdict(params), "prefill": None}
         status, reason, pool, replica = "error", "error", "decode", "?"
         try:
             if self.remote_prefill(token_ids, hashes):

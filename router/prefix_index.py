@@ -1,59 +1,57 @@
-"""PrefixIndex: which replica caches which KV block, exactly, from the KV events replicas publish; and
-PrefillRanker, the prefill pool's routing rule.
+"""PrefixIndex: which prefill replica caches which KV block, exactly, from the KV events replicas
+publish; and PrefillRanker, the prefill pool's routing rule.
 
-A block hash names its whole prefix (hashes are chained), so the index maps hash -> bitmask of replica
-slots. match() walks the prompt's hashes in order, AND-ing masks: a replica's count stops at its first
-missing block, which is exactly "leading blocks cached" even when eviction left holes. Cost: one dict
-lookup per prompt block until no replica matches, independent of the number of cached prefixes.
+A block hash names its whole prefix (hashes are chained), so the index keys on the hash alone:
+hash -> bitmask of replica slots. match() walks the prompt's hashes in order and ANDs the masks,
+so a replica drops out at its first missing block. That is exactly what the replica's own
+BlockPool.lookup() would reuse, even when eviction left holes (a child cached without its parent);
+a binary search on the prefix length would assume prefix-closed caches and could overcount.
+Cost of match: one dict lookup per prompt block until no replica matches, plus one step per
+replica that drops out: independent of how many prefixes are cached.
 """
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
+import xxhash
 
 from engine.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
+@dataclass(eq=False, repr=False)     # hundreds of thousands of entries: never print or compare them
 class PrefixIndex:
-    def __init__(self):
-        self.masks: dict[int, int] = {}          # block hash -> bitmask of replica slots
-        self.slots: dict[str, int] = {}          # replica -> slot
-        self.blocks: dict[str, set[int]] = {}    # replica -> its hashes
-        self.seq: dict[str, int] = {}            # replica -> last applied batch
-        self.stale: set[str] = set()             # replicas with a missing batch, until a snapshot
+    """The exact set of cached block hashes of each replica, fed by numbered batches of KV events.
 
-    # -- updates ----------------------------------------------------------------------------------
-    def _slot(self, replica: str) -> int:
-        if replica not in self.slots:
-            used = set(self.slots.values())
-            self.slots[replica] = next(i for i in range(len(used) + 1) if i not in used)
-            self.blocks[replica] = set()
-        return self.slots[replica]
+    A replica becomes known through load_snapshot (a fresh engine: its empty cache at batch 0);
+    apply() then takes batches seq+1, seq+2, ... A missing batch makes the replica stale: its
+    batches are refused (apply returns False) until the caller loads a snapshot
+    (BlockPool.cached_hashes() and the batch number it reflects). A stale entry still answers
+    match(): slightly old knowledge routes better than none.
+    """
+    masks: dict[int, int] = field(default_factory=dict)       # block hash -> bitmask of replica slots
+    slots: dict[str, int] = field(default_factory=dict)       # replica -> slot (bit number)
+    names: dict[int, str] = field(default_factory=dict)       # slot -> replica
+    blocks: dict[str, set[int]] = field(default_factory=dict)  # replica -> its hashes (to drop them fast)
+    seq: dict[str, int] = field(default_factory=dict)         # replica -> last applied batch
+    stale: set[str] = field(default_factory=set)              # replicas that missed a batch
 
+    # -- updates ------------------------------------------------------------------------------
     def apply(self, replica: str, seq: int, events: list[KVEvent]) -> bool:
-        """Apply batch `seq` of a replica's events. A batch after a gap is refused (False): the replica's
-        entry is then stale until load_snapshot. Old or repeated batches are ignored."""
+        """Apply batch `seq` of a replica's events. False, applying nothing, when the batch does not
+        follow the last one (a gap, or an unknown replica): resync with load_snapshot. Batches at or
+        before the last applied one are duplicates and are ignored (True)."""
         last = self.seq.get(replica)
         if last is not None and seq <= last:
             return True
         if last is None or seq != last + 1 or replica in self.stale:
             self.stale.add(replica)
             return False
-        bit = 1 << self._slot(replica)
-        mine = self.blocks[replica]
         for e in events:
             if isinstance(e, BlockStored):
-                for h in e.block_hashes:
-                    if h not in mine:
-                        mine.add(h)
-                        self.masks[h] = self.masks.get(h, 0) | bit
+                self._add(replica, e.block_hashes)
             elif isinstance(e, BlockRemoved):
-                for h in e.block_hashes:
-                    if h in mine:
-                        mine.discard(h)
-                        self._clear_bit(h, bit)
+                self._remove(replica, e.block_hashes)
             elif isinstance(e, AllBlocksCleared):
                 self._drop_blocks(replica)
         self.seq[replica] = seq
@@ -61,20 +59,39 @@ class PrefixIndex:
 
     def load_snapshot(self, replica: str, seq: int, hashes: list[int]) -> None:
         """Replace a replica's entry by its full set of cached hashes as of batch `seq`."""
-        self._drop_blocks(replica) if replica in self.slots else self._slot(replica)
-        self.stale.discard(replica)
-        self.seq[replica] = seq
-        bit = 1 << self.slots[replica]
-        self.blocks[replica] = set(hashes)
-        for h in hashes:
-            self.masks[h] = self.masks.get(h, 0) | bit
-
-    def remove_replica(self, replica: str) -> None:
         if replica in self.slots:
             self._drop_blocks(replica)
-            del self.slots[replica], self.blocks[replica]
+        else:
+            self._new_slot(replica)
+        self.stale.discard(replica)
+        self.seq[replica] = seq
+        self._add(replica, hashes)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget a replica (it died); its slot is free for the next one."""
+        if replica in self.slots:
+            self._drop_blocks(replica)
+            del self.names[self.slots.pop(replica)], self.blocks[replica]
         self.seq.pop(replica, None)
         self.stale.discard(replica)
+
+    def _new_slot(self, replica: str) -> None:
+        slot = next(i for i in range(len(self.slots) + 1) if i not in self.names)
+        self.slots[replica], self.names[slot], self.blocks[replica] = slot, replica, set()
+
+    def _add(self, replica: str, hashes: list[int]) -> None:
+        bit, mine = 1 << self.slots[replica], self.blocks[replica]
+        for h in hashes:
+            if h not in mine:
+                mine.add(h)
+                self.masks[h] = self.masks.get(h, 0) | bit
+
+    def _remove(self, replica: str, hashes: list[int]) -> None:
+        bit, mine = 1 << self.slots[replica], self.blocks[replica]
+        for h in hashes:
+            if h in mine:
+                mine.discard(h)
+                self._clear_bit(h, bit)
 
     def _drop_blocks(self, replica: str) -> None:
         bit = 1 << self.slots[replica]
@@ -83,79 +100,93 @@ class PrefixIndex:
         self.blocks[replica] = set()
 
     def _clear_bit(self, h: int, bit: int) -> None:
-        m = self.masks.get(h, 0) & ~bit
+        m = self.masks[h] & ~bit
         if m:
             self.masks[h] = m
         else:
-            self.masks.pop(h, None)
+            del self.masks[h]          # no empty masks: the index's size follows what is cached
 
-    # -- queries ----------------------------------------------------------------------------------
+    # -- queries ------------------------------------------------------------------------------
     def match(self, hashes: list[int]) -> dict[str, int]:
-        """Leading blocks of the prompt each known replica caches (0 for none)."""
+        """For every known replica, how many leading blocks of the prompt it caches: the count stops
+        at the replica's first missing block."""
         counts = dict.fromkeys(self.slots, 0)
-        alive = 0
-        for s in self.slots.values():
-            alive |= 1 << s
+        alive = sum(1 << s for s in self.names)
+        get = self.masks.get
         for i, h in enumerate(hashes):
-            m = self.masks.get(h, 0) & alive
-            lost = alive & ~m
-            if lost:
-                for r, s in self.slots.items():
-                    if lost >> s & 1:
-                        counts[r] = i
-            alive = m
-            if not alive:
-                return counts
-        for r, s in self.slots.items():
-            if alive >> s & 1:
-                counts[r] = len(hashes)
+            still = get(h, 0) & alive
+            if still != alive:
+                self._settle(counts, alive & ~still, i)
+                if not still:
+                    return counts
+                alive = still
+        self._settle(counts, alive, len(hashes))
         return counts
 
+    def _settle(self, counts: dict[str, int], bits: int, n: int) -> None:
+        while bits:
+            low = bits & -bits
+            counts[self.names[low.bit_length() - 1]] = n
+            bits ^= low
+
     def num_blocks(self) -> dict[str, int]:
+        """Cached blocks per replica."""
         return {r: len(b) for r, b in self.blocks.items()}
 
-    # -- copies for other processes (msgpack, never pickle) ----------------------------------------------
+    def num_distinct_blocks(self) -> int:
+        return len(self.masks)
+
+    # -- copies for other router processes (msgpack, never pickle) -----------------------------
     def snapshot(self) -> bytes:
-        return msgpack.packb({r: [self.seq.get(r, 0), sorted(b), r in self.stale] for r, b in self.blocks.items()})
+        return msgpack.packb({r: [self.seq[r], sorted(b), r in self.stale] for r, b in self.blocks.items()})
 
     @classmethod
     def from_snapshot(cls, data: bytes) -> PrefixIndex:
         idx = cls()
-        for r, (seq, hashes, stale) in msgpack.unpackb(data).items():
-            idx.load_snapshot(r, seq, hashes)
+        for replica, (seq, hashes, stale) in msgpack.unpackb(data).items():
+            idx.load_snapshot(replica, seq, hashes)
             if stale:
-                idx.stale.add(r)
+                idx.stale.add(replica)
         return idx
 
 
-@dataclass
+@dataclass(slots=True)
 class PrefillRanker:
-    """The prefill pool's rule. A replica's cost is an estimate of the prompt's time to first token in
-    tokens of work: cost = uncached prompt tokens there + load_weight * its queued prefill tokens.
-    Cheapest first; ties go to the replica caching fewer blocks (it has room: new prefixes spread over
-    the pool instead of piling onto one), then to a stable hash of the prompt's first block.
-    When the queued tokens of the replicas differ by more than imbalance_threshold, a hot prefix would
-    pile onto one replica: the rule is then least-loaded first, whatever the hits."""
+    """The prefill pool's rule: rank replicas by an estimate of the prompt's time to first token,
+    counted in tokens of work:
+
+        cost(r) = uncached prompt tokens on r + load_weight * queued prefill tokens on r
+                = (num_tokens - leading_hit_blocks(r) * block_size) + load_weight * load(r)
+
+    cheapest first (reason "prefix_hit" when the first has a hit, else "no_hit_least_cost").
+    Ties go to the replica caching fewer blocks (room for a new prefix, so new prefixes spread over
+    the pool), then to a stable hash of (prompt's first block, replica): identical prompts stick to
+    one replica, different ones spread, and a replica joining or leaving moves few of them.
+
+    Fallback: when max(load) - min(load) > imbalance_threshold tokens, a hot prefix would pile onto
+    its replica while others idle, so the order is least-loaded first (the cost above only breaks
+    equal loads), reason "imbalanced_least_loaded".
+
+    The replicas ranked are those in `loads` or `matches`; one with no load report counts as load 0.
+    """
     load_weight: float = 1.0
     imbalance_threshold: int = 8192
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
              loads: dict[str, int], cached: dict[str, int] | None = None) -> tuple[list[list[str]], str]:
-        replicas = list(loads)
+        """Tiers of replica ids, best first (one replica per tier), and the reason for the first."""
+        replicas = set(loads) | set(matches)
         if not replicas:
             return [], "no_replica"
-        salt = hashes[0] if hashes else num_tokens
-
-        def tie(r: str) -> int:
-            return zlib.crc32(f"{salt}:{r}".encode())
-
-        if max(loads.values()) - min(loads.values()) > self.imbalance_threshold:
-            return [[r] for r in sorted(replicas, key=lambda r: (loads[r], tie(r)))], "imbalanced_least_loaded"
-
-        def cost(r: str) -> float:
-            return max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * loads[r]
-
+        load = {r: loads.get(r, 0) for r in replicas}
         cached = cached or {}
-        order = sorted(replicas, key=lambda r: (cost(r), cached.get(r, 0), tie(r)))
+        salt = hashes[0] if hashes else num_tokens
+        # (cost, tie-breaks..., name): a total order, so the result never depends on set order
+        key = {r: (max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * load[r],
+                   cached.get(r, 0), xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r) for r in replicas}
+        if max(load.values()) - min(load.values()) > self.imbalance_threshold:
+            order = sorted(replicas, key=lambda r: (load[r], key[r]))
+            return [[r] for r in order], "imbalanced_least_loaded"
+        order = sorted(replicas, key=key.__getitem__)
         reason = "prefix_hit" if matches.get(order[0], 0) > 0 else "no_hit_least_cost"
         return [[r] for r in order], reason

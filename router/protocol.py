@@ -189,15 +189,17 @@ class ResponseBuilder:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def add(self, i: int, d: dict) -> None:
+    def add(self, i: int, d: dict) -> list:
+        """Record a delta of choice i; returns its logprob items (token text, logprob, top)."""
         self.text.setdefault(i, []).append(d["text"])
-        if self.want_lp:
-            self.lps.setdefault(i, []).extend(self._logprobs(d))
+        items = self._logprobs(d) if self.want_lp else []
+        self.lps.setdefault(i, []).extend(items)
         if d["finished"]:
             self.finish[i] = "length" if d["finish_reason"] == "length" else "stop"
             self.prompt_tokens[i] = d["prompt_tokens"]
             self.completion_tokens[i] = d["completion_tokens"]
             self.cached_tokens[i] = d.get("cached_tokens", 0)
+        return items
 
     def _logprobs(self, d: dict) -> list:
         out = []
@@ -264,8 +266,7 @@ class ResponseBuilder:
         return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))
 
     def chunks(self, i: int, d: dict) -> list[dict]:
-        self.add(i, d)
-        items = self._logprobs(d) if self.want_lp else []
+        items = self.add(i, d)
         lp = self._lp_body(items)
         finish = self.finish.get(i) if d["finished"] else None
         if not d["text"] and finish is None and not items:

@@ -1,68 +1,255 @@
 """ClusterConfig: one YAML schema; unknown keys and bad values are refused with their path and a
-suggestion; the options it produces are accepted by Ray Serve's own classes."""
+suggestion; the options it produces are accepted by Ray Serve's own classes, the knobs by EngineConfig."""
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import yaml
+from pydantic import BaseModel
 from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import DeploymentSchema
 
-from cluster.config import ClusterConfig
+from cluster.config import (POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs,
+                            PoolConfig)
 from engine import EngineConfig
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).parents[1]
+EXAMPLE = ROOT / "deploy" / "cluster.yaml"
 
 
-def test_the_example_file_loads_and_round_trips(tmp_path):
-    cfg = ClusterConfig.from_yaml(ROOT / "deploy" / "cluster.yaml")
+def test_defaults_are_one_cpu_prefill_and_one_cpu_decode_replica_on_localhost():
+    cfg = ClusterConfig()
+    assert (cfg.mode, cfg.host, cfg.port, cfg.model_name()) == ("disaggregated", "127.0.0.1", 8000,
+                                                                "SmolLM2-135M-Instruct")
+    for pool in ("prefill", "decode"):
+        assert cfg.deployment_options(pool) == {"num_replicas": 1, "max_ongoing_requests": 64,
+                                                "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
+        engine = cfg.pool(pool).engine_config(cfg)
+        assert isinstance(engine, EngineConfig)
+        assert engine.kv_cache_memory == POOL_KV_CACHE_BYTES_WITHOUT_GPU == 512 << 20
+        assert (engine.model, engine.device, engine.block_size) == (None, "auto", 16)
+    assert cfg.deployment_options("ingress")["max_ongoing_requests"] > 5       # Serve's default would throttle
+
+
+def test_the_example_file_has_every_section_loads_and_round_trips(tmp_path):
+    assert set(yaml.safe_load(EXAMPLE.read_text())) == set(ClusterConfig.model_fields)
+    cfg = ClusterConfig.from_yaml(EXAMPLE)
+    assert cfg.decode.engine.max_num_seqs == 64 and cfg.router.policy == "prefix_aware"
     again = tmp_path / "again.yaml"
     again.write_text(cfg.to_yaml())
     assert ClusterConfig.from_yaml(again) == cfg
-    EngineConfig.from_kwargs(**cfg.engine_kwargs("prefill"))          # the engine accepts every knob
+    for pool in ("prefill", "decode"):
+        EngineConfig.from_kwargs(**cfg.engine_kwargs(pool))     # what a replica does with them
+
+
+def test_the_commented_out_alternatives_in_the_example_load_too():
+    lines = [re.sub(r"^(\s*)# (\s*\w+:)", r"\1\2", line) for line in EXAMPLE.read_text().splitlines()
+             if "instead of num_replicas" not in line]         # autoscaling replaces that line
+    cfg = ClusterConfig.from_dict(yaml.safe_load("\n".join(lines)))
+    assert cfg.prefill.num_replicas is None and cfg.prefill.autoscaling.max_replicas == 4
+    assert cfg.prefill.memory == 4 << 30
+    assert cfg.decode.engine_config(cfg).speculative_config.method == "ngram"
+
+
+def test_a_full_config_round_trips_through_yaml(tmp_path):
+    cfg = ClusterConfig.from_dict({
+        "model": "llama-tiny", "served_model_name": "tiny", "dtype": "bfloat16", "device": "cuda",
+        "host": "0.0.0.0", "port": 9000, "ingress": {"num_replicas": 2, "num_cpus": 0.5},
+        "prefill": {"autoscaling": {"min_replicas": 0, "max_replicas": 8, "initial_replicas": 2,
+                                    "target_ongoing_requests": 3.5}, "num_gpus": 1, "memory": 8 << 30,
+                    "engine": {"kv_cache_memory": 0.8, "enable_chunked_prefill": False}},
+        "decode": {"num_replicas": 3, "num_gpus": 1,
+                   "engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}},
+        "router": {"policy": "pow2", "load_weight": 0.5}, "transfer": {"backend": "ray", "ucx_tls": "tcp"}})
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    back = ClusterConfig.from_yaml(path)
+    assert back == cfg and back.to_yaml() == cfg.to_yaml()
+    assert back.prefill.autoscaling.initial_replicas == 2 and back.prefill.engine.kv_cache_memory == 0.8
+    dumped = yaml.safe_load(cfg.to_yaml())                   # knobs left unset stay out (no wall of nulls)
+    assert dumped["prefill"]["engine"] == {"kv_cache_memory": 0.8, "enable_chunked_prefill": False}
+    assert "num_replicas" not in dumped["prefill"] and "ucx_tls" in dumped["transfer"]
+    colocated = ClusterConfig.from_dict({"mode": "colocated", "decode": {"num_replicas": 2}})
+    path.write_text(colocated.to_yaml())
+    assert ClusterConfig.from_yaml(path) == colocated
 
 
 @pytest.mark.parametrize("doc, says", [
-    ({"routr": {}}, "routr: unknown key (did you mean router?)"),
-    ({"decode": {"num_replica": 2}}, "decode.num_replica: unknown key (did you mean num_replicas?)"),
-    ({"decode": {"engine": {"max_num_seq": 8}}}, "unknown engine knob 'max_num_seq' (did you mean max_num_seqs?)"),
-    ({"decode": {"engine": {"model": "x"}}}, "set once for the cluster"),
-    ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}, "min_replicas <= initial_replicas"),
-    ({"mode": "colocated", "prefill": {}}, "colocated has no prefill pool"),
-    ({"transfer": {"backend": "carrier-pigeon"}}, "transfer.backend"),
-    ({"port": 0}, "port"),
+    ({"routr": {}}, "  routr: unknown key (did you mean router?)"),
+    ({"decode": {"num_replica": 2}}, "  decode.num_replica: unknown key (did you mean num_replicas?)"),
+    ({"decode": {"engine": {"max_num_seq": 8}}},
+     "  decode.engine.max_num_seq: unknown key (did you mean max_num_seqs?)"),
+    ({"prefill": {"autoscaling": {"max_replica": 2}}},
+     "  prefill.autoscaling.max_replica: unknown key (did you mean max_replicas?)"),
+    ({"transfer": {"ucx": "tcp"}}, "  transfer.ucx: unknown key (did you mean ucx_tls?)"),
+    ({"qwerty": 1}, "  qwerty: unknown key\n"),
+    ({"decode": {"engine": {"model": "x"}}}, "  decode.engine.model: set once for the cluster (top-level `model:`)"),
+    ({"prefill": {"engine": {"dtype": "fp16"}}}, "  prefill.engine.dtype: set once for the cluster"),
 ])
-def test_bad_configs_say_what_and_where(doc, says):
+def test_unknown_keys_are_named_with_their_path_and_a_suggestion(doc, says):
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_dict(doc)
+    assert says in str(e.value) + "\n"
+    if "did you mean" not in says:
+        assert "did you mean" not in str(e.value)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_dict({"routr": {}, "port": 0, "decode": {"engine": {"max_num_seq": 8, "model": "m"}}})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "invalid cluster config:" and len(lines) == 5
+
+
+@pytest.mark.parametrize("doc, says", [
+    ({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
+     "decode.autoscaling: min_replicas (3) is more than max_replicas (2)"),
+    ({"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 2, "initial_replicas": 5}}},
+     "decode.autoscaling: initial_replicas (5) must lie between min_replicas (1) and max_replicas (2)"),
+    ({"decode": {"num_replicas": 2, "autoscaling": {"max_replicas": 2}}},
+     "decode: set num_replicas or autoscaling, not both"),
+    ({"decode": {"num_replicas": 0}}, "decode.num_replicas: Input should be greater than or equal to 1 (got 0)"),
+    ({"mode": "colocated", "prefill": {}}, "prefill: mode colocated has no prefill pool"),
+    ({"prefill": None}, "prefill: mode disaggregated needs a prefill pool"),
+    ({"mode": "split"}, "mode: Input should be 'disaggregated' or 'colocated' (got 'split')"),
+    ({"port": 70000}, "port: Input should be less than or equal to 65535"),
+    ({"prefill": {"num_cpus": -1}}, "prefill.num_cpus: Input should be greater than or equal to 0"),
+    ({"transfer": {"backend": "carrier-pigeon"}}, "transfer.backend: Input should be 'nixl' or 'ray'"),
+    ({"transfer": {"ttl_s": 0}}, "transfer.ttl_s: Input should be greater than 0"),
+    ({"router": {"index_sync_interval_s": 0}}, "router.index_sync_interval_s: Input should be greater than 0"),
+    ({"dtype": "int8"}, "dtype: Input should be"),
+    ({"decode": {"engine": {"block_size": 12}}}, "decode.engine: block_size must be a power of two, got 12"),
+    ({"decode": {"engine": {"max_num_seqs": 0}}}, "decode.engine: max_num_seqs must be positive, got 0"),
+    ({"decode": {"engine": {"kv_cache_memory": 1.5}}},
+     "decode.engine: kv_cache_memory as a fraction must be in (0, 1]"),
+    ({"decode": {"engine": {"kv_cache_memory": "lots"}}}, "decode.engine.kv_cache_memory: must be bytes"),
+    ({"decode": {"engine": {"max_model_len": "long"}}}, "decode.engine.max_model_len: Input should be a valid integer"),
+    ({"decode": {"engine": {"speculative_config": {"method": "magic"}}}},
+     "decode.engine.speculative_config: method must be one of ngram, draft_model, layer_skip, got 'magic'"),
+    ({"prefill": {"engine": {"block_size": 32}}},
+     "prefill.engine.block_size (32) and decode.engine.block_size (16) must match"),
+])
+def test_bad_values_say_what_and_where(doc, says):
     with pytest.raises(ConfigError) as e:
         ClusterConfig.from_dict(doc)
     assert says in str(e.value)
 
 
-def test_options_fit_ray_serve_and_overrides_apply():
-    cfg = ClusterConfig.from_dict({"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4},
-                                              "num_gpus": 1}})
-    opts = cfg.deployment_options("decode")
-    assert "num_replicas" not in opts and opts["ray_actor_options"]["num_gpus"] == 1
-    AutoscalingConfig(**opts["autoscaling_config"])
-    over = cfg.with_overrides(model="llama-tiny", prefill_replicas=2, decode_replicas=3)
-    assert over.model == "llama-tiny" and over.deployment_options("prefill")["num_replicas"] == 2
-    assert over.deployment_options("decode")["num_replicas"] == 3
-    colo = ClusterConfig.from_dict({"mode": "colocated"})
-    assert colo.prefill is None
+def test_unreadable_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read cluster config"):
+        ClusterConfig.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("decode: [1, 2\n")
+    with pytest.raises(ConfigError, match="cannot read cluster config"):
+        ClusterConfig.from_yaml(bad)
+    bad.write_text("- decode\n")
+    with pytest.raises(ConfigError, match="expected a mapping of keys, got list"):
+        ClusterConfig.from_yaml(bad)
+    bad.write_text("decode:\n  engine:\n    max_num_seq: 8\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{bad}:\n  decode.engine.max_num_seq: unknown key")):
+        ClusterConfig.from_yaml(bad)
+    bad.write_text("")
+    assert ClusterConfig.from_yaml(bad) == ClusterConfig()       # an empty file is the defaults
+
+
+def test_overrides_for_the_cli_flags():
+    cfg = ClusterConfig.from_dict({"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}},
+                                   "prefill": {"engine": {"max_num_seqs": 8}}})
+    over = cfg.with_overrides(model="llama-tiny", prefill_replicas=2, decode_replicas=3, port=9000)
+    assert (over.model, over.port, over.model_name()) == ("llama-tiny", 9000, "llama-tiny")
+    assert over.deployment_options("prefill")["num_replicas"] == 2
+    assert over.prefill.engine.max_num_seqs == 8                        # the rest of the pool is kept
+    assert over.decode.autoscaling is None and over.deployment_options("decode")["num_replicas"] == 3
+    assert cfg.decode.autoscaling is not None and cfg.model is None     # the original is unchanged
+    assert cfg.with_overrides() == cfg
+    with pytest.raises(ConfigError, match="decode.num_replicas"):
+        cfg.with_overrides(decode_replicas=0)
+    colocated = ClusterConfig.from_dict({"mode": "colocated"})
+    with pytest.raises(ConfigError, match="--prefill-replicas: mode colocated has no prefill pool"):
+        colocated.with_overrides(prefill_replicas=1)
+
+
+def test_colocated_mode_has_only_the_decode_pool():
+    cfg = ClusterConfig.from_dict({"mode": "colocated", "prefill": None, "decode": {"num_replicas": 2}})
+    assert cfg.prefill is None and cfg.deployment_options("decode")["num_replicas"] == 2
     with pytest.raises(ConfigError, match="no prefill pool"):
-        colo.with_overrides(prefill_replicas=1)
+        cfg.deployment_options("prefill")
+    with pytest.raises(ConfigError, match="no prefill pool"):
+        cfg.engine_kwargs("prefill")
+
+
+def test_deployment_options_are_accepted_by_ray_serve():
+    cfg = ClusterConfig.from_dict({
+        "prefill": {"num_replicas": 2, "num_gpus": 1, "memory": 4 << 30},
+        "decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5}, "num_cpus": 2},
+        "transfer": {"ucx_tls": "shm,tcp"}})
+    for name in ("ingress", "prefill", "decode"):
+        opts = cfg.deployment_options(name)
+        schema = DeploymentSchema(name=name, **opts)                     # Serve's own option schema
+        assert schema.max_ongoing_requests == opts["max_ongoing_requests"]
+    decode = cfg.deployment_options("decode")
+    assert "num_replicas" not in decode
+    scaling = AutoscalingConfig(**decode["autoscaling_config"])
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.upscale_delay_s) == (1, 4, 5)
+    prefill = cfg.deployment_options("prefill")["ray_actor_options"]
+    assert prefill == {"num_cpus": 1.0, "num_gpus": 1.0, "memory": 4 << 30,
+                       "runtime_env": {"env_vars": {"UCX_TLS": "shm,tcp"}}}
+    as_ray = ClusterConfig.from_dict({"transfer": {"backend": "ray", "ucx_tls": "shm,tcp"}})
+    assert "runtime_env" not in as_ray.deployment_options("decode")["ray_actor_options"]
+
+
+def test_autoscaling_has_ray_serves_names_and_defaults():
+    ray_defaults = AutoscalingConfig()
+    for name, field in Autoscaling.model_fields.items():
+        assert getattr(ray_defaults, name) == field.default, name
+
+
+def test_engine_config_merges_cluster_fields_with_pool_knobs():
+    cfg = ClusterConfig.from_dict({"model": "llama-tiny", "dtype": "float32", "device": "cpu",
+                                   "prefill": {"engine": {"max_num_batched_tokens": 512, "num_kv_blocks": 100}},
+                                   "decode": {"num_gpus": 1, "engine": {"max_num_seqs": 8, "max_model_len": 1024}}})
+    prefill = cfg.prefill.engine_config(cfg)
+    assert (prefill.model, prefill.dtype, prefill.device) == ("llama-tiny", "float32", "cpu")
+    assert (prefill.max_num_batched_tokens, prefill.num_kv_blocks, prefill.kv_cache_memory) == (512, 100, None)
+    decode = cfg.decode.engine_config(cfg)
+    assert (decode.max_num_seqs, decode.max_model_len) == (8, 1024)
+    assert decode.kv_cache_memory is None            # a GPU of its own: the engine's fraction of free memory
+    assert decode.max_num_batched_tokens == EngineConfig().max_num_batched_tokens   # unset: engine default
+    own = ClusterConfig.from_dict({"decode": {"engine": {"kv_cache_memory": 64 << 20}}})
+    assert own.decode.engine_config(own).kv_cache_memory == 64 << 20
+
+
+def test_engine_knobs_are_exactly_the_engine_config_fields_but_the_cluster_level_ones():
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert set(EngineKnobs.model_fields) == engine_fields - {"model", "dtype", "device"}
+    assert {"model", "dtype", "device"} <= set(ClusterConfig.model_fields)
+
+
+def test_every_field_is_documented():
+    def models(m: type[BaseModel]):
+        yield m
+        for field in m.model_fields.values():
+            for a in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    yield from models(a)
+    seen = set(models(ClusterConfig))
+    assert {Autoscaling, EngineKnobs, PoolConfig} <= seen
+    for m in seen:
+        for name, field in m.model_fields.items():
+            assert field.description and len(field.description) > 8, f"{m.__name__}.{name}"
 
 
 def test_the_serve_config_file_names_the_same_builder():
     import importlib
 
-    import yaml
     from ray import serve
     from ray.serve.schema import ServeDeploySchema
     doc = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
-    schema = ServeDeploySchema.model_validate(doc)
-    (app,) = schema.applications
+    (app,) = ServeDeploySchema.model_validate(doc).applications
     module, attr = app.import_path.split(":")
     builder = getattr(importlib.import_module(module), attr)
-    built = builder({"config": str(ROOT / app.args["config"])})
-    assert isinstance(built, serve.Application)
+    assert isinstance(builder({"config": str(ROOT / app.args["config"])}), serve.Application)

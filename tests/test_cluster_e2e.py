@@ -11,6 +11,8 @@ import urllib.request
 import openai
 import pytest
 
+from bench.cluster_bench import pool_total as _pool_sum
+from bench.cluster_bench import scrape
 from engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -48,17 +50,7 @@ def offline(smol_path):
 
 def _metrics() -> dict[str, float]:
     """Sample name with labels -> value, from one scrape of the ingress."""
-    text = urllib.request.urlopen(f"{BASE}/metrics", timeout=30).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def _pool_sum(m: dict[str, float], metric: str, pool: str) -> float:
-    return sum(v for k, v in m.items() if k.startswith(metric + "{") and f'pool="{pool}"' in k)
+    return scrape(BASE)
 
 
 def _post(path: str, body: bytes | dict) -> tuple[int, dict]:

@@ -1,9 +1,13 @@
 """The router's prefix index is exact: fed only by real BlockPools' KV events (through the msgpack
-codec), it agrees with a brute-force recount of every pool's cache; gaps force a resync; the
-prefill ranking prefers hits, sticks, and falls back to least-loaded when loads are uneven."""
+codec), it agrees with a brute-force recount of every pool's cache, holes left by eviction included;
+gaps force a resync; the prefill ranking prefers hits, sticks, and falls back to least-loaded when
+loads are uneven; the router benchmark reports what it claims."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
+
+import msgpack
 
 from engine.kv import BlockPool, block_hashes, decode_events, encode_events
 from router.cluster_state import ClusterState, IndexMirror, apply_entry
@@ -12,75 +16,226 @@ from router.prefix_index import PrefillRanker, PrefixIndex
 BS, KEY = 4, "test-model"
 
 
+def leading(cached: set[int], hashes: list[int]) -> int:
+    """The definition match() must meet: blocks from the start up to the first one not cached."""
+    n = 0
+    while n < len(hashes) and hashes[n] in cached:
+        n += 1
+    return n
+
+
+@dataclass
+class Request:
+    tokens: list[int]
+    hashes: list[int]
+    blocks: list[int] = field(default_factory=list)
+
+
 class Replica:
-    """A BlockPool driven like an engine: prompts cached block by block, freed, evicted by reuse."""
+    """A BlockPool driven like a prefill engine: requests run concurrently, one block per step
+    (chunked prefill), share cached prefixes, get preempted when the pool is full, then free."""
 
     def __init__(self, name: str, num_blocks: int):
         self.name, self.events, self.seq = name, [], 0
         self.pool = BlockPool(num_blocks, BS, True, self.events.append)
+        self.running: list[Request] = []
+
+    def start(self, tokens: list[int]) -> None:
+        req = Request(tokens, block_hashes(tokens, BS, KEY))
+        req.blocks = self.pool.match(req.hashes, tokens)
+        self.pool.touch(req.blocks)
+        self.running.append(req)
+
+    def step(self, req: Request) -> None:
+        i = len(req.blocks)
+        if i == len(req.hashes) or not self.pool.can_allocate(1):   # finished, or preempted
+            self.pool.free(req.blocks)
+            self.running.remove(req)
+            return
+        bid = self.pool.allocate(1)[0]
+        self.pool.cache_block(bid, req.hashes[i], req.tokens[i * BS:(i + 1) * BS], req.hashes[i - 1] if i else None)
+        req.blocks.append(bid)
 
     def run_prompt(self, tokens: list[int]) -> None:
-        hashes = block_hashes(tokens, BS, KEY)
-        hit = self.pool.match(hashes, tokens)
-        self.pool.touch(hit)
-        n = len(hashes) - len(hit)
-        if not self.pool.can_allocate(n):
-            self.pool.free(hit)
-            return
-        new = self.pool.allocate(n)
-        for i, b in enumerate(new, start=len(hit)):
-            self.pool.cache_block(b, hashes[i], tokens[i * BS:(i + 1) * BS], hashes[i - 1] if i else None)
-        self.pool.free(hit + new)
+        self.start(tokens)
+        req = self.running[-1]
+        while req in self.running:
+            self.step(req)
 
     def batch(self) -> tuple[int, bytes]:
         self.seq += 1
         events, self.events[:] = list(self.events), []
         return self.seq, encode_events(events)
 
-    def leading(self, hashes: list[int]) -> int:
-        cached = {b.hash for b in self.pool.blocks if b.hash is not None}
-        n = 0
-        while n < len(hashes) and hashes[n] in cached:
-            n += 1
-        return n
+    def holes(self) -> int:
+        """Cached blocks whose parent is not cached: a leading count must stop before them."""
+        cached = set(self.pool.cached_hashes())
+        return sum(1 for b in self.pool.blocks if b.hash is not None and b.parent_hash is not None
+                   and b.parent_hash not in cached)
+
+
+def sync(index: PrefixIndex, replicas: list[Replica]) -> None:
+    for x in replicas:
+        seq, data = x.batch()
+        assert index.apply(x.name, seq, decode_events(data))
+
+
+def assert_exact(index: PrefixIndex, replicas: list[Replica], prompts: list[list[int]]) -> None:
+    cached = {x.name: set(x.pool.cached_hashes()) for x in replicas}
+    assert index.num_blocks() == {n: len(c) for n, c in cached.items()}
+    for q in prompts:
+        h = block_hashes(q, BS, KEY)
+        assert index.match(h) == {n: leading(c, h) for n, c in cached.items()}
 
 
 def test_index_matches_a_brute_force_recount_through_churn():
     rng = random.Random(0)
-    systems = [[rng.randrange(1000) for _ in range(12)] for _ in range(5)]
-    replicas = [Replica(f"r{i}", 24) for i in range(3)]
+    systems = [[rng.randrange(1000) for _ in range(4 * rng.randrange(2, 5))] for _ in range(5)]
+    replicas = [Replica(f"r{i}", 20) for i in range(3)]
     index = PrefixIndex()
     for r in replicas:
         index.load_snapshot(r.name, 0, [])
-    prompts = []
-    for step in range(300):
+    prompts, holes, resets = [], 0, 0
+    for step in range(3000):
         r = rng.choice(replicas)
-        p = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 10))]
-        prompts.append(p)
-        r.run_prompt(p)
-        if step % 7 == 0 or step == 299:
-            for x in replicas:
-                seq, data = x.batch()
-                assert index.apply(x.name, seq, decode_events(data))
-            for q in prompts[-20:] + systems:
-                h = block_hashes(q, BS, KEY)
-                assert index.match(h) == {x.name: x.leading(h) for x in replicas}
+        if len(r.running) < 3 and rng.random() < 0.3:
+            p = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randrange(0, 12))]
+            prompts.append(p)
+            r.start(p)
+        elif r.running:
+            r.step(rng.choice(r.running))
+        elif rng.random() < 0.02:
+            resets += r.pool.reset_prefix_cache()         # AllBlocksCleared
+        holes += r.holes()
+        if step % 11 == 0:
+            sync(index, replicas)
+            assert_exact(index, replicas, prompts[-20:] + systems)
+    sync(index, replicas)
+    assert_exact(index, replicas, prompts + systems)
+    assert holes > 0 and resets > 0, (holes, resets)     # the hard cases did happen
 
 
-def test_a_missing_batch_marks_the_replica_stale_until_a_snapshot():
+def test_a_hole_left_by_eviction_ends_the_leading_count():
+    # Two requests prefill the same prompt on replica a: one caches block 0, the other gets ahead and
+    # caches block 1 (first writer wins); the first goes away and block 0 is evicted while the other
+    # still holds block 1. Replica b holds the whole prompt.
+    a, b, index = Replica("a", 3), Replica("b", 8), PrefixIndex()
+    for r in (a, b):
+        index.load_snapshot(r.name, 0, [])
+    toks = list(range(3 * BS))
+    h = block_hashes(toks, BS, KEY)
+    first = a.pool.allocate(1)
+    a.pool.cache_block(first[0], h[0], toks[:BS], None)
+    ahead = a.pool.allocate(2)
+    a.pool.cache_block(ahead[1], h[1], toks[BS:2 * BS], h[0])
+    a.pool.free(first)
+    a.pool.allocate(1)                                     # evicts block 0
+    assert set(a.pool.cached_hashes()) == {h[1]}
+    b.run_prompt(toks)
+    sync(index, [a, b])
+    assert index.match(h) == {"a": 0, "b": 3}              # holding h[1] is no use to a without h[0]
+    assert index.match(h[1:]) == {"a": 1, "b": 2}
+    assert index.num_blocks() == {"a": 1, "b": 3}
+
+
+def test_a_missing_batch_is_refused_whole_until_a_snapshot():
     r, index = Replica("a", 16), PrefixIndex()
     index.load_snapshot("a", 0, [])
-    r.run_prompt(list(range(8)))
-    r.batch()                                          # batch 1 is lost
-    r.run_prompt(list(range(100, 108)))
+    first, second = list(range(8)), list(range(100, 108))
+    r.run_prompt(first)
+    r.batch()                                              # batch 1 is lost
+    r.run_prompt(second)
     seq, data = r.batch()
     assert not index.apply("a", seq, decode_events(data))
     assert "a" in index.stale
-    cached = [b.hash for b in r.pool.blocks if b.hash is not None]
-    index.load_snapshot("a", seq, cached)
-    assert index.match(block_hashes(list(range(8)), BS, KEY)) == {"a": 2}
-    index.remove_replica("a")
+    assert index.match(block_hashes(second, BS, KEY)) == {"a": 0}    # nothing of batch 2 applied
+    r.run_prompt(list(range(200, 208)))
+    seq, data = r.batch()
+    assert not index.apply("a", seq, decode_events(data))           # still stale: refused too
+    index.load_snapshot("a", seq, r.pool.cached_hashes())
+    assert "a" not in index.stale
+    assert index.match(block_hashes(first, BS, KEY)) == index.match(block_hashes(second, BS, KEY)) == {"a": 2}
+    r.run_prompt(list(range(300, 308)))
+    seq, data = r.batch()
+    assert index.apply("a", seq, decode_events(data))               # the batch after the snapshot
+    assert index.match(block_hashes(list(range(300, 308)), BS, KEY)) == {"a": 2}
+
+
+def test_old_and_repeated_batches_are_ignored():
+    r, index = Replica("a", 2), PrefixIndex()
+    index.load_snapshot("a", 0, [])
+    first = list(range(8))
+    r.run_prompt(first)
+    one = r.batch()
+    r.run_prompt(list(range(50, 58)))                      # evicts both blocks of `first`
+    two = r.batch()
+    for seq, data in (one, two, one, two):
+        assert index.apply("a", seq, decode_events(data))
+    assert index.match(block_hashes(first, BS, KEY)) == {"a": 0}
+    assert index.num_blocks() == {"a": len(r.pool.cached_hashes())} == {"a": 2}
+
+
+def test_an_unknown_replica_must_register_first():
+    r, index = Replica("new", 8), PrefixIndex()
+    r.run_prompt(list(range(8)))
+    seq, data = r.batch()
+    assert not index.apply("new", seq, decode_events(data))
     assert index.match(block_hashes(list(range(8)), BS, KEY)) == {}
+
+
+def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
+    reps, index = [Replica(f"r{i}", 8) for i in range(3)], PrefixIndex()
+    for r in reps:
+        index.load_snapshot(r.name, 0, [])
+        r.run_prompt(list(range(8)))
+    sync(index, reps)
+    h = block_hashes(list(range(8)), BS, KEY)
+    assert index.match(h) == {"r0": 2, "r1": 2, "r2": 2}
+    index.remove_replica("r1")
+    assert index.match(h) == {"r0": 2, "r2": 2}
+    index.load_snapshot("r3", 0, [])                       # takes r1's slot, inherits none of its blocks
+    assert index.match(h) == {"r0": 2, "r2": 2, "r3": 0}
+    assert index.num_blocks() == {"r0": 2, "r2": 2, "r3": 0}
+    for r in (reps[0], reps[2]):
+        index.remove_replica(r.name)
+    assert index.num_distinct_blocks() == 0                # no hash outlives its last replica
+
+
+def test_all_blocks_cleared_empties_only_that_replica():
+    reps, index = [Replica("a", 8), Replica("b", 8)], PrefixIndex()
+    for r in reps:
+        index.load_snapshot(r.name, 0, [])
+        r.run_prompt(list(range(8)))
+    assert reps[0].pool.reset_prefix_cache()
+    reps[0].run_prompt(list(range(4)))                     # stored again after the clear, same batch
+    sync(index, reps)
+    assert index.match(block_hashes(list(range(8)), BS, KEY)) == {"a": 1, "b": 2}
+
+
+def test_snapshot_round_trip_is_msgpack_and_keeps_seq_and_staleness():
+    rng = random.Random(1)
+    reps, index = [Replica(f"r{i}", 12) for i in range(3)], PrefixIndex()
+    for r in reps:
+        index.load_snapshot(r.name, 0, [])
+    prompts = [[rng.randrange(50) for _ in range(4 * rng.randrange(1, 6))] for _ in range(40)]
+    for p in prompts:
+        rng.choice(reps).run_prompt(p)
+    sync(index, reps)
+    index.remove_replica("r0")
+    index.load_snapshot("r0", 0, [])                       # slot order differs from a fresh build
+    reps[2].batch()
+    seq, data = reps[2].batch()
+    assert not index.apply("r2", seq, decode_events(data))           # r2 goes stale
+    blob = index.snapshot()
+    assert set(msgpack.unpackb(blob)) == {"r0", "r1", "r2"}          # plain msgpack, no pickle
+    copy = PrefixIndex.from_snapshot(blob)
+    assert copy.num_blocks() == index.num_blocks() and copy.stale == {"r2"}
+    for p in prompts:
+        h = block_hashes(p, BS, KEY)
+        assert copy.match(h) == index.match(h)
+    reps[1].run_prompt(list(range(900, 908)))
+    seq, data = reps[1].batch()
+    assert copy.apply("r1", seq, decode_events(data))                # it continues from the same batch
 
 
 def test_state_actor_log_and_snapshots_give_mirrors_the_same_index():
@@ -107,45 +262,6 @@ def test_state_actor_log_and_snapshots_give_mirrors_the_same_index():
     assert mirror.index["prefill"].match(h) == {"p1": 2}
 
 
-def test_ranker_prefers_hits_sticks_and_falls_back_when_imbalanced():
-    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=1000)
-    h = list(range(1, 9))                              # 8 blocks of 16 = 128 tokens
-    tiers, reason = ranker.rank(h, 128, 16, {"a": 6, "b": 0}, {"a": 0, "b": 0})
-    assert tiers[0] == ["a"] and reason == "prefix_hit"
-    # a hit is worth less than the queue in front of it
-    tiers, _ = ranker.rank(h, 128, 16, {"a": 6, "b": 0}, {"a": 500, "b": 0})
-    assert tiers[0] == ["b"]
-    tiers, reason = ranker.rank(h, 128, 16, {"a": 8, "b": 0}, {"a": 5000, "b": 0})
-    assert tiers[0] == ["b"] and reason == "imbalanced_least_loaded"
-    # no hits anywhere: one prompt always lands on the same replica, different prompts spread
-    firsts = {ranker.rank([k], 16, 16, {}, dict.fromkeys("abcd", 0))[0][0][0] for k in range(40)}
-    assert len(firsts) > 1
-    assert len({ranker.rank([7], 16, 16, {}, dict.fromkeys("abcd", 0))[0][0][0] for _ in range(5)}) == 1
-
-
-def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
-    import argparse
-    import json
-
-    from bench import router_bench
-    p = argparse.ArgumentParser()
-    router_bench.add_arguments(p)
-    args = p.parse_args(["--prefixes", "300", "--replicas", "4", "--tenants", "5", "--decisions", "400",
-                         "--tokens", "512", "--out", str(tmp_path)])
-    r = router_bench.run(args)
-    d = r["decision_us"]
-    assert 0 < d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
-    assert 0.4 < r["prefix_hit_decisions"] <= 0.75 + 1e-9      # half the queries continue a cached prompt
-    assert json.loads((tmp_path / "router.json").read_text())["decision_us"] == d
-    assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_new_prefixes_spread_to_the_emptier_replica():
-    ranker = PrefillRanker()
-    tiers, _ = ranker.rank([1, 2], 32, 16, {}, {"a": 0, "b": 0}, {"a": 64, "b": 3})
-    assert tiers[0] == ["b"]
-
-
 def test_a_replica_that_stops_reporting_is_forgotten(monkeypatch):
     import router.cluster_state as cs
     state, r = ClusterState(), Replica("dead", 16)
@@ -159,3 +275,70 @@ def test_a_replica_that_stops_reporting_is_forgotten(monkeypatch):
     version, entries, _ = state.changes(0)             # readers trigger the reaping
     assert state.index["prefill"].match(h) == {} and state.metrics_texts() == []
     assert entries[-1][2] == "dead" and entries[-1][4] == b"forget"     # mirrors hear it too
+
+
+# -- ranking ----------------------------------------------------------------------------------------
+H = list(range(1, 9))                                      # 8 blocks of 16 = 128 tokens
+
+
+def first(tiers_reason) -> tuple[str, str]:
+    tiers, reason = tiers_reason
+    return tiers[0][0], reason
+
+
+def test_ranker_prefers_the_longer_hit_unless_its_queue_costs_more():
+    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=1000)
+    assert first(ranker.rank(H, 128, 16, {"a": 3, "b": 6, "c": 0}, {"a": 0, "b": 0, "c": 0})) == ("b", "prefix_hit")
+    # b saves 96 tokens over c but has 120 queued: c is cheaper
+    assert first(ranker.rank(H, 128, 16, {"b": 6, "c": 0}, {"b": 120, "c": 0})) == ("c", "no_hit_least_cost")
+    assert first(ranker.rank(H, 128, 16, {"b": 6, "c": 0}, {"b": 80, "c": 0})) == ("b", "prefix_hit")
+    tiers, _ = ranker.rank(H, 128, 16, {"a": 3, "b": 6, "c": 0}, {"a": 0, "b": 0, "c": 0})
+    assert tiers == [["b"], ["a"], ["c"]]                  # every replica ranked, one per tier
+
+
+def test_ranker_falls_back_to_least_loaded_when_imbalanced():
+    ranker = PrefillRanker(load_weight=0.001, imbalance_threshold=1000)   # load alone would not outweigh the hit
+    loads = {"a": 5000, "b": 0, "c": 0}
+    tiers, reason = ranker.rank(H, 128, 16, {"a": 8, "b": 0, "c": 2}, loads)
+    assert reason == "imbalanced_least_loaded"
+    assert tiers == [["c"], ["b"], ["a"]]                  # equal loads: the hit decides
+    assert first(ranker.rank(H, 128, 16, {"a": 8}, {"a": 1000, "b": 0})) == ("a", "prefix_hit")  # at the threshold
+
+
+def test_a_replica_without_a_load_report_counts_as_idle():
+    ranker = PrefillRanker(imbalance_threshold=10_000)
+    tiers, reason = ranker.rank(H, 128, 16, {"a": 4, "quiet": 4}, {"a": 50})
+    assert tiers == [["quiet"], ["a"]] and reason == "prefix_hit"
+    assert ranker.rank(H, 128, 16, {}, {}) == ([], "no_replica")
+
+
+def test_ranker_ties_stick_per_prompt_and_spread_across_prompts():
+    ranker = PrefillRanker()
+    idle = dict.fromkeys("abcdefgh", 0)
+    picks = [first(ranker.rank([k * 7919, 1], 32, 16, {}, idle))[0] for k in range(400)]
+    assert len(set(picks)) == 8 and max(picks.count(r) for r in idle) < 100   # spread, not one hot spot
+    again = [first(ranker.rank([k * 7919, 2], 32, 16, {}, dict(reversed(idle.items()))))[0] for k in range(400)]
+    assert again == picks                                  # the first block decides, not dict order
+    # equal cost: the replica caching fewer blocks takes the new prefix, whatever the prompt
+    assert {first(ranker.rank([k, 2], 32, 16, {}, {"a": 0, "b": 0}, {"a": 64, "b": 3}))[0] for k in range(20)} == {"b"}
+
+
+# -- benchmark ----------------------------------------------------------------------------------------
+def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
+    import argparse
+    import json
+
+    from bench import router_bench
+    p = argparse.ArgumentParser()
+    router_bench.add_arguments(p)
+    args = p.parse_args(["--prefixes", "300", "--replicas", "4", "--tenants", "5", "--decisions", "400",
+                         "--tokens", "512", "--out", str(tmp_path)])
+    r = router_bench.run(args)
+    d = r["decision_us"]
+    assert 0 < d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+    assert r["match_us"]["p50"] < d["p50"] and r["rank_us"]["p50"] < d["p50"]
+    assert 0.70 <= r["prefix_hit_decisions"] <= 0.75 + 1e-9     # a quarter of the queries share nothing
+    assert r["events"] == r["replica_blocks"] >= r["distinct_blocks"] > 0 and r["index_bytes"] > 0
+    assert r["build_s"] > 0 and r["goals"]["p99_under_1ms"] == (d["p99"] < 1000)
+    assert json.loads((tmp_path / "router.json").read_text())["decision_us"] == d
+    assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
