@@ -5,7 +5,11 @@
     ClusterState actor (router/cluster_state.py): KV events and metrics of every replica
 
 Colocated mode builds no prefill pool: the decode pool prefills every prompt itself.
-`serve run cluster.app:app_builder config=deploy/cluster.yaml` and `baton serve` both come here.
+
+serve_config(config) is the Serve config (`serve deploy` / `serve run` schema) that deploys it: the
+application `cluster.app:app_builder` with the cluster config inline as its `config` argument and the coupled
+autoscaling policy at application level. `baton serve`, deploy/serve.yaml and the Helm chart's serveConfigV2
+all take this one path, so the coupled policy runs wherever Baton does.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ def build_app(config: ClusterConfig, app_name: str = "baton") -> serve.Applicati
     r = config.router
     decode_engine = config.engine_kwargs("decode")
     decode = serve.deployment(DecodeServer, name="decode").options(
-        **config.deployment_options("decode"),
+        **config.deployment_options("decode", state),
         request_router_config=_router_config("router.request_routers.DecodeRouter", {
             "state_actor": state, "block_size": decode_engine.get("block_size", 16),
             "max_num_seqs": decode_engine.get("max_num_seqs", 64),
@@ -45,7 +49,7 @@ def build_app(config: ClusterConfig, app_name: str = "baton") -> serve.Applicati
     prefill = None
     if config.mode == "disaggregated":
         prefill_engine = config.engine_kwargs("prefill")
-        opts = config.deployment_options("prefill")
+        opts = config.deployment_options("prefill", state)
         if r.policy == "prefix_aware":
             opts["request_router_config"] = _router_config("router.request_routers.PrefixAwareRouter", {
                 "state_actor": state, "block_size": prefill_engine.get("block_size", 16),
@@ -58,8 +62,27 @@ def build_app(config: ClusterConfig, app_name: str = "baton") -> serve.Applicati
     return ingress.bind(prefill=prefill, decode=decode, config=config.model_dump(mode="json"), state_actor=state)
 
 
-def app_builder(args: dict[str, str]) -> serve.Application:
-    """For `serve run cluster.app:app_builder config=FILE` (deploy/serve.yaml uses it too)."""
-    path = args.get("config")
-    config = ClusterConfig.from_yaml(path) if path else ClusterConfig()
-    return build_app(config)
+COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve's entry point: args `config` is a cluster config file's path or the config itself (a mapping);
+    `app_name` names the state actor (default baton). `serve run cluster.app:app_builder config=FILE`."""
+    config = args.get("config")
+    if isinstance(config, dict):
+        cfg = ClusterConfig.from_dict(config, source="cluster config in the Serve config's args")
+    else:
+        cfg = ClusterConfig.from_yaml(config) if config else ClusterConfig()
+    return build_app(cfg, args.get("app_name", "baton"))
+
+
+def serve_config(config: ClusterConfig, app_name: str = "baton", proxy_location: str = "HeadOnly") -> dict[str, Any]:
+    """The Serve config that deploys `config` (ServeDeploySchema): http options, one application built by
+    app_builder from the inline cluster config, the coupled autoscaling policy when a pool autoscales.
+    The Helm chart's serveConfigV2 is this with proxy_location EveryNode (a proxy on every pod)."""
+    app: dict[str, Any] = {"name": app_name, "route_prefix": "/", "import_path": "cluster.app:app_builder",
+                           "args": {"config": config.model_dump(mode="json", exclude_none=True), "app_name": app_name}}
+    if any(p is not None and p.autoscaling is not None for p in (config.prefill, config.decode)):
+        app["autoscaling_policy"] = {"policy_function": COUPLED_POLICY}
+    return {"proxy_location": proxy_location, "http_options": {"host": config.host, "port": config.port},
+            "applications": [app]}

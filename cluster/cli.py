@@ -45,6 +45,12 @@ def _serve(args: argparse.Namespace) -> int:
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
+    if args.print_serve_config:         # for `serve deploy` on an existing cluster, or KubeRay's serveConfigV2
+        import yaml
+
+        from cluster.app import serve_config
+        print(yaml.safe_dump(serve_config(config), sort_keys=False), end="")
+        return 0
     from cluster.serving import start
     start(config, blocking=False)
     print(f"baton: serving {config.model_name()} ({config.mode}) on http://{config.host}:{config.port}/v1 "
@@ -90,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill-replicas", type=int, default=None, help="fixed prefill replica count")
     sv.add_argument("--decode-replicas", type=int, default=None, help="fixed decode replica count")
     sv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    sv.add_argument("--print-serve-config", action="store_true",
+                    help="print the Serve config (serve deploy / serveConfigV2) of this cluster and exit")
     sv.set_defaults(fn=_serve)
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")

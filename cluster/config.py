@@ -2,9 +2,10 @@
 
     model, served_model_name, dtype, device, mode, host, port
     ingress:         num_replicas, num_cpus, max_ongoing_requests
-    prefill, decode: num_replicas | autoscaling {min_replicas, max_replicas, initial_replicas,
-                     target_ongoing_requests, upscale_delay_s, downscale_delay_s},
-                     num_cpus, num_gpus, memory, max_ongoing_requests, engine {EngineConfig knobs}
+    prefill, decode: num_replicas | autoscaling {bounds, delays, cooldown, hysteresis, targets, SLOs
+                     (cluster/autoscaling.py)}, num_cpus, num_gpus, memory, max_ongoing_requests,
+                     graceful_shutdown_timeout_s, engine {EngineConfig knobs}
+    coupling:        mode (measured | fixed | off), ratio, smoothing
     router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
     disaggregation:  min_remote_prefill_tokens
     transfer:        backend, ttl_s, ucx_tls
@@ -23,6 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.autoscaling import Autoscaling, Coupling, DecodeAutoscaling, PrefillAutoscaling, policy_kwargs
 from engine.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
 from engine.spec.config import SpeculativeConfig
@@ -44,31 +46,6 @@ def _knob(name: str, text: str, **constraints: Any) -> Any:
     default = _ENGINE_DEFAULTS[name]
     return Field(None, description=text if default is None else f"{text} (engine default {default!r})",
                  **constraints)
-
-
-class Autoscaling(_Schema):
-    """Ray Serve's autoscaling_config for one pool: the same names and defaults, passed on unchanged."""
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 lets the pool scale to zero "
-                                                   "(the next request then waits for a replica to start)")
-    max_replicas: int = Field(1, ge=1, description="Most replicas; Ray's autoscaler adds nodes when the "
-                                                   "cluster lacks room for them")
-    initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time (default min_replicas)")
-    target_ongoing_requests: float = Field(2.0, gt=0, description="Running plus queued requests per replica "
-                                                                  "that Serve scales the pool to keep")
-    upscale_delay_s: float = Field(30.0, ge=0, description="Seconds the need for more replicas must last "
-                                                          "before Serve adds one")
-    downscale_delay_s: float = Field(600.0, ge=0, description="Seconds the need for fewer replicas must last "
-                                                             "before Serve removes one")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Autoscaling:
-        lo, hi, start = self.min_replicas, self.max_replicas, self.initial_replicas
-        if lo > hi:
-            raise ValueError(f"min_replicas ({lo}) is more than max_replicas ({hi})")
-        if start is not None and not lo <= start <= hi:
-            raise ValueError(f"initial_replicas ({start}) must lie between min_replicas ({lo}) "
-                             f"and max_replicas ({hi})")
-        return self
 
 
 class EngineKnobs(_Schema):
@@ -129,14 +106,22 @@ class PoolConfig(_Schema):
     num_replicas: int | None = Field(None, ge=1, description="Fixed replica count: 1 unless autoscaling is "
                                                              "set (set one or the other)")
     autoscaling: Autoscaling | None = Field(None, description="Scale between min_replicas and max_replicas "
-                                                              "with the load (Ray Serve's autoscaling_config)")
+                                                              "on the pool's load signals (cluster/autoscaling.py)")
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves for each replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica: 1 for a CUDA engine; "
                                                    "0 runs it without a GPU of its own")
     memory: int | None = Field(None, gt=0, description="Bytes of memory Ray reserves for each replica "
                                                       "(default: none reserved)")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each replica "
+                                                                          "needs, e.g. {baton_decode: 1} to place "
+                                                                          "it on the nodes that advertise them "
+                                                                          "(the Helm chart's worker groups do)")
     max_ongoing_requests: int = Field(64, ge=1, description="Requests Serve sends one replica at once "
                                                             "(running plus queued in its engine)")
+    graceful_shutdown_timeout_s: float = Field(120.0, ge=0, description="Seconds a replica being removed (scale "
+                                                                       "down, redeploy) may finish its requests "
+                                                                       "before it is killed; Serve's default of "
+                                                                       "20 would cut long streams")
     engine: EngineKnobs = Field(default_factory=EngineKnobs, description="EngineConfig knobs of every "
                                                                          "replica in the pool")
 
@@ -162,17 +147,34 @@ class PoolConfig(_Schema):
     def engine_config(self, cluster: ClusterConfig) -> EngineConfig:
         return EngineConfig(**self.engine_kwargs(cluster))
 
-    def deployment_options(self) -> dict[str, Any]:
-        """Ray Serve deployment options: the replica count (or autoscaling_config), resources, concurrency."""
+    def deployment_options(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Ray Serve deployment options: the replica count (or autoscaling_config with Baton's policy and
+        `policy` as its kwargs), resources, concurrency."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.memory is not None:
             actor["memory"] = self.memory
-        opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests}
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
+                                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
         if self.autoscaling is None:
             opts["num_replicas"] = self.num_replicas
         else:
-            opts["autoscaling_config"] = self.autoscaling.model_dump(exclude_none=True)
+            opts["autoscaling_config"] = {**self.autoscaling.ray_config(), "policy": {
+                "policy_function": "cluster.autoscaling:PoolPolicy", "policy_kwargs": policy or {}}}
         return opts
+
+
+class PrefillPoolConfig(PoolConfig):
+    """The prefill pool: computes prompts' KV and hands it to the decode pool."""
+    autoscaling: PrefillAutoscaling | None = Field(None, description="Scale on queued prompt tokens and TTFT "
+                                                                     "between min_replicas and max_replicas")
+
+
+class DecodePoolConfig(PoolConfig):
+    """The decode pool: pulls the KV (or prefills short prompts itself) and streams tokens."""
+    autoscaling: DecodeAutoscaling | None = Field(None, description="Scale on KV utilisation, running sequences "
+                                                                    "and ITL between min_replicas and max_replicas")
 
 
 class IngressConfig(_Schema):
@@ -239,9 +241,11 @@ class ClusterConfig(_Schema):
                                                "machine by default; 0.0.0.0 serves others (containers, Kubernetes)")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="The HTTP ingress deployment")
-    prefill: PoolConfig | None = Field(default_factory=PoolConfig, description="The prefill pool "
-                                                                               "(disaggregated mode only)")
-    decode: PoolConfig = Field(default_factory=PoolConfig, description="The decode pool (both modes)")
+    prefill: PrefillPoolConfig | None = Field(default_factory=PrefillPoolConfig, description="The prefill pool "
+                                                                                             "(disaggregated mode only)")
+    decode: DecodePoolConfig = Field(default_factory=DecodePoolConfig, description="The decode pool (both modes)")
+    coupling: Coupling = Field(default_factory=Coupling, description="How autoscaling ties the two pools' sizes "
+                                                                     "together (when both autoscale)")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Prefill routing")
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig,
                                                  description="When to prefill remotely (ignored when colocated)")
@@ -325,11 +329,17 @@ class ClusterConfig(_Schema):
     def engine_kwargs(self, pool: str) -> dict[str, Any]:
         return self.pool(pool).engine_kwargs(self)
 
-    def deployment_options(self, name: str) -> dict[str, Any]:
-        """Ray Serve options (`.options(**...)`) of the `ingress`, `prefill` or `decode` deployment."""
+    def deployment_options(self, name: str, state_actor: str | None = None) -> dict[str, Any]:
+        """Ray Serve options (`.options(**...)`) of the `ingress`, `prefill` or `decode` deployment.
+        state_actor: the cluster state actor's name, where the autoscaler exports its decisions."""
         if name == "ingress":
             return self.ingress.deployment_options()
-        opts = self.pool(name).deployment_options()
+        pool = self.pool(name)
+        policy = None
+        if pool.autoscaling is not None:
+            max_seqs = self.engine_kwargs(name).get("max_num_seqs", _ENGINE_DEFAULTS["max_num_seqs"])
+            policy = policy_kwargs(name, pool.autoscaling, self.coupling, state_actor, max_seqs)
+        opts = pool.deployment_options(policy)
         if self.transfer.backend == "nixl" and self.transfer.ucx_tls:   # read when the NIXL agent starts
             opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"UCX_TLS": self.transfer.ucx_tls}}
         return opts

@@ -11,11 +11,16 @@ APP_NAME = "baton"
 
 
 def start(config: ClusterConfig, app_name: str = APP_NAME, blocking: bool = False, num_cpus: int | None = None):
-    """Deploy build_app(config) and return its ingress handle. Starts a local Ray unless one is reachable."""
+    """Deploy serve_config(config), as `serve deploy` would, and return the ingress handle. Starts a local Ray
+    unless one is reachable. blocking: then wait until interrupted."""
+    import time
+
     import ray
     from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import build_app
+    from cluster.app import serve_config
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if num_cpus is None and address is None:   # a local Ray: room for every replica's logical CPUs
@@ -23,7 +28,30 @@ def start(config: ClusterConfig, app_name: str = APP_NAME, blocking: bool = Fals
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
                  namespace="baton")
     serve.start(http_options={"host": config.host, "port": config.port})
-    return serve.run(build_app(config, app_name), name=app_name, route_prefix="/", blocking=blocking)
+    # The declarative path (Serve's own `serve deploy`): the only one that carries an application-level
+    # autoscaling policy, and the one KubeRay uses.
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(serve_config(config, app_name)),
+                                     _blocking=False)
+    handle = _wait_running(app_name)
+    while blocking:
+        time.sleep(1)
+    return handle
+
+
+def _wait_running(app_name: str, timeout_s: float = 600):
+    import time
+
+    from ray import serve
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        status = app.status if app else None
+        if status == "RUNNING":
+            return serve.get_app_handle(app_name)
+        if status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"Serve application {app_name} {status}: {app.message}")
+        time.sleep(0.2)
+    raise TimeoutError(f"Serve application {app_name} not running after {timeout_s:.0f} s")
 
 
 def _cpus_needed(config: ClusterConfig) -> float:

@@ -28,8 +28,14 @@ class DecodeServer(EngineReplica):
         kw: dict[str, Any] = {}
         if req.get("prefill"):
             kw = await self._import(req["prefill"], ids, rid)
-        first = True
+        first, last = True, time.perf_counter()
         async for out in self.llm.generate(ids, params, rid, **kw):
+            now = time.perf_counter()
+            if first:
+                self.ttft.observe(now - last)
+            elif out.new_token_ids:
+                self.itl.observe((now - last) / len(out.new_token_ids))
+            last = now
             yield _delta(out, self.replica if first else None, bool(kw))
             first = False
 
@@ -56,13 +62,20 @@ class DecodeServer(EngineReplica):
     async def _reserve_and_pull(self, handle: KVHandle, ids: list[int]):
         """Reserve blocks and start the pull. While the cache is full, wait for running requests to
         free blocks (backpressure, like a waiting queue) until shortly before the producer unpins."""
-        while True:
-            try:
-                return await run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids))
-            except MemoryError:
-                if time.time() > handle.expiry - RESERVE_MARGIN_S:
-                    raise
-                await asyncio.sleep(RESERVE_RETRY_S)
+        waiting = False
+        try:
+            while True:
+                try:
+                    return await run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids))
+                except MemoryError:
+                    if time.time() > handle.expiry - RESERVE_MARGIN_S:
+                        raise
+                    if not waiting:
+                        waiting, self.awaiting_room = True, self.awaiting_room + 1
+                    await asyncio.sleep(RESERVE_RETRY_S)
+        finally:
+            if waiting:
+                self.awaiting_room -= 1
 
 
 def _delta(out: RequestOutput, replica: str | None, transferred: bool) -> dict[str, Any]:

@@ -9,6 +9,8 @@ Contract names (like vLLM's, stable):
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -94,3 +96,24 @@ class ReplicaMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LatencyWindow:
+    """Recent latencies (seconds) for the autoscaler: a quantile over the last `window_s`, 0 when none.
+    Observed and read on the replica's event loop."""
+
+    def __init__(self, window_s: float = 30.0, max_samples: int = 4096):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def observe(self, seconds: float) -> None:
+        self._samples.append((time.monotonic(), seconds))
+
+    def quantile(self, q: float) -> float:
+        horizon = time.monotonic() - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        values = sorted(v for _, v in self._samples)
+        return values[min(len(values) - 1, int(q * len(values)))]

@@ -18,11 +18,12 @@ from engine import EngineConfig, LLMEngine
 from engine.async_llm import AsyncLLM
 from engine.kv import KVEvent, encode_events
 from kvtransfer import KVLink
-from prefill_worker.metrics import ReplicaMetrics
+from prefill_worker.metrics import LatencyWindow, ReplicaMetrics
 
 log = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
+LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
 
 
@@ -52,6 +53,9 @@ class EngineReplica:
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=self.transfer_kind, source=self._source,
                            ttl_s=transfer.get("ttl_s", 30.0))
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
+        self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
+        self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
+        self.awaiting_room = 0                          # decode: pulls waiting for free KV blocks
         self._state_name, self._state = state_actor, None   # found lazily: the ingress creates it
         self._peer_metadata: dict[str, bytes] = {}       # NIXL: producer agent -> metadata, from requests
         self._blocks: dict[str, Any] = {}                 # Ray fallback: request id -> (ref, block count)
@@ -70,6 +74,14 @@ class EngineReplica:
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
     async def record_routing_stats(self) -> dict[str, Any]:
         return await run_blocking(self.llm.call, _load)
+
+    # -- autoscaling signals (Serve polls record_autoscaling_stats; cluster/autoscaling.py reads them) ----
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        load = await run_blocking(self.llm.call, _load)
+        return {"queued_prefill_tokens": float(load["queued_prefill_tokens"]),
+                "kv_utilization": load["kv_blocks_used"] / max(load["kv_blocks_total"], 1),
+                "running_seqs": float(load["num_running"] + load["num_waiting"] + self.awaiting_room),
+                "ttft_s": self.ttft.quantile(0.9), "itl_s": self.itl.quantile(0.9)}
 
     # -- KV events and unpins, off the request path ---------------------------------------------------
     def _on_event(self, event: KVEvent) -> None:          # engine thread

@@ -2,6 +2,7 @@
 blocks pinned and hands back a KVHandle (plus what a decode replica needs to reach it)."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from engine import SamplingParams
@@ -15,9 +16,10 @@ class PrefillServer(EngineReplica):
         """req: request_id, token_ids, sampling (SamplingParams fields). The first token is sampled here
         with the request's own parameters; decode continues from it."""
         params = SamplingParams(**{**req["sampling"], "max_tokens": 1})
-        out = None
+        out, t0 = None, time.perf_counter()
         async for out in self.llm.generate(req["token_ids"], params, req["request_id"], prefill_only=True):
             pass
+        self.ttft.observe(time.perf_counter() - t0)
         handle = self.link.export(out)
         res = {"first_token": out.token_ids[0], "first_logprobs": out.logprobs[0] if out.logprobs else None,
                "handle": handle.to_bytes(), "replica": self.replica,

@@ -64,6 +64,8 @@ class ClusterState:
     def forget(self, pool: str, replica: str) -> None:
         self.seen.pop((pool, replica), None)
         self.metrics.pop((pool, replica), None)
+        if pool not in self.index:          # the autoscaler's exposition: no index, no replica to forget
+            return
         self.index[pool].remove_replica(replica)
         self._append(pool, replica, 0, b"forget")
 

@@ -12,7 +12,8 @@ from pydantic import BaseModel
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema
 
-from cluster.config import (POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs,
+from cluster.autoscaling import Coupling, DecodeAutoscaling, PrefillAutoscaling
+from cluster.config import (POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs, PrefillPoolConfig,
                             PoolConfig)
 from engine import EngineConfig
 from engine.errors import ConfigError
@@ -27,7 +28,8 @@ def test_defaults_are_one_cpu_prefill_and_one_cpu_decode_replica_on_localhost():
                                                                 "SmolLM2-135M-Instruct")
     for pool in ("prefill", "decode"):
         assert cfg.deployment_options(pool) == {"num_replicas": 1, "max_ongoing_requests": 64,
-                                                "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
+                                                "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
+                                                "graceful_shutdown_timeout_s": 120.0}
         engine = cfg.pool(pool).engine_config(cfg)
         assert isinstance(engine, EngineConfig)
         assert engine.kv_cache_memory == POOL_KV_CACHE_BYTES_WITHOUT_GPU == 512 << 20
@@ -51,6 +53,7 @@ def test_the_commented_out_alternatives_in_the_example_load_too():
              if "instead of num_replicas" not in line]         # autoscaling replaces that line
     cfg = ClusterConfig.from_dict(yaml.safe_load("\n".join(lines)))
     assert cfg.prefill.num_replicas is None and cfg.prefill.autoscaling.max_replicas == 4
+    assert cfg.prefill.autoscaling.ttft_slo_s == 2.0 and cfg.decode.autoscaling.target_kv_utilization == 0.8
     assert cfg.prefill.memory == 4 << 30
     assert cfg.decode.engine_config(cfg).speculative_config.method == "ngram"
 
@@ -60,7 +63,7 @@ def test_a_full_config_round_trips_through_yaml(tmp_path):
         "model": "llama-tiny", "served_model_name": "tiny", "dtype": "bfloat16", "device": "cuda",
         "host": "0.0.0.0", "port": 9000, "ingress": {"num_replicas": 2, "num_cpus": 0.5},
         "prefill": {"autoscaling": {"min_replicas": 0, "max_replicas": 8, "initial_replicas": 2,
-                                    "target_ongoing_requests": 3.5}, "num_gpus": 1, "memory": 8 << 30,
+                                    "cooldown_s": 3.5, "ttft_slo_s": 0}, "num_gpus": 1, "memory": 8 << 30,
                     "engine": {"kv_cache_memory": 0.8, "enable_chunked_prefill": False}},
         "decode": {"num_replicas": 3, "num_gpus": 1,
                    "engine": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}},
@@ -191,10 +194,15 @@ def test_deployment_options_are_accepted_by_ray_serve():
         opts = cfg.deployment_options(name)
         schema = DeploymentSchema(name=name, **opts)                     # Serve's own option schema
         assert schema.max_ongoing_requests == opts["max_ongoing_requests"]
-    decode = cfg.deployment_options("decode")
+    decode = cfg.deployment_options("decode", "baton-state-x")
     assert "num_replicas" not in decode
-    scaling = AutoscalingConfig(**decode["autoscaling_config"])
-    assert (scaling.min_replicas, scaling.max_replicas, scaling.upscale_delay_s) == (1, 4, 5)
+    scaling = AutoscalingConfig(**decode["autoscaling_config"])      # Serve imports and pickles the policy
+    assert (scaling.min_replicas, scaling.max_replicas) == (1, 4)
+    assert scaling.upscale_delay_s == scaling.downscale_delay_s == 0     # the delays are Baton's policy's
+    assert scaling.policy.policy_function == "cluster.autoscaling:PoolPolicy"
+    kw = scaling.policy.policy_kwargs
+    assert (kw["pool"], kw["upscale_delay_s"], kw["state_actor"]) == ("decode", 5, "baton-state-x")
+    assert kw["target_running_seqs"] == 48                          # 3/4 of the engine's max_num_seqs (64)
     prefill = cfg.deployment_options("prefill")["ray_actor_options"]
     assert prefill == {"num_cpus": 1.0, "num_gpus": 1.0, "memory": 4 << 30,
                        "runtime_env": {"env_vars": {"UCX_TLS": "shm,tcp"}}}
@@ -202,10 +210,13 @@ def test_deployment_options_are_accepted_by_ray_serve():
     assert "runtime_env" not in as_ray.deployment_options("decode")["ray_actor_options"]
 
 
-def test_autoscaling_has_ray_serves_names_and_defaults():
+def test_autoscaling_knobs_shared_with_ray_serve_have_its_names_and_defaults():
     ray_defaults = AutoscalingConfig()
-    for name, field in Autoscaling.model_fields.items():
-        assert getattr(ray_defaults, name) == field.default, name
+    shared = set(Autoscaling.model_fields) & set(AutoscalingConfig.model_fields)
+    assert shared >= {"min_replicas", "max_replicas", "initial_replicas", "upscale_delay_s", "downscale_delay_s",
+                      "look_back_period_s", "metrics_interval_s"}
+    for name in shared:
+        assert getattr(ray_defaults, name) == Autoscaling.model_fields[name].default, name
 
 
 def test_engine_config_merges_cluster_fields_with_pool_knobs():
@@ -237,7 +248,7 @@ def test_every_field_is_documented():
                 if isinstance(a, type) and issubclass(a, BaseModel):
                     yield from models(a)
     seen = set(models(ClusterConfig))
-    assert {Autoscaling, EngineKnobs, PoolConfig} <= seen
+    assert {PrefillAutoscaling, DecodeAutoscaling, Coupling, EngineKnobs, PrefillPoolConfig} <= seen
     for m in seen:
         for name, field in m.model_fields.items():
             assert field.description and len(field.description) > 8, f"{m.__name__}.{name}"
@@ -253,3 +264,11 @@ def test_the_serve_config_file_names_the_same_builder():
     module, attr = app.import_path.split(":")
     builder = getattr(importlib.import_module(module), attr)
     assert isinstance(builder({"config": str(ROOT / app.args["config"])}), serve.Application)
+
+
+def test_the_configuration_reference_is_generated_from_the_schema():
+    from cluster.reference import DOC_PATH, render
+    text = DOC_PATH.read_text()
+    assert text == render(), "stale: run python -m cluster.reference"
+    for key in ("target_kv_utilization", "cooldown_s", "ratio_window_s", "graceful_shutdown_timeout_s"):
+        assert f"| `{key}` |" in text

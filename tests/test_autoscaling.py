@@ -1,0 +1,262 @@
+"""The pools' autoscaling policies (cluster/autoscaling.py), driven tick by tick with metric sequences: load
+ramp, spike, drain, oscillation, latency over the SLO, and the coupled prefill:decode ratio.
+
+Each tick builds the AutoscalingContext Serve builds (its own class, with the AutoscalingConfig that
+ClusterConfig.deployment_options produces), calls the policy through Serve's own wrapper, clamps to the
+bounds as Serve's controller does, and applies the decision at once (replicas start instantly here).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import pytest
+from prometheus_client import generate_latest
+from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config, _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from cluster.autoscaling import CoupledPolicy, PoolPolicy, decide, pool_demand
+from cluster.config import ClusterConfig
+from engine.errors import ConfigError
+
+TICK_S = 1.0
+
+
+def scaling(decode: dict | None = None, prefill: dict | None = None, coupling: dict | None = None) -> ClusterConfig:
+    d: dict = {"coupling": coupling or {}}
+    if decode is not None:
+        d["decode"] = {"autoscaling": {"upscale_delay_s": 10, "downscale_delay_s": 30, "cooldown_s": 15,
+                                       "max_replicas": 8, "itl_slo_s": 0, **decode}}
+    if prefill is not None:
+        d["prefill"] = {"autoscaling": {"upscale_delay_s": 10, "downscale_delay_s": 30, "cooldown_s": 15,
+                                        "max_replicas": 8, "ttft_slo_s": 0, **prefill}}
+    return ClusterConfig.from_dict(d)
+
+
+class Sim:
+    """Pools under a load function of time; `load(t)` gives per-pool totals of each signal."""
+
+    def __init__(self, cfg: ClusterConfig, load, coupled: bool = True):
+        self.cfg, self.load, self.t = cfg, load, 0.0
+        self.pools = [p for p in ("prefill", "decode") if getattr(cfg, p) and getattr(cfg, p).autoscaling]
+        self.config = {p: AutoscalingConfig(**cfg.deployment_options(p)["autoscaling_config"]) for p in self.pools}
+        self.n = {p: self.config[p].initial_replicas or self.config[p].min_replicas for p in self.pools}
+        self.state: dict = {p: {} for p in self.pools}
+        if coupled:
+            self.app_policy = CoupledPolicy()
+            self.policy = _apply_app_level_autoscaling_config(self.app_policy)
+        else:
+            self.own = {p: PoolPolicy(**self.config[p].policy.policy_kwargs) for p in self.pools}
+            self.policy = {p: _apply_autoscaling_config(self.own[p]) for p in self.pools}
+        self.history: list[tuple[float, dict]] = []
+
+    def ctx(self, pool: str) -> AutoscalingContext:
+        n, totals = self.n[pool], self.load(self.t).get(pool, {})
+        per = {name: {f"{pool}-{i}": v / max(n, 1) if name.endswith(("tokens", "seqs", "utilization")) else v
+                      for i in range(n)} for name, v in totals.items()}
+        return AutoscalingContext(
+            deployment_id=pool, deployment_name=pool, app_name="baton", current_num_replicas=n,
+            target_num_replicas=n, running_replicas=[f"{pool}-{i}" for i in range(n)],
+            total_num_requests=sum(totals.values()), total_queued_requests=0.0, aggregated_metrics=per,
+            raw_metrics={}, capacity_adjusted_min_replicas=self.config[pool].min_replicas,
+            capacity_adjusted_max_replicas=self.config[pool].max_replicas, policy_state=self.state[pool],
+            last_scale_up_time=None, last_scale_down_time=None, current_time=self.t, config=self.config[pool])
+
+    def run(self, seconds: float) -> list[tuple[float, dict]]:
+        for _ in range(int(seconds / TICK_S)):
+            self.t += TICK_S
+            if isinstance(self.policy, dict):
+                decisions = {}
+                for p in self.pools:
+                    decisions[p], self.state[p] = self.policy[p](self.ctx(p))
+            else:
+                decisions, states = self.policy({p: self.ctx(p) for p in self.pools})
+                self.state.update(states)
+            for p, target in decisions.items():
+                self.n[p] = min(max(math.ceil(target), self.config[p].min_replicas), self.config[p].max_replicas)
+            self.history.append((self.t, dict(self.n)))
+        return self.history
+
+    def changes(self, pool: str) -> list[tuple[float, int]]:
+        out, prev = [], None
+        for t, n in self.history:
+            if prev is not None and n[pool] != prev:
+                out.append((t, n[pool]))
+            prev = n[pool]
+        return out
+
+
+def decode_seqs(f):
+    return lambda t: {"decode": {"running_seqs": f(t), "kv_utilization": 0.0}}
+
+
+# -- one pool ---------------------------------------------------------------------------------------
+def test_a_load_ramp_scales_up_step_by_step_after_the_delay_and_never_down():
+    cfg = scaling(decode={"target_running_seqs": 10, "cooldown_s": 5})
+    sim = Sim(cfg, decode_seqs(lambda t: min(t, 60.0)))            # +1 sequence a second up to 60
+    sim.run(120)
+    ups = sim.changes("decode")
+    assert all(b > a for (_, a), (_, b) in zip([(0, 1), *ups], ups))           # only ever up
+    assert sim.n["decode"] == 6                                                  # 60 seqs / 10 per replica
+    first_over = 10.0 + TICK_S                                                   # load exceeds 1 x 10 here
+    assert first_over + 10 <= ups[0][0] <= first_over + 10 + 2 * TICK_S          # within the upscale delay
+
+
+def test_a_spike_shorter_than_the_upscale_delay_changes_nothing_a_longer_one_scales_within_the_delay():
+    cfg = scaling(decode={"target_running_seqs": 10})
+    short = Sim(cfg, decode_seqs(lambda t: 35.0 if 20 <= t < 27 else 5.0))
+    short.run(90)
+    assert short.changes("decode") == []
+    long = Sim(cfg, decode_seqs(lambda t: 35.0 if 20 <= t < 60 else 5.0))
+    long.run(60)
+    (t_up, n_up), = long.changes("decode")
+    assert n_up == 4 and 30 <= t_up <= 31                       # 35 seqs -> 4 replicas, 10 s after it began
+
+
+def test_a_drain_scales_down_only_after_the_downscale_delay_and_stops_at_min_replicas():
+    cfg = scaling(decode={"target_running_seqs": 10, "min_replicas": 2, "initial_replicas": 6})
+    sim = Sim(cfg, decode_seqs(lambda t: 55.0 if t < 20 else 0.0))
+    sim.run(200)
+    downs = sim.changes("decode")
+    assert downs and downs[0][0] >= 20 + 30                     # held for downscale_delay_s after the drain
+    assert sim.n["decode"] == 2 and all(n >= 2 for _, n in downs)
+
+
+def test_an_idle_pool_with_min_replicas_zero_scales_to_zero():
+    cfg = scaling(decode={"target_running_seqs": 10, "min_replicas": 0, "initial_replicas": 1})
+    sim = Sim(cfg, decode_seqs(lambda t: 0.0))
+    sim.run(60)
+    assert sim.changes("decode") == [(31.0, 0)]
+
+
+def test_load_oscillating_around_a_boundary_does_not_flap():
+    cfg = scaling(decode={"target_running_seqs": 10, "upscale_delay_s": 5, "downscale_delay_s": 5, "cooldown_s": 5})
+    fast = Sim(cfg, decode_seqs(lambda t: 12.0 if int(t // 3) % 2 else 8.0))     # faster than the delays
+    fast.run(300)
+    assert fast.changes("decode") == []
+    slow = Sim(cfg, decode_seqs(lambda t: 12.0 if int(t // 40) % 2 else 9.0))    # slower than the delays
+    slow.run(400)
+    assert slow.changes("decode") == [(45.0, 2)]                # up once; 9 seqs on 1 replica is inside the band
+    no_band = Sim(scaling(decode={"target_running_seqs": 10, "upscale_delay_s": 5, "downscale_delay_s": 5,
+                                  "cooldown_s": 5, "hysteresis": 0}),
+                  decode_seqs(lambda t: 12.0 if int(t // 40) % 2 else 9.0))
+    no_band.run(400)
+    assert len(no_band.changes("decode")) >= 8                  # what the hysteresis prevents
+
+
+def test_max_replicas_caps_a_huge_load_and_the_cooldown_spaces_changes():
+    cfg = scaling(decode={"target_running_seqs": 10, "max_replicas": 3, "cooldown_s": 40, "upscale_delay_s": 1})
+    sim = Sim(cfg, decode_seqs(lambda t: 10.0 * t))
+    sim.run(200)
+    ups = sim.changes("decode")
+    assert sim.n["decode"] == 3 and max(n for _, n in ups) == 3
+    assert all(b - a >= 40 for (a, _), (b, _) in zip(ups, ups[1:]))
+
+
+def test_kv_utilisation_and_itl_over_its_slo_scale_decode_and_latency_blocks_shrinking():
+    cfg = scaling(decode={"target_running_seqs": 100, "target_kv_utilization": 0.5, "itl_slo_s": 0.05})
+    kv = Sim(cfg, lambda t: {"decode": {"kv_utilization": 0.9, "running_seqs": 1.0}})
+    kv.run(20)
+    assert kv.n["decode"] == 2                                  # 0.9 used / 0.5 target
+    itl = Sim(cfg, lambda t: {"decode": {"itl_s": 0.12, "running_seqs": 1.0}})
+    itl.run(20)
+    assert itl.n["decode"] == 3                                 # 1 x 0.12 / 0.05 -> 2.4
+    knobs = cfg.decode.autoscaling
+    assert pool_demand("decode", knobs, {"itl_s": {"a": 0.045}, "running_seqs": {"a": 1}}, 3)[2] is False
+    assert pool_demand("decode", knobs, {"itl_s": {"a": 0.03}, "running_seqs": {"a": 1}}, 3)[2] is True
+
+
+def test_prefill_scales_on_queued_tokens_and_ttft():
+    cfg = scaling(prefill={"target_queued_prefill_tokens": 1000, "ttft_slo_s": 1.0})
+    tokens = Sim(cfg, lambda t: {"prefill": {"queued_prefill_tokens": 3500.0}})
+    tokens.run(20)
+    assert tokens.n["prefill"] == 4
+    ttft = Sim(cfg, lambda t: {"prefill": {"queued_prefill_tokens": 10.0, "ttft_s": 2.5}})
+    ttft.run(20)
+    assert ttft.n["prefill"] == 3
+
+
+# -- both pools ---------------------------------------------------------------------------------------
+def step_mix(t: float) -> dict:
+    """Balanced for 60 s (prefill demand 2 x decode's), then 3x the load. The prefill pool sees it at once; the
+    decode pool only sees what the 2 saturated prefill replicas pass on until 15 s after prefill grew."""
+    k = 1.0 if t < 60 else 3.0
+    return {"prefill": {"queued_prefill_tokens": 1600.0 * k},
+            "decode": {"running_seqs": 8.0 if t < 85 else 24.0, "kv_utilization": 0.0}}
+
+
+def test_the_coupled_policy_learns_the_ratio_and_grows_decode_with_prefill():
+    cfg = scaling(prefill={"target_queued_prefill_tokens": 1000, "initial_replicas": 2},
+                  decode={"target_running_seqs": 10}, coupling={"ratio_window_s": 10})
+    coupled = Sim(cfg, step_mix)
+    coupled.run(150)
+    ratio = coupled.state["decode"]["ratio"]
+    assert ratio == pytest.approx(2.0, rel=0.05)                # 1.6 / 0.8, learnt while balanced
+    assert coupled.n == {"prefill": 5, "decode": 3}             # 4.8 and 4.8 / 2 -> 2.4: in step, same tick
+    (t_p, _), = coupled.changes("prefill")
+    (t_d, _), = coupled.changes("decode")
+    assert t_p == t_d
+    alone = Sim(cfg, step_mix, coupled=False)
+    alone.run(84)
+    assert alone.n == {"prefill": 5, "decode": 1}               # the bottleneck moved to decode
+    body = generate_latest(coupled.app_policy.exporter.registry).decode()
+    assert 'baton_autoscaling_decisions_total{direction="up",pool="decode",reason="coupling"} 1.0' in body
+    assert re.search(r"baton_autoscaling_prefill_decode_ratio (1\.9|2\.0)", body)
+
+
+def test_the_ratio_is_not_learnt_while_a_pool_is_over_its_target():
+    cfg = scaling(prefill={"target_queued_prefill_tokens": 1000, "max_replicas": 1},
+                  decode={"target_running_seqs": 10})
+    starved = Sim(cfg, lambda t: {"prefill": {"queued_prefill_tokens": 5000.0},      # prefill saturated
+                                  "decode": {"running_seqs": 2.0, "kv_utilization": 0.0}})
+    starved.run(60)
+    assert starved.state["decode"]["ratio"] == 1.0              # the starting estimate, untouched
+
+
+def test_fixed_and_off_coupling():
+    fixed = scaling(prefill={"target_queued_prefill_tokens": 1000}, decode={"target_running_seqs": 10},
+                    coupling={"mode": "fixed", "ratio": 0.5})
+    sim = Sim(fixed, lambda t: {"prefill": {"queued_prefill_tokens": 500.0},
+                                "decode": {"running_seqs": 35.0, "kv_utilization": 0.0}})
+    sim.run(30)
+    assert sim.n == {"prefill": 2, "decode": 4}                 # 3.5 decode x 0.5 -> 1.75 prefill
+    off = scaling(prefill={"target_queued_prefill_tokens": 1000}, decode={"target_running_seqs": 10},
+                  coupling={"mode": "off"})
+    sim = Sim(off, lambda t: {"prefill": {"queued_prefill_tokens": 500.0},
+                              "decode": {"running_seqs": 35.0, "kv_utilization": 0.0}})
+    sim.run(30)
+    assert sim.n == {"prefill": 1, "decode": 4}
+    with pytest.raises(ConfigError, match="coupling: .*mode fixed needs a ratio"):
+        ClusterConfig.from_dict({"coupling": {"mode": "fixed"}})
+
+
+def test_decisions_are_logged_with_their_reason(caplog):
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="ray.serve"):
+            Sim(scaling(decode={"target_running_seqs": 10}), decode_seqs(lambda t: 25.0)).run(15)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "baton autoscaler: decode 1 -> 3 replicas (running_seqs; demand 2.50 replicas)" in caplog.text
+
+
+def test_decide_obeys_bounds_that_changed_under_it():
+    knobs = scaling(decode={"min_replicas": 2, "max_replicas": 4}).decode.autoscaling
+    assert decide(knobs, 0.0, "running_seqs", True, 1, 0.0, {})[:2] == (2, "up")
+    assert decide(knobs, 9.0, "running_seqs", True, 6, 0.0, {})[:2] == (4, "down")
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"decode": {"autoscaling": {"hysteresis": 1.0}}}, "decode.autoscaling.hysteresis: Input should be less than 1"),
+    ({"decode": {"autoscaling": {"target_kv_utilization": 1.5}}}, "decode.autoscaling.target_kv_utilization"),
+    ({"prefill": {"autoscaling": {"target_kv_utilization": 0.5}}},
+     "prefill.autoscaling.target_kv_utilization: unknown key"),
+    ({"decode": {"autoscaling": {"metrics_interval_s": 30, "look_back_period_s": 10}}},
+     "metrics_interval_s (30.0) must be less than look_back_period_s (10.0)"),
+])
+def test_bad_autoscaling_knobs_are_refused_with_their_path(bad, message):
+    with pytest.raises(ConfigError) as e:
+        ClusterConfig.from_dict(bad)
+    assert message in str(e.value)
