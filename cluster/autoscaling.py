@@ -2,13 +2,18 @@
 
 Signals (EngineReplica.record_autoscaling_stats; Serve averages each over look_back_period_s):
   prefill  queued_prefill_tokens  prompt tokens admitted but not yet computed
+           utilization            fraction of the time the engine spent in model steps (since the last report)
            ttft_s                 p90 of arrival -> first token at the replica, over the last window
   decode   kv_utilization         used / total KV blocks
            running_seqs           running + waiting sequences (+ pulls waiting for KV room)
            itl_s                  p90 of the time between a sequence's tokens, over the last window
 
 A pool's demand is the replica count its busiest signal asks for (fractional):
-  prefill  max(sum queued tokens / target_queued_prefill_tokens,  n * ttft / ttft_slo_s  if over the SLO)
+  prefill  max(sum utilization / target_utilization, sum queued tokens / target_queued_prefill_tokens,
+               n * ttft / ttft_slo_s  if over the SLO)
+Utilisation and running sequences grow in proportion to the load (Little's law), so they hold a steady
+size; a queue alone would not: it empties once capacity suffices and the pool would shrink back into the
+backlog (`baton bench autoscale` shows that oscillation). Queued tokens catch bursts before utilisation can.
   decode   max(sum kv_utilization / target_kv_utilization, sum running_seqs / target_running_seqs,
                n * itl / itl_slo_s  if over the SLO)
 Latency only pushes up (it is not linear in replicas); it also blocks a scale-down while above
@@ -64,8 +69,9 @@ class Autoscaling(_Schema):
                                                              "the pool shrinks: a GPU replica takes minutes to come "
                                                              "back (Ray Serve's default)")
     cooldown_s: float = Field(60.0, ge=0, description="Seconds after a change in which the pool does not change "
-                                                     "again: new replicas must load the model and warm up before "
-                                                     "their effect shows in the metrics")
+                                                     "again: new replicas must load the model before their effect "
+                                                     "shows in the metrics; above a replica's start-up time plus "
+                                                     "look_back_period_s avoids overshoot")
     hysteresis: float = Field(0.2, ge=0, lt=1, description="Scale down only if the smaller pool would still run at "
                                                            "most (1 - hysteresis) of its targets, so that a load "
                                                            "near a boundary does not flap")
@@ -98,7 +104,10 @@ class Autoscaling(_Schema):
 
 
 class PrefillAutoscaling(Autoscaling):
-    """The prefill pool scales on prompt tokens waiting to be computed and on time to first token."""
+    """The prefill pool scales on engine utilisation, prompt tokens waiting to be computed and time to first token."""
+    target_utilization: float = Field(0.7, gt=0, le=1, description="Fraction of the time each replica's engine "
+                                                                   "computes prompts that the pool is sized for: "
+                                                                   "headroom so a burst queues briefly, not long")
     target_queued_prefill_tokens: int = Field(8192, ge=1, description="Queued prompt tokens per replica the pool "
                                                                       "is sized for: about half a second of "
                                                                       "prefill for an 8B model on one H100")
@@ -152,7 +161,8 @@ def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, floa
         return float(max(metrics.get(name, {}).values(), default=0.0))
 
     if pool == "prefill":
-        terms = {"queued_prefill_tokens": total("queued_prefill_tokens") / knobs.target_queued_prefill_tokens}
+        terms = {"utilization": total("utilization") / knobs.target_utilization,
+                 "queued_prefill_tokens": total("queued_prefill_tokens") / knobs.target_queued_prefill_tokens}
         latency, slo = worst("ttft_s"), knobs.ttft_slo_s
         lat_name = "ttft"
     else:
@@ -215,6 +225,11 @@ def policy_kwargs(pool: str, knobs: Autoscaling, coupling: Coupling, state_actor
     return {"pool": pool, **d, "coupling": coupling.model_dump(mode="json"), "state_actor": state_actor}
 
 
+def _now(ctx) -> float:
+    """The controller's clock as the context gives it (tests and benchmarks pass their own)."""
+    return ctx.current_time if ctx.current_time is not None else time.time()
+
+
 class _Exporter:
     """Decisions as Prometheus metrics, sent to the cluster state actor (the ingress /metrics shows them)."""
 
@@ -254,7 +269,7 @@ class _Base:
         self.exporter = _Exporter()
 
     def _decide(self, pool: _Pool, ctx, demand: float, reason: str, may_shrink: bool, state: dict) -> tuple[int, dict]:
-        n, now = ctx.target_num_replicas, ctx.current_time or time.time()
+        n, now = ctx.target_num_replicas, _now(ctx)
         target, direction, state = decide(pool.knobs, demand, reason, may_shrink, n, now, state)
         self.exporter.desired.labels(pool.pool).set(demand)
         self.exporter.target.labels(pool.pool).set(target)
@@ -314,10 +329,10 @@ class CoupledPolicy(_Base):
         if coupling.mode == "fixed":
             ratio = coupling.ratio
         else:
-            now = pools["decode"][1].current_time or time.time()
+            now = _now(pools["decode"][1])
             last = states["decode"].get("ratio_time", now)
             if self._balanced(pools, demands, states, now):
-                ratio += (1 - math.exp(-(now - last) / coupling.ratio_window_s)) * (dp / dd - ratio)
+                ratio += (1 - math.exp(-max(now - last, 0.0) / coupling.ratio_window_s)) * (dp / dd - ratio)
             states["decode"]["ratio_time"] = now
         states["decode"]["ratio"] = ratio
         self.exporter.ratio.set(ratio)

@@ -71,6 +71,7 @@ class LLMEngine:
         self.pinned: dict[str, list[int]] = {}
         self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
+        self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
         log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
                  "max_model_len %d, weights loaded in %.1f s", self.model_path, self.runner.dtype,
                  self.runner.device, self.pool.num_blocks, self.block_size,
@@ -173,6 +174,7 @@ class LLMEngine:
             result = self.sampler(logits[rows], [s.params for s, _ in plain], [s.generator for s, _ in plain])
         emitted = self.spec.verify(logits, verify, self.sampler.generator) if verify else []
         seconds = time.perf_counter() - t0
+        self.busy_seconds_total += seconds
         now = time.monotonic()
         outputs = early
         for i, (seq, _) in enumerate(plain):
@@ -330,5 +332,6 @@ class LLMEngine:
             "num_pinned": len(self.pinned),
             "prefix_cache_query_tokens": self.pool.query_tokens,
             "prefix_cache_hit_tokens": self.pool.hit_tokens,
+            "busy_seconds_total": self.busy_seconds_total,
             **(self.spec.stats() if self.spec is not None else {}),
         }

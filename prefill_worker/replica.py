@@ -56,6 +56,7 @@ class EngineReplica:
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
         self.awaiting_room = 0                          # decode: pulls waiting for free KV blocks
+        self._busy_mark = (time.monotonic(), 0.0)       # (when, engine busy seconds then): utilisation
         self._state_name, self._state = state_actor, None   # found lazily: the ingress creates it
         self._peer_metadata: dict[str, bytes] = {}       # NIXL: producer agent -> metadata, from requests
         self._blocks: dict[str, Any] = {}                 # Ray fallback: request id -> (ref, block count)
@@ -78,7 +79,10 @@ class EngineReplica:
     # -- autoscaling signals (Serve polls record_autoscaling_stats; cluster/autoscaling.py reads them) ----
     async def record_autoscaling_stats(self) -> dict[str, float]:
         load = await run_blocking(self.llm.call, _load)
-        return {"queued_prefill_tokens": float(load["queued_prefill_tokens"]),
+        (then, busy_then), now = self._busy_mark, time.monotonic()
+        self._busy_mark = (now, load["busy_seconds"])
+        utilization = min((load["busy_seconds"] - busy_then) / max(now - then, 1e-3), 1.0)
+        return {"queued_prefill_tokens": float(load["queued_prefill_tokens"]), "utilization": utilization,
                 "kv_utilization": load["kv_blocks_used"] / max(load["kv_blocks_total"], 1),
                 "running_seqs": float(load["num_running"] + load["num_waiting"] + self.awaiting_room),
                 "ttft_s": self.ttft.quantile(0.9), "itl_s": self.itl.quantile(0.9)}
@@ -150,7 +154,7 @@ def _load(engine: LLMEngine) -> dict[str, Any]:
     queued = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in (*s.waiting, *s.running))
     return {"queued_prefill_tokens": queued, "num_running": len(s.running), "num_waiting": len(s.waiting),
             "kv_blocks_used": engine.pool.num_used_blocks, "kv_blocks_total": engine.pool.num_blocks,
-            "time": time.time()}
+            "busy_seconds": engine.busy_seconds_total, "time": time.time()}
 
 
 async def run_blocking(fn, *args):

@@ -14,8 +14,9 @@ import re
 import pytest
 from prometheus_client import generate_latest
 from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config, _apply_autoscaling_config
-from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray.serve.config import AutoscalingConfig
 
+from bench.autoscale_bench import context
 from cluster.autoscaling import CoupledPolicy, PoolPolicy, decide, pool_demand
 from cluster.config import ClusterConfig
 from engine.errors import ConfigError
@@ -55,13 +56,7 @@ class Sim:
         n, totals = self.n[pool], self.load(self.t).get(pool, {})
         per = {name: {f"{pool}-{i}": v / max(n, 1) if name.endswith(("tokens", "seqs", "utilization")) else v
                       for i in range(n)} for name, v in totals.items()}
-        return AutoscalingContext(
-            deployment_id=pool, deployment_name=pool, app_name="baton", current_num_replicas=n,
-            target_num_replicas=n, running_replicas=[f"{pool}-{i}" for i in range(n)],
-            total_num_requests=sum(totals.values()), total_queued_requests=0.0, aggregated_metrics=per,
-            raw_metrics={}, capacity_adjusted_min_replicas=self.config[pool].min_replicas,
-            capacity_adjusted_max_replicas=self.config[pool].max_replicas, policy_state=self.state[pool],
-            last_scale_up_time=None, last_scale_down_time=None, current_time=self.t, config=self.config[pool])
+        return context(pool, n, per, self.config[pool], self.state[pool], self.t)
 
     def run(self, seconds: float) -> list[tuple[float, dict]]:
         for _ in range(int(seconds / TICK_S)):
@@ -175,6 +170,16 @@ def test_prefill_scales_on_queued_tokens_and_ttft():
     ttft = Sim(cfg, lambda t: {"prefill": {"queued_prefill_tokens": 10.0, "ttft_s": 2.5}})
     ttft.run(20)
     assert ttft.n["prefill"] == 3
+    busy = Sim(cfg, lambda t: {"prefill": {"queued_prefill_tokens": 10.0, "utilization": 1.9}})   # 1.9 / 0.7
+    busy.run(20)
+    assert busy.n["prefill"] == 3
+
+
+def test_utilisation_holds_a_steady_size_where_a_queue_alone_would_shrink_back():
+    cfg = scaling(prefill={"target_queued_prefill_tokens": 1000, "initial_replicas": 3})
+    sim = Sim(cfg, lambda t: {"prefill": {"queued_prefill_tokens": 50.0, "utilization": 2.0}})   # no backlog
+    sim.run(200)
+    assert sim.changes("prefill") == [] and sim.n["prefill"] == 3
 
 
 # -- both pools ---------------------------------------------------------------------------------------
@@ -260,3 +265,15 @@ def test_bad_autoscaling_knobs_are_refused_with_their_path(bad, message):
     with pytest.raises(ConfigError) as e:
         ClusterConfig.from_dict(bad)
     assert message in str(e.value)
+
+
+def test_bench_autoscale_writes_json_and_a_plot_and_coupling_wins(tmp_path):
+    import json
+
+    from cluster.cli import main
+    assert main(["bench", "autoscale", "--out-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "autoscale_bench.json").read_text())
+    assert (tmp_path / "autoscale_bench.png").stat().st_size > 10_000
+    s = result["summary"]
+    assert s["slo_violating_s"]["coupled"] < s["slo_violating_s"]["independent"]
+    assert s["cost_ratio_coupled_vs_independent"] <= 1.1 and s["goal_met"] is True

@@ -1,0 +1,197 @@
+"""The Helm chart (helm/baton), linted and rendered by Helm's own Go engine (helm-python-sdk): the RayService
+validates against KubeRay's CRD schema (tests/data/kuberay, a named release), the embedded serveConfigV2 is
+Serve's schema and Baton's cluster config (the same one serve_config builds), worker groups follow the
+pools, and bad values fail at install time with the path of the mistake."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import helm_python as helm
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.app import serve_config
+from cluster.config import ClusterConfig
+from cluster.helm_schema import SCHEMA_PATH, render
+
+ROOT = Path(__file__).parents[1]
+CHART = ROOT / "helm" / "baton"
+CRD = ROOT / "tests" / "data" / "kuberay" / "ray.io_rayservices.yaml"
+
+CPU_ONLY = {"model": {"source": "builtin"},
+            "ray": {"enableInTreeAutoscaling": False,
+                    "workers": {p: {"resources": {"cpu": "2", "memory": "4Gi"}, "tolerations": []}
+                                for p in ("prefill", "decode")}},
+            "cluster": {"device": "cpu", "dtype": "float32",
+                        "prefill": {"num_gpus": 0, "num_cpus": 1, "autoscaling": None, "num_replicas": 1},
+                        "decode": {"num_gpus": 0, "num_cpus": 1, "autoscaling": None, "num_replicas": 2},
+                        "transfer": {"ucx_tls": "shm,tcp"}}}
+LARGE_GPU = {"model": {"source": "volume", "volume": {"claimName": "llama-70b", "path": "Llama-3.3-70B-Instruct"},
+                       "tokenSecret": {"name": "hf", "key": "token"}},
+             "ray": {"workers": {"prefill": {"resources": {"cpu": "32", "memory": "512Gi"},
+                                             "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+                                 "decode": {"resources": {"cpu": "32", "memory": "512Gi"}}}},
+             "cluster": {"prefill": {"num_gpus": 4, "autoscaling": {"min_replicas": 2, "max_replicas": 16,
+                                                                    "initial_replicas": 4, "ttft_slo_s": 1.0}},
+                         "decode": {"num_gpus": 8, "autoscaling": {"min_replicas": 2, "max_replicas": 32,
+                                                                   "target_kv_utilization": 0.7},
+                                    "engine": {"max_num_seqs": 256}},
+                         "coupling": {"mode": "fixed", "ratio": 0.5}},
+             "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+             "grafanaDashboard": {"enabled": True}}
+AUTOSCALING_OFF = {"ray": {"enableInTreeAutoscaling": False},
+                   "cluster": {"prefill": {"autoscaling": None, "num_replicas": 2},
+                               "decode": {"autoscaling": None, "num_replicas": 3}}}
+COLOCATED = {"cluster": {"mode": "colocated", "prefill": None}}
+VALUE_SETS = {"default": {}, "cpu-only": CPU_ONLY, "large-gpu": LARGE_GPU, "autoscaling-off": AUTOSCALING_OFF,
+              "colocated": COLOCATED}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    c = helm.Chart.load(str(CHART))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def crd_schema():
+    crd = yaml.safe_load(CRD.read_text())
+    assert crd["spec"]["names"]["kind"] == "RayService"
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+def rendered(chart, values: dict) -> dict[str, list[dict]]:
+    out = chart.render(values, name="baton", namespace="llm", is_install=True)
+    docs: dict[str, list[dict]] = {}
+    for path, text in out.items():
+        if not path.endswith(".yaml"):
+            continue                                     # NOTES.txt
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                docs.setdefault(doc["kind"], []).append(doc)
+    return docs
+
+
+def test_the_chart_lints_clean_with_every_value_set():
+    for name, values in VALUE_SETS.items():
+        result = helm.lint(str(CHART), values, strict=True)
+        assert result["errors"] == [], name
+        assert not [m for m in result["messages"] if m["severity"] > 1], (name, result["messages"])
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_each_value_set_renders_a_rayservice_valid_under_kuberays_crd(chart, crd_schema, name):
+    docs = rendered(chart, VALUE_SETS[name])
+    (svc,) = docs["RayService"]
+    jsonschema.validate(svc, crd_schema)                 # KubeRay's own OpenAPI schema for the resource
+
+    serve = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve)              # Serve's own schema
+    (app,) = serve["applications"]
+    cfg = ClusterConfig.from_dict(app["args"]["config"])  # Baton's own schema
+    want = serve_config(cfg, proxy_location="EveryNode")
+    want["applications"][0]["args"]["config"] = app["args"]["config"]
+    assert serve == want                                 # the chart builds what Python builds
+
+    merged = chart.merge_values(VALUE_SETS[name])
+    groups = {g["groupName"]: g for g in svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert set(groups) == ({"decode"} if cfg.mode == "colocated" else {"prefill", "decode"})
+    for pool, g in groups.items():
+        p = cfg.pool(pool)
+        bounds = ((p.autoscaling.min_replicas, p.autoscaling.max_replicas) if p.autoscaling
+                  else (p.num_replicas, p.num_replicas))
+        assert (g["minReplicas"], g["maxReplicas"]) == bounds
+        assert p.resources == {f"baton_{pool}": 1}       # each replica lands on its own group's pods
+        assert g["rayStartParams"]["resources"] == f'"{{\\"baton_{pool}\\": 1}}"'
+        (container,) = g["template"]["spec"]["containers"]
+        gpus = container["resources"]["limits"].get("nvidia.com/gpu", 0)
+        assert gpus == p.num_gpus
+        assert container["resources"]["limits"]["cpu"] == merged["ray"]["workers"][pool]["resources"]["cpu"]
+    assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] == merged["ray"]["enableInTreeAutoscaling"]
+    assert docs["Service"][0]["spec"]["ports"][0]["targetPort"] == 8000 == cfg.port
+    assert cfg.host == "0.0.0.0"
+
+
+def test_value_sets_differ_where_they_should(chart):
+    default = rendered(chart, {})["RayService"][0]
+    serve = yaml.safe_load(default["spec"]["serveConfigV2"])["applications"][0]
+    assert serve["autoscaling_policy"] == {"policy_function": "cluster.autoscaling:CoupledPolicy"}
+    head = default["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert head["initContainers"][0]["command"][-2:] == ["HuggingFaceTB/SmolLM2-135M-Instruct",
+                                                         "/models/SmolLM2-135M-Instruct"]
+    assert serve["args"]["config"]["model"] == "/models/SmolLM2-135M-Instruct"
+
+    off = rendered(chart, AUTOSCALING_OFF)["RayService"][0]
+    assert "autoscaling_policy" not in yaml.safe_load(off["spec"]["serveConfigV2"])["applications"][0]
+
+    cpu = rendered(chart, CPU_ONLY)
+    config = yaml.safe_load(cpu["RayService"][0]["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    assert "model" not in config                          # builtin: the image's default model
+    for g in cpu["RayService"][0]["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = g["template"]["spec"]
+        assert "nvidia.com/gpu" not in spec["containers"][0]["resources"]["limits"] and "tolerations" not in spec
+
+    large = rendered(chart, LARGE_GPU)
+    ray = large["RayService"][0]["spec"]["rayClusterConfig"]
+    prefill = next(g for g in ray["workerGroupSpecs"] if g["groupName"] == "prefill")
+    assert prefill["replicas"] == 4 and prefill["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert prefill["template"]["spec"]["volumes"] == [{"name": "model", "persistentVolumeClaim": {
+        "claimName": "llama-70b", "readOnly": True}}]
+    env = prefill["template"]["spec"]["containers"][0]["env"]
+    assert env == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    (monitor,) = large["ServiceMonitor"]
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    (dashboard,) = large["ConfigMap"]
+    assert json.loads(dashboard["data"]["baton.json"])["uid"] == "baton"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"cluster": {"decode": {"autoscaling": {"max_replica": 4}}}}, "max_replica"),
+    ({"cluster": {"transfer": {"backend": "rdma"}}}, "/cluster/transfer/backend"),
+    ({"cluster": {"decode": {"num_gpus": -1}}}, "/cluster/decode/num_gpus"),
+    ({"cluster": {"decode": {"autoscaling": {"hysteresis": 1}}}}, "/cluster/decode/autoscaling/hysteresis"),
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"ray": {"workers": {"decode": {"resources": {"cpu": "lots", "memory": "1Gi"}}}}},
+     "/ray/workers/decode/resources/cpu"),
+    ({"service": {"port": 70000}}, "/service/port"),
+    ({"replicas": 3}, "replicas"),
+])
+def test_bad_values_are_refused_at_install_time_naming_the_key(chart, values, message):
+    with pytest.raises(helm.HelmError) as e:
+        chart.render(values, name="baton", namespace="llm", is_install=True)
+    assert "schema" in str(e.value).lower() and message in str(e.value)
+
+
+def test_a_volume_model_without_a_claim_is_refused(chart):
+    with pytest.raises(helm.HelmError, match="model.volume.claimName is required"):
+        chart.render({"model": {"source": "volume"}}, name="baton", namespace="llm", is_install=True)
+
+
+def test_values_schema_is_generated_from_the_cluster_config():
+    assert SCHEMA_PATH.read_text() == render(), "stale: run python -m cluster.helm_schema"
+
+
+def test_the_dashboard_queries_only_metrics_baton_exports():
+    dashboard = json.loads((CHART / "dashboards" / "baton.json").read_text())
+    assert (ROOT / "deploy" / "grafana" / "baton-dashboard.json").resolve() == (CHART / "dashboards" / "baton.json")
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    used = {m for e in exprs for m in re.findall(r"\b(baton_[a-z0-9_]+)", e)}
+    source = "\n".join(p.read_text() for d in ("router", "prefill_worker", "cluster")
+                       for p in (ROOT / d).glob("*.py"))
+    declared = set(re.findall(r'"(baton_[a-z0-9_]+)"', source))
+    def base(m: str) -> str:
+        return re.sub(r"_(total|bucket|sum|count|created)$", "", m)
+    missing = {m for m in used if m not in declared and base(m) not in declared}
+    assert not missing, f"the dashboard queries metrics nobody exports: {sorted(missing)}"
+    assert {"baton_autoscaling_target_replicas", "baton_time_to_first_token_seconds_bucket",
+            "baton_kv_blocks_used"} <= used
