@@ -212,6 +212,29 @@ class DisaggregationConfig(_Schema):
                               "tokens is prefilled by the decode replica itself; longer ones go to the prefill pool")
 
 
+class LimitsConfig(_Schema):
+    """What one request may ask for; beyond it the ingress answers 400 (413 for the body) and runs nothing."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body in bytes (413 beyond): 1 MiB "
+                                                              "holds a 100k-token prompt as text or token ids")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens (default: the model's "
+                                                                  "max_model_len less one token of output)")
+    max_n: int = Field(8, ge=1, le=128, description="Most choices (`n`) per request: each is a sequence in "
+                                                    "the decode pool")
+    max_stop_sequences: int = Field(4, ge=0, le=64, description="Most stop strings per request (OpenAI allows 4; "
+                                                                "each is checked after every token)")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")
+
+
+class AuthConfig(_Schema):
+    """Optional API keys: clients send `Authorization: Bearer <key>`; keys live in the environment, not here."""
+    api_keys_env: str = Field("BATON_API_KEYS", min_length=1, description="Environment variable holding the "
+                                                                          "accepted keys, comma-separated; unset or "
+                                                                          "empty: no authentication (bind to "
+                                                                          "127.0.0.1 then)")
+    protect_metrics: bool = Field(False, description="Require a key on /metrics too (/health is always open, "
+                                                     "for probes)")
+
+
 class TransferConfig(_Schema):
     """Moving KV blocks from a prefill replica to a decode replica (kvtransfer/)."""
     backend: Literal["nixl", "ray"] = Field("nixl", description="nixl: one-sided READs over UCX; ray: the "
@@ -237,8 +260,8 @@ class ClusterConfig(_Schema):
         "disaggregated", description="disaggregated: a prefill pool and a decode pool; colocated: the decode "
                                      "pool prefills too (small deployments, the benchmark baseline) and the "
                                      "prefill section must be absent")
-    host: str = Field("127.0.0.1", description="HTTP bind address. The API has no authentication, so only this "
-                                               "machine by default; 0.0.0.0 serves others (containers, Kubernetes)")
+    host: str = Field("127.0.0.1", description="HTTP bind address: only this machine by default; 0.0.0.0 serves "
+                                               "others (containers, Kubernetes), with API keys set (auth)")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="The HTTP ingress deployment")
     prefill: PrefillPoolConfig | None = Field(default_factory=PrefillPoolConfig, description="The prefill pool "
@@ -250,6 +273,8 @@ class ClusterConfig(_Schema):
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig,
                                                  description="When to prefill remotely (ignored when colocated)")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits at the ingress")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys at the ingress")
 
     @model_validator(mode="before")
     @classmethod

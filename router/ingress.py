@@ -27,8 +27,21 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="Baton", description="OpenAI-compatible API of a disaggregated Baton cluster")
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+DRAIN_LIMIT_BYTES = 64 << 20     # an oversized body is read and dropped up to this, so the client gets its 413
+
+
+async def _json(request: Request, max_bytes: int) -> Any:
+    """The body as JSON; beyond max_bytes a 413. The excess is read and discarded (never held) so that the
+    client, still sending, receives the answer instead of a reset connection."""
+    raw, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= max_bytes:
+            raw += chunk
+        elif size > DRAIN_LIMIT_BYTES:
+            break
+    if size > max_bytes:
+        raise oa.OpenAIError(413, f"the request body exceeds {max_bytes} bytes", "RequestTooLargeError")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -40,6 +53,12 @@ class Ingress:
     def __init__(self, prefill, decode, config: dict[str, Any], state_actor: str):
         import ray
         self.config = config
+        self.limits = config.get("limits") or {}
+        auth = config.get("auth") or {}
+        self.keys = oa.ApiKeys(auth.get("api_keys_env", "BATON_API_KEYS"))
+        self.protect_metrics = bool(auth.get("protect_metrics"))
+        if self.keys.enabled:
+            log.info("ingress: API keys required (from $%s)", auth.get("api_keys_env", "BATON_API_KEYS"))
         self.state = ray.remote(ClusterState).options(name=state_actor, namespace=STATE_NAMESPACE,
                                                       get_if_exists=True, lifetime="detached", num_cpus=0).remote()
         self.decode = decode
@@ -70,12 +89,21 @@ class Ingress:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> Response:
+        try:
+            self.keys.check(request.headers.get("authorization"))
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         await self._setup()
-        return oa.models_body([self.served_name], self.info["max_model_len"])
+        return JSONResponse(oa.models_body([self.served_name], self.info["max_model_len"]))
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        if self.protect_metrics:
+            try:
+                self.keys.check(request.headers.get("authorization"))
+            except oa.OpenAIError as e:
+                return JSONResponse(e.body(), status_code=e.status)
         texts = await self.state.metrics_texts.remote()
         # the module attribute, not a name imported here: Serve ships this class by value, and a
         # registry captured at import would be a copy, not this process's live one
@@ -93,11 +121,14 @@ class Ingress:
     # -- one request ------------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
+            self.keys.check(request.headers.get("authorization"))
+            body = await _json(request, self.limits.get("max_body_bytes", oa.LIMITS["max_body_bytes"]))
             pipeline = await self._setup()
-            body = await _json(request)
-            req = oa.parse_request(body, chat)
+            req = oa.parse_request(body, chat, self.limits)
             oa.check_model(req.model, [self.served_name])
             prompts = self._prompts(req, chat)
+            for ids in prompts:
+                oa.check_prompt_length(len(ids), self.limits)
             jobs = [(ids, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
                     for ids in prompts for i in range(req.n)]
         except oa.OpenAIError as e:

@@ -7,7 +7,10 @@ field rather than silently dropped.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
 import time
 from typing import Any, Literal
 
@@ -16,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 
-MAX_N = 8
+LIMITS = {"max_body_bytes": 1 << 20, "max_prompt_tokens": None, "max_n": 8, "max_stop_sequences": 4,
+          "max_stop_chars": 256}        # cluster.config.LimitsConfig's defaults (the ingress passes the config's)
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -80,7 +84,7 @@ class CompletionRequest(_Request):
     echo: bool = False
 
 
-def parse_request(body: Any, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+def parse_request(body: Any, chat: bool, limits: dict | None = None) -> ChatCompletionRequest | CompletionRequest:
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     try:
@@ -89,25 +93,62 @@ def parse_request(body: Any, chat: bool) -> ChatCompletionRequest | CompletionRe
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) if err["loc"] else None
         raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
-    _check(req, chat)
+    _check(req, chat, {**LIMITS, **(limits or {})})
     return req
 
 
-def _check(req, chat: bool) -> None:
+def _check(req, chat: bool, limits: dict) -> None:
     if chat and not req.messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
     if not chat and (req.prompt == [] or req.prompt == ""):
         raise OpenAIError(400, "prompt must not be empty", param="prompt")
-    if not 1 <= req.n <= MAX_N:
-        raise OpenAIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+    if not 1 <= req.n <= limits["max_n"]:
+        raise OpenAIError(400, f"n must be between 1 and {limits['max_n']}, got {req.n}", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4:
-        raise OpenAIError(400, "at most 4 stop sequences are allowed", param="stop")
+    if len(stops) > limits["max_stop_sequences"]:
+        raise OpenAIError(400, f"at most {limits['max_stop_sequences']} stop sequences are allowed, got "
+                               f"{len(stops)}", param="stop")
+    if any(len(s) > limits["max_stop_chars"] for s in stops):
+        raise OpenAIError(400, f"a stop sequence may have at most {limits['max_stop_chars']} characters",
+                          param="stop")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0:
             raise OpenAIError(400, f"{name} is not supported (only 0)", param=name)
     if not chat and req.echo:
         raise OpenAIError(400, "echo is not supported", param="echo")
+
+
+def check_prompt_length(num_tokens: int, limits: dict | None) -> None:
+    limit = (limits or {}).get("max_prompt_tokens")
+    if limit is not None and num_tokens > limit:
+        raise OpenAIError(400, f"the prompt has {num_tokens} tokens; this server accepts at most {limit}",
+                          param="messages", code="context_length_exceeded")
+
+
+class ApiKeys:
+    """Bearer keys from an environment variable (comma-separated); none set: every request passes. A presented
+    key is hashed and compared with every stored digest in constant time (hmac.compare_digest, no early exit),
+    so timing says nothing about the keys; keys are never logged or echoed."""
+
+    def __init__(self, env_name: str):
+        keys = [k.strip() for k in os.environ.get(env_name, "").split(",") if k.strip()]
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, authorization: str | None) -> None:
+        if not self._digests:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        presented = hashlib.sha256(token.strip().encode()).digest()
+        ok = False
+        for d in self._digests:
+            ok |= hmac.compare_digest(presented, d)
+        if scheme.lower() != "bearer" or not ok:
+            raise OpenAIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                              "invalid_request_error", code="invalid_api_key")
 
 
 def check_model(requested: str, served: list[str]) -> None:

@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PORT = 8731
+KEYS_ENV, KEY = "BATON_TEST_API_KEYS", "sk-baton-test-key"
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
@@ -25,13 +26,19 @@ ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
 
 @pytest.fixture(scope="module")
 def server():
+    import os
+
     from cluster.config import ClusterConfig
     from cluster.serving import start, stop
+    os.environ[KEYS_ENV] = f"sk-other, {KEY}"     # the local Ray's processes inherit it
     cfg = ClusterConfig.from_dict({
         "port": PORT, "ingress": {"num_cpus": 0},
         "prefill": {"num_cpus": 0, "engine": ENGINE}, "decode": {"num_cpus": 0, "engine": ENGINE},
-        "disaggregation": {"min_remote_prefill_tokens": 16}})
+        "disaggregation": {"min_remote_prefill_tokens": 16},
+        "limits": {"max_body_bytes": 256 << 10, "max_n": 4, "max_stop_sequences": 8},
+        "auth": {"api_keys_env": KEYS_ENV}})
     start(cfg, num_cpus=2)
+    del os.environ[KEYS_ENV]
     yield cfg
     stop()
     import ray
@@ -40,7 +47,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +60,32 @@ def _metrics() -> dict[str, float]:
     return scrape(BASE)
 
 
-def _post(path: str, body: bytes | dict) -> tuple[int, dict]:
+def _post(path: str, body: bytes | dict, key: str | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(f"{BASE}{path}", data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key or KEY}"}
+    req = urllib.request.Request(f"{BASE}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_api_keys_are_required_except_on_health_and_metrics(client):
+    hi = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for key in ("sk-wrong", "", f"{KEY}x"):
+        code, err = _post("/v1/chat/completions", hi, key=key or " ")
+        assert code == 401 and err["error"]["code"] == "invalid_api_key", err
+        assert KEY not in json.dumps(err)                           # never echoed
+    req = urllib.request.Request(f"{BASE}/v1/models")               # no header at all
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{BASE}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert _post("/v1/chat/completions", hi, key="sk-other")[0] == 200      # every listed key works
+    assert urllib.request.urlopen(f"{BASE}/health", timeout=30).status == 200
+    assert urllib.request.urlopen(f"{BASE}/metrics", timeout=30).status == 200   # protect_metrics is off
 
 
 def test_models_and_health(client):
@@ -111,9 +136,15 @@ def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, 400, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5}, 400, "n"),       # limits.max_n
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 5000}, 400, "stop"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": ["y" * 300]}, 400, "stop"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 1100}]}, 400, "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
     ]
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (10 << 20)}]}).encode()
+    cases.append((big, 413, None))                                      # 10 MB against a 256 KiB limit
     for body, status, param in cases:
         code, err = _post("/v1/chat/completions", body)
         assert code == status, (body, err)

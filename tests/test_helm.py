@@ -41,6 +41,7 @@ LARGE_GPU = {"model": {"source": "volume", "volume": {"claimName": "llama-70b", 
                                                                    "target_kv_utilization": 0.7},
                                     "engine": {"max_num_seqs": 256}},
                          "coupling": {"mode": "fixed", "ratio": 0.5}},
+             "apiKeys": {"secretName": "baton-keys"},
              "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
              "grafanaDashboard": {"enabled": True}}
 AUTOSCALING_OFF = {"ray": {"enableInTreeAutoscaling": False},
@@ -145,7 +146,10 @@ def test_value_sets_differ_where_they_should(chart):
     assert prefill["template"]["spec"]["volumes"] == [{"name": "model", "persistentVolumeClaim": {
         "claimName": "llama-70b", "readOnly": True}}]
     env = prefill["template"]["spec"]["containers"][0]["env"]
-    assert env == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    assert env == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                   {"name": "BATON_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "baton-keys", "key": "api-keys"}}}]
+    head_env = ray["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert head_env == env                                    # the ingress (head or any pod) checks the keys
     (monitor,) = large["ServiceMonitor"]
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"

@@ -74,3 +74,31 @@ def test_bodies_and_chunks_parse_as_the_official_types():
     comp = Completion.model_validate(cb.final())
     assert comp.choices[0].text == "Hello" and comp.choices[0].logprobs.token_logprobs == [-0.1, -0.3]
     assert comp.usage.completion_tokens == 2
+
+
+def test_api_keys_from_the_environment(monkeypatch):
+    from router.protocol import ApiKeys, OpenAIError
+    monkeypatch.delenv("BATON_T_KEYS", raising=False)
+    assert not ApiKeys("BATON_T_KEYS").enabled
+    ApiKeys("BATON_T_KEYS").check(None)                      # no keys configured: open
+    monkeypatch.setenv("BATON_T_KEYS", " sk-a , sk-b ,")
+    keys = ApiKeys("BATON_T_KEYS")
+    assert keys.enabled
+    keys.check("Bearer sk-a")
+    keys.check("bearer sk-b")
+    for bad in (None, "", "Bearer", "Bearer sk-c", "Basic sk-a", "sk-a", "Bearer sk-a sk-b"):
+        with pytest.raises(OpenAIError) as e:
+            keys.check(bad)
+        assert e.value.status == 401 and e.value.body()["error"]["code"] == "invalid_api_key"
+        assert "sk-a" not in e.value.message
+
+
+def test_request_limits_are_configurable():
+    from router.protocol import OpenAIError, parse_request
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 6, "stop": ["a"] * 6}
+    with pytest.raises(OpenAIError, match="n must be between 1 and 8|at most 4 stop"):
+        parse_request(body, chat=True)
+    req = parse_request(body, chat=True, limits={"max_n": 6, "max_stop_sequences": 6})
+    assert req.n == 6
+    with pytest.raises(OpenAIError, match="at most 3 characters"):
+        parse_request({**body, "n": 1, "stop": ["abcd"]}, chat=True, limits={"max_stop_chars": 3})

@@ -85,6 +85,17 @@ applications:
 {{- end }}
 {{- end }}
 
+{{- define "baton.env" -}}
+{{- include "baton.hfToken" . }}
+{{- if .Values.apiKeys.secretName }}
+- name: {{ dig "auth" "api_keys_env" "BATON_API_KEYS" .Values.cluster }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKeys.secretName }}
+      key: {{ .Values.apiKeys.key }}
+{{- end }}
+{{- end }}
+
 {{- define "baton.hfToken" -}}
 {{- if .Values.model.tokenSecret.name }}
 - name: HF_TOKEN
