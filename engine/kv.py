@@ -80,18 +80,40 @@ def encode_events(events: Sequence[KVEvent]) -> bytes:
     return msgpack.packb(rows)
 
 
+MAX_EVENT_BATCH_BYTES = 64 << 20
+
+
 def decode_events(data: bytes) -> list[KVEvent]:
+    """encode_events' inverse. Bytes from another process are checked against the schema on receipt: a
+    malformed batch raises ValueError naming the first problem, and nothing of it is applied."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_EVENT_BATCH_BYTES:
+        raise ValueError("a KV event batch must be msgpack bytes of at most 64 MiB")
+    try:
+        rows = msgpack.unpackb(data, strict_map_key=True)
+    except Exception as e:                                  # noqa: BLE001 - msgpack raises several kinds
+        raise ValueError(f"a KV event batch is not valid msgpack: {e}") from None
+    if not isinstance(rows, list):
+        raise ValueError("a KV event batch must be a list of events")
+
+    def hashes(x, i: int) -> list[int]:
+        if not isinstance(x, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in x):
+            raise ValueError(f"KV event {i}: block hashes must be a list of integers")
+        return x
+
     out: list[KVEvent] = []
-    for row in msgpack.unpackb(data):
-        kind = row[0]
-        if kind == "stored":
-            out.append(BlockStored(row[1], row[2]))
-        elif kind == "removed":
-            out.append(BlockRemoved(row[1]))
-        elif kind == "cleared":
+    for i, row in enumerate(rows):
+        kind = row[0] if isinstance(row, list) and row else None
+        if kind == "stored" and len(row) == 3:
+            parent = row[2]
+            if parent is not None and (not isinstance(parent, int) or isinstance(parent, bool)):
+                raise ValueError(f"KV event {i}: the parent block hash must be an integer or nil")
+            out.append(BlockStored(hashes(row[1], i), parent))
+        elif kind == "removed" and len(row) == 2:
+            out.append(BlockRemoved(hashes(row[1], i)))
+        elif kind == "cleared" and len(row) == 1:
             out.append(AllBlocksCleared())
         else:
-            raise ValueError(f"unknown KV event kind {kind!r}")
+            raise ValueError(f"KV event {i}: unknown kind or shape {str(row)[:80]!r}")
     return out
 
 

@@ -53,8 +53,8 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

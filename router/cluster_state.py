@@ -51,7 +51,13 @@ class ClusterState:
 
     def publish(self, pool: str, replica: str, seq: int, events: bytes) -> None:
         self.seen[(pool, replica)] = time.monotonic()
-        if not self.index[pool].apply(replica, seq, decode_events(events)):
+        try:
+            decoded = decode_events(events)
+        except ValueError as e:             # checked on receipt: the replica's entry waits for a snapshot
+            log.warning("%s replica %s: KV event batch %d refused (%s); index marks it stale", pool, replica, seq, e)
+            self.index[pool].stale.add(replica)
+            return
+        if not self.index[pool].apply(replica, seq, decoded):
             log.warning("%s replica %s: KV event batch %d arrived out of order; index marks it stale", pool,
                         replica, seq)
         self._append(pool, replica, seq, events)

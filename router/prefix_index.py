@@ -142,8 +142,19 @@ class PrefixIndex:
 
     @classmethod
     def from_snapshot(cls, data: bytes) -> PrefixIndex:
+        """snapshot()'s inverse; a malformed snapshot raises ValueError and builds nothing."""
+        try:
+            d = msgpack.unpackb(data, strict_map_key=True)
+        except Exception as e:                              # noqa: BLE001
+            raise ValueError(f"a prefix index snapshot is not valid msgpack: {e}") from None
+        ok = isinstance(d, dict) and all(
+            isinstance(r, str) and isinstance(v, list) and len(v) == 3 and isinstance(v[0], int)
+            and isinstance(v[1], list) and all(isinstance(h, int) for h in v[1]) and isinstance(v[2], bool)
+            for r, v in d.items())
+        if not ok:
+            raise ValueError("a prefix index snapshot must map replica -> [seq, [block hashes], stale]")
         idx = cls()
-        for replica, (seq, hashes, stale) in msgpack.unpackb(data).items():
+        for replica, (seq, hashes, stale) in d.items():
             idx.load_snapshot(replica, seq, hashes)
             if stale:
                 idx.stale.add(replica)

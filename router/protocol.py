@@ -47,7 +47,7 @@ class _Request(BaseModel):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)      # int64, as OpenAI
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     presence_penalty: float = 0.0

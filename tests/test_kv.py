@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import msgpack
 import pytest
 
 from engine.kv import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, block_hashes
@@ -356,3 +357,31 @@ def test_reset_with_only_uncached_blocks_in_use_is_allowed():
     pool = BlockPool(4, BS)
     pool.allocate(2)                                   # in use but never hashed
     assert pool.reset_prefix_cache() is True
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xc1", "not valid msgpack"),
+    (msgpack.packb({"stored": 1}), "must be a list of events"),
+    (msgpack.packb([["stored", [1, 2]]]), "unknown kind or shape"),
+    (msgpack.packb([["stored", [1, "x"], None]]), "block hashes must be a list of integers"),
+    (msgpack.packb([["stored", [1], "p"]]), "parent block hash"),
+    (msgpack.packb([["removed", 5]]), "block hashes must be a list"),
+    (msgpack.packb([["exec", "rm -rf /"]]), "unknown kind"),
+    ("not bytes", "msgpack bytes"),
+])
+def test_kv_event_batches_are_checked_on_receipt(data, message):
+    from engine.kv import decode_events
+    with pytest.raises(ValueError, match=message):
+        decode_events(data)
+
+
+def test_a_malformed_batch_marks_the_replica_stale_and_the_state_actor_goes_on():
+    from engine.kv import BlockStored, encode_events
+    from router.cluster_state import ClusterState
+    state = ClusterState()
+    state.register("decode", "r1", b"", 0)
+    state.publish("decode", "r1", 1, encode_events([BlockStored([11, 12], None)]))
+    assert "r1" not in state.index["decode"].stale
+    state.publish("decode", "r1", 2, b"\x93garbage")              # refused, not raised
+    assert "r1" in state.index["decode"].stale
+    state.publish("decode", "r2", 1, msgpack.packb([["cleared"]]))  # other replicas unaffected

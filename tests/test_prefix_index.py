@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass, field
 
 import msgpack
+import pytest
 
 from engine.kv import BlockPool, block_hashes, decode_events, encode_events
 from router.cluster_state import ClusterState, IndexMirror, apply_entry
@@ -342,3 +343,10 @@ def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
     assert r["build_s"] > 0 and r["goals"]["p99_under_1ms"] == (d["p99"] < 1000)
     assert json.loads((tmp_path / "router.json").read_text())["decision_us"] == d
     assert (tmp_path / "router.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("data", [b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"r": [1, [2, "x"], False]}),
+                                  msgpack.packb({"r": [1, [2]]}), msgpack.packb({1: [1, [2], False]})])
+def test_malformed_snapshots_are_refused(data):
+    with pytest.raises(ValueError):
+        PrefixIndex.from_snapshot(data)

@@ -102,3 +102,18 @@ def test_request_limits_are_configurable():
     assert req.n == 6
     with pytest.raises(OpenAIError, match="at most 3 characters"):
         parse_request({**body, "n": 1, "stop": ["abcd"]}, chat=True, limits={"max_stop_chars": 3})
+
+
+def test_out_of_range_seeds_are_refused_before_they_reach_an_engine():
+    from engine import SamplingParams
+    from engine.errors import InvalidRequestError
+    from router.protocol import OpenAIError, parse_request
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for seed in (2**80, -(2**64)):
+        with pytest.raises(OpenAIError) as e:
+            parse_request({**body, "seed": seed}, chat=True)
+        assert e.value.status == 400 and e.value.param == "seed"
+        with pytest.raises(InvalidRequestError, match="seed must be an integer in"):
+            SamplingParams(seed=seed)
+    assert parse_request({**body, "seed": 2**63 - 1}, chat=True).seed == 2**63 - 1
+    SamplingParams(seed=2**63 + 7)            # seed + choice index stays inside torch's range
