@@ -16,11 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.config import LimitsConfig
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 
-LIMITS = {"max_body_bytes": 1 << 20, "max_prompt_tokens": None, "max_n": 8, "max_stop_sequences": 4,
-          "max_stop_chars": 256}        # cluster.config.LimitsConfig's defaults (the ingress passes the config's)
+LIMITS = LimitsConfig().model_dump()    # the defaults; the ingress passes the cluster config's
 SSE_DONE = b"data: [DONE]\n\n"
 
 
