@@ -63,9 +63,11 @@ class AsyncLLM:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> bool:
+        """Stop a request whose caller left before its last output. A prefill_only request may have finished
+        meanwhile: its caller never saw the output, so no handle to its pinned blocks exists; free them too."""
         with self._lock:
             self._streams.pop(request_id, None)
-            return self.engine.abort_request(request_id)
+            return self.engine.abort_request(request_id) or self.engine.release_pinned(request_id)
 
     def call(self, fn, *args, **kwargs):
         """Run fn(engine, ...) under the engine lock (reserve/release blocks, stats)."""

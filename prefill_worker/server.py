@@ -31,6 +31,3 @@ class PrefillServer(EngineReplica):
             res["blocks_ref"] = ray.put(await run_blocking(self.link.copy_out, handle))
         return res
 
-    async def abort(self, request_id: str) -> bool:
-        """The client left: stop the prefill or unpin its blocks."""
-        return await run_blocking(self.llm.call, lambda e: e.abort_request(request_id) or e.release_pinned(request_id))

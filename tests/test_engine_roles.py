@@ -84,3 +84,36 @@ def test_a_request_the_prefill_token_already_ends_is_still_reported(smol_path):
     decode.shutdown()
     assert len(outs) == 1 and outs[0].finished and outs[0].token_ids == first.token_ids
     assert outs[0].finish_reason == "length" and decode.engine.pool.num_used_blocks == 0
+
+
+def test_a_prefill_whose_caller_leaves_as_it_finishes_frees_its_pinned_blocks(smol_path):
+    """The race a client disconnect hits: the engine finishes a prefill_only request (its blocks move to the
+    pinned set) while the caller is being cancelled, so nobody ever sees the output or exports a handle. Without
+    the release, those blocks stay used forever (no handle means no TTL to end the pin)."""
+    import asyncio
+    import time
+
+    from engine.async_llm import AsyncLLM
+    llm = AsyncLLM(engine=LLMEngine(EngineConfig(smol_path, num_kv_blocks=64, max_model_len=512)))
+    prompt = llm.engine.tokenize("A relay team passes the baton in a twenty-metre zone " * 3)
+
+    async def consume():
+        async for _ in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), "p", prefill_only=True):
+            pass
+
+    async def run():
+        task = asyncio.create_task(consume())
+        while "p" not in llm._streams:               # added (in a thread)
+            await asyncio.sleep(0.001)
+        llm._wake.set()
+        deadline = time.monotonic() + 30
+        while "p" not in llm.engine.pinned:          # block the loop: the finished output stays unread
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    try:
+        asyncio.run(run())
+        assert llm.engine.pinned == {} and llm.engine.pool.num_used_blocks == 0
+    finally:
+        llm.shutdown()
