@@ -4,15 +4,17 @@ In colocated mode it is the only pool and always prefills itself."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, AsyncIterator
 
 from engine import SamplingParams
 from engine.outputs import RequestOutput
 from kvtransfer import KVHandle
+from kvtransfer.errors import KVHandleError, KVTransferError
 from prefill_worker.replica import EngineReplica, run_blocking
 
-
+log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.05
 RESERVE_MARGIN_S = 2.0          # stop waiting for room this long before the producer unpins
 
@@ -27,7 +29,13 @@ class DecodeServer(EngineReplica):
         params = SamplingParams(**req["sampling"])
         kw: dict[str, Any] = {}
         if req.get("prefill"):
-            kw = await self._import(req["prefill"], ids, rid)
+            try:
+                kw = await self._import(req["prefill"], ids, rid)
+            except (KVTransferError, KVHandleError, MemoryError) as e:
+                # the producer died, the pull failed or timed out, or no room came in time: compute the
+                # prompt here instead (the producer's pin ends at its TTL); the request still succeeds
+                log.warning("request %s: KV pull failed (%s); prefilling locally", rid, e)
+                self.metrics.transfer_fallback()
         first, last = True, time.perf_counter()
         async for out in self.llm.generate(ids, params, rid, **kw):
             now = time.perf_counter()
@@ -66,7 +74,7 @@ class DecodeServer(EngineReplica):
         try:
             while True:
                 try:
-                    return await run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids))
+                    return await self._start_import(handle, ids)
                 except MemoryError:
                     if time.time() > handle.expiry - RESERVE_MARGIN_S:
                         raise
@@ -76,6 +84,21 @@ class DecodeServer(EngineReplica):
         finally:
             if waiting:
                 self.awaiting_room -= 1
+
+    async def _start_import(self, handle: KVHandle, ids: list[int]):
+        """start_import in a thread. A caller cancelled meanwhile (client gone) never gets the import, but the
+        thread still reserves its blocks: give them back once it has."""
+        fut = asyncio.ensure_future(run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids)))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._undo_import)
+            raise
+
+    def _undo_import(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            x = fut.result()
+            asyncio.ensure_future(run_blocking(self.llm.call, lambda e: x.cancel()))
 
 
 def _delta(out: RequestOutput, replica: str | None, transferred: bool) -> dict[str, Any]:

@@ -35,8 +35,9 @@ from kvtransfer.transport import Pull
 class KVImport:
     """A reservation being filled by a pull. Pass `kv` to add_request once done; cancel() on failure."""
 
-    def __init__(self, engine: LLMEngine, kv: KVReservation, pull: Pull, lock: threading.Lock):
-        self.engine, self.kv, self.pull, self._lock = engine, kv, pull, lock
+    def __init__(self, engine: LLMEngine, kv: KVReservation, pull: Pull, lock: threading.Lock,
+                 draining: list["KVImport"]):
+        self.engine, self.kv, self.pull, self._lock, self._draining = engine, kv, pull, lock, draining
         self.request_id = pull.request_id
         self.num_pulled_blocks = len(kv.block_ids) - kv.num_local_blocks
 
@@ -53,10 +54,24 @@ class KVImport:
             await asyncio.sleep(poll_s)
 
     def cancel(self) -> None:
-        """Give the reserved blocks back (the pull failed, or the request was aborted)."""
-        if self.kv is not None:
-            self.engine.cancel_reservation(self.kv)
-            self.kv = None
+        """Give the reserved blocks back (the pull failed, or the request was aborted). A READ still in flight
+        would go on writing into them after another request got them: those blocks wait until the pull has
+        ended (at the handle's expiry at the latest), when KVLink.release_finished frees them."""
+        if self.kv is None:
+            return
+        if self.in_flight():
+            if self not in self._draining:
+                self._draining.append(self)
+            return
+        self.engine.cancel_reservation(self.kv)
+        self.kv = None
+
+    def in_flight(self) -> bool:
+        try:
+            with self._lock:
+                return not self.pull.done()
+        except KVTransferError:                 # failed: nothing writes into the blocks any more
+            return False
 
 
 class KVLink:
@@ -64,6 +79,7 @@ class KVLink:
                  ttl_s: float = 30.0, **options):
         self.engine, self.ttl_s = engine, ttl_s
         self._lock = threading.Lock()
+        self._draining: list[KVImport] = []          # cancelled imports waiting for their READ to end
         self.transport = make_transport(engine.runner.kv_cache, name_prefix, engine.compat_key(), kind=kind,
                                         source=source, **options)
 
@@ -97,6 +113,9 @@ class KVLink:
             done = self.transport.poll()
         for request_id in done:
             self.engine.release_pinned(request_id)
+        for x in [x for x in self._draining if not x.in_flight()]:     # cancelled imports whose READ ended
+            self._draining.remove(x)
+            x.cancel()
         return done
 
     # -- consumer ---------------------------------------------------------------------------------
@@ -115,7 +134,7 @@ class KVLink:
         except BaseException:
             self.engine.cancel_reservation(kv)
             raise
-        return KVImport(self.engine, kv, pull, self._lock)
+        return KVImport(self.engine, kv, pull, self._lock, self._draining)
 
     def stats(self) -> dict:
         with self._lock:

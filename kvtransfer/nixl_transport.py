@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine import faults
 from kvtransfer.errors import KVTransferError
 from kvtransfer.handle import KVHandle
 from kvtransfer.transport import KVTransport
@@ -199,6 +200,7 @@ class NixlPull:
         self.xfer = None
         self.finished = False
         self.retried = False
+        self.stalled = False                          # fault injection: a READ that never completes
         self.cause: Exception | None = None          # why NIXL failed, for the error message
         self.error: KVTransferError | None = None
 
@@ -214,6 +216,10 @@ class NixlPull:
             if not len(self.src):                     # every block was local: only unpin the producer
                 t.agent.send_notif(peer.name, msg)
                 state = "DONE"
+            elif faults.fire("kv_pull_fail"):
+                raise RuntimeError("injected fault kv_pull_fail")
+            elif faults.fire("kv_pull_stall"):
+                self.stalled, state = True, "PROC"
             else:                                     # NIXL notifies the producer after the data is read
                 self.xfer = t.agent.make_prepped_xfer("READ", t.local, self.dst, peer.blocks, self.src,
                                                       notif_msg=msg)
@@ -227,7 +233,7 @@ class NixlPull:
             raise self.error
         if not self.finished:
             try:
-                state = self.t.agent.check_xfer_state(self.xfer)
+                state = "PROC" if self.stalled else self.t.agent.check_xfer_state(self.xfer)
             except Exception as e:
                 state, self.cause = "ERR", e
             self._settle(state)

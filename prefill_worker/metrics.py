@@ -8,6 +8,7 @@ Contract names (like vLLM's, stable):
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import deque
@@ -39,6 +40,14 @@ class _EngineCollector:
             c.add_metric(values, value)
             return c
 
+        yield gauge("baton_replica_resident_memory_bytes", "Resident memory of the replica's process",
+                    _rss())
+        heap = heap_in_use()
+        if heap is not None:
+            yield gauge("baton_replica_heap_in_use_bytes", "Bytes in live malloc allocations (glibc mallinfo2, "
+                                                           "all arenas and mmapped chunks): unlike resident "
+                                                           "memory, freed memory the allocator keeps does not "
+                                                           "count, so a leak shows here first", heap)
         yield gauge("baton_kv_blocks_used", "KV blocks held by live sequences or pinned for a transfer",
                     s["kv_blocks_used"])
         yield gauge("baton_kv_blocks_free", "KV blocks allocatable (cached but unreferenced blocks count as free)",
@@ -50,6 +59,10 @@ class _EngineCollector:
                       s["prefix_cache_hit_tokens"])
         yield gauge("baton_num_requests_running", "Sequences in the running batch", s["num_running"])
         yield gauge("baton_num_requests_waiting", "Sequences waiting to be scheduled (queue depth)", s["num_waiting"])
+        yield gauge("baton_requests_tracked", "Requests the engine holds state for (running, waiting or "
+                                              "finishing); zero at rest", s.get("num_requests_tracked", 0))
+        yield gauge("baton_open_streams", "Output streams open between the engine and its callers; zero at rest",
+                    s.get("num_open_streams", 0))
         yield gauge("baton_kv_pinned_requests", "Prompts whose blocks are pinned for a decode replica's pull",
                     t["kv_pinned_requests"])
         released = CounterMetricFamily("baton_kv_pins_released", "Pinned prompts released, by reason",
@@ -61,6 +74,36 @@ class _EngineCollector:
                       s.get("spec_num_draft_tokens", 0))
         yield counter("baton_spec_accepted_tokens", "Draft tokens accepted (speculative decoding)",
                       s.get("spec_num_accepted_tokens", 0))
+
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2          # glibc >= 2.33; None on musl, macOS, older glibc
+    except (AttributeError, OSError):
+        return None
+    fn.restype, fn.argtypes = _MallInfo2, []
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_in_use() -> int | None:
+    """Bytes held by live malloc allocations (small chunks in every arena plus mmapped ones), or None."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return m.uordblks + m.hblkhd
 
 
 class ReplicaMetrics:
@@ -75,8 +118,11 @@ class ReplicaMetrics:
                                           names, buckets=TRANSFER_BUCKETS, registry=self.registry).labels(**self.labels)
         self.transfer_failures = Counter("baton_kv_transfer_failures", "KV pulls that failed", names,
                                          registry=self.registry).labels(**self.labels)
+        self.transfer_fallbacks = Counter("baton_kv_transfer_fallbacks", "Requests whose KV pull failed and that "
+                                          "were prefilled locally instead", names,
+                                          registry=self.registry).labels(**self.labels)
         self._lock = threading.Lock()
-        self._counts = {"bytes": 0, "pulls": 0, "failures": 0}
+        self._counts = {"bytes": 0, "pulls": 0, "failures": 0, "fallbacks": 0}
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.inc(nbytes)
@@ -89,6 +135,11 @@ class ReplicaMetrics:
         self.transfer_failures.inc()
         with self._lock:
             self._counts["failures"] += 1
+
+    def transfer_fallback(self) -> None:
+        self.transfer_fallbacks.inc()
+        with self._lock:
+            self._counts["fallbacks"] += 1
 
     def transfer_stats(self) -> dict:
         with self._lock:

@@ -124,3 +124,38 @@ def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(k
     finally:
         ray.kill(prefill)
         ray.kill(decode)
+
+
+def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_path, monkeypatch):
+    """A client that leaves mid-pull: were its reserved blocks freed at once, another request could take them
+    while NIXL still writes into them. They wait until the pull has ended (here a READ that never completes,
+    ended by the handle's expiry), then release_finished frees them."""
+    import time
+
+    from engine import faults
+    from tests.conftest import make_tiny_checkpoint
+    model = make_tiny_checkpoint(tmp_path / "m", "llama")
+    producer, consumer = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(2))
+    links: dict[str, KVLink] = {}
+    links["p"] = KVLink(producer, "producer", kind="nixl", source=lambda agent: links["p"].metadata(), ttl_s=1.5)
+    link = KVLink(consumer, "consumer", kind="nixl", source=lambda agent: links["p"].metadata())
+    try:
+        prompt = list(range(10, 60))                          # 4 blocks
+        producer.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), "r", prefill_only=True)
+        (out,) = [o for o in producer.step() if o.finished]
+        handle = links["p"].export(out)
+        path = tmp_path / "faults.json"
+        faults.write(str(path), {"kv_pull_stall": 1.0})
+        monkeypatch.setenv(faults.ENV, str(path))
+        x = link.start_import(handle, prompt)
+        monkeypatch.delenv(faults.ENV)
+        x.cancel()
+        assert consumer.pool.num_used_blocks == 4              # the READ has not ended: still reserved
+        link.release_finished()
+        assert consumer.pool.num_used_blocks == 4
+        time.sleep(1.6)                                       # past the handle's expiry: the pull has failed
+        link.release_finished()
+        assert consumer.pool.num_used_blocks == 0
+    finally:
+        link.close()
+        links["p"].close()
