@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import autoscale_bench, cluster_bench, engine_bench, router_bench, spec_bench, transfer_bench
+    from bench import autoscale_bench, cluster_bench, engine_bench, router_bench, soak_bench, spec_bench, transfer_bench
     e = bsub.add_parser("engine", help="engine throughput and latency against transformers")
     engine_bench.add_arguments(e)
     e.set_defaults(fn=_bench, bench_fn=engine_bench.run)
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = bsub.add_parser("autoscale", help="coupled vs independent pool autoscaling on a load step (fluid model)")
     autoscale_bench.add_arguments(a)
     a.set_defaults(fn=_bench, bench_fn=autoscale_bench.run)
+    so = bsub.add_parser("soak", help="thousands of mixed requests, then zero leaked KV blocks, no restarts, memory")
+    soak_bench.add_arguments(so)
+    so.set_defaults(fn=_bench, bench_fn=soak_bench.run)
     r = bsub.add_parser("router", help="prefill routing decision time with a large prefix index")
     router_bench.add_arguments(r)
     r.set_defaults(fn=_bench, bench_fn=router_bench.run)

@@ -4,7 +4,8 @@
     ingress:         num_replicas, num_cpus, max_ongoing_requests
     prefill, decode: num_replicas | autoscaling {bounds, delays, cooldown, hysteresis, targets, SLOs
                      (cluster/autoscaling.py)}, num_cpus, num_gpus, memory, max_ongoing_requests,
-                     graceful_shutdown_timeout_s, engine {EngineConfig knobs}
+                     graceful_shutdown_timeout_s, health_check_period_s, health_check_timeout_s, access_log,
+                     engine {EngineConfig knobs}
     coupling:        mode (measured | fixed | off), ratio, smoothing
     router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
     disaggregation:  min_remote_prefill_tokens
@@ -122,6 +123,16 @@ class PoolConfig(_Schema):
                                                                        "down, redeploy) may finish its requests "
                                                                        "before it is killed; Serve's default of "
                                                                        "20 would cut long streams")
+    health_check_period_s: float = Field(2.0, gt=0, description="Seconds between Serve's health checks of a "
+                                                                "replica (engine thread alive). A replica that "
+                                                                "died leaves routing and the prefix index when "
+                                                                "the next check fails; Serve's default is 10")
+    health_check_timeout_s: float = Field(10.0, gt=0, description="Seconds a health check may take before the "
+                                                                 "replica counts as failed and is replaced")
+    access_log: bool = Field(False, description="Serve's access log line for every call into this pool's "
+                                                "replicas (the ingress logs each HTTP request either way). Off: "
+                                                "Ray Serve 2.60 keeps every such record alive in the replica "
+                                                "(about 1.5 KB per call, without bound; the soak found it)")
     engine: EngineKnobs = Field(default_factory=EngineKnobs, description="EngineConfig knobs of every "
                                                                          "replica in the pool")
 
@@ -156,7 +167,10 @@ class PoolConfig(_Schema):
         if self.resources:
             actor["resources"] = dict(self.resources)
         opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
-                                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
+                                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+                                "health_check_period_s": self.health_check_period_s,
+                                "health_check_timeout_s": self.health_check_timeout_s,
+                                "logging_config": {"enable_access_log": self.access_log}}
         if self.autoscaling is None:
             opts["num_replicas"] = self.num_replicas
         else:
@@ -225,6 +239,25 @@ class LimitsConfig(_Schema):
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")
 
 
+class AdmissionConfig(_Schema):
+    """Admission control at the ingress (router/admission.py): beyond capacity a request is answered 429 with
+    Retry-After at once instead of joining a queue that would miss its deadline anyway."""
+    enabled: bool = Field(True, description="Refuse requests the cluster cannot start in time (429); off: "
+                                            "every valid request queues")
+    ttft_slo_s: float = Field(5.0, gt=0, description="Seconds a request may wait for its first token: one whose "
+                                                     "predicted wait (prompt tokens queued ahead of it and its "
+                                                     "own, over the measured prefill rate) exceeds it gets a 429")
+    max_queued_prompt_tokens: int | None = Field(None, ge=1, description="Hard cap on prompt tokens admitted "
+                                                                        "but not yet past their first token, "
+                                                                        "per ingress replica (default: none; the "
+                                                                        "SLO rule alone)")
+    kv_budget: float = Field(1.0, gt=0, description="Fraction of the decode pool's KV cache that admitted "
+                                                    "requests' tokens (prompt and generated so far) may fill; "
+                                                    "beyond it new requests get a 429 (above 1 lets the engines' "
+                                                    "preemption absorb bursts)")
+    max_retry_after_s: int = Field(30, ge=1, description="Largest Retry-After the ingress advertises")
+
+
 class AuthConfig(_Schema):
     """Optional API keys: clients send `Authorization: Bearer <key>`; keys live in the environment, not here."""
     api_keys_env: str = Field("BATON_API_KEYS", min_length=1, description="Environment variable holding the "
@@ -274,6 +307,9 @@ class ClusterConfig(_Schema):
                                                  description="When to prefill remotely (ignored when colocated)")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits at the ingress")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission control (429 "
+                                                                                     "beyond capacity) at the "
+                                                                                     "ingress")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys at the ingress")
 
     @model_validator(mode="before")

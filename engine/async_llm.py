@@ -75,7 +75,9 @@ class AsyncLLM:
             return fn(self.engine, *args, **kwargs)
 
     def stats(self) -> dict:
-        return self.call(LLMEngine.stats)
+        with self._lock:
+            return {**self.engine.stats(), "num_requests_tracked": len(self.engine.requests),
+                    "num_open_streams": len(self._streams)}
 
     def shutdown(self) -> None:
         self._closed = True

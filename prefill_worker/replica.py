@@ -14,9 +14,9 @@ import time
 import uuid
 from typing import Any
 
-from engine import EngineConfig, LLMEngine
+from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
-from engine.kv import KVEvent, encode_events
+from engine.kv import AllBlocksCleared, BlockStored, KVEvent, encode_events
 from kvtransfer import KVLink
 from prefill_worker.metrics import LatencyWindow, ReplicaMetrics
 
@@ -69,7 +69,7 @@ class EngineReplica:
     def model_info(self) -> dict:
         e = self.engine
         return {"model_key": e.model_key, "block_size": e.block_size, "max_model_len": e.max_model_len,
-                "vocab_size": e.hf_config.vocab_size, "eos_token_ids": sorted(e.eos_ids),
+                "vocab_size": e.hf_config.vocab_size, "kv_blocks_total": e.pool.num_blocks, "eos_token_ids": sorted(e.eos_ids),
                 "model_path": e.model_path, "served_model_name": self.served_model_name}
 
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
@@ -111,7 +111,8 @@ class EngineReplica:
                 self._publish()
                 if time.monotonic() - last_report > REPORT_INTERVAL_S and self._state is not None:
                     last_report = time.monotonic()
-                    self._state.report.remote(self.pool, self.replica, self.metrics.exposition())
+                    if self._report():
+                        self._resync()
             except Exception:                                  # noqa: BLE001 - keep serving, say why
                 log.exception("%s replica %s: background loop", self.pool, self.replica)
             time.sleep(PUBLISH_INTERVAL_S)
@@ -125,7 +126,30 @@ class EngineReplica:
             return
         if events:
             self._seq += 1          # Ray runs one caller's calls to an actor in order: no gaps unless lost
+            if faults.fire("kv_events_drop"):
+                return
             self._state.publish.remote(self.pool, self.replica, self._seq, encode_events(events))
+
+    def _report(self) -> bool:
+        """Metrics to the state actor; True when it says this replica's index entry went stale."""
+        import ray
+        ref = self._state.report.remote(self.pool, self.replica, self.metrics.exposition(), self._seq)
+        try:
+            return bool(ray.get(ref, timeout=REPORT_INTERVAL_S * 4))
+        except ray.exceptions.GetTimeoutError:
+            return False
+
+    def _resync(self) -> None:
+        """A batch of events was lost: send the whole cache as the next batch (cleared + stored), taken
+        under the engine lock so that no event falls between the snapshot and the batches after it."""
+        def snapshot(engine: LLMEngine) -> tuple[int, bytes]:
+            with self._events_lock:
+                self._events.clear()                       # the snapshot subsumes them
+                self._seq += 1
+                return self._seq, encode_events([AllBlocksCleared(), BlockStored(engine.pool.cached_hashes(), None)])
+        seq, events = self.llm.call(snapshot)
+        self._state.resync.remote(self.pool, self.replica, seq, events)
+        log.warning("%s replica %s: the index lost KV events; resynced with the whole cache", self.pool, self.replica)
 
     # -- transfer sources: what the ingress passed along with a request ----------------------------------
     def _source(self, agent: str, *rest):

@@ -7,7 +7,9 @@
   the local mirror, so every ingress replica sees the same index and routing never waits on a call.
 - Metrics: each replica sends its Prometheus exposition every REPORT_INTERVAL_S; the ingress /metrics
   merges them. A replica that stops reporting for DEAD_AFTER_S is forgotten (index and metrics), as
-  is one whose actor the router saw die.
+  is one Serve dropped from a pool (the request routers tell it at once).
+- Lost KV events: a gap in a replica's batches marks it stale; its next metrics report learns so and
+  the replica resends its whole cache as one batch (resync).
 """
 from __future__ import annotations
 
@@ -62,10 +64,42 @@ class ClusterState:
                         replica, seq)
         self._append(pool, replica, seq, events)
 
-    def report(self, pool: str, replica: str, exposition: bytes) -> None:
+    def report(self, pool: str, replica: str, exposition: bytes, seq: int | None = None) -> bool:
+        """A replica's metrics and its last event batch number; the answer says whether its index entry is
+        stale (then it resyncs). Calls from one replica arrive in order, so a batch number ahead of the last
+        one applied means a batch was lost, even when no batch has come since."""
         now = time.monotonic()
         self.seen[(pool, replica)] = now
         self.metrics[(pool, replica)] = (now, exposition)
+        if pool not in self.index:
+            return False
+        idx = self.index[pool]
+        if seq is not None and idx.seq.get(replica, -1) < seq and replica not in idx.stale:
+            if replica in idx.seq:
+                log.warning("%s replica %s: KV event batches up to %d never arrived; index marks it stale", pool,
+                            replica, seq)
+            else:                   # forgotten (silent too long, or Serve's replica set briefly lacked it)
+                log.info("%s replica %s: not in the index (forgotten); asking it to resync", pool, replica)
+            idx.stale.add(replica)
+        return replica in idx.stale
+
+    def resync(self, pool: str, replica: str, seq: int, events: bytes) -> None:
+        """A stale replica's whole cache as batch `seq` (cleared, then stored: every cached hash); it
+        replaces the entry, and the batches after it apply again. Mirrors see the same two log entries."""
+        self.seen[(pool, replica)] = time.monotonic()
+        try:
+            decoded = decode_events(events)
+        except ValueError as e:
+            log.warning("%s replica %s: resync batch refused (%s)", pool, replica, e)
+            return
+        self.index[pool].load_snapshot(replica, seq - 1, [])
+        self.index[pool].apply(replica, seq, decoded)
+        self._append(pool, replica, -(seq - 1) - 1, b"")
+        self._append(pool, replica, seq, events)
+        log.info("%s replica %s: index entry resynced at batch %d", pool, replica, seq)
+
+    def stale(self) -> dict[str, list[str]]:
+        return {p: sorted(idx.stale) for p, idx in self.index.items()}
 
     def forget(self, pool: str, replica: str) -> None:
         self.seen.pop((pool, replica), None)
@@ -152,6 +186,12 @@ class IndexMirror:
                 apply_entry(self.index[pool], replica, seq, events)
         self.version = version
         self.last_sync = time.monotonic()
+
+    def forget(self, pool: str, replica: str) -> None:
+        """A replica is gone: out of this mirror now and out of the state actor (for every other mirror)."""
+        self.index[pool].remove_replica(replica)
+        if self._actor is not None:
+            self._actor.forget.remote(pool, replica)
 
     def stop(self) -> None:
         if self._task is not None:

@@ -21,12 +21,34 @@ from engine.llm import chat_token_ids
 from engine.loader import load_tokenizer
 from router import protocol as oa
 from router.cluster_state import STATE_NAMESPACE, ClusterState, merge_expositions
-from router.pipeline import Pipeline
+from router.admission import Admission
+from router.pipeline import Pipeline, as_openai_error
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Baton", description="OpenAI-compatible API of a disaggregated Baton cluster")
 
 
+def _openapi() -> dict:
+    """FastAPI's OpenAPI document plus the request bodies' JSON schemas (the routes read raw bodies, to bound
+    and check them themselves): /docs shows them, and the fuzz suite generates requests from them."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in (oa.ChatCompletionRequest, oa.CompletionRequest):
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _body(model: str) -> dict:
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}
+
+
+app.openapi = _openapi
 DRAIN_LIMIT_BYTES = 64 << 20     # an oversized body is read and dropped up to this, so the client gets its 413
 
 
@@ -43,9 +65,16 @@ async def _json(request: Request, max_bytes: int) -> Any:
     if size > max_bytes:
         raise oa.OpenAIError(413, f"the request body exceeds {max_bytes} bytes", "RequestTooLargeError")
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:        # JSONDecodeError is a ValueError
         raise oa.OpenAIError(400, f"the request body is not valid JSON: {e}", "BadRequestError") from e
+    except RecursionError:
+        raise oa.OpenAIError(400, "the request body is not valid JSON: nested too deeply",
+                             "BadRequestError") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")     # Python's json takes NaN/Infinity; JSON does not
 
 
 @serve.ingress(app)
@@ -67,6 +96,7 @@ class Ingress:
         self.served_name = None
         self.tokenizer = None
         self.pipeline = None
+        self.admission: Admission | None = None
         self._ready = asyncio.Lock()
 
     async def _setup(self) -> Pipeline:
@@ -78,6 +108,7 @@ class Ingress:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
                     self.served_name = info["served_model_name"]
                     self.info = info
+                    self.admission = Admission(self.config.get("admission") or {})
                     self.pipeline = Pipeline(self._prefill, self.decode, info, self._state_name,
                                              self.config["disaggregation"]["min_remote_prefill_tokens"],
                                              self.config["router"]["index_sync_interval_s"])
@@ -93,7 +124,7 @@ class Ingress:
         try:
             self.keys.check(request.headers.get("authorization"))
         except oa.OpenAIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         await self._setup()
         return JSONResponse(oa.models_body([self.served_name], self.info["max_model_len"]))
 
@@ -103,18 +134,18 @@ class Ingress:
             try:
                 self.keys.check(request.headers.get("authorization"))
             except oa.OpenAIError as e:
-                return JSONResponse(e.body(), status_code=e.status)
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         texts = await self.state.metrics_texts.remote()
         # the module attribute, not a name imported here: Serve ships this class by value, and a
         # registry captured at import would be a copy, not this process's live one
         body = merge_expositions([prometheus_client.generate_latest(prometheus_client.REGISTRY), *texts])
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat(self, request: Request) -> Response:
         return await self._serve(request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
 
@@ -129,56 +160,64 @@ class Ingress:
             prompts = self._prompts(req, chat)
             for ids in prompts:
                 oa.check_prompt_length(len(ids), self.limits)
-            jobs = [(ids, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
-                    for ids in prompts for i in range(req.n)]
+                oa.check_token_ids(ids, self.info["vocab_size"])
+            hashes = [pipeline.hashes(ids) for ids in prompts]
+            jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
+                    for ids, h in zip(prompts, hashes) for i in range(req.n)]
+            self.admission.kv_capacity = pipeline.kv_capacity_tokens() // self.config["ingress"]["num_replicas"]
+            ticket = self.admission.admit([len(ids) - pipeline.cached_tokens(h) for ids, h in zip(prompts, hashes)],
+                                          [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, model = int(time.time()), self.served_name
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer)
         if req.stream:
-            return StreamingResponse(self._stream(pipeline, jobs, builder), media_type="text/event-stream")
-        return await self._complete(pipeline, jobs, builder)
+            return StreamingResponse(self._stream(pipeline, jobs, builder, ticket), media_type="text/event-stream")
+        return await self._complete(pipeline, jobs, builder, ticket)
 
     def _prompts(self, req, chat: bool) -> list[list[int]]:
         if chat:
             return [chat_token_ids(self.tokenizer, oa.chat_messages(req))]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
 
-    async def _complete(self, pipeline: Pipeline, jobs, builder) -> Response:
-        async def one(i: int, ids: list[int], params) -> None:
-            async for d in pipeline.stream(ids, params):
-                builder.add(i, d)
+    async def _complete(self, pipeline: Pipeline, jobs, builder, ticket) -> Response:
+        async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
+            try:
+                async for d in pipeline.stream(ids, params, hashes=hashes):
+                    ticket.progress(i, len(d["token_ids"]))
+                    builder.add(i, d)
+            finally:
+                ticket.release(i)
         try:
-            await asyncio.gather(*(one(i, ids, p) for i, (ids, p) in enumerate(jobs)))
-        except oa.OpenAIError as e:
-            return JSONResponse(e.body(), status_code=e.status)
+            await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
         except Exception as e:                      # noqa: BLE001 - one request fails, the server goes on
-            log.exception("request %s failed", builder.id)
-            return JSONResponse(oa.OpenAIError(500, f"internal error: {e}", "InternalServerError").body(),
-                                status_code=500)
+            err = as_openai_error(e, builder.id)
+            return JSONResponse(err.body(), status_code=err.status)
         return JSONResponse(builder.final())
 
-    async def _stream(self, pipeline: Pipeline, jobs, builder) -> AsyncIterator[bytes]:
+    async def _stream(self, pipeline: Pipeline, jobs, builder, ticket) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def one(i: int, ids: list[int], params) -> None:
+        async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
-                async for d in pipeline.stream(ids, params):
+                async for d in pipeline.stream(ids, params, hashes=hashes):
+                    ticket.progress(i, len(d["token_ids"]))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001
                 await queue.put((i, e))
+            finally:
+                ticket.release(i)
 
-        tasks = [asyncio.create_task(one(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
+        tasks = [asyncio.create_task(one(i, *job)) for i, job in enumerate(jobs)]
         try:
             for chunk in builder.first_chunks():
                 yield oa.sse(chunk)
             done = 0
             while done < len(tasks):
                 i, d = await queue.get()
-                if isinstance(d, Exception):
-                    log.error("request %s choice %d failed: %r", builder.id, i, d)
-                    yield oa.sse(oa.OpenAIError(500, f"internal error: {d}", "InternalServerError").body())
+                if isinstance(d, Exception):     # the stream ends with an error event in OpenAI's shape
+                    yield oa.sse(as_openai_error(d, builder.id).body())
                     break
                 for chunk in builder.chunks(i, d):
                     yield oa.sse(chunk)
@@ -191,4 +230,6 @@ class Ingress:
         finally:
             for t in tasks:                 # client gone: cancel every choice; the pools abort and free
                 t.cancel()
+            for i in range(len(jobs)):      # a choice never started (cancelled before running) is released too
+                ticket.release(i)
 

@@ -12,6 +12,7 @@ frees its blocks. Latency histograms are observed here, where the client sees th
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from engine import SamplingParams
 from engine.kv import block_hashes
 from router.cluster_state import IndexMirror
 
+log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 TTFT = Histogram("baton_time_to_first_token_seconds", "Time to first token, as the ingress sees it",
                  ["pool", "replica"], buckets=LATENCY_BUCKETS)
@@ -56,24 +58,42 @@ class Pipeline:
             hit = max(self.mirror.index["decode"].match(hashes).values(), default=0)
         return len(token_ids) - hit * self.model["block_size"] > self.min_remote
 
-    async def stream(self, token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    def cached_tokens(self, hashes: list[int]) -> int:
+        """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""
+        if self.mirror is None:
+            return 0
+        self.mirror.start()
+        hit = max((max(idx.match(hashes).values(), default=0) for idx in self.mirror.index.values()), default=0)
+        return hit * self.model["block_size"]
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the decode pool's KV caches hold in all (replicas the index knows; at least one)."""
+        replicas = len(self.mirror.index["decode"].slots) if self.mirror is not None else 0
+        return self.model.get("kv_blocks_total", 0) * self.model["block_size"] * max(replicas, 1)
+
+    async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                     hashes: list[int] | None = None) -> AsyncIterator[dict[str, Any]]:
         """Token deltas of one request (see DecodeServer.generate); the last has finished=True."""
         rid = request_id or uuid.uuid4().hex
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
-        hashes = self.hashes(token_ids)
+        hashes = hashes if hashes is not None else self.hashes(token_ids)
         req: dict[str, Any] = {"request_id": rid, "token_ids": token_ids, "block_hashes": hashes,
                                "sampling": asdict(params), "prefill": None}
         status, reason, pool, replica = "error", "error", "decode", "?"
+        last, n = None, 0
         try:
             if self.remote_prefill(token_ids, hashes):
-                PATHS.labels("remote").inc()
-                req["prefill"] = await self.prefill.prefill.remote(req)
+                try:
+                    req["prefill"] = await self.prefill.prefill.remote(req)
+                    PATHS.labels("remote").inc()
+                except Exception as e:              # noqa: BLE001 - the decode replica can prefill it
+                    log.warning("request %s: prefill pool failed (%s); the decode pool prefills it", rid,
+                                _short(e))
+                    PATHS.labels("local_after_prefill_failure").inc()
             else:
                 PATHS.labels("local").inc()
-            last, n = None, 0
-            async for delta in self.decode.generate.remote(req):
+            async for delta in self._decode(req):
                 now = time.perf_counter()
                 replica = delta.get("replica", replica)
                 if last is None:
@@ -87,10 +107,59 @@ class Pipeline:
         except (asyncio.CancelledError, GeneratorExit):
             status, reason = "aborted", "abort"
             raise
+        except Exception as e:
+            raise as_openai_error(e, rid) from e
         finally:
             REQUESTS.labels(status, reason).inc()
             if status == "ok":
                 E2E.labels(pool, replica).observe(time.perf_counter() - t0)
+
+    async def _decode(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The decode pool's deltas. A replica that dies before its first delta costs nothing the client
+        saw: the request goes once more, to a live replica (Serve routes around the dead one), which
+        prefills it itself. After the first delta the stream cannot be replayed: the error goes up."""
+        try:
+            async for delta in self.decode.generate.remote(req):
+                yield delta
+                req = None                               # something was sent: no retry from here on
+        except Exception as e:
+            if req is None or not _replica_died(e):
+                raise
+            log.warning("request %s: decode replica failed before its first token (%s); retrying on another",
+                        req["request_id"], _short(e))
+            PATHS.labels("decode_retry").inc()
+            _own_serve_request_ids(req["request_id"])     # a new Serve call: its own internal id
+            async for delta in self.decode.generate.remote({**req, "prefill": None}):
+                yield delta
+
+
+def _replica_died(e: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def as_openai_error(e: BaseException, rid: str):
+    """What the client is told about a failure inside the pools, in OpenAI's error shape: a replica that
+    died is a 503 (try again); a request the engine refused is a 400; anything else a 500. The message
+    names no prompt text."""
+    from ray.exceptions import RayTaskError
+
+    from engine.errors import InvalidRequestError
+    from router.protocol import OpenAIError
+    if isinstance(e, OpenAIError):
+        return e
+    if _replica_died(e):
+        return OpenAIError(503, f"the replica serving request {rid} failed; the request can be retried",
+                           "ServiceUnavailableError", code="replica_failed")
+    cause = e.cause if isinstance(e, RayTaskError) else e
+    if isinstance(cause, InvalidRequestError):
+        return OpenAIError(400, str(cause))
+    log.error("request %s failed: %s", rid, _short(e))
+    return OpenAIError(500, f"internal error in request {rid}: {type(cause).__name__}", "InternalServerError")
 
 
 def _own_serve_request_ids(rid: str) -> None:

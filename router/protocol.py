@@ -26,10 +26,11 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, type: str = "BadRequestError", param: str | None = None,
-                 code: str | int | None = None):
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
         self.code = code if code is not None else status
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -37,7 +38,7 @@ class OpenAIError(Exception):
 
 # -- requests ---------------------------------------------------------------------------------------
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)     # 1e999 parses as inf: refused too
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -123,6 +124,13 @@ def check_prompt_length(num_tokens: int, limits: dict | None) -> None:
     if limit is not None and num_tokens > limit:
         raise OpenAIError(400, f"the prompt has {num_tokens} tokens; this server accepts at most {limit}",
                           param="messages", code="context_length_exceeded")
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    if not ids:
+        raise OpenAIError(400, "a prompt must not be empty", param="prompt")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise OpenAIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
 
 
 class ApiKeys:

@@ -55,7 +55,28 @@ class _InflightLoad:
         return sum(n for _, n in items)
 
 
-class PrefixAwareRouter(RequestRouter):
+class _ForgetsGoneReplicas:
+    """A replica Serve drops (died, restarted, scaled down) leaves the index at once, here and in the state
+    actor, instead of after the state actor's DEAD_AFTER_S of silence. A replica still alive (draining) that
+    publishes again is found stale and resyncs itself."""
+
+    def update_replicas(self, replicas) -> None:
+        before = {r.unique_id for r in self._replica_id_set}
+        super().update_replicas(replicas)
+        for rid in before - {r.unique_id for r in self._replica_id_set}:
+            self._forget(rid)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def _forget(self, rid: str) -> None:
+        mirror = getattr(self, "mirror", None)
+        if mirror is not None:
+            mirror.forget(self.pool, rid)
+
+
+class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
     pool = "prefill"
 
     def initialize_state(self, state_actor: str = "", block_size: int = 16, load_weight: float = 1.0,
@@ -95,7 +116,7 @@ class PrefixAwareRouter(RequestRouter):
             self.inflight.add(replica_id.unique_id, tokens)
 
 
-class DecodeRouter(RequestRouter):
+class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
     pool = "decode"
 
     def initialize_state(self, state_actor: str = "", block_size: int = 16, max_num_seqs: int = 64,

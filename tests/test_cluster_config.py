@@ -29,7 +29,9 @@ def test_defaults_are_one_cpu_prefill_and_one_cpu_decode_replica_on_localhost():
     for pool in ("prefill", "decode"):
         assert cfg.deployment_options(pool) == {"num_replicas": 1, "max_ongoing_requests": 64,
                                                 "ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0},
-                                                "graceful_shutdown_timeout_s": 120.0}
+                                                "graceful_shutdown_timeout_s": 120.0,
+                                                "health_check_period_s": 2.0, "health_check_timeout_s": 10.0,
+                                                "logging_config": {"enable_access_log": False}}
         engine = cfg.pool(pool).engine_config(cfg)
         assert isinstance(engine, EngineConfig)
         assert engine.kv_cache_memory == POOL_KV_CACHE_BYTES_WITHOUT_GPU == 512 << 20

@@ -1,0 +1,163 @@
+"""Admission control at the ingress: beyond capacity, a 429 with Retry-After now instead of a place in a
+queue that grows without bound and answers every request late.
+
+Two budgets, both kept here from the requests this ingress replica admitted (exact and immediate, no
+stats to wait for; with several ingress replicas each holds its share of the KV budget):
+
+  time   A request's predicted wait for its first token is the prompt tokens admitted ahead of it and
+         not yet past their first token, plus its own uncached ones, over the measured prefill rate
+         (prompt tokens brought to their first token per second of time with any queued: the rate the
+         cluster actually delivers, which follows the prefill pool as it scales). Predicted beyond
+         `ttft_slo_s`: 429, Retry-After the time the excess takes to drain. With nothing queued a request
+         is always admitted: an idle cluster serves even a prompt slower than the SLO.
+  KV     Admitted requests' tokens (prompt plus generated so far) against the decode pool's KV cache
+         times `kv_budget`: a new prompt that does not fit gets a 429.
+
+Uncached tokens: the prompt less the longest prefix any replica caches (the router's index mirror).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge
+
+from router.protocol import OpenAIError
+
+REJECTED = Counter("baton_admission_rejected", "Requests refused with 429 by admission control, by budget",
+                   ["reason"])
+ADMITTED = Counter("baton_admission_admitted", "Requests admitted by admission control")
+QUEUED = Gauge("baton_admission_queued_prompt_tokens", "Admitted prompt tokens not yet past their first token "
+                                                       "(this ingress replica)")
+RATE = Gauge("baton_admission_prefill_tokens_per_second", "Measured rate at which admitted prompt tokens reach "
+                                                          "their first token (this ingress replica)")
+KV_TOKENS = Gauge("baton_admission_kv_tokens", "Tokens of admitted requests held in the decode pool's KV "
+                                               "(prompt plus generated so far; this ingress replica)")
+
+RATE_TAU_S = 30.0               # the prefill rate is an exponentially weighted average over about this long
+MIN_BUSY_S = 0.5                # below this much measured busy time the rate is unknown (only the cap applies)
+KV_RETRY_AFTER_S = 2
+
+
+@dataclass
+class Ticket:
+    """One admitted request: its choices' progress, released exactly once per choice."""
+    owner: "Admission"
+    queued: dict[int, int]                      # choice -> prompt tokens still waiting for the first token
+    kv: dict[int, int]                          # choice -> tokens it holds in the decode pool's KV
+    done: set[int] = field(default_factory=set)
+
+    def progress(self, choice: int, new_tokens: int) -> None:
+        """A delta of `choice` arrived (its first one ends its wait) carrying `new_tokens` tokens."""
+        self.owner._progress(self, choice, new_tokens)
+
+    def release(self, choice: int) -> None:
+        """`choice` finished, failed or was abandoned: its tokens leave both budgets."""
+        self.owner._release(self, choice)
+
+
+class Admission:
+    def __init__(self, cfg: dict, kv_capacity_tokens: int = 0, clock=time.monotonic):
+        self.enabled = cfg.get("enabled", True)
+        self.slo = cfg.get("ttft_slo_s", 5.0)
+        self.cap = cfg.get("max_queued_prompt_tokens")
+        self.kv_budget = cfg.get("kv_budget", 1.0)
+        self.max_retry = cfg.get("max_retry_after_s", 30)
+        self.kv_capacity = kv_capacity_tokens          # whole decode pool's share for this ingress replica
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.queued = 0
+        self.kv_tokens = 0
+        self._tokens_acc = 0.0                         # decayed prompt tokens that reached a first token
+        self._busy_acc = 0.0                           # decayed seconds with something queued
+        self._mark = clock()
+
+    # -- the rate ---------------------------------------------------------------------------------
+    def _advance(self) -> None:
+        now = self.clock()
+        dt = max(now - self._mark, 0.0)
+        if dt:
+            decay = math.exp(-dt / RATE_TAU_S)
+            self._tokens_acc *= decay
+            self._busy_acc = self._busy_acc * decay + (RATE_TAU_S * (1 - decay) if self.queued else 0.0)
+            self._mark = now
+
+    def rate(self) -> float | None:
+        """Prompt tokens per second brought to their first token while busy; None until measured."""
+        with self._lock:
+            self._advance()
+            return self._rate()
+
+    def _rate(self) -> float | None:
+        return self._tokens_acc / self._busy_acc if self._busy_acc >= MIN_BUSY_S and self._tokens_acc > 0 else None
+
+    # -- admission --------------------------------------------------------------------------------
+    def admit(self, uncached: list[int], prompt_tokens: list[int], n: int) -> Ticket:
+        """A request of len(uncached) prompts (tokens to compute, tokens in all) with n choices each, or an
+        OpenAIError(429) carrying Retry-After."""
+        need = sum(uncached)
+        kv_need = sum(prompt_tokens) * n
+        with self._lock:
+            self._advance()
+            if self.enabled and self.queued > 0:
+                rate = self._rate()
+                if rate is not None and (self.queued + need) / rate > self.slo:
+                    wait = (self.queued + need) / rate
+                    self._reject("ttft", wait - self.slo, f"the predicted wait for a first token ({wait:.1f} s) "
+                                                          f"exceeds the {self.slo:g} s objective")
+                if self.cap is not None and self.queued + need > self.cap:
+                    drain = (self.queued + need - self.cap) / rate if rate else 1.0
+                    self._reject("queue", drain, f"{self.queued} prompt tokens are queued (cap {self.cap})")
+            if self.enabled and self.kv_capacity and self.kv_tokens > 0 and \
+                    self.kv_tokens + kv_need > self.kv_capacity * self.kv_budget:
+                self._reject("kv", KV_RETRY_AFTER_S, "the decode pool's KV cache is full")
+            t = Ticket(self, {}, {})
+            for p, (u, tokens) in enumerate(zip(uncached, prompt_tokens)):
+                for j in range(n):
+                    c = p * n + j
+                    t.queued[c] = u if j == 0 else 0          # the n choices of a prompt share its prefix
+                    t.kv[c] = tokens
+            self.queued += need
+            self.kv_tokens += kv_need
+            ADMITTED.inc()
+            self._export()
+            return t
+
+    def _reject(self, reason: str, retry_after_s: float, why: str) -> None:
+        REJECTED.labels(reason).inc()
+        retry = min(max(math.ceil(retry_after_s), 1), self.max_retry)
+        raise OpenAIError(429, f"The server is at capacity: {why}. Retry after {retry} s.", "RateLimitError",
+                          code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+
+    def _progress(self, t: Ticket, choice: int, new_tokens: int) -> None:
+        with self._lock:
+            if choice in t.done:
+                return
+            self._advance()
+            q = t.queued.pop(choice, 0)
+            if choice not in t.kv:
+                return
+            if q:
+                self.queued -= q
+                self._tokens_acc += q
+            t.kv[choice] += new_tokens
+            self.kv_tokens += new_tokens
+            self._export()
+
+    def _release(self, t: Ticket, choice: int) -> None:
+        with self._lock:
+            if choice in t.done:
+                return
+            t.done.add(choice)
+            self._advance()
+            self.queued -= t.queued.pop(choice, 0)              # never reached a first token: no rate sample
+            self.kv_tokens -= t.kv.pop(choice, 0)
+            self._export()
+
+    def _export(self) -> None:
+        QUEUED.set(self.queued)
+        KV_TOKENS.set(self.kv_tokens)
+        r = self._rate()
+        RATE.set(r or 0.0)
