@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine_bench import machine_info, make_logger, pyplot
+from bench.engine_bench import machine_info, make_logger, pyplot, write_result
 
 log = make_logger("cluster-bench")
 PORT = 8741
@@ -47,6 +47,7 @@ class Req:
 class Result:
     tag: str
     ok: bool
+    status: int | None = None
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -90,7 +91,9 @@ async def one(session, base: str, model: str, r: Req, t0: float) -> Result:
     try:
         async with session.post(f"{base}/v1/completions", json=body) as resp:
             if resp.status != 200:
-                return Result(r.tag, False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                return Result(r.tag, False, status=resp.status, error=f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                              + (f" Retry-After {resp.headers['Retry-After']}" if "Retry-After" in resp.headers else ""))
+            res.status = 200
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -152,13 +155,14 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: floa
 
 # -- one cluster at a time ----------------------------------------------------------------------------
 def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64,
-                 decode_kv_bytes: int | None = None) -> Any:
+                 decode_kv_bytes: int | None = None, admission: dict | None = None) -> Any:
     from cluster.config import ClusterConfig
     engine = {"kv_cache_memory": kv_bytes, "max_model_len": 2048}
     d: dict[str, Any] = {"port": PORT, "mode": mode, "ingress": {"num_cpus": 0},
                          "decode": {"num_replicas": decode, "num_cpus": 0,
                                     "engine": {**engine, "kv_cache_memory": decode_kv_bytes or kv_bytes}},
-                         "router": {"policy": policy}, "disaggregation": {"min_remote_prefill_tokens": min_remote}}
+                         "router": {"policy": policy}, "disaggregation": {"min_remote_prefill_tokens": min_remote},
+                         "admission": admission or {"enabled": False}}
     if mode == "disaggregated":
         d["prefill"] = {"num_replicas": prefill, "num_cpus": 0, "engine": engine}
     return ClusterConfig.from_dict(d)
@@ -215,6 +219,73 @@ def pd_run(mode: str, n_streams: int, n_long: int, rate: float, slo: tuple[float
     return with_cluster(serve_config(mode, "prefix_aware", prefill, decode, 256 << 20), work)
 
 
+def overload_prompts(n: int, rng: np.random.Generator, tokens: int = 256, answer: int = 16) -> list[Req]:
+    return [Req(rng.integers(*VOCAB, size=tokens).tolist(), answer, tag="overload") for _ in range(n)]
+
+
+def saturation_rate(base: str, model: str, concurrency: int, n: int) -> float:
+    """Requests/s the cluster completes with `concurrency` always in flight (closed loop): its capacity."""
+    reqs = overload_prompts(n, np.random.default_rng(3))
+
+    async def closed():
+        import aiohttp
+        queue = list(reqs)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+            async def worker():
+                while queue:
+                    await one(s, base, model, queue.pop(), time.perf_counter())
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return time.perf_counter() - t0
+    return n / asyncio.run(closed())
+
+
+def overload_run(admission: bool, n: int, factor: float, slo_ttft_s: float, concurrency: int) -> dict:
+    """1 prefill + 1 decode replica; measure the saturation rate, then offer `factor` times it (Poisson)."""
+    adm = {"enabled": True, "ttft_slo_s": slo_ttft_s} if admission else {"enabled": False}
+
+    def work(base, model):
+        asyncio.run(drive(base, model, [Req([300] * 32, 2)]))            # warm-up
+        sat = saturation_rate(base, model, concurrency, max(n // 3, 12))
+        reqs = poisson(overload_prompts(n, np.random.default_rng(4)), factor * sat, np.random.default_rng(5))
+        log(f"overload (admission {'on' if admission else 'off'}): saturation {sat:.2f} req/s; offering "
+            f"{factor * sat:.2f} req/s")
+        results, wall = asyncio.run(drive(base, model, reqs))
+        ok = [r for r in results if r.ok]
+        rejected = [r for r in results if r.status == 429]
+        other = [r for r in results if not r.ok and r.status != 429]
+        ttft = np.array([r.ttft for r in ok if r.ttft is not None])
+        return {"saturation_rps": sat, "offered_rps": factor * sat, "requests": len(results), "ok": len(ok),
+                "rejected_429": len(rejected), "other_failures": len(other), "failures": [r.error for r in other][:5],
+                "retry_after_present": all("Retry-After" in (r.error or "") for r in rejected),
+                "admitted_ttft_ms": {f"p{q}": float(np.percentile(ttft, q)) * 1e3 for q in (50, 90, 99)}
+                if len(ttft) else None, "wall_s": wall, "goodput_rps": sum(
+                    1 for r in ok if r.ttft is not None and r.ttft <= slo_ttft_s) / wall}
+    return with_cluster(serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, admission=adm), work)
+
+
+def plot_overload(result: dict, path: Path) -> None:
+    plt = pyplot()
+    o = result["overload"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(o)
+    for i, q in enumerate(("p50", "p90", "p99")):
+        axes[0].bar(np.arange(len(names)) + (i - 1) * 0.25,
+                    [o[n]["admitted_ttft_ms"][q] if o[n]["admitted_ttft_ms"] else 0 for n in names], 0.25, label=q)
+    axes[0].axhline(result["overload_slo_ttft_ms"], color="red", ls="--", label="TTFT SLO")
+    axes[0].set_xticks(np.arange(len(names)), names)
+    axes[0].set_ylabel("TTFT of served requests, ms")
+    axes[0].set_title(f"{result['overload_factor']:g}x the saturation rate")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(names, [o[n]["ok"] for n in names], label="served")
+    axes[1].bar(names, [o[n]["rejected_429"] for n in names], bottom=[o[n]["ok"] for n in names], label="429")
+    axes[1].set_ylabel("requests")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -255,6 +326,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-pd", action="store_true", help="leave out the disaggregated vs colocated comparison")
     p.add_argument("--quick", action="store_true", help="a smoke run: 12 tenants requests, 256-token prefixes, "
                                                         "4 streams, 2 long prompts")
+    p.add_argument("--overload", action="store_true", help="only the overload comparison: admission control on vs "
+                                                           "off at --overload-factor times the saturation rate")
+    p.add_argument("--overload-requests", type=int, default=90, help="requests offered per overload run (default 90)")
+    p.add_argument("--overload-factor", type=float, default=2.0, help="offered load over saturation (default 2)")
+    p.add_argument("--overload-slo-ttft-ms", type=float, default=3000.0,
+                   help="admission's TTFT objective in the overload runs (default 3000)")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/cluster",
                    help="directory for cluster.json and cluster.png (default bench_out/cluster)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
@@ -270,6 +347,29 @@ def run(args: argparse.Namespace) -> dict:
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-cluster")
+    if args.overload:
+        try:
+            overload = {}
+            for on in (True, False):
+                name = "admission" if on else "no_admission"
+                overload[name] = overload_run(on, args.overload_requests, args.overload_factor,
+                                              args.overload_slo_ttft_ms / 1e3, concurrency=8)
+                log(f"overload {name}: {overload[name]['ok']} served, {overload[name]['rejected_429']} refused, "
+                    f"TTFT {overload[name]['admitted_ttft_ms']}")
+        finally:
+            ray.shutdown()
+        a, b = overload["admission"], overload["no_admission"]
+        result = {"benchmark": "cluster-overload", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "machine": machine_info(), "overload_factor": args.overload_factor,
+                  "overload_slo_ttft_ms": args.overload_slo_ttft_ms, "overload": overload,
+                  "every_request_answered": a["other_failures"] == 0 and a["ok"] + a["rejected_429"] == a["requests"],
+                  "admitted_p99_ttft_within_slo": bool(a["admitted_ttft_ms"]) and
+                  a["admitted_ttft_ms"]["p99"] <= args.overload_slo_ttft_ms,
+                  "p99_ttft_ratio_without_over_with": (b["admitted_ttft_ms"]["p99"] / a["admitted_ttft_ms"]["p99"])
+                  if a["admitted_ttft_ms"] and b["admitted_ttft_ms"] else None}
+        write_result(result, out_dir / "overload.json", {"overload": plot_overload})
+        log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
+        return result
     try:
         routing = {}
         for policy in ("prefix_aware", "pow2"):
@@ -298,11 +398,6 @@ def run(args: argparse.Namespace) -> dict:
     }
     if routing.get("pow2", {}).get("prefix_hit_rate") is not None and routing["prefix_aware"]["prefix_hit_rate"]:
         result["routing_hit_rate_gain"] = routing["prefix_aware"]["prefix_hit_rate"] - routing["pow2"]["prefix_hit_rate"]
-    png = out_dir / "cluster.png"
-    if pd:
-        plot(result, png)
-        result["plots"] = {"cluster": str(png)}
-    result["json_path"] = str(out_dir / "cluster.json")
-    (out_dir / "cluster.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out_dir / "cluster.json", {"cluster": plot} if pd else None)
     log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
     return result

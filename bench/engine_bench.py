@@ -249,6 +249,19 @@ def bench_decode(llm, allowed: np.ndarray, seed: int, prompt_len: int, n_tokens:
             "bound_definition": "bound_ms = weight_bytes / copy bandwidth"}
 
 
+def write_result(result: dict, path: Path, plots: dict[str, Callable[[dict, Path], None]] | None = None) -> dict:
+    """Draw each plot beside `path` (name -> plot function; file `<name>.png`), then write the result as JSON,
+    with the paths of both in it."""
+    result["plots"] = {}
+    for name, draw in (plots or {}).items():
+        png = path.parent / f"{name}.png"
+        draw(result, png)
+        result["plots"][name] = str(png)
+    result["json_path"] = str(path)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return result
+
+
 # -- plots ------------------------------------------------------------------------------------------
 def pyplot():
     import matplotlib

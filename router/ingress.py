@@ -193,7 +193,7 @@ class Ingress:
             await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
         except Exception as e:                      # noqa: BLE001 - one request fails, the server goes on
             err = as_openai_error(e, builder.id)
-            return JSONResponse(err.body(), status_code=err.status)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         return JSONResponse(builder.final())
 
     async def _stream(self, pipeline: Pipeline, jobs, builder, ticket) -> AsyncIterator[bytes]:

@@ -154,7 +154,7 @@ def as_openai_error(e: BaseException, rid: str):
         return e
     if _replica_died(e):
         return OpenAIError(503, f"the replica serving request {rid} failed; the request can be retried",
-                           "ServiceUnavailableError", code="replica_failed")
+                           "ServiceUnavailableError", code="replica_failed", headers={"Retry-After": "1"})
     cause = e.cause if isinstance(e, RayTaskError) else e
     if isinstance(cause, InvalidRequestError):
         return OpenAIError(400, str(cause))
