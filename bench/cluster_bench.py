@@ -240,13 +240,16 @@ def saturation_rate(base: str, model: str, concurrency: int, n: int) -> float:
     return n / asyncio.run(closed())
 
 
-def overload_run(admission: bool, n: int, factor: float, slo_ttft_s: float, concurrency: int) -> dict:
-    """1 prefill + 1 decode replica; measure the saturation rate, then offer `factor` times it (Poisson)."""
+def overload_run(admission: bool, n: int, factor: float, slo_ttft_s: float, concurrency: int,
+                 sat: float | None = None) -> dict:
+    """1 prefill + 1 decode replica; offer `factor` times the saturation rate `sat` (measured here first when
+    not given: both runs of a comparison get the same offered load) as Poisson arrivals."""
     adm = {"enabled": True, "ttft_slo_s": slo_ttft_s} if admission else {"enabled": False}
 
     def work(base, model):
         asyncio.run(drive(base, model, [Req([300] * 32, 2)]))            # warm-up
-        sat = saturation_rate(base, model, concurrency, max(n // 3, 12))
+        nonlocal sat
+        sat = sat if sat is not None else saturation_rate(base, model, concurrency, max(n // 3, 12))
         reqs = poisson(overload_prompts(n, np.random.default_rng(4)), factor * sat, np.random.default_rng(5))
         log(f"overload (admission {'on' if admission else 'off'}): saturation {sat:.2f} req/s; offering "
             f"{factor * sat:.2f} req/s")
@@ -328,7 +331,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                         "4 streams, 2 long prompts")
     p.add_argument("--overload", action="store_true", help="only the overload comparison: admission control on vs "
                                                            "off at --overload-factor times the saturation rate")
-    p.add_argument("--overload-requests", type=int, default=90, help="requests offered per overload run (default 90)")
+    p.add_argument("--overload-requests", type=int, default=200,
+                   help="requests offered per overload run (default 200)")
     p.add_argument("--overload-factor", type=float, default=2.0, help="offered load over saturation (default 2)")
     p.add_argument("--overload-slo-ttft-ms", type=float, default=3000.0,
                    help="admission's TTFT objective in the overload runs (default 3000)")
@@ -349,11 +353,12 @@ def run(args: argparse.Namespace) -> dict:
              namespace="baton-bench-cluster")
     if args.overload:
         try:
-            overload = {}
-            for on in (True, False):
+            overload, sat = {}, None
+            for on in (False, True):                 # the run without admission measures the saturation rate
                 name = "admission" if on else "no_admission"
                 overload[name] = overload_run(on, args.overload_requests, args.overload_factor,
-                                              args.overload_slo_ttft_ms / 1e3, concurrency=8)
+                                              args.overload_slo_ttft_ms / 1e3, concurrency=8, sat=sat)
+                sat = overload[name]["saturation_rps"]
                 log(f"overload {name}: {overload[name]['ok']} served, {overload[name]['rejected_429']} refused, "
                     f"TTFT {overload[name]['admitted_ttft_ms']}")
         finally:

@@ -217,7 +217,7 @@ def plot(result: dict, path: Path) -> None:
                     label=mark)
     axes[1].set_xticks(list(x), [n.split("/")[0] + "/" + n.split("/")[1][:6] for n in names], fontsize=8)
     axes[1].set_ylabel("heap in use, MiB" if kind == "heap" else "resident memory, MiB")
-    axes[1].set_title(f"replica memory after warm-up, half-way and at the end ({kind})")
+    axes[1].set_title("memory: after warm-up, half-way, at the end")
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

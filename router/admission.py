@@ -9,7 +9,10 @@ stats to wait for; with several ingress replicas each holds its share of the KV 
          (prompt tokens brought to their first token per second of time with any queued: the rate the
          cluster actually delivers, which follows the prefill pool as it scales). Predicted beyond
          `ttft_slo_s`: 429, Retry-After the time the excess takes to drain. With nothing queued a request
-         is always admitted: an idle cluster serves even a prompt slower than the SLO.
+         is always admitted: an idle cluster serves even a prompt slower than the SLO. The prediction
+         covers queued prefill work only; what a first token takes beyond it (the KV hand-off, the first
+         decode step, the trip back) is learnt from admitted requests, as TCP learns its retransmit
+         timeout: a margin of the mean excess plus twice its mean deviation is added to every prediction.
   KV     Admitted requests' tokens (prompt plus generated so far) against the decode pool's KV cache
          times `kv_budget`: a new prompt that does not fit gets a 429.
 
@@ -33,12 +36,15 @@ QUEUED = Gauge("baton_admission_queued_prompt_tokens", "Admitted prompt tokens n
                                                        "(this ingress replica)")
 RATE = Gauge("baton_admission_prefill_tokens_per_second", "Measured rate at which admitted prompt tokens reach "
                                                           "their first token (this ingress replica)")
+MARGIN = Gauge("baton_admission_first_token_margin_seconds", "Learnt time a first token takes beyond its "
+                                                              "predicted queue wait (mean + 2 deviations)")
 KV_TOKENS = Gauge("baton_admission_kv_tokens", "Tokens of admitted requests held in the decode pool's KV "
                                                "(prompt plus generated so far; this ingress replica)")
 
 RATE_TAU_S = 30.0               # the prefill rate is an exponentially weighted average over about this long
 MIN_BUSY_S = 0.5                # below this much measured busy time the rate is unknown (only the cap applies)
 KV_RETRY_AFTER_S = 2
+MARGIN_GAIN = 0.125             # weight of each new sample in the margin's mean and deviation (TCP's 1/8)
 
 
 @dataclass
@@ -47,6 +53,8 @@ class Ticket:
     owner: "Admission"
     queued: dict[int, int]                      # choice -> prompt tokens still waiting for the first token
     kv: dict[int, int]                          # choice -> tokens it holds in the decode pool's KV
+    admitted_at: float = 0.0
+    predicted_s: float | None = None            # predicted queue wait of a one-prompt request: the margin's sample
     done: set[int] = field(default_factory=set)
 
     def progress(self, choice: int, new_tokens: int) -> None:
@@ -73,6 +81,7 @@ class Admission:
         self._tokens_acc = 0.0                         # decayed prompt tokens that reached a first token
         self._busy_acc = 0.0                           # decayed seconds with something queued
         self._mark = clock()
+        self._excess, self._excess_dev = 0.0, 0.0      # first token beyond the prediction: mean, mean deviation
 
     # -- the rate ---------------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -93,6 +102,19 @@ class Admission:
     def _rate(self) -> float | None:
         return self._tokens_acc / self._busy_acc if self._busy_acc >= MIN_BUSY_S and self._tokens_acc > 0 else None
 
+    def margin(self) -> float:
+        """Seconds a first token takes beyond its predicted queue wait, with room for its spread (below zero
+        where predictions run long: requests queued behind a prefill that already finished)."""
+        return self._excess + 2 * self._excess_dev
+
+    def _learn(self, t: Ticket) -> None:
+        if t.predicted_s is None:
+            return
+        err = (self.clock() - t.admitted_at - t.predicted_s) - self._excess
+        self._excess += MARGIN_GAIN * err
+        self._excess_dev += MARGIN_GAIN * (abs(err) - self._excess_dev)
+        t.predicted_s = None
+
     # -- admission --------------------------------------------------------------------------------
     def admit(self, uncached: list[int], prompt_tokens: list[int], n: int) -> Ticket:
         """A request of len(uncached) prompts (tokens to compute, tokens in all) with n choices each, or an
@@ -101,10 +123,11 @@ class Admission:
         kv_need = sum(prompt_tokens) * n
         with self._lock:
             self._advance()
+            rate = self._rate()
+            predicted = (self.queued + need) / rate if rate is not None else None
             if self.enabled and self.queued > 0:
-                rate = self._rate()
-                if rate is not None and (self.queued + need) / rate > self.slo:
-                    wait = (self.queued + need) / rate
+                if predicted is not None and predicted + self.margin() > self.slo:
+                    wait = predicted + self.margin()
                     self._reject("ttft", wait - self.slo, f"the predicted wait for a first token ({wait:.1f} s) "
                                                           f"exceeds the {self.slo:g} s objective")
                 if self.cap is not None and self.queued + need > self.cap:
@@ -113,7 +136,8 @@ class Admission:
             if self.enabled and self.kv_capacity and self.kv_tokens > 0 and \
                     self.kv_tokens + kv_need > self.kv_capacity * self.kv_budget:
                 self._reject("kv", KV_RETRY_AFTER_S, "the decode pool's KV cache is full")
-            t = Ticket(self, {}, {})
+            t = Ticket(self, {}, {}, admitted_at=self.clock(),
+                       predicted_s=predicted if len(uncached) == 1 else None)
             for p, (u, tokens) in enumerate(zip(uncached, prompt_tokens)):
                 for j in range(n):
                     c = p * n + j
@@ -142,6 +166,7 @@ class Admission:
             if q:
                 self.queued -= q
                 self._tokens_acc += q
+                self._learn(t)
             t.kv[choice] += new_tokens
             self.kv_tokens += new_tokens
             self._export()
@@ -161,3 +186,4 @@ class Admission:
         KV_TOKENS.set(self.kv_tokens)
         r = self._rate()
         RATE.set(r or 0.0)
+        MARGIN.set(self.margin())

@@ -99,3 +99,29 @@ def test_disabled_admission_admits_everything():
     warm(adm, clock, rate=10.0)
     for _ in range(5):
         adm.admit([1000], [1000], 1)
+
+
+def test_the_time_a_first_token_takes_beyond_the_queue_is_learnt_and_kept_as_a_margin():
+    """First tokens keep arriving 0.5 s after their predicted queue wait (the KV hand-off, the first decode
+    step) while the prefill pool works on at 1,000 tokens/s: the margin learns the 0.5 s, and a queue that
+    fitted before is refused."""
+    clock = Clock()
+    adm = Admission({"ttft_slo_s": 2.0}, clock=clock)
+    warm(adm, clock, rate=1000.0)
+    assert abs(adm.margin()) < 0.01                            # first tokens came when predicted
+    for _ in range(40):
+        t = adm.admit([100], [100], 1)                         # predicted: 0.1 s
+        clock.t += 0.1
+        for _ in range(5):                                     # others' prefills meanwhile (two prompts each:
+            f = adm.admit([50, 50], [50, 50], 1)               # no sample of their own)
+            clock.t += 0.1
+            f.progress(0, 1), f.progress(1, 1), f.release(0), f.release(1)
+        t.progress(0, 1)                                       # 0.6 s after admission: 0.5 s late
+        t.release(0)
+    assert adm.rate() == pytest.approx(1000.0, rel=0.02)
+    assert adm.margin() == pytest.approx(0.5, abs=0.05)
+    held = [adm.admit([600], [600], 1) for _ in range(2)]      # 1.2 s queued
+    with pytest.raises(OpenAIError) as e:
+        adm.admit([600], [600], 1)                             # 1.8 s + 0.5 s > 2 s
+    assert "2.3 s" in e.value.message
+    assert held and adm.admit([100], [100], 1)                 # 1.3 s + 0.5 s: fits
