@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge
@@ -64,6 +65,15 @@ class Ticket:
     def release(self, choice: int) -> None:
         """`choice` finished, failed or was abandoned: its tokens leave both budgets."""
         self.owner._release(self, choice)
+
+    def release_all(self) -> None:
+        for choice in list(self.kv):
+            self.owner._release(self, choice)
+
+    def release_with(self, body) -> None:
+        """Release whatever is left when `body` (a streaming response's generator) is collected: a client that
+        leaves before the server starts the body never runs the generator, nor so its own `finally`."""
+        weakref.finalize(body, self.release_all).atexit = False
 
 
 class Admission:

@@ -173,8 +173,13 @@ class Ingress:
         created, model = int(time.time()), self.served_name
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer)
         if req.stream:
-            return StreamingResponse(self._stream(pipeline, jobs, builder, ticket), media_type="text/event-stream")
-        return await self._complete(pipeline, jobs, builder, ticket)
+            body = self._stream(pipeline, jobs, builder, ticket)
+            ticket.release_with(body)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            return await self._complete(pipeline, jobs, builder, ticket)
+        finally:                    # choices cancelled before they ran never reach their own `finally`
+            ticket.release_all()
 
     def _prompts(self, req, chat: bool) -> list[list[int]]:
         if chat:
@@ -230,6 +235,5 @@ class Ingress:
         finally:
             for t in tasks:                 # client gone: cancel every choice; the pools abort and free
                 t.cancel()
-            for i in range(len(jobs)):      # a choice never started (cancelled before running) is released too
-                ticket.release(i)
+            ticket.release_all()            # a choice never started (cancelled before running) is released too
 

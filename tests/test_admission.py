@@ -125,3 +125,23 @@ def test_the_time_a_first_token_takes_beyond_the_queue_is_learnt_and_kept_as_a_m
         adm.admit([600], [600], 1)                             # 1.8 s + 0.5 s > 2 s
     assert "2.3 s" in e.value.message
     assert held and adm.admit([100], [100], 1)                 # 1.3 s + 0.5 s: fits
+
+
+def test_a_streaming_body_the_server_never_started_gives_its_tokens_back():
+    """A client that leaves before the response starts: the body generator never runs, nor its `finally`."""
+    import gc
+    adm = Admission({}, kv_capacity_tokens=10_000, clock=Clock())
+    t = adm.admit([100], [100], 1)
+
+    async def body():
+        try:
+            yield b"never"
+        finally:
+            t.release_all()
+
+    b = body()
+    t.release_with(b)
+    assert adm.queued == 100 and adm.kv_tokens == 100
+    del b
+    gc.collect()
+    assert adm.queued == 0 and adm.kv_tokens == 0

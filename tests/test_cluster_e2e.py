@@ -4,6 +4,7 @@ max_tokens and usage hold; bad input gets OpenAI error JSON; /metrics shows both
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -26,8 +27,6 @@ ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
 
 @pytest.fixture(scope="module")
 def server():
-    import os
-
     from cluster.config import ClusterConfig
     from cluster.serving import start, stop
     os.environ[KEYS_ENV] = f"sk-other, {KEY}"     # the local Ray's processes inherit it
@@ -86,6 +85,22 @@ def test_api_keys_are_required_except_on_health_and_metrics(client):
     assert _post("/v1/chat/completions", hi, key="sk-other")[0] == 200      # every listed key works
     assert urllib.request.urlopen(f"{BASE}/health", timeout=30).status == 200
     assert urllib.request.urlopen(f"{BASE}/metrics", timeout=30).status == 200   # protect_metrics is off
+    _assert_no_log_holds(KEY, "sk-other", "sk-wrong")
+
+
+def _assert_no_log_holds(*secrets: str) -> None:
+    """No file of the Ray session (every replica, the proxy, the controller, the raylet) holds the secrets."""
+    import glob
+
+    import ray
+    time.sleep(1.0)                                         # log lines reach their files
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    files = [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
+    assert len(files) > 5
+    for f in files:
+        data = open(f, "rb").read()
+        for secret in secrets:
+            assert secret.encode() not in data, (f, secret)
 
 
 def test_models_and_health(client):
