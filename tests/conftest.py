@@ -47,3 +47,21 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
     return out[0, ids.shape[1]:].tolist()
+
+
+def assert_not_in_ray_logs(*secrets: str) -> None:
+    """No file of this process's Ray session (every replica, the proxy, the controller, the raylet) holds
+    any of the secrets (prompt text, completions, API keys)."""
+    import glob
+    import time
+
+    import ray
+    time.sleep(1.0)                                         # log lines reach their files
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    files = [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
+    assert len(files) > 5
+    for f in files:
+        data = open(f, "rb").read()
+        for secret in secrets:
+            assert secret.encode() not in data, (f, secret)
+

@@ -25,6 +25,7 @@ import pytest
 from bench.cluster_bench import pool_total, scrape
 from bench.soak_bench import leak_report, replica_gauges, soak
 from engine import faults
+from tests.conftest import assert_not_in_ray_logs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -276,9 +277,6 @@ def test_fuzzing_the_openapi_spec_gets_no_5xx_and_kills_no_replica(cluster):
 
 
 def test_prompts_and_completions_are_not_logged(cluster):
-    import glob
-
-    import ray
     marker = "zebracrossing" + str(os.getpid())
     out = complete(f"The secret word is {marker}. Say it again: {marker}", 8)
     code, _, _ = post("/v1/chat/completions", {"model": MODEL, "max_tokens": 3, "messages": [
@@ -286,15 +284,7 @@ def test_prompts_and_completions_are_not_logged(cluster):
     assert code == 200
     post("/v1/completions", {"model": MODEL, "prompt": f"{marker} bad", "temperature": -1})   # a refused one
     completion = out["choices"][0]["text"].strip()
-    time.sleep(1.0)                                        # log lines reach the files
-    logs = ray._private.worker._global_node.get_logs_dir_path()
-    files = [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
-    assert len(files) > 5
-    for f in files:
-        data = open(f, "rb").read()
-        assert marker.encode() not in data, f
-        if len(completion) >= 12:
-            assert completion.encode() not in data, f
+    assert_not_in_ray_logs(marker, *([completion] if len(completion) >= 12 else []))
 
 
 # -- overload ------------------------------------------------------------------------------------------
