@@ -69,7 +69,8 @@ class EngineReplica:
     def model_info(self) -> dict:
         e = self.engine
         return {"model_key": e.model_key, "block_size": e.block_size, "max_model_len": e.max_model_len,
-                "vocab_size": e.hf_config.vocab_size, "kv_blocks_total": e.pool.num_blocks, "eos_token_ids": sorted(e.eos_ids),
+                "vocab_size": e.hf_config.vocab_size, "kv_blocks_total": e.pool.num_blocks,
+                "eos_token_ids": sorted(e.eos_ids),
                 "model_path": e.model_path, "served_model_name": self.served_model_name}
 
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
@@ -102,17 +103,21 @@ class EngineReplica:
         self._state = state
 
     def _background(self) -> None:
-        last_report = 0.0
+        import ray
+        last_report, report = 0.0, None
         while not self._closed:
             try:
                 if self._state is None and self._state_name:
                     self._find_state()
                 self.llm.call(lambda _: self.link.release_finished())
                 self._publish()
-                if time.monotonic() - last_report > REPORT_INTERVAL_S and self._state is not None:
-                    last_report = time.monotonic()
-                    if self._report():
+                if report is not None and ray.wait([report], timeout=0)[0]:    # answered: reading it never waits
+                    ref, report = report, None
+                    if ray.get(ref):                                        # the index entry went stale
                         self._resync()
+                if report is None and time.monotonic() - last_report > REPORT_INTERVAL_S and self._state is not None:
+                    last_report = time.monotonic()
+                    report = self._state.report.remote(self.pool, self.replica, self.metrics.exposition(), self._seq)
             except Exception:                                  # noqa: BLE001 - keep serving, say why
                 log.exception("%s replica %s: background loop", self.pool, self.replica)
             time.sleep(PUBLISH_INTERVAL_S)
@@ -129,15 +134,6 @@ class EngineReplica:
             if faults.fire("kv_events_drop"):
                 return
             self._state.publish.remote(self.pool, self.replica, self._seq, encode_events(events))
-
-    def _report(self) -> bool:
-        """Metrics to the state actor; True when it says this replica's index entry went stale."""
-        import ray
-        ref = self._state.report.remote(self.pool, self.replica, self.metrics.exposition(), self._seq)
-        try:
-            return bool(ray.get(ref, timeout=REPORT_INTERVAL_S * 4))
-        except ray.exceptions.GetTimeoutError:
-            return False
 
     def _resync(self) -> None:
         """A batch of events was lost: send the whole cache as the next batch (cleared + stored), taken

@@ -25,6 +25,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prometheus_client import Counter, Gauge
 
@@ -77,13 +78,13 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, cfg: dict, kv_capacity_tokens: int = 0, clock=time.monotonic):
+    def __init__(self, cfg: dict, kv_capacity_tokens: Callable[[], int] = lambda: 0, clock=time.monotonic):
         self.enabled = cfg.get("enabled", True)
         self.slo = cfg.get("ttft_slo_s", 5.0)
         self.cap = cfg.get("max_queued_prompt_tokens")
         self.kv_budget = cfg.get("kv_budget", 1.0)
         self.max_retry = cfg.get("max_retry_after_s", 30)
-        self.kv_capacity = kv_capacity_tokens          # whole decode pool's share for this ingress replica
+        self.kv_capacity = kv_capacity_tokens          # this ingress replica's share of the decode pool's KV, now
         self.clock = clock
         self._lock = threading.Lock()
         self.queued = 0
@@ -143,8 +144,8 @@ class Admission:
                 if self.cap is not None and self.queued + need > self.cap:
                     drain = (self.queued + need - self.cap) / rate if rate else 1.0
                     self._reject("queue", drain, f"{self.queued} prompt tokens are queued (cap {self.cap})")
-            if self.enabled and self.kv_capacity and self.kv_tokens > 0 and \
-                    self.kv_tokens + kv_need > self.kv_capacity * self.kv_budget:
+            if self.enabled and self.kv_tokens > 0 and \
+                    self.kv_tokens + kv_need > (self.kv_capacity() or float("inf")) * self.kv_budget:
                 self._reject("kv", KV_RETRY_AFTER_S, "the decode pool's KV cache is full")
             t = Ticket(self, {}, {}, admitted_at=self.clock(),
                        predicted_s=predicted if len(uncached) == 1 else None)

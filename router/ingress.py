@@ -108,7 +108,8 @@ class Ingress:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
                     self.served_name = info["served_model_name"]
                     self.info = info
-                    self.admission = Admission(self.config.get("admission") or {})
+                    self.admission = Admission(self.config.get("admission") or {}, lambda: (
+                        self.pipeline.kv_capacity_tokens() // self.config["ingress"]["num_replicas"]))
                     self.pipeline = Pipeline(self._prefill, self.decode, info, self._state_name,
                                              self.config["disaggregation"]["min_remote_prefill_tokens"],
                                              self.config["router"]["index_sync_interval_s"])
@@ -164,7 +165,6 @@ class Ingress:
             hashes = [pipeline.hashes(ids) for ids in prompts]
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
-            self.admission.kv_capacity = pipeline.kv_capacity_tokens() // self.config["ingress"]["num_replicas"]
             ticket = self.admission.admit([len(ids) - pipeline.cached_tokens(h) for ids, h in zip(prompts, hashes)],
                                           [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:

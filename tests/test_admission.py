@@ -68,7 +68,7 @@ def test_the_hard_cap_applies_before_any_rate_is_known():
 
 
 def test_the_kv_budget_counts_prompts_and_generated_tokens():
-    adm = Admission({"kv_budget": 1.0}, kv_capacity_tokens=1000, clock=Clock())
+    adm = Admission({"kv_budget": 1.0}, kv_capacity_tokens=lambda: 1000, clock=Clock())
     a = adm.admit([0], [400], 2)                     # two choices of a cached 400-token prompt: 800 tokens
     a.progress(0, 50)
     a.progress(1, 100)                               # 950 held
@@ -80,7 +80,7 @@ def test_the_kv_budget_counts_prompts_and_generated_tokens():
 
 
 def test_every_path_gives_its_tokens_back_exactly_once():
-    adm = Admission({}, kv_capacity_tokens=10_000, clock=Clock())
+    adm = Admission({}, kv_capacity_tokens=lambda: 10_000, clock=Clock())
     t = adm.admit([100, 50], [120, 50], 2)            # two prompts x two choices
     assert adm.queued == 150 and adm.kv_tokens == 2 * 170
     t.progress(0, 1)
@@ -94,7 +94,7 @@ def test_every_path_gives_its_tokens_back_exactly_once():
 
 def test_disabled_admission_admits_everything():
     clock = Clock()
-    adm = Admission({"enabled": False, "ttft_slo_s": 0.1, "max_queued_prompt_tokens": 1}, kv_capacity_tokens=1,
+    adm = Admission({"enabled": False, "ttft_slo_s": 0.1, "max_queued_prompt_tokens": 1}, kv_capacity_tokens=lambda: 1,
                     clock=clock)
     warm(adm, clock, rate=10.0)
     for _ in range(5):
@@ -130,7 +130,7 @@ def test_the_time_a_first_token_takes_beyond_the_queue_is_learnt_and_kept_as_a_m
 def test_a_streaming_body_the_server_never_started_gives_its_tokens_back():
     """A client that leaves before the response starts: the body generator never runs, nor its `finally`."""
     import gc
-    adm = Admission({}, kv_capacity_tokens=10_000, clock=Clock())
+    adm = Admission({}, kv_capacity_tokens=lambda: 10_000, clock=Clock())
     t = adm.admit([100], [100], 1)
 
     async def body():
