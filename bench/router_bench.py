@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from bench.engine_bench import machine_info, make_logger, pyplot
-from engine.kv import BlockStored, block_hashes, decode_events, encode_events
+from engine.block_hash import block_hashes
+from engine.kv_events import BlockStored, decode_events, encode_events
 from router.prefix_index import PrefillRanker, PrefixIndex
 
 log = make_logger("router-bench")

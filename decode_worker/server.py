@@ -12,7 +12,7 @@ from engine import SamplingParams
 from engine.outputs import RequestOutput
 from kvtransfer import KVHandle
 from kvtransfer.errors import KVHandleError, KVTransferError
-from prefill_worker.replica import EngineReplica, run_blocking
+from replica.engine_replica import EngineReplica, run_blocking
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.05

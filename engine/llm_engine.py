@@ -15,7 +15,9 @@ from typing import Callable
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
-from engine.kv import KV_LAYOUT_VERSION, BlockPool, KVEvent, block_hashes
+from engine.block_hash import block_hashes
+from engine.block_pool import KV_LAYOUT_VERSION, BlockPool
+from engine.kv_events import KVEvent
 from engine.loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestMetrics, RequestOutput

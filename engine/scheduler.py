@@ -13,7 +13,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv import BlockPool, block_hashes
+from engine.block_hash import block_hashes
+from engine.block_pool import BlockPool
 from engine.sequence import Sequence, Status
 
 

@@ -23,7 +23,7 @@ import asyncio
 import threading
 from typing import Callable
 
-from engine.kv import block_hashes
+from engine.block_hash import block_hashes
 from engine.llm_engine import KVReservation, LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import make_transport

@@ -22,7 +22,7 @@ class KVHandle:
     agent: str                  # producer's transport name (a new one per process incarnation)
     request_id: str
     block_ids: list[int]        # the producer's blocks, in prompt order
-    block_hashes: list[int]     # the prompt's full-block hashes (engine.kv.block_hashes)
+    block_hashes: list[int]     # the prompt's full-block hashes (engine.block_hash.block_hashes)
     num_tokens: int
     compat: str                 # compat_hash(producer's compat_key)
     expiry: float               # unix time at which the producer unpins, pulled or not

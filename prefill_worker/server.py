@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from engine import SamplingParams
-from prefill_worker.replica import EngineReplica, run_blocking
+from replica.engine_replica import EngineReplica, run_blocking
 
 
 class PrefillServer(EngineReplica):

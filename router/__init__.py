@@ -8,7 +8,7 @@ _EXPORTS = {"PrefixIndex": "router.prefix_index", "PrefillRanker": "router.prefi
             "ClusterState": "router.cluster_state", "Ingress": "router.ingress"}
 
 
-def __getattr__(name: str):          # lazy: `from router import protocol` must not start FastAPI or Serve
+def __getattr__(name: str):          # lazy: `from router import openai_protocol` must not start FastAPI or Serve
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'router' has no attribute {name!r}")

@@ -29,7 +29,7 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge
 
-from router.protocol import OpenAIError
+from router.openai_protocol import OpenAIError
 
 REJECTED = Counter("baton_admission_rejected", "Requests refused with 429 by admission control, by budget",
                    ["reason"])

@@ -1,6 +1,6 @@
 """ClusterState: the one Ray actor that every replica reports to and every router reads from.
 
-- KV events: each replica of both pools publishes numbered batches (msgpack, engine.kv.encode_events);
+- KV events: each replica of both pools publishes numbered batches (msgpack, engine.kv_events.encode_events);
   the actor keeps the exact PrefixIndex of each pool and a log of recent batches. Routers (in every
   ingress replica, and wherever a handle routes) hold an IndexMirror that pulls the log since its
   version, or a snapshot when it fell too far behind, in the background: `choose_replicas` only reads
@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 
-from engine.kv import decode_events
+from engine.kv_events import decode_events
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)

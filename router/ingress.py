@@ -2,7 +2,7 @@
 
 POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
 GET /metrics (this process's metrics merged with every replica's). Requests are parsed and checked
-by router/protocol.py, tokenized once here (chat template), and run by router/pipeline.py.
+by router/openai_protocol.py, tokenized once here (chat template), and run by router/orchestrator.py.
 """
 
 import asyncio
@@ -19,10 +19,10 @@ from ray import serve
 
 from engine.llm import chat_token_ids
 from engine.loader import load_tokenizer
-from router import protocol as oa
+from router import openai_protocol as oa
 from router.cluster_state import STATE_NAMESPACE, ClusterState, merge_expositions
 from router.admission import Admission
-from router.pipeline import Pipeline, as_openai_error
+from router.orchestrator import Orchestrator, as_openai_error
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Baton", description="OpenAI-compatible API of a disaggregated Baton cluster")
@@ -95,25 +95,25 @@ class Ingress:
         self._prefill, self._state_name = prefill, state_actor
         self.served_name = None
         self.tokenizer = None
-        self.pipeline = None
+        self.orchestrator = None
         self.admission: Admission | None = None
         self._ready = asyncio.Lock()
 
-    async def _setup(self) -> Pipeline:
+    async def _setup(self) -> Orchestrator:
         """Model facts come from a decode replica once (the model key that block hashes use)."""
-        if self.pipeline is None:
+        if self.orchestrator is None:
             async with self._ready:
-                if self.pipeline is None:
+                if self.orchestrator is None:
                     info = await self.decode.model_info.remote()
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
                     self.served_name = info["served_model_name"]
                     self.info = info
                     self.admission = Admission(self.config.get("admission") or {}, lambda: (
-                        self.pipeline.kv_capacity_tokens() // self.config["ingress"]["num_replicas"]))
-                    self.pipeline = Pipeline(self._prefill, self.decode, info, self._state_name,
+                        self.orchestrator.kv_capacity_tokens() // self.config["ingress"]["num_replicas"]))
+                    self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
                                              self.config["disaggregation"]["min_remote_prefill_tokens"],
                                              self.config["router"]["index_sync_interval_s"])
-        return self.pipeline
+        return self.orchestrator
 
     # -- routes -----------------------------------------------------------------------------------
     @app.get("/health")
@@ -155,17 +155,17 @@ class Ingress:
         try:
             self.keys.check(request.headers.get("authorization"))
             body = await _json(request, self.limits.get("max_body_bytes", oa.LIMITS["max_body_bytes"]))
-            pipeline = await self._setup()
+            orchestrator = await self._setup()
             req = oa.parse_request(body, chat, self.limits)
             oa.check_model(req.model, [self.served_name])
             prompts = self._prompts(req, chat)
             for ids in prompts:
                 oa.check_prompt_length(len(ids), self.limits)
                 oa.check_token_ids(ids, self.info["vocab_size"])
-            hashes = [pipeline.hashes(ids) for ids in prompts]
+            hashes = [orchestrator.hashes(ids) for ids in prompts]
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
-            ticket = self.admission.admit([len(ids) - pipeline.cached_tokens(h) for ids, h in zip(prompts, hashes)],
+            ticket = self.admission.admit([len(ids) - orchestrator.cached_tokens(h) for ids, h in zip(prompts, hashes)],
                                           [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -173,11 +173,11 @@ class Ingress:
         created, model = int(time.time()), self.served_name
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer)
         if req.stream:
-            body = self._stream(pipeline, jobs, builder, ticket)
+            body = self._stream(orchestrator, jobs, builder, ticket)
             ticket.release_with(body)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            return await self._complete(pipeline, jobs, builder, ticket)
+            return await self._complete(orchestrator, jobs, builder, ticket)
         finally:                    # choices cancelled before they ran never reach their own `finally`
             ticket.release_all()
 
@@ -186,10 +186,10 @@ class Ingress:
             return [chat_token_ids(self.tokenizer, oa.chat_messages(req))]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
 
-    async def _complete(self, pipeline: Pipeline, jobs, builder, ticket) -> Response:
+    async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:
         async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
-                async for d in pipeline.stream(ids, params, hashes=hashes):
+                async for d in orchestrator.stream(ids, params, hashes=hashes):
                     ticket.progress(i, len(d["token_ids"]))
                     builder.add(i, d)
             finally:
@@ -201,12 +201,12 @@ class Ingress:
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         return JSONResponse(builder.final())
 
-    async def _stream(self, pipeline: Pipeline, jobs, builder, ticket) -> AsyncIterator[bytes]:
+    async def _stream(self, orchestrator: Orchestrator, jobs, builder, ticket) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
-                async for d in pipeline.stream(ids, params, hashes=hashes):
+                async for d in orchestrator.stream(ids, params, hashes=hashes):
                     ticket.progress(i, len(d["token_ids"]))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001

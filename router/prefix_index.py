@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
-from engine.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(eq=False, repr=False)     # hundreds of thousands of entries: never print or compare them

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.admission import Admission
-from router.protocol import OpenAIError
+from router.openai_protocol import OpenAIError
 
 
 class Clock:

@@ -12,7 +12,8 @@ import torch
 
 from engine import (LLM, AsyncLLM, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError,
                     SamplingParams)
-from engine.kv import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from engine.block_hash import block_hashes
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.conftest import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

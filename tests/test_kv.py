@@ -9,7 +9,11 @@ import sys
 import msgpack
 import pytest
 
-from engine.kv import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored, block_hashes
+from engine.block_hash import block_hashes
+
+from engine.block_pool import BlockPool
+
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 BS = 4
 KEY = "model-a"
@@ -83,7 +87,7 @@ def test_parent_continues_a_chain():
 def test_hashes_stable_across_processes():
     """The router and other engines compute hashes in other processes: no dependence on hash()."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # load engine/kv.py by path: the same code, without importing torch via the engine package
+    # load engine/block_hash.py by path: the same code, without importing torch via the engine package
     code = ("import importlib.util, json, sys; "
             "spec = importlib.util.spec_from_file_location('kv', sys.argv[1]); "
             "kv = sys.modules['kv'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(kv); "
@@ -93,7 +97,7 @@ def test_hashes_stable_across_processes():
     seen_str_hashes = set()
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        res = subprocess.run([sys.executable, "-c", code, os.path.join(root, "engine", "kv.py")], env=env,
+        res = subprocess.run([sys.executable, "-c", code, os.path.join(root, "engine", "block_hash.py")], env=env,
                              cwd=root, capture_output=True, text=True, timeout=60, check=True)
         *theirs, str_hash = json.loads(res.stdout)
         assert theirs == here
@@ -370,13 +374,13 @@ def test_reset_with_only_uncached_blocks_in_use_is_allowed():
     ("not bytes", "msgpack bytes"),
 ])
 def test_kv_event_batches_are_checked_on_receipt(data, message):
-    from engine.kv import decode_events
+    from engine.kv_events import decode_events
     with pytest.raises(ValueError, match=message):
         decode_events(data)
 
 
 def test_a_malformed_batch_marks_the_replica_stale_and_the_state_actor_goes_on():
-    from engine.kv import BlockStored, encode_events
+    from engine.kv_events import BlockStored, encode_events
     from router.cluster_state import ClusterState
     state = ClusterState()
     state.register("decode", "r1", b"", 0)

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 import msgpack
 import pytest
 
-from engine.kv import BlockPool, block_hashes, decode_events, encode_events
+from engine.block_hash import block_hashes
+
+from engine.block_pool import BlockPool
+
+from engine.kv_events import decode_events, encode_events
 from router.cluster_state import ClusterState, IndexMirror, apply_entry
 from router.prefix_index import PrefillRanker, PrefixIndex
 

@@ -403,7 +403,7 @@ def test_a_stalled_kv_pull_times_out_and_the_producer_pin_expires(cluster, injec
 def test_lost_kv_events_cost_cache_misses_not_failures_and_the_index_resyncs(cluster, inject):
     import ray
 
-    from engine.kv import block_hashes
+    from engine.block_hash import block_hashes
     inject(kv_events_drop=1.0)
     ps = [prompt(300 + i, 128) for i in range(4)]
     texts = [complete(p, 8)["choices"][0]["text"] for p in ps]     # served while the index hears nothing

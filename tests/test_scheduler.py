@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv import BlockPool
+from engine.block_pool import BlockPool
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, Status

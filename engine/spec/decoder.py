@@ -17,7 +17,7 @@ import time
 import torch
 
 from engine.errors import ConfigError
-from engine.kv import BlockPool
+from engine.block_pool import BlockPool
 from engine.sampler import Sampler, target_probs
 from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv import BlockPool
+from engine.block_pool import BlockPool
 from engine.sampler import sample_from_probs, target_probs
 from engine.spec.ngram import NgramProposer
 

@@ -222,7 +222,7 @@ def models_body(names: list[str], max_model_len: int) -> dict:
 
 
 class ResponseBuilder:
-    """Collects one request's choices from the pipeline's token deltas; emits OpenAI bodies or chunks."""
+    """Collects one request's choices from the orchestrator's token deltas; emits OpenAI bodies or chunks."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer):
         self.id, self.created, self.model, self.chat, self.req, self.tok = rid, created, model, chat, req, tokenizer

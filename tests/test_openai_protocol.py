@@ -8,7 +8,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from router import protocol as oa
+from router import openai_protocol as oa
 
 
 class Tok:
@@ -77,7 +77,7 @@ def test_bodies_and_chunks_parse_as_the_official_types():
 
 
 def test_api_keys_from_the_environment(monkeypatch):
-    from router.protocol import ApiKeys, OpenAIError
+    from router.openai_protocol import ApiKeys, OpenAIError
     monkeypatch.delenv("BATON_T_KEYS", raising=False)
     assert not ApiKeys("BATON_T_KEYS").enabled
     ApiKeys("BATON_T_KEYS").check(None)                      # no keys configured: open
@@ -94,7 +94,7 @@ def test_api_keys_from_the_environment(monkeypatch):
 
 
 def test_request_limits_are_configurable():
-    from router.protocol import OpenAIError, parse_request
+    from router.openai_protocol import OpenAIError, parse_request
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 6, "stop": ["a"] * 6}
     with pytest.raises(OpenAIError, match="n must be between 1 and 8|at most 4 stop"):
         parse_request(body, chat=True)
@@ -107,7 +107,7 @@ def test_request_limits_are_configurable():
 def test_out_of_range_seeds_are_refused_before_they_reach_an_engine():
     from engine import SamplingParams
     from engine.errors import InvalidRequestError
-    from router.protocol import OpenAIError, parse_request
+    from router.openai_protocol import OpenAIError, parse_request
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     for seed in (2**80, -(2**64)):
         with pytest.raises(OpenAIError) as e:

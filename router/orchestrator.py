@@ -1,4 +1,4 @@
-"""Pipeline: one request's way through the pools, behind the HTTP layer (router/ingress.py).
+"""Orchestrator: one request's way through the prefill and decode pools, behind the HTTP layer (router/ingress.py).
 
     token ids + SamplingParams
       -> block hashes (the engine's function, the model's key from a replica)
@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator
 from prometheus_client import Counter, Histogram
 
 from engine import SamplingParams
-from engine.kv import block_hashes
+from engine.block_hash import block_hashes
 from router.cluster_state import IndexMirror
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ REQUESTS = Counter("baton_requests", "Finished requests by status and finish rea
 PATHS = Counter("baton_disaggregation_decisions", "Where prompts were prefilled", ["path"])
 
 
-class Pipeline:
+class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
                  min_remote_prefill_tokens: int, sync_interval_s: float = 0.01):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
@@ -149,7 +149,7 @@ def as_openai_error(e: BaseException, rid: str):
     from ray.exceptions import RayTaskError
 
     from engine.errors import InvalidRequestError
-    from router.protocol import OpenAIError
+    from router.openai_protocol import OpenAIError
     if isinstance(e, OpenAIError):
         return e
     if _replica_died(e):

@@ -1,4 +1,4 @@
-"""The paged KV block pool: chained block hashes, ref counts, LRU prefix cache, KV events.
+"""The paged KV block pool: fixed-size blocks with ref counts and an LRU prefix cache that reports KV events.
 
 Cache layout (one tensor, see ARCHITECTURE.md "KV layout for transfer"):
 
@@ -14,110 +14,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import msgpack
-import numpy as np
-import xxhash
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 KV_LAYOUT_VERSION = 1
-
-
-# ---------------------------------------------------------------------------------------------
-# One block hash for the whole system (router, prefill cache, decode cache).
-
-def block_hashes(token_ids: Sequence[int], block_size: int, model_key: str | bytes,
-                 parent: int | None = None) -> list[int]:
-    """Chained hashes of the *full* blocks of `token_ids`: h_i = H(h_{i-1} || model_key || block i).
-
-    Stable across processes and machines (xxh3-64 over little-endian bytes), never Python's hash().
-    `parent` continues a chain (the hash of the block before `token_ids[0]`).
-    """
-    key = model_key.encode() if isinstance(model_key, str) else model_key
-    ids = np.asarray(token_ids, dtype="<u4")
-    out: list[int] = []
-    prev = parent
-    for i in range(len(ids) // block_size):
-        h = xxhash.xxh3_64()
-        h.update(b"\x00" * 8 if prev is None else prev.to_bytes(8, "little"))
-        h.update(key)
-        h.update(ids[i * block_size:(i + 1) * block_size].tobytes())
-        prev = h.intdigest()
-        out.append(prev)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# KV events, for the router's prefix index.
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-def encode_events(events: Sequence[KVEvent]) -> bytes:
-    """KV events as msgpack, for the router's index in another process (never pickle)."""
-    rows = []
-    for e in events:
-        if isinstance(e, BlockStored):
-            rows.append(["stored", list(e.block_hashes), e.parent_block_hash])
-        elif isinstance(e, BlockRemoved):
-            rows.append(["removed", list(e.block_hashes)])
-        else:
-            rows.append(["cleared"])
-    return msgpack.packb(rows)
-
-
-MAX_EVENT_BATCH_BYTES = 64 << 20
-
-
-def decode_events(data: bytes) -> list[KVEvent]:
-    """encode_events' inverse. Bytes from another process are checked against the schema on receipt: a
-    malformed batch raises ValueError naming the first problem, and nothing of it is applied."""
-    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_EVENT_BATCH_BYTES:
-        raise ValueError("a KV event batch must be msgpack bytes of at most 64 MiB")
-    try:
-        rows = msgpack.unpackb(data, strict_map_key=True)
-    except Exception as e:                                  # noqa: BLE001 - msgpack raises several kinds
-        raise ValueError(f"a KV event batch is not valid msgpack: {e}") from None
-    if not isinstance(rows, list):
-        raise ValueError("a KV event batch must be a list of events")
-
-    def hashes(x, i: int) -> list[int]:
-        if not isinstance(x, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in x):
-            raise ValueError(f"KV event {i}: block hashes must be a list of integers")
-        return x
-
-    out: list[KVEvent] = []
-    for i, row in enumerate(rows):
-        kind = row[0] if isinstance(row, list) and row else None
-        if kind == "stored" and len(row) == 3:
-            parent = row[2]
-            if parent is not None and (not isinstance(parent, int) or isinstance(parent, bool)):
-                raise ValueError(f"KV event {i}: the parent block hash must be an integer or nil")
-            out.append(BlockStored(hashes(row[1], i), parent))
-        elif kind == "removed" and len(row) == 2:
-            out.append(BlockRemoved(hashes(row[1], i)))
-        elif kind == "cleared" and len(row) == 1:
-            out.append(AllBlocksCleared())
-        else:
-            raise ValueError(f"KV event {i}: unknown kind or shape {str(row)[:80]!r}")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
 class Block:

@@ -16,9 +16,9 @@ from typing import Any
 
 from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
-from engine.kv import AllBlocksCleared, BlockStored, KVEvent, encode_events
+from engine.kv_events import AllBlocksCleared, BlockStored, KVEvent, encode_events
 from kvtransfer import KVLink
-from prefill_worker.metrics import LatencyWindow, ReplicaMetrics
+from replica.metrics import LatencyWindow, ReplicaMetrics
 
 log = logging.getLogger(__name__)
 
