@@ -47,7 +47,7 @@ def test_the_example_file_has_every_section_loads_and_round_trips(tmp_path):
     again.write_text(cfg.to_yaml())
     assert ClusterConfig.from_yaml(again) == cfg
     for pool in ("prefill", "decode"):
-        EngineConfig.from_kwargs(**cfg.engine_kwargs(pool))     # what a replica does with them
+        assert isinstance(cfg.engine_config(pool), EngineConfig)     # what a replica gets
 
 
 def test_the_commented_out_alternatives_in_the_example_load_too():
@@ -184,7 +184,7 @@ def test_colocated_mode_has_only_the_decode_pool():
     with pytest.raises(ConfigError, match="no prefill pool"):
         cfg.deployment_options("prefill")
     with pytest.raises(ConfigError, match="no prefill pool"):
-        cfg.engine_kwargs("prefill")
+        cfg.engine_config("prefill")
 
 
 def test_deployment_options_are_accepted_by_ray_serve():
