@@ -13,9 +13,10 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema
 
 from cluster.autoscaling import Coupling, DecodeAutoscaling, PrefillAutoscaling
-from cluster.config import (POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs, PrefillPoolConfig,
-                            PoolConfig)
+from cluster.config import POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs, PrefillPoolConfig
 from engine import EngineConfig
+from kvtransfer.config import TransferConfig
+from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).parents[1]
@@ -250,7 +251,8 @@ def test_every_field_is_documented():
                 if isinstance(a, type) and issubclass(a, BaseModel):
                     yield from models(a)
     seen = set(models(ClusterConfig))
-    assert {PrefillAutoscaling, DecodeAutoscaling, Coupling, EngineKnobs, PrefillPoolConfig} <= seen
+    assert {PrefillAutoscaling, DecodeAutoscaling, Coupling, EngineKnobs, PrefillPoolConfig, TransferConfig, RouterConfig,
+            DisaggregationConfig, LimitsConfig, AdmissionConfig, AuthConfig} <= seen     # the sections other packages own
     for m in seen:
         for name, field in m.model_fields.items():
             assert field.description and len(field.description) > 8, f"{m.__name__}.{name}"

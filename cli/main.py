@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(serve_config(config), sort_keys=False), end="")
         return 0
     from cluster.serving import start
-    start(config, blocking=False)
+    start(config)
     print(f"baton: serving {config.model_name()} ({config.mode}) on http://{config.host}:{config.port}/v1 "
           f"- Ctrl-C to stop", file=sys.stderr)
     try:
