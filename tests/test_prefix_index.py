@@ -314,14 +314,14 @@ def test_ranker_falls_back_to_least_loaded_when_imbalanced():
 
 
 def test_a_replica_without_a_load_report_counts_as_idle():
-    ranker = PrefillRanker(imbalance_threshold=10_000)
+    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=10_000)
     tiers, reason = ranker.rank(H, 128, 16, {"a": 4, "quiet": 4}, {"a": 50})
     assert tiers == [["quiet"], ["a"]] and reason == "prefix_hit"
     assert ranker.rank(H, 128, 16, {}, {}) == ([], "no_replica")
 
 
 def test_ranker_ties_stick_per_prompt_and_spread_across_prompts():
-    ranker = PrefillRanker()
+    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=8192)
     idle = dict.fromkeys("abcdefgh", 0)
     picks = [first(ranker.rank([k * 7919, 1], 32, 16, {}, idle))[0] for k in range(400)]
     assert len(set(picks)) == 8 and max(picks.count(r) for r in idle) < 100   # spread, not one hot spot
