@@ -86,9 +86,7 @@ class Ingress:
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; the rest are the cluster config's sections."""
-        self.limits, self.admission_config = limits, admission
-        self.disaggregation, self.router_config = disaggregation, router
-        self.num_replicas = num_replicas
+        self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
         self.keys = oa.ApiKeys(auth.api_keys_env)
         self.protect_metrics = auth.protect_metrics
         if self.keys.enabled:
@@ -100,7 +98,8 @@ class Ingress:
         self.served_name = None
         self.tokenizer = None
         self.orchestrator = None
-        self.admission: Admission | None = None
+        # asked only once a request is admitted, after _setup made the orchestrator; each replica's share
+        self.admission = Admission(admission, lambda: self.orchestrator.kv_capacity_tokens() // num_replicas)
         self._ready = asyncio.Lock()
 
     async def _setup(self) -> Orchestrator:
@@ -112,8 +111,6 @@ class Ingress:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
                     self.served_name = info["served_model_name"]
                     self.info = info
-                    self.admission = Admission(self.admission_config, lambda: (
-                        self.orchestrator.kv_capacity_tokens() // self.num_replicas))
                     self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
                                              self.disaggregation.min_remote_prefill_tokens,
                                              self.router_config.index_sync_interval_s)
