@@ -13,6 +13,7 @@ from engine.outputs import RequestOutput
 from kvtransfer import KVHandle
 from kvtransfer.errors import KVHandleError, KVTransferError
 from replica.engine_replica import EngineReplica, run_blocking
+from replica.names import DECODE
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.05
@@ -20,7 +21,7 @@ RESERVE_MARGIN_S = 2.0          # stop waiting for room this long before the pro
 
 
 class DecodeServer(EngineReplica):
-    pool = "decode"
+    pool = DECODE
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """req: request_id, token_ids, sampling, and `prefill` (PrefillServer.prefill's answer) or None

@@ -7,10 +7,11 @@ from typing import Any
 
 from engine import SamplingParams
 from replica.engine_replica import EngineReplica, run_blocking
+from replica.names import PREFILL
 
 
 class PrefillServer(EngineReplica):
-    pool = "prefill"
+    pool = PREFILL
 
     async def prefill(self, req: dict[str, Any]) -> dict[str, Any]:
         """req: request_id, token_ids, sampling (SamplingParams fields). The first token is sampled here

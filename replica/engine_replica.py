@@ -18,7 +18,9 @@ from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
 from engine.kv_events import AllBlocksCleared, BlockStored, KVEvent, encode_events
 from kvtransfer import KVLink
+from kvtransfer.config import TransferConfig
 from replica.metrics import LatencyWindow, ReplicaMetrics
+from replica.names import get_state_actor
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +41,24 @@ def replica_id() -> str:
 class EngineReplica:
     pool = ""
 
-    def __init__(self, engine: dict[str, Any], transfer: dict[str, Any], state_actor: str | None,
-                 served_model_name: str):
+    def __init__(self, engine: EngineConfig, transfer: TransferConfig, state_actor: str, served_model_name: str):
         self.replica = replica_id()
         self.served_model_name = served_model_name
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self._seq = 0
-        eng = LLMEngine(EngineConfig.from_kwargs(**engine), on_kv_event=self._on_event)
+        eng = LLMEngine(engine, on_kv_event=self._on_event)
         self.llm = AsyncLLM(engine=eng)
         self.engine = eng
-        self.transfer_kind = transfer.get("backend", "nixl")
+        self.transfer_kind = transfer.backend
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=self.transfer_kind, source=self._source,
-                           ttl_s=transfer.get("ttl_s", 30.0))
+                           ttl_s=transfer.ttl_s)
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
         self.awaiting_room = 0                          # decode: pulls waiting for free KV blocks
         self._busy_mark = (time.monotonic(), 0.0)       # (when, engine busy seconds then): utilisation
-        self._state_name, self._state = state_actor, None   # found lazily: the ingress creates it
+        self._state_name, self._state = state_actor, None   # found lazily: the app's `state` deployment creates it
         self._peer_metadata: dict[str, bytes] = {}       # NIXL: producer agent -> metadata, from requests
         self._blocks: dict[str, Any] = {}                 # Ray fallback: request id -> (ref, block count)
         self._closed = False
@@ -96,10 +97,10 @@ class EngineReplica:
     def _find_state(self) -> None:
         import ray
         try:
-            state = ray.get_actor(self._state_name, namespace="baton")   # router.cluster_state.STATE_NAMESPACE
+            state = get_state_actor(self._state_name)
         except ValueError:                  # not created yet
             return
-        ray.get(state.register.remote(self.pool, self.replica, b"", 0))
+        ray.get(state.register.remote(self.pool, self.replica, 0))
         self._state = state
 
     def _background(self) -> None:
@@ -107,7 +108,7 @@ class EngineReplica:
         last_report, report = 0.0, None
         while not self._closed:
             try:
-                if self._state is None and self._state_name:
+                if self._state is None:
                     self._find_state()
                 self.llm.call(lambda _: self.link.release_finished())
                 self._publish()

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 
 from engine import SamplingParams
 from engine.block_hash import block_hashes
+from replica.names import DECODE
 from router.cluster_state import IndexMirror
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ PATHS = Counter("baton_disaggregation_decisions", "Where prompts were prefilled"
 
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
-                 min_remote_prefill_tokens: int, sync_interval_s: float = 0.01):
+                 min_remote_prefill_tokens: int, sync_interval_s: float):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
         self.model = model                        # DecodeServer.model_info(): key, block size, limits
         self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
@@ -55,7 +56,7 @@ class Orchestrator:
         hit = 0
         if self.mirror is not None:
             self.mirror.start()
-            hit = max(self.mirror.index["decode"].match(hashes).values(), default=0)
+            hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
         return len(token_ids) - hit * self.model["block_size"] > self.min_remote
 
     def cached_tokens(self, hashes: list[int]) -> int:
@@ -68,7 +69,7 @@ class Orchestrator:
 
     def kv_capacity_tokens(self) -> int:
         """Tokens the decode pool's KV caches hold in all (replicas the index knows; at least one)."""
-        replicas = len(self.mirror.index["decode"].slots) if self.mirror is not None else 0
+        replicas = len(self.mirror.index[DECODE].slots) if self.mirror is not None else 0
         return self.model.get("kv_blocks_total", 0) * self.model["block_size"] * max(replicas, 1)
 
     async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -80,7 +81,7 @@ class Orchestrator:
         hashes = hashes if hashes is not None else self.hashes(token_ids)
         req: dict[str, Any] = {"request_id": rid, "token_ids": token_ids, "block_hashes": hashes,
                                "sampling": asdict(params), "prefill": None}
-        status, reason, pool, replica = "error", "error", "decode", "?"
+        status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:
             if self.remote_prefill(token_ids, hashes):

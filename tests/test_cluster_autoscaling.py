@@ -88,3 +88,28 @@ def test_decode_pool_scales_up_under_load_and_back_down_after_it(cluster):
     assert 'baton_autoscaling_target_replicas{pool="decode"} 1.0' in text
     assert running("prefill") == 1                          # its max, held however the coupling pulls
     print(f"scaled up {up_after:.1f} s into the load, down {down_after:.1f} s after it; {len(done)} streams")
+
+
+def test_deleting_an_app_leaves_no_actor_of_it_behind(cluster):
+    """Under `serve deploy` or KubeRay the app is all there is: its state actor must end with it (a detached one
+    would outlive it). A second, colocated app on the same Ray cluster, then serve.delete."""
+    import ray
+
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+    from replica.names import STATE_NAMESPACE, get_state_actor, state_actor_name
+    app = "lifecycle"
+    config = ClusterConfig.from_dict({"mode": "colocated", "decode": {"num_cpus": 0, "engine": ENGINE}})
+    serve.run(build_app(config, app), name=app, route_prefix=f"/{app}")
+
+    def actors_of_app() -> list[str]:       # named actors, from the GCS (this local Ray has no dashboard)
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"] == state_actor_name(app) or a["name"].startswith(f"SERVE_REPLICA::{app}#")]
+
+    assert ray.get(get_state_actor(state_actor_name(app)).stale.remote()) == {"prefill": [], "decode": []}
+    assert {a for a in actors_of_app() if not a.startswith("SERVE_REPLICA")} == {state_actor_name(app)}
+    serve.delete(app)
+    wait_for(lambda: not actors_of_app(), 60, f"the actors of app {app} to end")
+    with pytest.raises(ValueError):
+        ray.get_actor(state_actor_name(app), namespace=STATE_NAMESPACE)
+    assert get_state_actor(state_actor_name("baton"))        # the other app's is untouched

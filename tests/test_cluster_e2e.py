@@ -12,8 +12,8 @@ import urllib.request
 import openai
 import pytest
 
-from bench.cluster_bench import pool_total as _pool_sum
-from bench.cluster_bench import scrape
+from cluster.live_metrics import pool_total as _pool_sum
+from cluster.live_metrics import scrape
 from engine import LLM, SamplingParams
 from tests.conftest import assert_not_in_ray_logs
 

@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from bench.cluster_bench import pool_total, scrape
+from cluster.live_metrics import pool_total, scrape
 from engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from bench.cluster_bench import pool_total, scrape
-from bench.soak_bench import leak_report, replica_gauges, soak
+from bench.soak_bench import soak
+from cluster.live_metrics import leak_report, pool_total, replica_gauges, scrape
 from engine import faults
 from tests.conftest import assert_not_in_ray_logs
 
@@ -127,7 +127,7 @@ def wait_for(cond, timeout: float = 30.0, interval: float = 0.5):
 def state_actor():
     import ray
 
-    from router.cluster_state import STATE_NAMESPACE, state_actor_name
+    from replica.names import STATE_NAMESPACE, state_actor_name
     return ray.get_actor(state_actor_name("baton"), namespace=STATE_NAMESPACE)
 
 
