@@ -267,6 +267,7 @@ def test_bad_autoscaling_knobs_are_refused_with_their_path(bad, message):
     assert message in str(e.value)
 
 
+@pytest.mark.bench
 def test_bench_autoscale_writes_json_and_a_plot_and_coupling_wins(tmp_path):
     import json
 

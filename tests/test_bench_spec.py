@@ -13,6 +13,7 @@ ROOT = Path(__file__).parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_bench_spec_quick(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "spec", "--quick", "--json",

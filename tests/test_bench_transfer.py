@@ -14,6 +14,8 @@ ROOT = Path(__file__).parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.cluster                        # the benchmark starts a local Ray of its own
+@pytest.mark.bench
 def test_bench_transfer_quick(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--quick", "--json",

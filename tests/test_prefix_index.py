@@ -332,6 +332,7 @@ def test_ranker_ties_stick_per_prompt_and_spread_across_prompts():
 
 
 # -- benchmark ----------------------------------------------------------------------------------------
+@pytest.mark.bench
 def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
     import argparse
     import json
