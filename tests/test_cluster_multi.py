@@ -11,7 +11,7 @@ import urllib.request
 import openai
 import pytest
 
-from bench.cluster_bench import pool_total, scrape
+from cluster.live_metrics import pool_total, scrape
 from engine.block_hash import block_hashes
 from tests.conftest import (DISAGGREGATED, DISAGGREGATED_ENV, SCALED_OUT, TEST_KEY, ingress_index_matches,
                             on_ingress_replicas, served_model_key, wait_for)

@@ -43,7 +43,7 @@ def router(cached: dict[str, int] | None = None, max_num_seqs: int = 64) -> Deco
     """A DecodeRouter without Serve's constructor, its index mirror a local index: replica -> leading blocks of
     PROMPT it caches."""
     r = DecodeRouter.__new__(DecodeRouter)
-    r.initialize_state(state_actor="unused", block_size=BS, max_num_seqs=max_num_seqs)
+    r.initialize_state(state_actor="unused", block_size=BS, max_num_seqs=max_num_seqs, index_sync_interval_s=0.01)
     index = PrefixIndex()
     for name, n in (cached or {}).items():
         index.load_snapshot(name, 0, HASHES[:n])
