@@ -258,7 +258,8 @@ class NixlPull:
             self.retried = True
             self.t.forget_peer(self.handle.agent)
             self.start()
-        else:
+        else:                                         # gone for good, most likely: forget it (its name never returns)
+            self.t.forget_peer(self.handle.agent)
             self._fail(KVTransferError(f"pull of {self.request_id} from {self.handle.agent} failed: {self.cause!r}"))
 
     def wait(self, timeout_s: float | None = None) -> None:

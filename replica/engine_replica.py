@@ -155,6 +155,8 @@ class EngineReplica:
 
     # -- transfer peers: a producer's metadata, asked once per agent (the transport caches it) ------------
     def _peer_metadata(self, agent: str) -> bytes:
+        """The transport asks this at its first pull from a producer process (under the engine lock, like the
+        pull itself): one round trip to the state actor per producer, then the transport's peer table serves."""
         import ray
         state = self._state or self._state_actor()
         metadata = None if state is None else ray.get(state.transfer_metadata.remote(agent), timeout=PEER_TIMEOUT_S)
