@@ -1,5 +1,5 @@
-"""DecodeServer: a decode-pool replica. It pulls a prompt's KV named by a KVHandle into blocks it
-reserved (or prefills the prompt itself when told to), then streams tokens by continuous batching.
+"""DecodeServer: a decode-pool replica. It pulls a prompt's KV named by a KVHandoff into blocks it
+reserved (or prefills the prompt itself when told to), then streams TokenDeltas by continuous batching.
 In colocated mode it is the only pool and always prefills itself."""
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from engine import SamplingParams
-from engine.outputs import RequestOutput
-from kvtransfer import KVHandle
+from kvtransfer import KVHandoff
 from kvtransfer.errors import KVHandleError, KVTransferError
 from replica.engine_replica import EngineReplica, run_blocking
 from replica.names import DECODE
+from replica.messages import PoolRequest, PrefillResult, TokenDelta
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.05
@@ -23,61 +22,53 @@ RESERVE_MARGIN_S = 2.0          # stop waiting for room this long before the pro
 class DecodeServer(EngineReplica):
     pool = DECODE
 
-    async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """req: request_id, token_ids, sampling, and `prefill` (PrefillServer.prefill's answer) or None
-        for a local prefill. Yields token deltas; the last one has finished=True and the usage."""
-        ids, rid = req["token_ids"], req["request_id"]
-        params = SamplingParams(**req["sampling"])
+    async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
+        """The request's deltas: its KV pulled from req.prefill's hand-off, or prefilled here when that is
+        None (or the pull fails). The last delta has finished=True and the usage."""
+        ids, rid = req.token_ids, req.request_id
         kw: dict[str, Any] = {}
-        if req.get("prefill"):
+        if req.prefill is not None:
             try:
-                kw = await self._import(req["prefill"], ids, rid)
+                kw = await self._import(req.prefill, ids, req.block_hashes)
             except (KVTransferError, KVHandleError, MemoryError) as e:
                 # the producer died, the pull failed or timed out, or no room came in time: compute the
                 # prompt here instead (the producer's pin ends at its TTL); the request still succeeds
                 log.warning("request %s: KV pull failed (%s); prefilling locally", rid, e)
                 self.metrics.transfer_fallback()
         first, last = True, time.perf_counter()
-        async for out in self.llm.generate(ids, params, rid, **kw):
+        async for out in self.llm.generate(ids, req.sampling, rid, block_hashes=req.block_hashes, **kw):
             now = time.perf_counter()
             if first:
                 self.ttft.observe(now - last)
             elif out.new_token_ids:
                 self.itl.observe((now - last) / len(out.new_token_ids))
             last = now
-            yield _delta(out, self.replica if first else None, bool(kw))
+            yield TokenDelta.of(out, self.replica if first else None, "kv" in kw)
             first = False
 
-    async def _import(self, p: dict[str, Any], ids: list[int], rid: str) -> dict[str, Any]:
-        handle = KVHandle.from_bytes(p["handle"])
-        if self.transfer_kind == "nixl":
-            self._peer_metadata[handle.agent] = p["agent_metadata"]
-        else:
-            self._blocks[handle.request_id] = (p["blocks_ref"], len(handle.block_ids))
+    async def _import(self, p: PrefillResult, ids: list[int], hashes: list[int]) -> dict[str, Any]:
         t0, x = time.perf_counter(), None
         try:
-            x = await self._reserve_and_pull(handle, ids)
+            x = await self._reserve_and_pull(p.handoff, ids, hashes)
             await x.wait_async()
         except BaseException:
             if x is not None:
                 await asyncio.shield(run_blocking(self.llm.call, lambda e: x.cancel()))
             self.metrics.transfer_failed()
             raise
-        finally:
-            self._blocks.pop(handle.request_id, None)
         self.metrics.observe_transfer(x.num_pulled_blocks * self.link.transport.block_bytes, time.perf_counter() - t0)
-        return {"kv": x.kv, "first_token": p["first_token"], "first_logprobs": p["first_logprobs"]}
+        return {"kv": x.kv, "first_token": p.first_token, "first_logprobs": p.first_logprobs}
 
-    async def _reserve_and_pull(self, handle: KVHandle, ids: list[int]):
+    async def _reserve_and_pull(self, handoff: KVHandoff, ids: list[int], hashes: list[int]):
         """Reserve blocks and start the pull. While the cache is full, wait for running requests to
         free blocks (backpressure, like a waiting queue) until shortly before the producer unpins."""
         waiting = False
         try:
             while True:
                 try:
-                    return await self._start_import(handle, ids)
+                    return await self._start_import(handoff, ids, hashes)
                 except MemoryError:
-                    if time.time() > handle.expiry - RESERVE_MARGIN_S:
+                    if time.time() > handoff.handle.expiry - RESERVE_MARGIN_S:
                         raise
                     if not waiting:
                         waiting, self.awaiting_room = True, self.awaiting_room + 1
@@ -86,10 +77,11 @@ class DecodeServer(EngineReplica):
             if waiting:
                 self.awaiting_room -= 1
 
-    async def _start_import(self, handle: KVHandle, ids: list[int]):
+    async def _start_import(self, handoff: KVHandoff, ids: list[int], hashes: list[int]):
         """start_import in a thread. A caller cancelled meanwhile (client gone) never gets the import, but the
         thread still reserves its blocks: give them back once it has."""
-        fut = asyncio.ensure_future(run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids)))
+        fut = asyncio.ensure_future(run_blocking(self.llm.call,
+                                                 lambda e: self.link.start_import(handoff, ids, hashes)))
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -101,15 +93,3 @@ class DecodeServer(EngineReplica):
             x = fut.result()
             asyncio.ensure_future(run_blocking(self.llm.call, lambda e: x.cancel()))
 
-
-def _delta(out: RequestOutput, replica: str | None, transferred: bool) -> dict[str, Any]:
-    n = len(out.new_token_ids)
-    d: dict[str, Any] = {"token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
-                         "logprobs": out.logprobs[-n:] if out.logprobs is not None and n else None}
-    if replica is not None:
-        d["replica"] = replica
-    if out.finished:
-        d.update(finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                 prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                 cached_tokens=out.metrics.num_cached_tokens, transferred=transferred)
-    return d

@@ -105,7 +105,9 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
                     kv: KVReservation | None = None, first_token: int | None = None,
-                    first_logprobs: dict[int, float] | None = None) -> str:
+                    first_logprobs: dict[int, float] | None = None, block_hashes: list[int] | None = None) -> str:
+        """`block_hashes`: the prompt's full-block hashes when the caller has them (a pool request carries
+        them from the ingress), so the prefix cache need not hash the prompt again."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -114,6 +116,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only)
+        seq.block_hashes = list(block_hashes or [])
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         self.requests[request_id] = seq
@@ -285,13 +288,14 @@ class LLMEngine:
         self.pool.free(blocks)
         return True
 
-    def reserve_blocks(self, token_ids: list[int]) -> KVReservation:
+    def reserve_blocks(self, token_ids: list[int], hashes: list[int] | None = None) -> KVReservation:
         """Decode role: hold blocks for a prompt's K/V; leading blocks in the local prefix cache are
-        reused (no transfer needed for them), the rest are fresh and must be filled."""
+        reused (no transfer needed for them), the rest are fresh and must be filled. `hashes`: the
+        prompt's full-block hashes when the caller has them."""
         self.check_prompt(token_ids)
         bs = self.block_size
         n_blocks = -(-len(token_ids) // bs)
-        hashes = block_hashes(token_ids, bs, self.model_key)
+        hashes = list(hashes) if hashes is not None else block_hashes(token_ids, bs, self.model_key)
         hit = self.pool.match(hashes, token_ids)
         if not self.pool.can_allocate(n_blocks - len(hit)):
             raise MemoryError(f"no room for {n_blocks - len(hit)} KV blocks")
@@ -308,7 +312,7 @@ class LLMEngine:
         if kv.token_ids != seq.token_ids:
             raise InvalidRequestError("the KV reservation was made for other tokens")
         seq.block_table = list(kv.block_ids)
-        seq.block_hashes = []
+        seq.block_hashes = list(kv.block_hashes)
         seq.num_cached_tokens = kv.num_local_blocks * self.block_size
         self.scheduler.on_computed(seq, len(seq.token_ids))     # registers the transferred full blocks
         seq.first_scheduled_time = time.monotonic()

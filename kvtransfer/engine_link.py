@@ -3,7 +3,7 @@
     prefill replica                                  decode replica
     engine.add_request(..., prefill_only=True)
     out = <step until finished>
-    handle = link.export(out)  ---- handle bytes ---> x = link.start_import(handle, prompt_ids)
+    handoff = link.export(out, hashes) -- KVHandoff --> x = link.start_import(handoff, prompt_ids, hashes)
                                                      await x.wait_async()        (or x.wait())
                                                      engine.add_request(prompt_ids, params, kv=x.kv,
                                                                         first_token=first)
@@ -11,7 +11,8 @@
 
 The decode side reserves its blocks first; leading blocks its own prefix cache already holds are
 not pulled. The handle's block hashes must equal the hashes of the prompt the decode side was
-given, so a handle never fills the blocks of another prompt.
+given, so a handle never fills the blocks of another prompt. In a cluster both sides take the
+request's hashes (computed once, at the ingress) and hash nothing themselves.
 
 Threads: the transport is used under the link's own lock (NIXL's agent is not thread-safe), never
 under the engine's, so checking a pull does not wait for an engine step. Engine calls
@@ -23,12 +24,12 @@ import asyncio
 import threading
 from typing import Callable
 
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes as hash_blocks
 from engine.llm_engine import KVReservation, LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import make_transport
 from kvtransfer.errors import KVTransferError
-from kvtransfer.handle import KVHandle
+from kvtransfer.handoff import KVHandoff
 from kvtransfer.transport import Pull
 
 
@@ -75,13 +76,13 @@ class KVImport:
 
 
 class KVLink:
-    def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl", source: Callable | None = None,
-                 ttl_s: float = 30.0, **options):
+    def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl",
+                 peer_metadata: Callable[[str], bytes] | None = None, ttl_s: float = 30.0, **options):
         self.engine, self.ttl_s = engine, ttl_s
         self._lock = threading.Lock()
         self._draining: list[KVImport] = []          # cancelled imports waiting for their READ to end
         self.transport = make_transport(engine.runner.kv_cache, name_prefix, engine.compat_key(), kind=kind,
-                                        source=source, **options)
+                                        peer_metadata=peer_metadata, **options)
 
     @property
     def name(self) -> str:
@@ -92,20 +93,24 @@ class KVLink:
             return self.transport.metadata()
 
     # -- producer ---------------------------------------------------------------------------------
-    def export(self, out: RequestOutput) -> KVHandle:
-        """The handle of a finished prefill_only request's pinned prompt blocks."""
+    def export(self, out: RequestOutput, hashes: list[int] | None = None) -> KVHandoff:
+        """The hand-off of a finished prefill_only request's pinned prompt blocks. `hashes`: the prompt's
+        full-block hashes as the request carries them (hashed here only when not given). The Ray fallback
+        copies the blocks out here: call it off the event loop."""
         if not out.finished or not out.kv_blocks:
             raise KVTransferError(f"request {out.request_id} holds no pinned prompt blocks to export")
         ids = out.prompt_token_ids
-        hashes = block_hashes(ids, self.engine.block_size, self.engine.model_key)
+        hashes = self._hashes(ids, hashes)
         with self._lock:
             return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
 
-    def copy_out(self, handle: KVHandle):
-        """Ray fallback: the handle's block bytes now, for the object store (its pin is released at the
-        next release_finished)."""
-        with self._lock:
-            return self.transport.read_blocks(handle.agent, handle.request_id, handle.block_ids)
+    def _hashes(self, ids: list[int], given: list[int] | None) -> list[int]:
+        bs = self.engine.block_size
+        if given is None:
+            return hash_blocks(ids, bs, self.engine.model_key)
+        if len(given) != len(ids) // bs:
+            raise KVTransferError(f"{len(given)} block hashes for a prompt of {len(ids) // bs} full blocks")
+        return list(given)
 
     def release_finished(self) -> list[str]:
         """Unpin the prompts consumers have pulled (or that expired); call it from the engine loop."""
@@ -119,18 +124,19 @@ class KVLink:
         return done
 
     # -- consumer ---------------------------------------------------------------------------------
-    def start_import(self, handle: KVHandle, token_ids: list[int]) -> KVImport:
-        """Reserve blocks for `token_ids` and start pulling the ones not cached here."""
-        bs = self.engine.block_size
+    def start_import(self, handoff: KVHandoff, token_ids: list[int], hashes: list[int] | None = None) -> KVImport:
+        """Reserve blocks for `token_ids` (whose full-block hashes are `hashes`, hashed here when not given)
+        and start pulling the ones not cached here."""
+        handle, bs = handoff.handle, self.engine.block_size
         if handle.num_tokens != len(token_ids) or len(handle.block_ids) != -(-len(token_ids) // bs):
             raise KVTransferError(f"handle {handle.request_id} covers {handle.num_tokens} tokens in "
                                   f"{len(handle.block_ids)} blocks, not this prompt's {len(token_ids)}")
-        kv = self.engine.reserve_blocks(token_ids)
+        kv = self.engine.reserve_blocks(token_ids, self._hashes(token_ids, hashes))
         try:
             if handle.block_hashes != kv.block_hashes:
                 raise KVTransferError(f"handle {handle.request_id} was made for another prompt (block hashes differ)")
             with self._lock:
-                pull = self.transport.start_pull(handle, kv.block_ids, skip_blocks=kv.num_local_blocks)
+                pull = self.transport.start_pull(handoff, kv.block_ids, skip_blocks=kv.num_local_blocks)
         except BaseException:
             self.engine.cancel_reservation(kv)
             raise

@@ -1,9 +1,10 @@
 """EngineReplica: what a replica of either pool is: one engine (AsyncLLM), its KVLink, KV events shipped
 to the cluster state actor, load stats for the request routers, and its Prometheus metrics.
 
-The prefill pool's PrefillServer and the decode pool's DecodeServer subclass it. Everything that
-crosses a process is msgpack or plain dicts; the cluster state actor (router/cluster_state.py) is
-reached by name, never imported.
+The prefill pool's PrefillServer and the decode pool's DecodeServer subclass it. Requests and answers
+are the typed messages of replica/messages.py; KV events cross as msgpack. The cluster state actor
+(router/cluster_state.py) is reached by name, never imported: a replica registers there once, with its
+transport's metadata, and a consumer meeting a producer's agent for the first time asks it for them.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
+PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
 
 
 def replica_id() -> str:
@@ -50,17 +52,14 @@ class EngineReplica:
         eng = LLMEngine(engine, on_kv_event=self._on_event)
         self.llm = AsyncLLM(engine=eng)
         self.engine = eng
-        self.transfer_kind = transfer.backend
-        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=self.transfer_kind, source=self._source,
-                           ttl_s=transfer.ttl_s)
+        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
+                           peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
         self.awaiting_room = 0                          # decode: pulls waiting for free KV blocks
         self._busy_mark = (time.monotonic(), 0.0)       # (when, engine busy seconds then): utilisation
         self._state_name, self._state = state_actor, None   # found lazily: the app's `state` deployment creates it
-        self._peer_metadata: dict[str, bytes] = {}       # NIXL: producer agent -> metadata, from requests
-        self._blocks: dict[str, Any] = {}                 # Ray fallback: request id -> (ref, block count)
         self._closed = False
         self._bg = threading.Thread(target=self._background, name="baton-replica-bg", daemon=True)
         self._bg.start()
@@ -94,13 +93,19 @@ class EngineReplica:
         with self._events_lock:
             self._events.append(event)
 
+    def _state_actor(self):
+        try:
+            return get_state_actor(self._state_name)
+        except ValueError:                  # not created yet
+            return None
+
     def _find_state(self) -> None:
         import ray
-        try:
-            state = get_state_actor(self._state_name)
-        except ValueError:                  # not created yet
+        state = self._state_actor()
+        if state is None:
             return
-        ray.get(state.register.remote(self.pool, self.replica, 0))
+        ray.get([state.register.remote(self.pool, self.replica, 0),
+                 state.register_transfer_metadata.remote(self.link.name, self.link.metadata())])
         self._state = state
 
     def _background(self) -> None:
@@ -148,15 +153,16 @@ class EngineReplica:
         self._state.resync.remote(self.pool, self.replica, seq, events)
         log.warning("%s replica %s: the index lost KV events; resynced with the whole cache", self.pool, self.replica)
 
-    # -- transfer sources: what the ingress passed along with a request ----------------------------------
-    def _source(self, agent: str, *rest):
-        if self.transfer_kind == "nixl":
-            return self._peer_metadata[agent]
-        request_id, block_ids = rest
-        ref, count = self._blocks.pop(request_id)
+    # -- transfer peers: a producer's metadata, asked once per agent (the transport caches it) ------------
+    def _peer_metadata(self, agent: str) -> bytes:
+        """The transport asks this at its first pull from a producer process (under the engine lock, like the
+        pull itself): one round trip to the state actor per producer, then the transport's peer table serves."""
         import ray
-        data = ray.get(ref)
-        return data[count - len(block_ids):]            # the leading blocks are cached here: skipped
+        state = self._state or self._state_actor()
+        metadata = None if state is None else ray.get(state.transfer_metadata.remote(agent), timeout=PEER_TIMEOUT_S)
+        if metadata is None:
+            raise LookupError(f"no transfer metadata registered for {agent}")
+        return metadata
 
     def stats(self) -> dict:
         return {**self.llm.stats(), **self.link.stats(), **self.metrics.transfer_stats()}

@@ -12,6 +12,8 @@ reaches it by name (replica.names).
 - Metrics: each replica sends its Prometheus exposition every REPORT_INTERVAL_S; the ingress /metrics
   merges them. A replica that stops reporting for DEAD_AFTER_S is forgotten (index and metrics), as
   is one Serve dropped from a pool (the request routers tell it at once).
+- Transfer metadata: each replica registers its KV transport's metadata once, under its agent name (new in
+  every process, so an entry never goes stale); a consumer asks for a producer's the first time it meets it.
 - Lost KV events: a gap in a replica's batches marks it stale; its next metrics report learns so and
   the replica resends its whole cache as one batch (resync).
 """
@@ -41,6 +43,8 @@ class ClusterState:
         self.log: deque[tuple[int, str, str, int, bytes]] = deque(maxlen=LOG_CAPACITY)
         self.metrics: dict[tuple[str, str], tuple[float, bytes]] = {}
         self.seen: dict[tuple[str, str], float] = {}
+        self.transfer_md: dict[str, bytes] = {}     # agent -> metadata; kept when a replica is forgotten (it
+                                                    # may be alive, only quiet): a few KiB per replica process
 
     # -- replicas ---------------------------------------------------------------------------------
     def register(self, pool: str, replica: str, seq: int) -> None:
@@ -48,6 +52,12 @@ class ClusterState:
         self.seen[(pool, replica)] = self.clock()
         self.index[pool].load_snapshot(replica, seq, [])
         self._append(pool, replica, -seq - 1, b"")            # negative seq: "reset to empty at seq"
+
+    def register_transfer_metadata(self, agent: str, metadata: bytes) -> None:
+        self.transfer_md[agent] = metadata
+
+    def transfer_metadata(self, agent: str) -> bytes | None:
+        return self.transfer_md.get(agent)
 
     def publish(self, pool: str, replica: str, seq: int, events: bytes) -> None:
         self.seen[(pool, replica)] = self.clock()

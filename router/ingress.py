@@ -191,7 +191,7 @@ class Ingress:
         async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
                 async for d in orchestrator.stream(ids, params, hashes=hashes):
-                    ticket.progress(i, len(d["token_ids"]))
+                    ticket.progress(i, len(d.token_ids))
                     builder.add(i, d)
             finally:
                 ticket.release(i)
@@ -208,7 +208,7 @@ class Ingress:
         async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
                 async for d in orchestrator.stream(ids, params, hashes=hashes):
-                    ticket.progress(i, len(d["token_ids"]))
+                    ticket.progress(i, len(d.token_ids))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001
                 await queue.put((i, e))
@@ -227,7 +227,7 @@ class Ingress:
                     break
                 for chunk in builder.chunks(i, d):
                     yield oa.sse(chunk)
-                done += d["finished"]
+                done += d.finished
             else:
                 usage = builder.usage_chunk()
                 if usage is not None:

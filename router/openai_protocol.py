@@ -12,13 +12,16 @@ import hmac
 import json
 import os
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from router.config import LimitsConfig
+
+if TYPE_CHECKING:
+    from replica.messages import TokenDelta
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -238,21 +241,21 @@ class ResponseBuilder:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def add(self, i: int, d: dict) -> list:
+    def add(self, i: int, d: TokenDelta) -> list:
         """Record a delta of choice i; returns its logprob items (token text, logprob, top)."""
-        self.text.setdefault(i, []).append(d["text"])
+        self.text.setdefault(i, []).append(d.text)
         items = self._logprobs(d) if self.want_lp else []
         self.lps.setdefault(i, []).extend(items)
-        if d["finished"]:
-            self.finish[i] = "length" if d["finish_reason"] == "length" else "stop"
-            self.prompt_tokens[i] = d["prompt_tokens"]
-            self.completion_tokens[i] = d["completion_tokens"]
-            self.cached_tokens[i] = d.get("cached_tokens", 0)
+        if d.finished:
+            self.finish[i] = "length" if d.finish_reason == "length" else "stop"
+            self.prompt_tokens[i] = d.prompt_tokens
+            self.completion_tokens[i] = d.completion_tokens
+            self.cached_tokens[i] = d.cached_tokens
         return items
 
-    def _logprobs(self, d: dict) -> list:
+    def _logprobs(self, d: TokenDelta) -> list:
         out = []
-        for tok, lp in zip(d["token_ids"], d.get("logprobs") or []):
+        for tok, lp in zip(d.token_ids, d.logprobs or []):
             if lp is None:
                 continue
             text = self.tok.decode([tok])
@@ -314,17 +317,17 @@ class ResponseBuilder:
     def _num_choices(self) -> int:
         return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))
 
-    def chunks(self, i: int, d: dict) -> list[dict]:
+    def chunks(self, i: int, d: TokenDelta) -> list[dict]:
         items = self.add(i, d)
         lp = self._lp_body(items)
-        finish = self.finish.get(i) if d["finished"] else None
-        if not d["text"] and finish is None and not items:
+        finish = self.finish.get(i) if d.finished else None
+        if not d.text and finish is None and not items:
             return []
         if self.chat:
-            choice = {"index": i, "delta": {"content": d["text"]} if d["text"] else {}, "logprobs": lp,
+            choice = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
                       "finish_reason": finish}
         else:
-            choice = {"index": i, "text": d["text"], "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish}
         return [self._chunk([choice])]
 
     def usage_chunk(self) -> dict | None:

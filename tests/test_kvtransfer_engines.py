@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from kvtransfer import KVHandle, KVLink
+from kvtransfer import KVHandoff, KVLink
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -19,10 +19,8 @@ STORY = ("The history of the relay race begins in ancient Greece, where runners 
          "the race is often won or lost in the exchange zone, where")
 
 
-def _source(kind: str):
-    if kind == "nixl":
-        return lambda agent: ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
-    return lambda agent, rid, blocks: ray.get_actor(agent.rsplit("-", 1)[0]).read_blocks.remote(agent, rid, blocks)
+def _peer_metadata(agent: str) -> bytes:
+    return ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
 
 
 class EngineHost:
@@ -30,13 +28,10 @@ class EngineHost:
 
     def __init__(self, kind: str, prefix: str, model: str):
         self.engine = LLMEngine(EngineConfig(model, **ENGINE))
-        self.link = KVLink(self.engine, prefix, kind=kind, source=_source(kind))
+        self.link = KVLink(self.engine, prefix, kind=kind, peer_metadata=_peer_metadata)
 
     def metadata(self) -> bytes:
         return self.link.metadata()
-
-    def read_blocks(self, agent, request_id, block_ids):
-        return self.link.transport.read_blocks(agent, request_id, block_ids)
 
     def _run(self):
         outs = []
@@ -44,13 +39,13 @@ class EngineHost:
             outs += [o for o in self.engine.step() if o.finished]
         return outs
 
-    def prefill(self, prompt: list[int], request_id: str) -> tuple[int, bytes]:
+    def prefill(self, prompt: list[int], request_id: str) -> tuple[int, KVHandoff]:
         self.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id, prefill_only=True)
         (out,) = self._run()
-        return out.token_ids[0], self.link.export(out).to_bytes()
+        return out.token_ids[0], self.link.export(out)
 
-    def decode(self, handle: bytes, prompt: list[int], first: int, max_tokens: int) -> dict:
-        x = self.link.start_import(KVHandle.from_bytes(handle), prompt)
+    def decode(self, handoff: KVHandoff, prompt: list[int], first: int, max_tokens: int) -> dict:
+        x = self.link.start_import(handoff, prompt)
         local = x.kv.num_local_blocks
         x.wait(timeout_s=60)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -58,9 +53,9 @@ class EngineHost:
         (out,) = self._run()
         return {"tokens": out.token_ids, "local_blocks": local, "pulled_blocks": x.num_pulled_blocks}
 
-    def try_import(self, handle: bytes, prompt: list[int]) -> str:
+    def try_import(self, handoff: KVHandoff, prompt: list[int]) -> str:
         try:
-            self.link.start_import(KVHandle.from_bytes(handle), prompt).cancel()
+            self.link.start_import(handoff, prompt).cancel()
             return "imported"
         except Exception as e:
             return f"{type(e).__name__}: {e}"
@@ -135,8 +130,9 @@ def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_p
     model = make_tiny_checkpoint(tmp_path / "m", "llama")
     producer, consumer = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(2))
     links: dict[str, KVLink] = {}
-    links["p"] = KVLink(producer, "producer", kind="nixl", source=lambda agent: links["p"].metadata(), ttl_s=1.5)
-    link = KVLink(consumer, "consumer", kind="nixl", source=lambda agent: links["p"].metadata())
+    links["p"] = KVLink(producer, "producer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata(),
+                        ttl_s=1.5)
+    link = KVLink(consumer, "consumer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata())
     try:
         prompt = list(range(10, 60))                          # 4 blocks
         producer.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), "r", prefill_only=True)
