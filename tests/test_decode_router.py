@@ -9,7 +9,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from engine import SamplingParams
 from engine.block_hash import block_hashes
+from replica.messages import PoolRequest
 from router.prefix_index import PrefixIndex
 from router.request_routers import DecodeRouter
 
@@ -35,7 +37,7 @@ def stats(used: int = 0, total: int = 100, running: int = 0) -> dict:
 
 def pending(request_id: str, prefill=None, hashes=HASHES, tokens=PROMPT):
     """Serve's PendingRequest as far as the router reads it: the payload the ingress sends, and its id."""
-    payload = {"token_ids": tokens, "block_hashes": hashes, "prefill": prefill}
+    payload = PoolRequest(request_id, tokens, hashes, SamplingParams(), prefill)
     return SimpleNamespace(args=[payload], metadata=SimpleNamespace(request_id=request_id))
 
 
