@@ -181,13 +181,13 @@ def on_ingress_replicas(fn: Callable[[], Any], app: str = "baton") -> dict[str, 
     return dict(zip(names, ray.get(refs, timeout=30)))
 
 
-def ingress_index_matches(pool: str, hashes: list[int]) -> dict[str, dict[str, int]]:
+def ingress_index_matches(pool: str, hashes: list[int]) -> dict[str, dict[str, int] | None]:
     """Per ingress replica: the leading blocks of `hashes` each replica of `pool` caches, as that ingress's own
-    mirror of the prefix index has it (what its routers decide on)."""
-    def match() -> dict[str, int]:
+    mirror of the prefix index has it (what its routers decide on); None before its first request made one."""
+    def match() -> dict[str, int] | None:
         from router.cluster_state import IndexMirror
-        (mirror,) = IndexMirror._shared.values()      # one per process: the ingress and its routers share it
-        return mirror.index[pool].match(hashes)
+        mirrors = list(IndexMirror._shared.values())   # one per process: the ingress and its routers share it
+        return mirrors[0].index[pool].match(hashes) if mirrors else None
     return on_ingress_replicas(match)
 
 
