@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # no GPU in CI: Triton kernels run in the interpreter
@@ -54,10 +54,11 @@ def assert_not_in_ray_logs(*secrets: str) -> None:
     import ray
     logs = ray._private.worker._global_node.get_logs_dir_path()
     mark = f"baton-test-log-flush-{time.monotonic_ns()}"
-    ray.get(ray.remote(num_cpus=0)(lambda m: print(m)).remote(mark))   # a lambda travels by value
+    ray.get(ray.remote(num_cpus=0)(lambda m: print(m)).remote(mark))   # a line written now, by a worker
 
     def log_files() -> list[str]:
         return [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
+    # once it is in a file, what the replicas logged before it is too (each process writes its own files)
     wait_for(lambda: any(mark.encode() in open(f, "rb").read() for f in log_files()), 10, "log lines to reach files")
     files = log_files()
     assert len(files) > 5
