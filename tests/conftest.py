@@ -162,12 +162,22 @@ def shared_cluster():
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_ray_at_a_time(request):
-    """Ray is one per process: before a module that starts a Ray of its own, the shared cluster goes down."""
-    mine = [i for i in request.session.items if i.module is request.module]
-    starts_own = any(i.get_closest_marker("cluster") for i in mine) and \
-        not any("shared_cluster" in i.fixturenames for i in mine)
-    if starts_own:
-        request.getfixturevalue("shared_cluster").down()
+    """Ray is one per process: before a module that starts a Ray of its own, the shared cluster goes down; after
+    the last module that uses it, too (its replicas would otherwise idle beside the tests that follow)."""
+    items = request.session.items
+    mine = [i for i in items if i.module is request.module]
+
+    def uses_shared(some) -> bool:
+        return any("shared_cluster" in i.fixturenames for i in some)
+    if not uses_shared(mine):
+        if any(i.get_closest_marker("cluster") for i in mine):
+            request.getfixturevalue("shared_cluster").down()
+        yield
+        return
+    shared = request.getfixturevalue("shared_cluster")
+    yield
+    if not uses_shared(items[items.index(mine[-1]) + 1:]):
+        shared.down()
 
 
 def on_ingress_replicas(fn: Callable[[], Any], app: str = "baton") -> dict[str, Any]:
