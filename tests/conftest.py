@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # no GPU in CI: Triton kernels run in the interpreter
@@ -54,10 +54,11 @@ def assert_not_in_ray_logs(*secrets: str) -> None:
     import ray
     logs = ray._private.worker._global_node.get_logs_dir_path()
     mark = f"baton-test-log-flush-{time.monotonic_ns()}"
-    ray.get(ray.remote(num_cpus=0)(lambda m: print(m)).remote(mark))   # a lambda travels by value
+    ray.get(ray.remote(num_cpus=0)(lambda m: print(m)).remote(mark))   # a line written now, by a worker
 
     def log_files() -> list[str]:
         return [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
+    # once it is in a file, what the replicas logged before it is too (each process writes its own files)
     wait_for(lambda: any(mark.encode() in open(f, "rb").read() for f in log_files()), 10, "log lines to reach files")
     files = log_files()
     assert len(files) > 5
@@ -161,12 +162,22 @@ def shared_cluster():
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_ray_at_a_time(request):
-    """Ray is one per process: before a module that starts a Ray of its own, the shared cluster goes down."""
-    mine = [i for i in request.session.items if i.module is request.module]
-    starts_own = any(i.get_closest_marker("cluster") for i in mine) and \
-        not any("shared_cluster" in i.fixturenames for i in mine)
-    if starts_own:
-        request.getfixturevalue("shared_cluster").down()
+    """Ray is one per process: before a module that starts a Ray of its own, the shared cluster goes down; after
+    the last module that uses it, too (its replicas would otherwise idle beside the tests that follow)."""
+    items = request.session.items
+    mine = [i for i in items if i.module is request.module]
+
+    def uses_shared(some) -> bool:
+        return any("shared_cluster" in i.fixturenames for i in some)
+    if not uses_shared(mine):
+        if any(i.get_closest_marker("cluster") for i in mine):
+            request.getfixturevalue("shared_cluster").down()
+        yield
+        return
+    shared = request.getfixturevalue("shared_cluster")
+    yield
+    if not uses_shared(items[items.index(mine[-1]) + 1:]):
+        shared.down()
 
 
 def on_ingress_replicas(fn: Callable[[], Any], app: str = "baton") -> dict[str, Any]:
@@ -181,13 +192,13 @@ def on_ingress_replicas(fn: Callable[[], Any], app: str = "baton") -> dict[str, 
     return dict(zip(names, ray.get(refs, timeout=30)))
 
 
-def ingress_index_matches(pool: str, hashes: list[int]) -> dict[str, dict[str, int]]:
+def ingress_index_matches(pool: str, hashes: list[int]) -> dict[str, dict[str, int] | None]:
     """Per ingress replica: the leading blocks of `hashes` each replica of `pool` caches, as that ingress's own
-    mirror of the prefix index has it (what its routers decide on)."""
-    def match() -> dict[str, int]:
+    mirror of the prefix index has it (what its routers decide on); None before its first request made one."""
+    def match() -> dict[str, int] | None:
         from router.cluster_state import IndexMirror
-        (mirror,) = IndexMirror._shared.values()      # one per process: the ingress and its routers share it
-        return mirror.index[pool].match(hashes)
+        mirrors = list(IndexMirror._shared.values())   # one per process: the ingress and its routers share it
+        return mirrors[0].index[pool].match(hashes) if mirrors else None
     return on_ingress_replicas(match)
 
 

@@ -70,22 +70,30 @@ def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(
     prefix = [rng.randrange(200, 40000) for _ in range(16 * BLOCK)]
     hashes = block_hashes(prefix, BLOCK, served_model_key())
 
-    def holders() -> list[dict[str, int]]:
+    def views() -> list[dict[str, int] | None]:
         return list(ingress_index_matches("prefill", hashes).values())
-    complete(prefix + [rng.randrange(200, 40000) for _ in range(BLOCK)])
-    views = wait_for(lambda: (lambda v: v if len(v) == 2 and all(max(m.values(), default=0) == 16 for m in v)
-                              else None)(holders()), 10, "both ingress replicas' mirrors to hold the prefix")
+
+    def new_suffix() -> list[int]:
+        return [rng.randrange(200, 40000) for _ in range(BLOCK)]
+    # an ingress replica mirrors the index from its first request on: the proxy picks one per request
+    for _ in range(40):
+        if all(v is not None for v in views()):
+            break
+        complete(new_suffix())
+    assert len(views()) == 2 and all(v is not None for v in views()), views()
+    complete(prefix + new_suffix())
+    first = wait_for(lambda: (lambda v: v if all(max(m.values(), default=0) == 16 for m in v) else None)(views()),
+                     10, "both ingress replicas' mirrors to hold the prefix")
     before = prefix_hit_decisions()
     cached = []
-    for _ in range(40):        # the proxy picks an ingress replica per request: go on until both have routed
+    for _ in range(40):        # until both ingress replicas have routed the prefix twice
         if all(n - before[name] >= 2 for name, n in prefix_hit_decisions().items()):
             break
-        suffix = [rng.randrange(200, 40000) for _ in range(BLOCK)]
-        cached.append(complete(prefix + suffix)["usage"]["prompt_tokens_details"]["cached_tokens"])
+        cached.append(complete(prefix + new_suffix())["usage"]["prompt_tokens_details"]["cached_tokens"])
     after = prefix_hit_decisions()
     assert all(after[name] - before[name] >= 2 for name in before), (before, after)
     assert cached and all(c == len(prefix) for c in cached), cached    # each found the whole prefix cached
     # one index: both mirrors agree, and only one prefill replica ever computed the prefix
-    final = wait_for(lambda: (lambda v: v if v[0] == v[1] else None)(holders()), 10, "the two mirrors to agree")
-    assert [r for r, n in final[0].items() if n == 16] == [r for r, n in views[0].items() if n == 16]
+    final = wait_for(lambda: (lambda v: v if v[0] == v[1] else None)(views()), 10, "the two mirrors to agree")
+    assert [r for r, n in final[0].items() if n == 16] == [r for r, n in first[0].items() if n == 16]
     assert sum(n == 16 for n in final[0].values()) == 1, final

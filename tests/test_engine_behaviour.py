@@ -236,6 +236,7 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
 
 # -- the command line -----------------------------------------------------------------------------
 
+@pytest.mark.slow                        # a fresh process loads the model: a minute of `make test-fast`
 def test_cli_generate_prints_a_completion():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
     ok = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--max-tokens", "24", "--temperature", "0",

@@ -282,6 +282,7 @@ def test_cost_line_is_refitted_from_observations():
     assert c.a == pytest.approx(0.030, rel=0.05) and c.b == pytest.approx(0.002, rel=0.05)
 
 
+@pytest.mark.slow                        # two draft-model engines over every prompt
 def test_adaptive_depth_backs_off_a_draft_that_disagrees(smol_path, smol_baseline, smol_vocab_draft):
     _, ref = smol_baseline
     spec = {"method": "draft_model", "model": smol_vocab_draft, "num_speculative_tokens": 4}
@@ -327,6 +328,7 @@ def _tv_all(samples, exact):
     return _tv(counts, len(samples), exact)
 
 
+@pytest.mark.slow                        # a fresh engine with a draft model, from the command line
 def test_cli_generate_takes_a_speculative_config(capsys):
     from cli.main import main
     assert main(["generate", "--temperature", "0", "--max-tokens", "24", "--speculative-config",
