@@ -12,6 +12,7 @@ from kvtransfer import KVHandoff
 from kvtransfer.errors import KVHandleError, KVTransferError
 from replica.engine_replica import EngineReplica, run_blocking
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
+from replica.names import DECODE
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.05
@@ -19,7 +20,7 @@ RESERVE_MARGIN_S = 2.0          # stop waiting for room this long before the pro
 
 
 class DecodeServer(EngineReplica):
-    pool = "decode"
+    pool = DECODE
 
     async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
         """The request's deltas: its KV pulled from req.prefill's hand-off, or prefilled here when that is

@@ -7,10 +7,11 @@ import time
 
 from replica.engine_replica import EngineReplica, run_blocking
 from replica.messages import PoolRequest, PrefillResult
+from replica.names import PREFILL
 
 
 class PrefillServer(EngineReplica):
-    pool = "prefill"
+    pool = PREFILL
 
     async def prefill(self, req: PoolRequest) -> PrefillResult:
         """The first token is sampled here with the request's own parameters; decode continues from it."""

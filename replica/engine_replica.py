@@ -19,7 +19,9 @@ from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
 from engine.kv_events import AllBlocksCleared, BlockStored, KVEvent, encode_events
 from kvtransfer import KVLink
+from kvtransfer.config import TransferConfig
 from replica.metrics import LatencyWindow, ReplicaMetrics
+from replica.names import get_state_actor
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +43,23 @@ def replica_id() -> str:
 class EngineReplica:
     pool = ""
 
-    def __init__(self, engine: dict[str, Any], transfer: dict[str, Any], state_actor: str | None,
-                 served_model_name: str):
+    def __init__(self, engine: EngineConfig, transfer: TransferConfig, state_actor: str, served_model_name: str):
         self.replica = replica_id()
         self.served_model_name = served_model_name
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self._seq = 0
-        eng = LLMEngine(EngineConfig.from_kwargs(**engine), on_kv_event=self._on_event)
+        eng = LLMEngine(engine, on_kv_event=self._on_event)
         self.llm = AsyncLLM(engine=eng)
         self.engine = eng
-        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.get("backend", "nixl"),
-                           peer_metadata=self._peer_metadata, ttl_s=transfer.get("ttl_s", 30.0))
+        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
+                           peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
         self.awaiting_room = 0                          # decode: pulls waiting for free KV blocks
         self._busy_mark = (time.monotonic(), 0.0)       # (when, engine busy seconds then): utilisation
-        self._state_name, self._state = state_actor, None   # found lazily: the ingress creates it
+        self._state_name, self._state = state_actor, None   # found lazily: the app's `state` deployment creates it
         self._closed = False
         self._bg = threading.Thread(target=self._background, name="baton-replica-bg", daemon=True)
         self._bg.start()
@@ -93,9 +94,8 @@ class EngineReplica:
             self._events.append(event)
 
     def _state_actor(self):
-        import ray
         try:
-            return ray.get_actor(self._state_name, namespace="baton")   # router.cluster_state.STATE_NAMESPACE
+            return get_state_actor(self._state_name)
         except ValueError:                  # not created yet
             return None
 
@@ -104,7 +104,7 @@ class EngineReplica:
         state = self._state_actor()
         if state is None:
             return
-        ray.get([state.register.remote(self.pool, self.replica, b"", 0),
+        ray.get([state.register.remote(self.pool, self.replica, 0),
                  state.register_transfer_metadata.remote(self.link.name, self.link.metadata())])
         self._state = state
 
@@ -113,7 +113,7 @@ class EngineReplica:
         last_report, report = 0.0, None
         while not self._closed:
             try:
-                if self._state is None and self._state_name:
+                if self._state is None:
                     self._find_state()
                 self.llm.call(lambda _: self.link.release_finished())
                 self._publish()

@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.config import LimitsConfig
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
+from router.config import LimitsConfig
 
 if TYPE_CHECKING:
     from replica.messages import TokenDelta
 
-LIMITS = LimitsConfig().model_dump()    # the defaults; the ingress passes the cluster config's
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -88,7 +87,8 @@ class CompletionRequest(_Request):
     echo: bool = False
 
 
-def parse_request(body: Any, chat: bool, limits: dict | None = None) -> ChatCompletionRequest | CompletionRequest:
+def parse_request(body: Any, chat: bool, limits: LimitsConfig = LimitsConfig()) -> ChatCompletionRequest | CompletionRequest:
+    """The request, checked against `limits` (the defaults, or the cluster config's that the ingress passes)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     try:
@@ -97,23 +97,23 @@ def parse_request(body: Any, chat: bool, limits: dict | None = None) -> ChatComp
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) if err["loc"] else None
         raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
-    _check(req, chat, {**LIMITS, **(limits or {})})
+    _check(req, chat, limits)
     return req
 
 
-def _check(req, chat: bool, limits: dict) -> None:
+def _check(req, chat: bool, limits: LimitsConfig) -> None:
     if chat and not req.messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
     if not chat and (req.prompt == [] or req.prompt == ""):
         raise OpenAIError(400, "prompt must not be empty", param="prompt")
-    if not 1 <= req.n <= limits["max_n"]:
-        raise OpenAIError(400, f"n must be between 1 and {limits['max_n']}, got {req.n}", param="n")
+    if not 1 <= req.n <= limits.max_n:
+        raise OpenAIError(400, f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > limits["max_stop_sequences"]:
-        raise OpenAIError(400, f"at most {limits['max_stop_sequences']} stop sequences are allowed, got "
+    if len(stops) > limits.max_stop_sequences:
+        raise OpenAIError(400, f"at most {limits.max_stop_sequences} stop sequences are allowed, got "
                                f"{len(stops)}", param="stop")
-    if any(len(s) > limits["max_stop_chars"] for s in stops):
-        raise OpenAIError(400, f"a stop sequence may have at most {limits['max_stop_chars']} characters",
+    if any(len(s) > limits.max_stop_chars for s in stops):
+        raise OpenAIError(400, f"a stop sequence may have at most {limits.max_stop_chars} characters",
                           param="stop")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0:
@@ -122,8 +122,8 @@ def _check(req, chat: bool, limits: dict) -> None:
         raise OpenAIError(400, "echo is not supported", param="echo")
 
 
-def check_prompt_length(num_tokens: int, limits: dict | None) -> None:
-    limit = (limits or {}).get("max_prompt_tokens")
+def check_prompt_length(num_tokens: int, limits: LimitsConfig) -> None:
+    limit = limits.max_prompt_tokens
     if limit is not None and num_tokens > limit:
         raise OpenAIError(400, f"the prompt has {num_tokens} tokens; this server accepts at most {limit}",
                           param="messages", code="context_length_exceeded")

@@ -25,6 +25,7 @@ from prometheus_client import Counter, Histogram
 from engine import SamplingParams
 from engine.block_hash import block_hashes
 from replica.messages import PoolRequest, TokenDelta
+from replica.names import DECODE
 from router.cluster_state import IndexMirror
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ PATHS = Counter("baton_disaggregation_decisions", "Where prompts were prefilled"
 
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
-                 min_remote_prefill_tokens: int, sync_interval_s: float = 0.01):
+                 min_remote_prefill_tokens: int, sync_interval_s: float):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
         self.model = model                        # DecodeServer.model_info(): key, block size, limits
         self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
@@ -59,7 +60,7 @@ class Orchestrator:
         hit = 0
         if self.mirror is not None:
             self.mirror.start()
-            hit = max(self.mirror.index["decode"].match(hashes).values(), default=0)
+            hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
         return len(token_ids) - hit * self.model["block_size"] > self.min_remote
 
     def cached_tokens(self, hashes: list[int]) -> int:
@@ -72,7 +73,7 @@ class Orchestrator:
 
     def kv_capacity_tokens(self) -> int:
         """Tokens the decode pool's KV caches hold in all (replicas the index knows; at least one)."""
-        replicas = len(self.mirror.index["decode"].slots) if self.mirror is not None else 0
+        replicas = len(self.mirror.index[DECODE].slots) if self.mirror is not None else 0
         return self.model.get("kv_blocks_total", 0) * self.model["block_size"] * max(replicas, 1)
 
     async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -83,7 +84,7 @@ class Orchestrator:
         t0 = time.perf_counter()
         hashes = hashes if hashes is not None else self.hashes(token_ids)
         req = PoolRequest(rid, token_ids, hashes, params)
-        status, reason, pool, replica = "error", "error", "decode", "?"
+        status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:
             if self.remote_prefill(token_ids, hashes):

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import importlib
 import time
+from typing import Any
+
 from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from replica.messages import PoolRequest
+from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
+from router.config import RouterConfig
 from router.prefix_index import PrefillRanker
 
 ROUTING_DECISIONS = Counter("baton_routing_decisions", "Routing decisions, by pool and reason", ["pool", "reason"])
@@ -60,9 +64,9 @@ class _ForgetsGoneReplicas:
     publishes again is found stale and resyncs itself."""
 
     def update_replicas(self, replicas) -> None:
-        before = {r.unique_id for r in self._replica_id_set}
+        before = {r.unique_id for r in self.curr_replicas}
         super().update_replicas(replicas)
-        for rid in before - {r.unique_id for r in self._replica_id_set}:
+        for rid in before - {r.unique_id for r in self.curr_replicas}:
             self._forget(rid)
 
     def on_replica_actor_died(self, replica_id) -> None:
@@ -76,12 +80,13 @@ class _ForgetsGoneReplicas:
 
 
 class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
-    pool = "prefill"
+    pool = PREFILL
 
-    def initialize_state(self, state_actor: str = "", block_size: int = 16, load_weight: float = 1.0,
-                         imbalance_threshold_tokens: int = 8192, index_sync_interval_s: float = 0.01, **_):
-        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
-        self.ranker = PrefillRanker(load_weight=load_weight, imbalance_threshold=imbalance_threshold_tokens)
+    def initialize_state(self, state_actor: str, block_size: int, router: dict[str, Any]):
+        """router: the cluster config's RouterConfig as JSON (Serve requires JSON router kwargs)."""
+        cfg = RouterConfig.model_validate(router)
+        self.mirror = IndexMirror.shared(state_actor, cfg.index_sync_interval_s)
+        self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
         self.block_size = block_size
         self.inflight = _InflightLoad()
         self._last: dict[str, int] = {}
@@ -116,10 +121,9 @@ class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
 
 
 class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
-    pool = "decode"
+    pool = DECODE
 
-    def initialize_state(self, state_actor: str = "", block_size: int = 16, max_num_seqs: int = 64,
-                         index_sync_interval_s: float = 0.01, **_):
+    def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float):
         self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.inflight = _InflightLoad()

@@ -14,6 +14,7 @@ import ray
 import torch
 
 from kvtransfer import KVHandle, KVHandleError, KVHandoff, make_transport
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,10 +88,12 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _released(producer, want: set[str], timeout_s: float = 10.0) -> set[str]:
-    got, deadline = set(), time.monotonic() + timeout_s
-    while not want <= got and time.monotonic() < deadline:
-        got |= set(ray.get(producer.poll.remote()))
-        time.sleep(0.02)
+    got: set[str] = set()
+
+    def all_released() -> bool:
+        got.update(ray.get(producer.poll.remote()))
+        return want <= got
+    wait_for(all_released, timeout_s, f"the producer to unpin {sorted(want)}", interval_s=0.02)
     return got
 
 
@@ -225,13 +228,14 @@ def test_producer_unpins_when_the_consumer_says_it_pulled(pair):
 def test_producer_unpins_at_expiry_and_an_expired_handle_is_refused(pair):
     kind, producer, consumer = pair
     ray.get(producer.poll.remote())
+    t0 = time.monotonic()
     handle = ray.get(producer.export.remote("ttl", [4, 5], 0.5))
     if kind == "nixl":              # (the Ray fallback unpins at export: see the test above)
         assert "ttl" not in ray.get(producer.poll.remote())
-        time.sleep(0.6)
-        assert "ttl" in ray.get(producer.poll.remote())
+        _released(producer, {"ttl"})                                  # at its 0.5 s expiry, nobody having pulled
+        assert 0.4 < time.monotonic() - t0 < 5
     else:
-        time.sleep(0.6)
+        wait_for(lambda: time.time() >= handle.handle.expiry, 5, "the hand-off to expire", interval_s=0.02)
     before = ray.get(consumer.blocks.remote([70, 71]))
     (err,) = ray.get(consumer.pull.remote([(handle, [70, 71], 0)]))
     assert err.startswith("KVTransferError") and "expired" in err
@@ -263,13 +267,13 @@ def test_consumer_recovers_from_a_producer_restart(pair):
     first, stale = ray.get([producer.export.remote("before", [10, 11]), producer.export.remote("stale", [12])])
     assert ray.get(consumer.pull.remote([(first, [80, 81], 0)])) == [None]       # the old agent is known
     ray.kill(producer, no_restart=False)
-    new, deadline = old, time.monotonic() + 60                     # ray.kill returns before the process dies
-    while new == old:
-        assert time.monotonic() < deadline, "the producer did not come back"
+
+    def restarted() -> bool:                                       # ray.kill returns before the process dies
         try:
-            new = ray.get(producer.name.remote(), timeout=10)
+            return ray.get(producer.name.remote(), timeout=10) != old
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(0.2)
+            return False
+    wait_for(restarted, 60, "the producer to come back", interval_s=0.2)
     before = ray.get(consumer.blocks.remote([90]))
     (err,) = ray.get(consumer.pull.remote([(stale, [90], 0)]))     # names the dead agent: fails alone
     assert err.startswith("KVTransferError"), err

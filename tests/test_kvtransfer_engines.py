@@ -125,10 +125,8 @@ def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_p
     """A client that leaves mid-pull: were its reserved blocks freed at once, another request could take them
     while NIXL still writes into them. They wait until the pull has ended (here a READ that never completes,
     ended by the handle's expiry), then release_finished frees them."""
-    import time
-
     from engine import faults
-    from tests.conftest import make_tiny_checkpoint
+    from tests.conftest import make_tiny_checkpoint, wait_for
     model = make_tiny_checkpoint(tmp_path / "m", "llama")
     producer, consumer = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(2))
     links: dict[str, KVLink] = {}
@@ -149,9 +147,10 @@ def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_p
         assert consumer.pool.num_used_blocks == 4              # the READ has not ended: still reserved
         link.release_finished()
         assert consumer.pool.num_used_blocks == 4
-        time.sleep(1.6)                                       # past the handle's expiry: the pull has failed
-        link.release_finished()
-        assert consumer.pool.num_used_blocks == 0
+        def released() -> bool:                               # at the handle's 1.5 s expiry the pull fails
+            link.release_finished()
+            return consumer.pool.num_used_blocks == 0
+        wait_for(released, 10, "the stalled pull to end at the handle's expiry and free its blocks")
     finally:
         link.close()
         links["p"].close()

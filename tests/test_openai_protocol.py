@@ -96,14 +96,15 @@ def test_api_keys_from_the_environment(monkeypatch):
 
 
 def test_request_limits_are_configurable():
+    from router.config import LimitsConfig
     from router.openai_protocol import OpenAIError, parse_request
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 6, "stop": ["a"] * 6}
     with pytest.raises(OpenAIError, match="n must be between 1 and 8|at most 4 stop"):
         parse_request(body, chat=True)
-    req = parse_request(body, chat=True, limits={"max_n": 6, "max_stop_sequences": 6})
+    req = parse_request(body, chat=True, limits=LimitsConfig(max_n=6, max_stop_sequences=6))
     assert req.n == 6
     with pytest.raises(OpenAIError, match="at most 3 characters"):
-        parse_request({**body, "n": 1, "stop": ["abcd"]}, chat=True, limits={"max_stop_chars": 3})
+        parse_request({**body, "n": 1, "stop": ["abcd"]}, chat=True, limits=LimitsConfig(max_stop_chars=3))
 
 
 def test_out_of_range_seeds_are_refused_before_they_reach_an_engine():
