@@ -11,8 +11,8 @@ from typing import Any, AsyncIterator
 from kvtransfer import KVHandoff
 from kvtransfer.errors import KVHandleError, KVTransferError
 from replica.engine_replica import EngineReplica, run_blocking
-from replica.names import DECODE
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
+from replica.names import DECODE
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.05

@@ -6,8 +6,8 @@ import dataclasses
 import time
 
 from replica.engine_replica import EngineReplica, run_blocking
-from replica.names import PREFILL
 from replica.messages import PoolRequest, PrefillResult
+from replica.names import PREFILL
 
 
 class PrefillServer(EngineReplica):

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import importlib
 import time
+from typing import Any
+
 from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from replica.names import DECODE, PREFILL
 from replica.messages import PoolRequest
+from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
 from router.config import RouterConfig
 from router.prefix_index import PrefillRanker

@@ -11,13 +11,16 @@ from types import SimpleNamespace
 
 from engine import SamplingParams
 from engine.block_hash import block_hashes
-from replica.messages import PoolRequest
+from kvtransfer import KVHandle, KVHandoff
+from replica.messages import PoolRequest, PrefillResult
 from router.prefix_index import PrefixIndex
 from router.request_routers import DecodeRouter
 
 BS, KEY = 16, "test-model"
 PROMPT = list(range(100, 100 + 8 * BS))                  # 8 full blocks
 HASHES = block_hashes(PROMPT, BS, KEY)
+FROM_P0 = PrefillResult("p0", 7, None, 0, KVHandoff(KVHandle("prefill.p0-ab12", "r", list(range(8)), HASHES, len(PROMPT),
+                                                          "c0ffee", 1.8e9)))
 
 
 @dataclass
@@ -36,7 +39,7 @@ def stats(used: int = 0, total: int = 100, running: int = 0) -> dict:
 
 
 def pending(request_id: str, prefill=None, hashes=HASHES, tokens=PROMPT):
-    """Serve's PendingRequest as far as the router reads it: the payload the ingress sends, and its id."""
+    """Serve's PendingRequest as far as the router reads it: the PoolRequest the ingress sends, and its id."""
     payload = PoolRequest(request_id, tokens, hashes, SamplingParams(), prefill)
     return SimpleNamespace(args=[payload], metadata=SimpleNamespace(request_id=request_id))
 
@@ -61,24 +64,24 @@ def choose(r: DecodeRouter, replicas: list[FakeReplica], request) -> list[str]:
 
 def test_a_transferred_request_goes_to_the_replica_with_the_least_kv_in_use():
     replicas = [FakeReplica("a", stats(used=60)), FakeReplica("b", stats(used=10)), FakeReplica("c", stats(used=30))]
-    assert choose(router(), replicas, pending("r1", prefill={"from": "p0"})) == ["b", "c", "a"]
+    assert choose(router(), replicas, pending("r1", prefill=FROM_P0)) == ["b", "c", "a"]
 
 
 def test_with_equal_kv_the_replica_running_fewer_sequences_wins():
     replicas = [FakeReplica("a", stats(used=20, running=40)), FakeReplica("b", stats(used=20, running=3))]
-    assert choose(router(), replicas, pending("r1", prefill={"from": "p0"}))[0] == "b"
+    assert choose(router(), replicas, pending("r1", prefill=FROM_P0))[0] == "b"
     # a full batch outweighs a little more KV: 64/64 running costs as much as the whole cache
     replicas = [FakeReplica("a", stats(used=25, running=64)), FakeReplica("b", stats(used=35, running=0))]
-    assert choose(router(), replicas, pending("r2", prefill={"from": "p0"}))[0] == "b"
+    assert choose(router(), replicas, pending("r2", prefill=FROM_P0))[0] == "b"
 
 
 def test_requests_sent_since_the_last_stats_count_against_their_replica():
     r = router()
     replicas = [FakeReplica("a", stats(used=10)), FakeReplica("b", stats(used=12))]
-    req = pending("r1", prefill={"from": "p0"})
+    req = pending("r1", prefill=FROM_P0)
     assert choose(r, replicas, req)[0] == "a"
     r.on_request_routed(req, replicas[0].replica_id, None)     # 8 blocks on their way to a, unseen by its stats
-    assert choose(r, replicas, pending("r2", prefill={"from": "p0"}))[0] == "b"
+    assert choose(r, replicas, pending("r2", prefill=FROM_P0))[0] == "b"
 
 
 def test_a_local_prefill_goes_to_the_replica_caching_most_of_the_prompt_even_if_busier():
