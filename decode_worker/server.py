@@ -1,22 +1,23 @@
-"""DecodeServer: a decode-pool replica. It pulls a prompt's KV named by a KVHandle into blocks it
-reserved (or prefills the prompt itself when told to), then streams tokens by continuous batching.
-In colocated mode it is the only pool and always prefills itself."""
+"""DecodeServer: a decode-pool replica. It hands its engine the prompt's KV named by a KVHandle (the engine's
+scheduler pulls it into blocks once it has room, or prefills the prompt itself if it cannot), or prefills
+the prompt when told to, then streams tokens by continuous batching. In colocated mode it is the only pool
+and always prefills itself."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, AsyncIterator
 
-from engine import SamplingParams
-from engine.outputs import RequestOutput
+from engine import RemotePrefill, SamplingParams
+from engine.block_hash import block_hashes
+from engine.outputs import RequestMetrics, RequestOutput
 from kvtransfer import KVHandle
-from kvtransfer.errors import KVHandleError, KVTransferError
-from replica.engine_replica import EngineReplica, run_blocking
+from kvtransfer.errors import KVHandleError
+from kvtransfer.handoff import KVHandoff
+from replica.engine_replica import EngineReplica
 
 log = logging.getLogger(__name__)
-RESERVE_RETRY_S = 0.05
-RESERVE_MARGIN_S = 2.0          # stop waiting for room this long before the producer unpins
+RESERVE_MARGIN_S = 2.0          # start no pull this close to the producer's unpin: prefill locally instead
 
 
 class DecodeServer(EngineReplica):
@@ -27,78 +28,51 @@ class DecodeServer(EngineReplica):
         for a local prefill. Yields token deltas; the last one has finished=True and the usage."""
         ids, rid = req["token_ids"], req["request_id"]
         params = SamplingParams(**req["sampling"])
-        kw: dict[str, Any] = {}
+        remote = None
         if req.get("prefill"):
             try:
-                kw = await self._import(req["prefill"], ids, rid)
-            except (KVTransferError, KVHandleError, MemoryError) as e:
-                # the producer died, the pull failed or timed out, or no room came in time: compute the
-                # prompt here instead (the producer's pin ends at its TTL); the request still succeeds
-                log.warning("request %s: KV pull failed (%s); prefilling locally", rid, e)
+                remote = self._remote(req["prefill"], ids, req.get("block_hashes"))
+            except KVHandleError as e:
+                log.warning("request %s: bad KV handle (%s); prefilling locally", rid, e)
+                self.metrics.transfer_failed()
                 self.metrics.transfer_fallback()
         first, last = True, time.perf_counter()
-        async for out in self.llm.generate(ids, params, rid, **kw):
-            now = time.perf_counter()
-            if first:
-                self.ttft.observe(now - last)
-            elif out.new_token_ids:
-                self.itl.observe((now - last) / len(out.new_token_ids))
-            last = now
-            yield _delta(out, self.replica if first else None, bool(kw))
-            first = False
+        try:
+            async for out in self.llm.generate(ids, params, rid, remote=remote):
+                now = time.perf_counter()
+                if first:
+                    self.ttft.observe(now - last)
+                elif out.new_token_ids:
+                    self.itl.observe((now - last) / len(out.new_token_ids))
+                last = now
+                if out.finished and remote is not None:
+                    self._observe_import(out.metrics)
+                yield _delta(out, self.replica if first else None, out.metrics.kv_transferred)
+                first = False
+        finally:
+            if remote is not None:
+                self._blocks.pop(rid, None)
 
-    async def _import(self, p: dict[str, Any], ids: list[int], rid: str) -> dict[str, Any]:
+    def _remote(self, p: dict[str, Any], ids: list[int], hashes: list[int] | None) -> RemotePrefill:
+        """What the engine needs to import the prompt's KV named by PrefillServer.prefill's answer `p`."""
         handle = KVHandle.from_bytes(p["handle"])
         if self.transfer_kind == "nixl":
             self._peer_metadata[handle.agent] = p["agent_metadata"]
+            handoff = KVHandoff(handle)
         else:
             self._blocks[handle.request_id] = (p["blocks_ref"], len(handle.block_ids))
-        t0, x = time.perf_counter(), None
-        try:
-            x = await self._reserve_and_pull(handle, ids)
-            await x.wait_async()
-        except BaseException:
-            if x is not None:
-                await asyncio.shield(run_blocking(self.llm.call, lambda e: x.cancel()))
+            handoff = KVHandoff(handle, p["blocks_ref"])
+        if hashes is None:          # the prompt's own, never the handle's: a handle must match the prompt
+            hashes = block_hashes(ids, self.engine.block_size, self.engine.model_key)
+        return RemotePrefill(handoff, hashes, p["first_token"], p["first_logprobs"],
+                             deadline=handle.expiry - RESERVE_MARGIN_S)
+
+    def _observe_import(self, m: RequestMetrics) -> None:
+        if m.kv_transferred:
+            self.metrics.observe_transfer(m.kv_transfer_blocks * self.link.transport.block_bytes, m.kv_transfer_seconds)
+        elif m.kv_transfer_error is not None:
             self.metrics.transfer_failed()
-            raise
-        finally:
-            self._blocks.pop(handle.request_id, None)
-        self.metrics.observe_transfer(x.num_pulled_blocks * self.link.transport.block_bytes, time.perf_counter() - t0)
-        return {"kv": x.kv, "first_token": p["first_token"], "first_logprobs": p["first_logprobs"]}
-
-    async def _reserve_and_pull(self, handle: KVHandle, ids: list[int]):
-        """Reserve blocks and start the pull. While the cache is full, wait for running requests to
-        free blocks (backpressure, like a waiting queue) until shortly before the producer unpins."""
-        waiting = False
-        try:
-            while True:
-                try:
-                    return await self._start_import(handle, ids)
-                except MemoryError:
-                    if time.time() > handle.expiry - RESERVE_MARGIN_S:
-                        raise
-                    if not waiting:
-                        waiting, self.awaiting_room = True, self.awaiting_room + 1
-                    await asyncio.sleep(RESERVE_RETRY_S)
-        finally:
-            if waiting:
-                self.awaiting_room -= 1
-
-    async def _start_import(self, handle: KVHandle, ids: list[int]):
-        """start_import in a thread. A caller cancelled meanwhile (client gone) never gets the import, but the
-        thread still reserves its blocks: give them back once it has."""
-        fut = asyncio.ensure_future(run_blocking(self.llm.call, lambda e: self.link.start_import(handle, ids)))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(self._undo_import)
-            raise
-
-    def _undo_import(self, fut: asyncio.Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            x = fut.result()
-            asyncio.ensure_future(run_blocking(self.llm.call, lambda e: x.cancel()))
+            self.metrics.transfer_fallback()
 
 
 def _delta(out: RequestOutput, replica: str | None, transferred: bool) -> dict[str, Any]:

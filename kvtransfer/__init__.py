@@ -31,7 +31,7 @@ def make_transport(kv_cache: torch.Tensor, name_prefix: str, compat_key: str, ki
     return RayTransport(kv_cache, name_prefix, compat_key, block_source=source, **options)
 
 
-from kvtransfer.engine_link import KVImport, KVLink  # noqa: E402  (needs make_transport)
+from kvtransfer.engine_link import KVLink  # noqa: E402  (needs make_transport)
 
-__all__ = ["KVHandle", "KVLink", "KVImport", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
+__all__ = ["KVHandle", "KVLink", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
            "KVTransferError", "KVCompatibilityError", "KVHandleError", "TRANSPORTS"]

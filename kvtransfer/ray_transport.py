@@ -26,8 +26,9 @@ class RayTransport(KVTransport):
     kind = "ray"
 
     def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
-                 block_source: Callable[[str, str, list[int]], Any] | None = None):
-        super().__init__(kv_cache, name_prefix, compat_key)
+                 block_source: Callable[[str, str, list[int]], Any] | None = None,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(kv_cache, name_prefix, compat_key, clock)
         self.block_source = block_source
         self.blocks = kv_cache.view(-1).view(torch.uint8).view(self.num_blocks, self.block_bytes)
         self.peers: dict[str, str] = {}           # agent name -> prefix
@@ -39,12 +40,10 @@ class RayTransport(KVTransport):
 
     def read_blocks(self, agent: str, request_id: str, block_ids: list[int]) -> np.ndarray:
         """The bytes of pinned blocks [len, block_bytes], for a consumer; the request counts as pulled."""
-        pin = self.pins.get(request_id)
-        if agent != self.name or pin is None or time.time() >= pin.expiry:
+        expiry = self.leases.get(request_id)
+        if agent != self.name or expiry is None or self.clock() >= expiry:
             raise KVTransferError(f"{self.name} holds no KV pin for {request_id} of {agent} "
                                   f"(restarted, expired or already pulled)")
-        if not set(block_ids) <= set(pin.block_ids):
-            raise KVTransferError(f"{request_id}: blocks {sorted(set(block_ids) - set(pin.block_ids))} are not pinned")
         data = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
         for i, b in enumerate(block_ids):        # block by block: memcpy speed; a gather by index is 10x slower
             data[i].copy_(self.blocks[b])
@@ -104,7 +103,7 @@ class RayPull:
         data = self.ref
         if isinstance(self.ref, ray.ObjectRef):
             if not ray.wait([self.ref], timeout=0)[0]:
-                if time.time() >= self.handle.expiry:
+                if self.t.clock() >= self.handle.expiry:
                     self._fail(KVTransferError(f"pull of {self.request_id} not done by the handle's expiry"))
                 return False
             try:
@@ -122,7 +121,7 @@ class RayPull:
     def wait(self, timeout_s: float | None = None) -> None:
         import ray
         if isinstance(self.ref, ray.ObjectRef) and self.error is None:
-            left = self.handle.expiry - time.time()
+            left = self.handle.expiry - self.t.clock()
             ray.wait([self.ref], timeout=max(0.0, left if timeout_s is None else min(left, timeout_s)))
         if not self.done():
             self._fail(KVTransferError(f"pull of {self.request_id} timed out"))

@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
 from engine.sampler import Sampler, target_probs
 from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
@@ -62,7 +63,7 @@ class SpecDecoder:
             if not cfg.num_layers < total:
                 raise ConfigError(f"speculative_config: num_layers must be below the target's {total} layers, "
                                   f"got {cfg.num_layers}")
-            return LayerSkipProposer(e.runner, cfg.num_layers, e.scheduler._allocate)
+            return LayerSkipProposer(e.runner, cfg.num_layers, e.kv.allocate_slots)
         return self._load_draft_model()
 
     def _load_draft_model(self) -> DraftModelProposer:
@@ -86,7 +87,7 @@ class SpecDecoder:
         runner = ModelRunner(dcfg, path, hf, e.max_model_len)
         log.info("draft model %s: %.1f MiB of weights, %d KV blocks", path, runner.weight_bytes / 2**20,
                  runner.num_blocks)
-        return DraftModelProposer(runner, BlockPool(runner.num_blocks, c.block_size, enable_caching=False))
+        return DraftModelProposer(runner, KVCacheManager(BlockPool(runner.num_blocks, c.block_size, enable_caching=False), ""))
 
     @staticmethod
     def _profile(runner, num_layers: int | None, sizes: list[int]) -> list[tuple[int, float]]:
@@ -212,7 +213,7 @@ class SpecDecoder:
         for seq in drafted:
             seq.spec_tokens, seq.spec_probs = [], None
             if not seq.is_finished:
-                self.engine.trim_blocks(seq)
+                self.engine.kv.trim(seq)
                 self.drafter.rollback(seq)
 
     def release(self, seq: Sequence) -> None:
