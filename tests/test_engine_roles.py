@@ -110,7 +110,7 @@ def test_imported_kv_without_first_token_recomputes_only_the_last_token(smol_pat
 def test_an_import_that_waits_for_room_then_runs_or_misses_its_deadline_gives_the_local_tokens(smol_path):
     """Blocks held by a running request: the import waits in the queue (no transfer started), then loads
     once they are free. A second one whose deadline passes meanwhile is prefilled here. Same tokens."""
-    cfg = dict(num_kv_blocks=12, max_model_len=256)
+    cfg = dict(num_kv_blocks=12, max_model_len=192)
     now = [1000.0]
     decode = LLMEngine(EngineConfig(smol_path, **cfg), clock=lambda: now[0])
     prefill = LLMEngine(EngineConfig(smol_path, num_kv_blocks=64, max_model_len=256))

@@ -38,8 +38,13 @@ class KVOwner:
 
     def __init__(self, kind: str, prefix: str, compat: str = COMPAT, num_blocks: int = NUM_BLOCKS):
         self.kv = torch.randn((num_blocks, *LAYOUT))     # different in every incarnation
+        self.skew = 0.0                                   # seconds this owner's clock runs ahead
         self.t = make_transport(self.kv, prefix, compat, kind=kind,
-                                source=_nixl_source if kind == "nixl" else _ray_source)
+                                source=_nixl_source if kind == "nixl" else _ray_source,
+                                clock=lambda: time.time() + self.skew)
+
+    def advance(self, seconds: float) -> None:
+        self.skew += seconds
 
     def name(self) -> str:
         return self.t.name
@@ -197,7 +202,7 @@ def test_producer_unpins_at_expiry_and_an_expired_handle_is_refused(pair):
     _, producer, consumer = pair
     handle = ray.get(producer.export.remote("ttl", [4, 5], 0.5))
     assert "ttl" not in ray.get(producer.poll.remote())
-    time.sleep(0.6)
+    ray.get([producer.advance.remote(0.6), consumer.advance.remote(0.6)])   # both clocks: expiry is unix time
     assert "ttl" in ray.get(producer.poll.remote())
     before = ray.get(consumer.blocks.remote([70, 71]))
     (err,) = ray.get(consumer.pull.remote([(handle, [70, 71], 0)]))
