@@ -19,12 +19,12 @@ import torch
 from engine.errors import ConfigError
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampler import Sampler, target_probs
+from engine.sampler import logprobs, target_probs
 from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
-from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramDrafter
+from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramProposer
 from engine.spec.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class SpecDecoder:
     def _build_drafter(self):
         e, cfg = self.engine, self.cfg
         if cfg.method == "ngram":
-            return NgramDrafter(cfg)
+            return NgramProposer(cfg)
         if cfg.method == "layer_skip":
             total = e.runner.model.num_layers
             if not cfg.num_layers < total:
@@ -182,7 +182,7 @@ class SpecDecoder:
         out = []
         for (seq, row), toks in zip(entries, emitted):
             if seq.params.logprobs is not None:
-                lps = Sampler._logprobs(logits[row:row + len(toks)], [seq.params] * len(toks), toks)
+                lps = logprobs(logits[row:row + len(toks)], [seq.params] * len(toks), toks)
             else:
                 lps = [None] * len(toks)
             out.append((toks, lps))

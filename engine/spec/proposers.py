@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.sampler import sample_from_probs, target_probs
-from engine.spec.ngram import NgramProposer
+from engine.spec.ngram import NgramLookup
 
 if TYPE_CHECKING:
     from engine.kv_cache_manager import KVCacheManager
@@ -64,15 +64,15 @@ class Proposer:
         return {}
 
 
-class NgramDrafter(Proposer):
+class NgramProposer(Proposer):
     """Prompt lookup: the candidates are known before depth is chosen, so `available` proposes."""
 
     def __init__(self, cfg):
-        self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
+        self.lookup = NgramLookup(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
         self._pending: dict[str, list[int]] = {}
 
     def available(self, seq: Sequence, room: int) -> int:
-        tokens = self.ngram.propose(seq.token_ids, room) if room > 0 else []
+        tokens = self.lookup.propose(seq.token_ids, room) if room > 0 else []
         self._pending[seq.request_id] = tokens
         return len(tokens)
 
