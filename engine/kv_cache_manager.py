@@ -13,15 +13,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.block_hash import block_hashes
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, blocks_for
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold `num_tokens` slots (ceiling division)."""
-    return -(-num_tokens // block_size)
 
 
 class KVCacheManager:

@@ -295,6 +295,8 @@ class LLMEngine:
             "kv_blocks_used": self.pool.num_used_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_awaiting_kv_room": self.scheduler.num_awaiting_room,     # decode: imports waiting for blocks
+            "num_loading_kv": len(self.scheduler.loading),               # decode: imports whose K/V are arriving
             "num_pinned": len(self.kv.pinned),
             "prefix_cache_query_tokens": self.pool.query_tokens,
             "prefix_cache_hit_tokens": self.pool.hit_tokens,

@@ -64,5 +64,4 @@ class RequestOutput:
     stop_reason: int | str | None
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob}
-    prompt: str | None = None
     kv_blocks: list[int] = field(default_factory=list)   # prefill role: the pinned block ids

@@ -399,7 +399,8 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
     every block's ref count equals the tables (sequences' and pinned) that hold it."""
     import random
 
-    from engine.kv_cache_manager import KVCacheManager, blocks_for
+    from engine.block_pool import blocks_for
+    from engine.kv_cache_manager import KVCacheManager
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
     rng = random.Random(seed)

@@ -8,9 +8,9 @@ import sys
 import pytest
 import ray
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine import RemotePrefill
+from engine import LLM, EngineConfig, LLMEngine, RemotePrefill, SamplingParams
 from engine.block_hash import block_hashes
+from engine.block_pool import blocks_for
 from kvtransfer import KVHandle, KVLink
 from kvtransfer.handoff import KVHandoff
 
@@ -102,7 +102,7 @@ def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(k
         want = greedy(prompt, 24)
         first, handle = ray.get(prefill.prefill.remote(prompt, "story"))
         assert first == want[0]
-        assert ray.get(prefill.used_blocks.remote()) == -(-len(prompt) // 16)     # pinned for the pull
+        assert ray.get(prefill.used_blocks.remote()) == blocks_for(len(prompt), 16)     # pinned for the pull
         got = ray.get(decode.decode.remote(handle, prompt, first, 24))
         assert got["tokens"] == want and got["local_blocks"] == 0 and got["transferred"]
         assert "story" in ray.get(prefill.release.remote()) and ray.get(prefill.used_blocks.remote()) == 0
@@ -114,7 +114,7 @@ def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(k
         first, handle = ray.get(prefill.prefill.remote(other, "other"))
         got = ray.get(decode.decode.remote(handle, other, first, 16))
         assert got["tokens"] == want and got["transferred"]
-        assert got["local_blocks"] >= 2 and got["pulled_blocks"] == -(-len(other) // 16) - got["local_blocks"]
+        assert got["local_blocks"] >= 2 and got["pulled_blocks"] == blocks_for(len(other), 16) - got["local_blocks"]
 
         # a handle for one prompt never fills the blocks of another: the forged prompt is prefilled
         # locally (its own greedy tokens), and the refusal leaks nothing
