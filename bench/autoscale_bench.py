@@ -21,24 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray.serve.config import AutoscalingConfig
 
 from cluster.autoscaling import CoupledPolicy, PoolPolicy
+from cluster.autoscaling_context import context
 from cluster.config import ClusterConfig
-
-POOLS = ("prefill", "decode")
-
-
-def context(pool: str, n: int, metrics: dict[str, dict], config: AutoscalingConfig, state: dict,
-            now: float) -> AutoscalingContext:
-    """The AutoscalingContext Serve's controller builds for a pool of n replicas reporting `metrics`."""
-    replicas = [f"{pool}-{i}" for i in range(n)]
-    return AutoscalingContext(
-        deployment_id=pool, deployment_name=pool, app_name="baton", current_num_replicas=n, target_num_replicas=n,
-        running_replicas=replicas, total_num_requests=0.0, total_queued_requests=0.0, aggregated_metrics=metrics,
-        raw_metrics={}, capacity_adjusted_min_replicas=config.min_replicas,
-        capacity_adjusted_max_replicas=config.max_replicas, policy_state=state, last_scale_up_time=None,
-        last_scale_down_time=None, current_time=now, config=config)
+from replica.names import POOLS
 
 
 def spread(pool: str, n: int, totals: dict[str, float]) -> dict[str, dict]:

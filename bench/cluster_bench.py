@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from bench.engine_bench import machine_info, make_logger, pyplot, write_result
+from cluster.live_metrics import pool_total, scrape
 
 log = make_logger("cluster-bench")
 PORT = 8741
@@ -122,20 +123,6 @@ async def drive(base: str, model: str, reqs: list[Req]) -> tuple[list[Result], f
         t0 = time.perf_counter()
         out = await asyncio.gather(*(one(s, base, model, r, t0) for r in reqs))
         return list(out), time.perf_counter() - t0
-
-
-def scrape(base: str) -> dict[str, float]:
-    import urllib.request
-    out = {}
-    for line in urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode().splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
-
-
-def pool_total(m: dict[str, float], metric: str, pool: str) -> float:
-    return sum(v for k, v in m.items() if k.startswith(metric + "{") and f'pool="{pool}"' in k)
 
 
 def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: float) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 from bench.engine_bench import machine_info, make_logger, pyplot
 from engine.block_hash import block_hashes
 from engine.kv_events import BlockStored, decode_events, encode_events
+from router.config import RouterConfig
 from router.prefix_index import PrefillRanker, PrefixIndex
 
 log = make_logger("router-bench")
@@ -106,7 +107,9 @@ def make_queries(w: Workload, n: int, num_tokens: int, rng: np.random.Generator)
 
 def time_decisions(index: PrefixIndex, queries: list[list[int]], num_tokens: int, loads: dict[str, int]):
     """Per decision: (match us, rank us, total us, reason)."""
-    ranker, cached = PrefillRanker(), index.num_blocks()
+    router = RouterConfig()                                          # the cluster's default routing rule
+    ranker = PrefillRanker(router.load_weight, router.imbalance_threshold_tokens)
+    cached = index.num_blocks()
     for h in queries[:200]:                                          # warm-up
         ranker.rank(h, num_tokens, BLOCK_SIZE, index.match(h), loads, cached)
     rows = []

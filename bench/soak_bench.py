@@ -7,7 +7,8 @@ KV blocks in use and pinned prompts back to zero, admission's queued tokens zero
 the start (none restarted), and each replica's resident memory at the start and the end. Any 5xx, any
 connection error or any unanswered request fails the run.
 
-tests/test_reliability.py runs the same soak (run_soak, leak_report) for a few minutes in CI.
+tests/test_reliability.py runs the same soak (soak, then cluster.live_metrics.leak_report) for a few
+minutes in CI.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.cluster_bench import scrape
 from bench.engine_bench import machine_info, make_logger, pyplot, write_result
+from cluster.live_metrics import leak_report
 
 log = make_logger("soak-bench")
 PORT = 8761
@@ -121,39 +122,6 @@ async def run_soak(base: str, model: str, n: int, concurrency: int, seed: int = 
     return {"requests": n, "wall_s": wall, "requests_per_s": n / wall, "failures": failures[:20],
             "num_failures": len(failures),
             "outcomes": {f"{k}/{o}": v for (k, o), v in sorted(outcomes.items())}}
-
-
-def replica_gauges(m: dict[str, float], metric: str) -> dict[str, float]:
-    """pool/replica -> value of a per-replica gauge."""
-    out = {}
-    for k, v in m.items():
-        if k.startswith(metric + "{"):
-            labels = dict(p.split("=", 1) for p in k[len(metric) + 1:-1].split(","))
-            out[f"{labels['pool'].strip(chr(34))}/{labels['replica'].strip(chr(34))}"] = v
-    return out
-
-
-def leak_report(base: str, settle_s: float = 20.0) -> dict[str, Any]:
-    """Wait (up to settle_s) for every replica to hold no KV blocks and no pins and the ingress to hold no
-    admitted tokens; then report what each holds, and each replica's memory."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        m = scrape(base)
-        used = replica_gauges(m, "baton_kv_blocks_used")
-        pinned = replica_gauges(m, "baton_kv_pinned_requests")
-        queued = m.get("baton_admission_queued_prompt_tokens", 0.0)
-        kv_tokens = m.get("baton_admission_kv_tokens", 0.0)
-        tracked = {r: v for g in ("baton_requests_tracked", "baton_open_streams")
-                   for r, v in replica_gauges(m, g).items() if v}           # per-request state left anywhere
-        clean = not any(used.values()) and not any(pinned.values()) and not queued and not kv_tokens \
-            and not tracked
-        if clean or time.monotonic() > deadline:
-            return {"clean": clean, "kv_blocks_used": used, "kv_pinned_requests": pinned,
-                    "requests_tracked_or_streams": tracked,
-                    "admission_queued_tokens": queued, "admission_kv_tokens": kv_tokens,
-                    "rss_bytes": replica_gauges(m, "baton_replica_resident_memory_bytes"),
-                    "heap_bytes": replica_gauges(m, "baton_replica_heap_in_use_bytes")}
-        time.sleep(0.5)
 
 
 def soak(base: str, model: str, n: int, concurrency: int, seed: int = 0, max_body: int = 1 << 20,

@@ -9,6 +9,8 @@ For each model shape (the default model, and the dummy 1B Llama shape):
      consumer pulls the prompt's blocks (scattered, as a prefill leaves them) into its own scattered
      blocks, `--repeats` times (the first pull, which includes the handshake, is reported apart);
   4. the Ray fallback (RayTransport), same actors' layout, same blocks.
+A pull's time is the producer's export (the fallback copies the blocks out and into the object store
+there; NIXL only pins) plus the consumer's pull, one hand-off at a time.
 Every pull is checked byte-exact afterwards. Goals: NIXL >= 30% of the contiguous copy bound,
 >= 3x the fallback, and NIXL's pull < 10% of the prefill time.
 """
@@ -45,25 +47,21 @@ class Endpoint:
         torch.manual_seed(seed)
         self.kv = torch.randn(shape)
         self.t = make_transport(self.kv, prefix, "bench:" + "x".join(map(str, shape[1:])), kind=kind,
-                                source=_source(kind))
+                                peer_metadata=_peer_metadata)
 
     def metadata(self) -> bytes:
         return self.t.metadata()
 
-    def read_blocks(self, agent, request_id, block_ids):
-        return self.t.read_blocks(agent, request_id, block_ids)
+    def export(self, request_id: str, block_ids: list[int]) -> tuple[Any, float]:
+        """A hand-off of the blocks and the seconds its export took."""
+        t = time.perf_counter()
+        handoff = self.t.export(request_id, block_ids, [], BLOCK_SIZE * len(block_ids), 600)
+        return handoff, time.perf_counter() - t
 
-    def export(self, request_ids: list[str], block_ids: list[int]) -> list[bytes]:
-        return [self.t.export(r, block_ids, [], BLOCK_SIZE * len(block_ids), 600).to_bytes() for r in request_ids]
-
-    def pull_times(self, handles: list[bytes], dst: list[int]) -> list[float]:
-        from kvtransfer import KVHandle
-        times = []
-        for h in handles:
-            t = time.perf_counter()
-            self.t.pull(KVHandle.from_bytes(h), dst, timeout_s=120)
-            times.append(time.perf_counter() - t)
-        return times
+    def pull_time(self, handoff, dst: list[int]) -> float:
+        t = time.perf_counter()
+        self.t.pull(handoff, dst, timeout_s=120)
+        return time.perf_counter() - t
 
     def released(self) -> int:
         return len(self.t.poll())
@@ -75,11 +73,9 @@ class Endpoint:
         return {"UCX_TLS": os.environ.get("UCX_TLS"), "pid": os.getpid()}
 
 
-def _source(kind: str):
+def _peer_metadata(agent: str) -> bytes:
     import ray
-    if kind == "nixl":
-        return lambda agent: ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
-    return lambda agent, rid, blocks: ray.get_actor(agent.rsplit("-", 1)[0]).read_blocks.remote(agent, rid, blocks)
+    return ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
 
 
 # -- measurements -----------------------------------------------------------------------------------
@@ -136,8 +132,10 @@ def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: 
                           for i, n in enumerate(names))
     try:
         env = ray.get(consumer.env.remote())
-        handles = ray.get(producer.export.remote([f"pull-{i}" for i in range(repeats + 1)], src))
-        times = ray.get(consumer.pull_times.remote(handles, dst))
+        times = []
+        for i in range(repeats + 1):             # one at a time: the fallback's copies never pile up
+            handoff, export_s = ray.get(producer.export.remote(f"pull-{i}", src))
+            times.append(export_s + ray.get(consumer.pull_time.remote(handoff, dst)))
         exact = ray.get(consumer.digest.remote(dst)) == ray.get(producer.digest.remote(src))
         released, deadline = 0, time.monotonic() + 10
         while released < repeats + 1 and time.monotonic() < deadline:

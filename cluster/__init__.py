@@ -1,4 +1,4 @@
-"""The cluster config (one schema), the app builder, local start-up, and the `baton` CLI."""
+"""The cluster config (one schema), the app builder, autoscaling policies, local start-up."""
 from __future__ import annotations
 
 import importlib

@@ -2,7 +2,8 @@
 
     Ingress (router/ingress.py, FastAPI)  --handle-->  PrefillServer pool   (PrefixAwareRouter)
                                           --handle-->  DecodeServer pool    (DecodeRouter)
-    ClusterState actor (router/cluster_state.py): KV events and metrics of every replica
+    ClusterStateOwner (one replica)  --owns-->  ClusterState actor (router/cluster_state.py): KV events and
+                                                metrics of every replica; deleting the app ends it
 
 Colocated mode builds no prefill pool: the decode pool prefills every prompt itself.
 
@@ -21,9 +22,11 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import ClusterConfig
 from decode_worker.server import DecodeServer
 from prefill_worker.server import PrefillServer
-from router.cluster_state import state_actor_name
+from replica.names import DECODE, INGRESS, PREFILL, STATE, state_actor_name
+from router.cluster_state import ClusterStateOwner
 from router.ingress import Ingress
 
+APP_NAME = "baton"              # the Serve application's name, unless a caller names it
 STATS_PERIOD_S = 0.2            # Serve polls each replica's record_routing_stats this often
 
 
@@ -33,33 +36,33 @@ def _router_config(cls: str, kwargs: dict[str, Any]) -> RequestRouterConfig:
                                request_routing_stats_timeout_s=5.0)
 
 
-def build_app(config: ClusterConfig, app_name: str = "baton") -> serve.Application:
+def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Application:
     state = state_actor_name(app_name)
-    transfer = {"backend": config.transfer.backend, "ttl_s": config.transfer.ttl_s}
-    common = {"transfer": transfer, "state_actor": state, "served_model_name": config.model_name()}
+    owner = serve.deployment(ClusterStateOwner, name=STATE).options(
+        num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(state)
+    common = {"transfer": config.transfer, "state_actor": state, "served_model_name": config.model_name()}
     r = config.router
-    decode_engine = config.engine_kwargs("decode")
-    decode = serve.deployment(DecodeServer, name="decode").options(
-        **config.deployment_options("decode", state),
+    decode_engine = config.engine_config(DECODE)
+    decode = serve.deployment(DecodeServer, name=DECODE).options(
+        **config.deployment_options(DECODE, state),
         request_router_config=_router_config("router.request_routers.DecodeRouter", {
-            "state_actor": state, "block_size": decode_engine.get("block_size", 16),
-            "max_num_seqs": decode_engine.get("max_num_seqs", 64),
+            "state_actor": state, "block_size": decode_engine.block_size, "max_num_seqs": decode_engine.max_num_seqs,
             "index_sync_interval_s": r.index_sync_interval_s}),
     ).bind(engine=decode_engine, **common)
     prefill = None
     if config.mode == "disaggregated":
-        prefill_engine = config.engine_kwargs("prefill")
-        opts = config.deployment_options("prefill", state)
-        if r.policy == "prefix_aware":
+        prefill_engine = config.engine_config(PREFILL)
+        opts = config.deployment_options(PREFILL, state)
+        if r.policy == "prefix_aware":      # request_router_kwargs must be JSON: the section goes as its dump
             opts["request_router_config"] = _router_config("router.request_routers.PrefixAwareRouter", {
-                "state_actor": state, "block_size": prefill_engine.get("block_size", 16),
-                "load_weight": r.load_weight, "imbalance_threshold_tokens": r.imbalance_threshold_tokens,
-                "index_sync_interval_s": r.index_sync_interval_s})
+                "state_actor": state, "block_size": prefill_engine.block_size, "router": r.model_dump(mode="json")})
         else:       # Serve's default power-of-two choices, the baseline prefix-aware routing is measured against
             opts["request_router_config"] = RequestRouterConfig(request_routing_stats_period_s=STATS_PERIOD_S)
-        prefill = serve.deployment(PrefillServer, name="prefill").options(**opts).bind(engine=prefill_engine, **common)
-    ingress = serve.deployment(Ingress, name="ingress").options(**config.deployment_options("ingress"))
-    return ingress.bind(prefill=prefill, decode=decode, config=config.model_dump(mode="json"), state_actor=state)
+        prefill = serve.deployment(PrefillServer, name=PREFILL).options(**opts).bind(engine=prefill_engine, **common)
+    ingress = serve.deployment(Ingress, name=INGRESS).options(**config.deployment_options(INGRESS))
+    return ingress.bind(prefill=prefill, decode=decode, state=owner, state_actor=state,
+                        num_replicas=config.ingress.num_replicas, limits=config.limits, auth=config.auth,
+                        admission=config.admission, disaggregation=config.disaggregation, router=r)
 
 
 COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"
@@ -67,16 +70,16 @@ COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """Serve's entry point: args `config` is a cluster config file's path or the config itself (a mapping);
-    `app_name` names the state actor (default baton). `serve run cluster.app:app_builder config=FILE`."""
+    `app_name` names the state actor (default APP_NAME). `serve run cluster.app:app_builder config=FILE`."""
     config = args.get("config")
     if isinstance(config, dict):
         cfg = ClusterConfig.from_dict(config, source="cluster config in the Serve config's args")
     else:
         cfg = ClusterConfig.from_yaml(config) if config else ClusterConfig()
-    return build_app(cfg, args.get("app_name", "baton"))
+    return build_app(cfg, args.get("app_name", APP_NAME))
 
 
-def serve_config(config: ClusterConfig, app_name: str = "baton", proxy_location: str = "HeadOnly") -> dict[str, Any]:
+def serve_config(config: ClusterConfig, app_name: str = APP_NAME, proxy_location: str = "HeadOnly") -> dict[str, Any]:
     """The Serve config that deploys `config` (ServeDeploySchema): http options, one application built by
     app_builder from the inline cluster config, the coupled autoscaling policy when a pool autoscales.
     The Helm chart's serveConfigV2 is this with proxy_location EveryNode (a proxy on every pod)."""

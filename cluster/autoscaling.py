@@ -32,7 +32,8 @@ does), decode grows with it instead of becoming the next bottleneck one delay la
 mode fixed uses a configured ratio (a benchmark's, like Dynamo's profiled planner); off: independent pools.
 
 This module is shipped by value into the Serve controller (Serve cloudpickles policies): it imports only the
-standard library, pydantic and prometheus_client, and reaches the cluster state actor by name.
+standard library, pydantic, prometheus_client and plain constants (replica.names, pickled with it as values),
+and reaches the cluster state actor by name.
 """
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from replica.names import DECODE, POOLS, PREFILL, STATE_NAMESPACE
+
 log = logging.getLogger("ray.serve")
 
-POOLS = ("prefill", "decode")
 EXPORT_INTERVAL_S = 1.0
 _EPS = 1e-9
 
@@ -146,7 +148,7 @@ class Coupling(_Schema):
         return self
 
 
-KNOBS = {"prefill": PrefillAutoscaling, "decode": DecodeAutoscaling}
+KNOBS = {PREFILL: PrefillAutoscaling, DECODE: DecodeAutoscaling}
 
 
 # -- demand -------------------------------------------------------------------------------------------
@@ -160,7 +162,7 @@ def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, floa
     def worst(name: str) -> float:
         return float(max(metrics.get(name, {}).values(), default=0.0))
 
-    if pool == "prefill":
+    if pool == PREFILL:
         terms = {"utilization": total("utilization") / knobs.target_utilization,
                  "queued_prefill_tokens": total("queued_prefill_tokens") / knobs.target_queued_prefill_tokens}
         latency, slo = worst("ttft_s"), knobs.ttft_slo_s
@@ -211,7 +213,7 @@ class _Pool:
     def __init__(self, kwargs: dict[str, Any]):
         kw = dict(kwargs)
         self.pool = kw.pop("pool")
-        self.state_actor = kw.pop("state_actor", None)
+        self.state_actor = kw.pop("state_actor")
         self.coupling = Coupling(**kw.pop("coupling", {}))
         self.knobs = KNOBS[self.pool](**kw)
 
@@ -220,7 +222,7 @@ def policy_kwargs(pool: str, knobs: Autoscaling, coupling: Coupling, state_actor
                   max_num_seqs: int) -> dict[str, Any]:
     """What build_app puts in a pool's AutoscalingPolicy: its knobs (defaults resolved), coupling, actor name."""
     d = knobs.model_dump(mode="json")
-    if pool == "decode" and d["target_running_seqs"] is None:
+    if pool == DECODE and d["target_running_seqs"] is None:
         d["target_running_seqs"] = max(1, max_num_seqs * 3 // 4)
     return {"pool": pool, **d, "coupling": coupling.model_dump(mode="json"), "state_actor": state_actor}
 
@@ -255,7 +257,7 @@ class _Exporter:
                 if now - self._looked < 5.0:
                     return
                 self._looked = now
-                self._actor = ray.get_actor(actor_name, namespace="baton")   # router.cluster_state.STATE_NAMESPACE
+                self._actor = ray.get_actor(actor_name, namespace=STATE_NAMESPACE)
                 self._actor_name = actor_name
             from prometheus_client import generate_latest
             self._actor.report.remote("autoscaler", "controller", generate_latest(self.registry))
@@ -321,25 +323,25 @@ class CoupledPolicy(_Base):
         return decisions, out_states
 
     def _couple(self, pools: dict, demands: dict, states: dict) -> None:
-        coupling = pools["decode"][2].coupling
+        coupling = pools[DECODE][2].coupling
         if coupling.mode == "off":
             return
-        (dp, _, _), (dd, _, _) = demands["prefill"], demands["decode"]
-        ratio = states["decode"].get("ratio") or coupling.ratio or 1.0
+        (dp, _, _), (dd, _, _) = demands[PREFILL], demands[DECODE]
+        ratio = states[DECODE].get("ratio") or coupling.ratio or 1.0
         if coupling.mode == "fixed":
             ratio = coupling.ratio
         else:
-            now = _now(pools["decode"][1])
-            last = states["decode"].get("ratio_time", now)
+            now = _now(pools[DECODE][1])
+            last = states[DECODE].get("ratio_time", now)
             if self._balanced(pools, demands, states, now):
                 ratio += (1 - math.exp(-max(now - last, 0.0) / coupling.ratio_window_s)) * (dp / dd - ratio)
-            states["decode"]["ratio_time"] = now
-        states["decode"]["ratio"] = ratio
+            states[DECODE]["ratio_time"] = now
+        states[DECODE]["ratio"] = ratio
         self.exporter.ratio.set(ratio)
         if ratio * dd > dp:
-            demands["prefill"][0:2] = [ratio * dd, "coupling"]
+            demands[PREFILL][0:2] = [ratio * dd, "coupling"]
         elif dp / ratio > dd:
-            demands["decode"][0:2] = [dp / ratio, "coupling"]
+            demands[DECODE][0:2] = [dp / ratio, "coupling"]
 
 
     @staticmethod

@@ -10,10 +10,13 @@
     router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
     disaggregation:  min_remote_prefill_tokens
     transfer:        backend, ttl_s, ucx_tls
+    limits, admission, auth
 
-Every field has a description; a bad file raises one ConfigError listing each problem with its path,
-unknown keys with a suggestion. `baton serve` flags override a few fields (with_overrides); build_app
-(cluster/app.py) passes engine_kwargs and deployment_options on to Ray Serve unchanged.
+The sections a lower package reads live next to it (router/config.py, kvtransfer/config.py); this module
+composes them into the one schema. Every field has a description; a bad file raises one ConfigError listing
+each problem with its path, unknown keys with a suggestion. `baton serve` flags override a few fields
+(with_overrides); build_app (cluster/app.py) hands each deployment its sections as they are (the pydantic
+objects, a pool's EngineConfig) and passes deployment_options on to Ray Serve unchanged.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from cluster.autoscaling import Autoscaling, Coupling, DecodeAutoscaling, Prefil
 from engine.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
 from engine.spec.config import SpeculativeConfig
+from kvtransfer.config import TransferConfig
+from replica.names import INGRESS, POOLS
+from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
 # A replica without a GPU of its own gets a fixed, small KV cache instead of the engine's 2 GiB CPU
@@ -148,15 +154,12 @@ class PoolConfig(_Schema):
             d = {**d, "num_replicas": 1}
         return d
 
-    def engine_kwargs(self, cluster: ClusterConfig) -> dict[str, Any]:
-        """EngineConfig keyword arguments of this pool's replicas: the cluster's model/dtype/device + its knobs."""
+    def engine_config(self, cluster: ClusterConfig) -> EngineConfig:
+        """The EngineConfig of this pool's replicas: the cluster's model/dtype/device + its knobs."""
         kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs()}
         if self.num_gpus == 0 and "kv_cache_memory" not in kw and "num_kv_blocks" not in kw:
             kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
-        return kw
-
-    def engine_config(self, cluster: ClusterConfig) -> EngineConfig:
-        return EngineConfig(**self.engine_kwargs(cluster))
+        return EngineConfig(**kw)
 
     def deployment_options(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Ray Serve deployment options: the replica count (or autoscaling_config with Baton's policy and
@@ -204,79 +207,6 @@ class IngressConfig(_Schema):
     def deployment_options(self) -> dict[str, Any]:
         return {"num_replicas": self.num_replicas, "ray_actor_options": {"num_cpus": self.num_cpus},
                 "max_ongoing_requests": self.max_ongoing_requests}
-
-
-class RouterConfig(_Schema):
-    """How the prefill pool is chosen (the decode pool always goes by KV pressure)."""
-    policy: Literal["prefix_aware", "pow2"] = Field(
-        "prefix_aware", description="prefix_aware: the replica caching most of the prompt, load-corrected; "
-                                    "pow2: Ray Serve's default power-of-two choices, for comparison")
-    load_weight: float = Field(1.0, ge=0, description="Weight of a replica's queued prefill tokens against the "
-                                                      "prompt tokens it would have to compute")
-    imbalance_threshold_tokens: int = Field(8192, ge=0, description="When replicas' queued prefill tokens differ "
-                                                                    "by more, route least-loaded first")
-    index_sync_interval_s: float = Field(0.01, gt=0, description="Seconds between pulls of the KV-event index "
-                                                                 "by each router")
-
-
-class DisaggregationConfig(_Schema):
-    """When a prompt is worth a remote prefill and a KV transfer."""
-    min_remote_prefill_tokens: int = Field(
-        64, ge=0, description="A prompt whose uncached part (on the best decode replica) is at most this many "
-                              "tokens is prefilled by the decode replica itself; longer ones go to the prefill pool")
-
-
-class LimitsConfig(_Schema):
-    """What one request may ask for; beyond it the ingress answers 400 (413 for the body) and runs nothing."""
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body in bytes (413 beyond): 1 MiB "
-                                                              "holds a 100k-token prompt as text or token ids")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens (default: the model's "
-                                                                  "max_model_len less one token of output)")
-    max_n: int = Field(8, ge=1, le=128, description="Most choices (`n`) per request: each is a sequence in "
-                                                    "the decode pool")
-    max_stop_sequences: int = Field(4, ge=0, le=64, description="Most stop strings per request (OpenAI allows 4; "
-                                                                "each is checked after every token)")
-    max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")
-
-
-class AdmissionConfig(_Schema):
-    """Admission control at the ingress (router/admission.py): beyond capacity a request is answered 429 with
-    Retry-After at once instead of joining a queue that would miss its deadline anyway."""
-    enabled: bool = Field(True, description="Refuse requests the cluster cannot start in time (429); off: "
-                                            "every valid request queues")
-    ttft_slo_s: float = Field(5.0, gt=0, description="Seconds a request may wait for its first token: one whose "
-                                                     "predicted wait (prompt tokens queued ahead of it and its "
-                                                     "own, over the measured prefill rate) exceeds it gets a 429")
-    max_queued_prompt_tokens: int | None = Field(None, ge=1, description="Hard cap on prompt tokens admitted "
-                                                                        "but not yet past their first token, "
-                                                                        "per ingress replica (default: none; the "
-                                                                        "SLO rule alone)")
-    kv_budget: float = Field(1.0, gt=0, description="Fraction of the decode pool's KV cache that admitted "
-                                                    "requests' tokens (prompt and generated so far) may fill; "
-                                                    "beyond it new requests get a 429 (above 1 lets the engines' "
-                                                    "preemption absorb bursts)")
-    max_retry_after_s: int = Field(30, ge=1, description="Largest Retry-After the ingress advertises")
-
-
-class AuthConfig(_Schema):
-    """Optional API keys: clients send `Authorization: Bearer <key>`; keys live in the environment, not here."""
-    api_keys_env: str = Field("BATON_API_KEYS", min_length=1, description="Environment variable holding the "
-                                                                          "accepted keys, comma-separated; unset or "
-                                                                          "empty: no authentication (bind to "
-                                                                          "127.0.0.1 then)")
-    protect_metrics: bool = Field(False, description="Require a key on /metrics too (/health is always open, "
-                                                     "for probes)")
-
-
-class TransferConfig(_Schema):
-    """Moving KV blocks from a prefill replica to a decode replica (kvtransfer/)."""
-    backend: Literal["nixl", "ray"] = Field("nixl", description="nixl: one-sided READs over UCX; ray: the "
-                                                                "object store, where NIXL cannot run")
-    ttl_s: float = Field(30.0, gt=0, description="Seconds a prefill replica keeps blocks no decode replica "
-                                                 "pulled pinned")
-    ucx_tls: str | None = Field(None, min_length=1, description="UCX_TLS for the pools' NIXL agents, e.g. "
-                                                                "'shm,tcp' or 'rc,cuda_copy,cuda_ipc' (default: "
-                                                                "kvtransfer's choice); ignored with backend ray")
 
 
 class ClusterConfig(_Schema):
@@ -327,7 +257,7 @@ class ClusterConfig(_Schema):
         if self.mode == "disaggregated":
             if self.prefill is None:
                 raise ValueError("prefill: mode disaggregated needs a prefill pool")
-            sizes = {name: self.pool(name).engine_config(self).block_size for name in ("prefill", "decode")}
+            sizes = {name: self.engine_config(name).block_size for name in POOLS}
             if sizes["prefill"] != sizes["decode"]:
                 raise ValueError(f"prefill.engine.block_size ({sizes['prefill']}) and decode.engine.block_size "
                                  f"({sizes['decode']}) must match: KV blocks move between the pools whole")
@@ -382,24 +312,24 @@ class ClusterConfig(_Schema):
         return Path(self.model).name.removesuffix(".gguf") if self.model else DEFAULT_MODEL
 
     def pool(self, name: str) -> PoolConfig:
-        p = getattr(self, name) if name in ("prefill", "decode") else None
+        p = getattr(self, name) if name in POOLS else None
         if p is None:
             raise ConfigError(f"this config has no {name} pool (mode {self.mode})")
         return p
 
-    def engine_kwargs(self, pool: str) -> dict[str, Any]:
-        return self.pool(pool).engine_kwargs(self)
+    def engine_config(self, pool: str) -> EngineConfig:
+        return self.pool(pool).engine_config(self)
 
     def deployment_options(self, name: str, state_actor: str | None = None) -> dict[str, Any]:
         """Ray Serve options (`.options(**...)`) of the `ingress`, `prefill` or `decode` deployment.
         state_actor: the cluster state actor's name, where the autoscaler exports its decisions."""
-        if name == "ingress":
+        if name == INGRESS:
             return self.ingress.deployment_options()
         pool = self.pool(name)
         policy = None
         if pool.autoscaling is not None:
-            max_seqs = self.engine_kwargs(name).get("max_num_seqs", _ENGINE_DEFAULTS["max_num_seqs"])
-            policy = policy_kwargs(name, pool.autoscaling, self.coupling, state_actor, max_seqs)
+            policy = policy_kwargs(name, pool.autoscaling, self.coupling, state_actor,
+                                   self.engine_config(name).max_num_seqs)
         opts = pool.deployment_options(policy)
         if self.transfer.backend == "nixl" and self.transfer.ucx_tls:   # read when the NIXL agent starts
             opts["ray_actor_options"]["runtime_env"] = {"env_vars": {"UCX_TLS": self.transfer.ucx_tls}}

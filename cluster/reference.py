@@ -1,5 +1,6 @@
 """docs/configuration.md: every cluster config key with its type, default and description, from the schema
-itself (cluster/config.py, cluster/autoscaling.py), so the reference cannot drift from the code.
+itself (cluster/config.py and the sections it composes: cluster/autoscaling.py, router/config.py,
+kvtransfer/config.py), so the reference cannot drift from the code.
 
     python -m cluster.reference              # rewrite the file (tests fail when it is stale)
 """
@@ -26,7 +27,7 @@ def _type(annotation) -> str:
     text = str(annotation).replace("typing.", "").replace("NoneType", "None")
     if isinstance(annotation, type):
         text = annotation.__name__
-    for m in ("cluster.config.", "cluster.autoscaling."):
+    for m in ("cluster.config.", "cluster.autoscaling.", "router.config.", "kvtransfer.config."):
         text = text.replace(m, "")
     return text.replace("|", "\\|")
 

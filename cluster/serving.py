@@ -1,26 +1,20 @@
 """Starting and stopping the app on a local or existing Ray cluster (`baton serve`, tests, benchmarks)."""
 from __future__ import annotations
 
-import logging
 import os
+import time
 
 from cluster.config import ClusterConfig
-
-log = logging.getLogger(__name__)
-APP_NAME = "baton"
+from replica.names import POOLS
 
 
-def start(config: ClusterConfig, app_name: str = APP_NAME, blocking: bool = False, num_cpus: int | None = None):
+def start(config: ClusterConfig, num_cpus: int | None = None):
     """Deploy serve_config(config), as `serve deploy` would, and return the ingress handle. Starts a local Ray
-    unless one is reachable. blocking: then wait until interrupted."""
-    import time
-
+    unless one is reachable."""
     import ray
     from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
 
-    from cluster.app import serve_config
+    from cluster.app import APP_NAME, serve_config
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if num_cpus is None and address is None:   # a local Ray: room for every replica's logical CPUs
@@ -28,19 +22,21 @@ def start(config: ClusterConfig, app_name: str = APP_NAME, blocking: bool = Fals
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
                  namespace="baton")
     serve.start(http_options={"host": config.host, "port": config.port})
-    # The declarative path (Serve's own `serve deploy`): the only one that carries an application-level
-    # autoscaling policy, and the one KubeRay uses.
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(serve_config(config, app_name)),
-                                     _blocking=False)
-    handle = _wait_running(app_name)
-    while blocking:
-        time.sleep(1)
-    return handle
+    _deploy_apps(serve_config(config, APP_NAME))
+    return _wait_running(APP_NAME)
+
+
+def _deploy_apps(serve_config: dict) -> None:
+    """The declarative path (Serve's own `serve deploy`): the only one that carries an application-level
+    autoscaling policy, and the one KubeRay uses. Ray Serve has no public Python call for it (serve.run takes
+    one Application and drops that policy), so this shim uses the private client Ray's CLI uses
+    (ray.serve.context._get_global_client().deploy_apps; checked against Ray 2.60)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(serve_config), _blocking=False)
 
 
 def _wait_running(app_name: str, timeout_s: float = 600):
-    import time
-
     from ray import serve
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -56,7 +52,7 @@ def _wait_running(app_name: str, timeout_s: float = 600):
 
 def _cpus_needed(config: ClusterConfig) -> float:
     total = config.ingress.num_replicas * config.ingress.num_cpus
-    for name in ("prefill", "decode"):
+    for name in POOLS:
         pool = getattr(config, name)
         if pool is not None:
             n = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
@@ -64,15 +60,10 @@ def _cpus_needed(config: ClusterConfig) -> float:
     return total
 
 
-def stop(app_name: str = APP_NAME) -> None:
-    """Delete the app and its state actor (a detached actor outlives the app otherwise)."""
-    import ray
+def stop() -> None:
+    """Delete the app (its state actor ends with it: router/cluster_state.py) and shut Serve down."""
     from ray import serve
 
-    from router.cluster_state import STATE_NAMESPACE, state_actor_name
-    serve.delete(app_name)
-    try:
-        ray.kill(ray.get_actor(state_actor_name(app_name), namespace=STATE_NAMESPACE))
-    except ValueError:
-        pass
+    from cluster.app import APP_NAME
+    serve.delete(APP_NAME)
     serve.shutdown()

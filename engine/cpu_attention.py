@@ -9,8 +9,8 @@ weighted sum of the V rows, so each cached row is read once for all of them. A t
 range of pairs sequence by sequence, every head of the range in one sweep (whole token rows
 stream in at once), and a single sequence still spreads its kv heads over the threads.
 Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++ otherwise) with
-torch's cpp_extension, cached under $BATON_CACHE/torch_extensions keyed by the CPU's feature flags;
-if no compiler is there, the torch reference is used and a warning says so.
+torch's cpp_extension from engine/cpu_attention.cpp, cached under $BATON_CACHE/torch_extensions keyed by
+the source's content and the CPU's feature flags; if no compiler is there, the torch reference is used and a warning says so.
 """
 from __future__ import annotations
 
@@ -18,459 +18,12 @@ import functools
 import logging
 import os
 import threading
+from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-
-namespace {
-
-// Context tokens per tile: a task scores (and later weights) 16 cached rows at a time for each of its
-// query rows, so the tile's K (V) stays in L1 while every query row of the task reads it.
-constexpr int TILE = 16;
-
-// exp(x) for x <= 0 (softmax scores after max subtraction): Cephes expf, ~1 ulp; 0 below -87
-// (where expf itself goes subnormal), so -inf padding contributes exactly nothing.
-constexpr float EXP_LO = -87.0f, LOG2E = 1.44269504088896341f, LN2_HI = 0.693359375f, LN2_LO = -2.12194440e-4f;
-constexpr float EXP_P0 = 1.9875691500e-4f, EXP_P1 = 1.3981999507e-3f, EXP_P2 = 8.3334519073e-3f,
-                EXP_P3 = 4.1665795894e-2f, EXP_P4 = 1.6666665459e-1f, EXP_P5 = 5.0000001201e-1f;
-
-inline float exp_nonpos(float x) {
-  if (!(x >= EXP_LO)) return x < EXP_LO ? 0.f : x;   // NaN stays NaN
-  const float fi = std::floor(x * LOG2E + 0.5f);
-  const float f = x - fi * LN2_HI - fi * LN2_LO;
-  float p = EXP_P0;
-  p = p * f + EXP_P1;
-  p = p * f + EXP_P2;
-  p = p * f + EXP_P3;
-  p = p * f + EXP_P4;
-  p = p * f + EXP_P5;
-  p = p * f * f + f + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// s[0:n] (n a multiple of 16, padding = -inf) <- exp(s - max s); returns the sum
-inline float softmax_scalar(float* s, int64_t n) {
-  float m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = exp_nonpos(s[t] - m);
-    sum += s[t];
-  }
-  return sum;
-}
-
-// ---- the two inner products over one tile: scalar reference versions (any D, any CPU) ------------
-// s[i] = dot(q, k[i][0:D]) for the tile's 16 rows
-inline void qk_tile_scalar(const float* q, const float* const* k, int64_t D, float* s) {
-  for (int i = 0; i < TILE; ++i) {
-    const float* kr = k[i];
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * kr[d];
-    s[i] = acc;
-  }
-}
-
-// o[0:D] += sum_i p[i] * v[i][0:D]
-inline void pv_tile_scalar(const float* p, const float* const* v, int64_t D, float* o) {
-  for (int i = 0; i < TILE; ++i) {
-    const float pi = p[i];
-    const float* vr = v[i];
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) o[d] += pi * vr[d];
-  }
-}
-
-#if defined(__AVX512F__)
-constexpr int64_t VW = 16;                        // floats per vector; the SIMD path needs D % VW == 0
-
-// Lane i of the result is the horizontal sum of a[i] (a transpose-and-add tree: ~3 ops per dot
-// product instead of a full horizontal reduction each).
-inline __m512 reduce16(const __m512* a) {
-  __m512 s[8], u[4], z[2];
-  for (int j = 0; j < 8; ++j)                    // quarters 0,1 <- a[2j], 2,3 <- a[2j+1]
-    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)                    // quarter k <- a[4j+k]
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
-  for (int j = 0; j < 2; ++j)                    // lane k: {a[k], a[4+k]} (j=0), {a[8+k], a[12+k]} (j=1)
-    z[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
-                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),   // r[4k+e] = sum a[4e+k]
-                                 _mm512_shuffle_ps(z[0], z[1], 0xDD));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(idx, r);
-}
-
-inline __m512 exp_nonpos(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_NLT_UQ);   // NaN stays NaN
-  const __m512 fi = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(fi, _mm512_set1_ps(LN2_HI), x);
-  f = _mm512_fnmadd_ps(fi, _mm512_set1_ps(LN2_LO), f);
-  __m512 p = _mm512_set1_ps(EXP_P0);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P4));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P5));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
-}
-
-inline float softmax_simd(float* s, int64_t n) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-  m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-    _mm512_storeu_ps(s + t, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) {
-  __m512 acc[TILE];
-#pragma GCC unroll 16
-  for (int i = 0; i < TILE; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c);
-#pragma GCC unroll 16
-    for (int i = 0; i < TILE; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[i] + c), acc[i]);
-  }
-  _mm512_storeu_ps(s, reduce16(acc));
-}
-
-inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) {
-  int64_t c = 0;
-  for (; c + 64 <= D; c += 64) {                 // 4 vectors x 2 interleaved chains: 8 FMAs in flight
-    __m512 a0 = _mm512_loadu_ps(o + c), a1 = _mm512_loadu_ps(o + c + 16);
-    __m512 a2 = _mm512_loadu_ps(o + c + 32), a3 = _mm512_loadu_ps(o + c + 48);
-    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
-#pragma GCC unroll 8
-    for (int i = 0; i < TILE; i += 2) {
-      const __m512 pa = _mm512_set1_ps(p[i]), pb = _mm512_set1_ps(p[i + 1]);
-      const float* va = v[i] + c;
-      const float* vb = v[i + 1] + c;
-      a0 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va), a0);
-      a1 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va + 16), a1);
-      a2 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va + 32), a2);
-      a3 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va + 48), a3);
-      b0 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb), b0);
-      b1 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + 16), b1);
-      b2 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + 32), b2);
-      b3 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + 48), b3);
-    }
-    _mm512_storeu_ps(o + c, _mm512_add_ps(a0, b0));
-    _mm512_storeu_ps(o + c + 16, _mm512_add_ps(a1, b1));
-    _mm512_storeu_ps(o + c + 32, _mm512_add_ps(a2, b2));
-    _mm512_storeu_ps(o + c + 48, _mm512_add_ps(a3, b3));
-  }
-  for (; c < D; c += 16) {
-    __m512 a = _mm512_loadu_ps(o + c), b = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int i = 0; i < TILE; i += 2) {
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(v[i] + c), a);
-      b = _mm512_fmadd_ps(_mm512_set1_ps(p[i + 1]), _mm512_loadu_ps(v[i + 1] + c), b);
-    }
-    _mm512_storeu_ps(o + c, _mm512_add_ps(a, b));
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t VW = 8;
-
-inline __m256 reduce8(const __m256* a) {           // lane i = horizontal sum of a[i]
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
-inline __m256 exp_nonpos(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_NLT_UQ);
-  const __m256 fi = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(fi, _mm256_set1_ps(LN2_HI), x);
-  f = _mm256_fnmadd_ps(fi, _mm256_set1_ps(LN2_LO), f);
-  __m256 p = _mm256_set1_ps(EXP_P0);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P1));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P2));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P3));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P4));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P5));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, f), f, f), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float softmax_simd(float* s, int64_t n) {
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_movehdup_ps(x));
-  const __m256 mv = _mm256_set1_ps(_mm_cvtss_f32(x));
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; t += 8) {
-    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-    _mm256_storeu_ps(s + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  return hsum8(sum);
-}
-
-inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) {
-  for (int h = 0; h < TILE; h += 8) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[h + i] + c), acc[i]);
-    }
-    _mm256_storeu_ps(s + h, reduce8(acc));
-  }
-}
-
-inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) {
-  int64_t c = 0;
-  for (; c + 32 <= D; c += 32) {
-    __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8);
-    __m256 a2 = _mm256_loadu_ps(o + c + 16), a3 = _mm256_loadu_ps(o + c + 24);
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
-#pragma GCC unroll 8
-    for (int i = 0; i < TILE; i += 2) {
-      const __m256 pa = _mm256_set1_ps(p[i]), pb = _mm256_set1_ps(p[i + 1]);
-      const float* va = v[i] + c;
-      const float* vb = v[i + 1] + c;
-      a0 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va), a0);
-      a1 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8), a1);
-      a2 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 16), a2);
-      a3 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 24), a3);
-      b0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb), b0);
-      b1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 8), b1);
-      b2 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 16), b2);
-      b3 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 24), b3);
-    }
-    _mm256_storeu_ps(o + c, _mm256_add_ps(a0, b0));
-    _mm256_storeu_ps(o + c + 8, _mm256_add_ps(a1, b1));
-    _mm256_storeu_ps(o + c + 16, _mm256_add_ps(a2, b2));
-    _mm256_storeu_ps(o + c + 24, _mm256_add_ps(a3, b3));
-  }
-  for (; c < D; c += 8) {
-    __m256 a = _mm256_loadu_ps(o + c), b = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int i = 0; i < TILE; i += 2) {
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v[i] + c), a);
-      b = _mm256_fmadd_ps(_mm256_set1_ps(p[i + 1]), _mm256_loadu_ps(v[i + 1] + c), b);
-    }
-    _mm256_storeu_ps(o + c, _mm256_add_ps(a, b));
-  }
-}
-#else
-constexpr int64_t VW = 0;                         // no SIMD path: the scalar loops (auto-vectorised)
-inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) { qk_tile_scalar(q, k, D, s); }
-inline float softmax_simd(float* s, int64_t n) { return softmax_scalar(s, n); }
-inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) { pv_tile_scalar(p, v, D, o); }
-#endif
-
-struct Problem {
-  const float* q; int64_t qs0, qs1;               // q [T, Hq, D], last dim contiguous
-  const float* k; int64_t ks0, ks1, ks2;          // k_cache [blocks, block_size, Hkv, D]
-  const float* v; int64_t vs0, vs1, vs2;
-  const int32_t* bt; int64_t bts0;                // block_tables [S, max_blocks]
-  const int32_t* seq_lens;                        // [S]
-  const int32_t* qsl;                             // [S + 1]; nullptr: one query per sequence
-  float* out; int64_t os0, os1;                   // [T, Hq, D] contiguous
-  int64_t Hkv, G, D, bs;
-  float scale;
-};
-
-struct Scratch {
-  std::vector<float> q, s, o, inv;
-};
-
-// Sequence b, kv heads [h0, h1): for each head its n query tokens x G query heads (R = n*G rows)
-// against the L cached tokens. Each cached K and V row is read once for all the rows: one sweep
-// scores tile by tile (every head of the run per tile, so whole token rows stream in together),
-// a softmax per row over its causal range, then a second sweep for the weighted V sums.
-template <bool SIMD>
-void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
-  const int64_t q0 = P.qsl ? P.qsl[b] : b;
-  const int64_t n = P.qsl ? P.qsl[b + 1] - q0 : 1;
-  const int64_t L = P.seq_lens[b];
-  if (n <= 0 || L <= 0) return;
-  const int64_t G = P.G, D = P.D, R = n * G, RR = (h1 - h0) * R;
-  const int64_t tiles = (L + TILE - 1) / TILE, Lp = tiles * TILE;
-  w.q.resize(RR * D);
-  w.s.resize(RR * Lp);
-  w.o.assign(RR * D, 0.f);
-  w.inv.resize(RR);
-  float* qb = w.q.data();
-  float* sb = w.s.data();
-  float* ob = w.o.data();
-  // row (h - h0) * R + j * G + g: token q0 + j, query head h * G + g
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = P.q + (q0 + j) * P.qs0 + (h * G + g) * P.qs1;
-        float* dst = qb + ((h - h0) * R + j * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
-      }
-  const int32_t* table = P.bt + b * P.bts0;
-  const float* rows[TILE];
-  const float* hrows[TILE];
-  // the tile's cached token rows (at head h0); past the context's end, repeat its last row (scored,
-  // then given weight 0), so every tile is full
-  auto tile_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
-    for (int i = 0; i < TILE; ++i) {
-      const int64_t t = std::min(t0 + i, L - 1);
-      rows[i] = base + (int64_t)table[t / P.bs] * s0 + (t % P.bs) * s1 + h0 * s2;
-    }
-  };
-  for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
-    tile_rows(P.k, P.ks0, P.ks1, P.ks2, t0);
-    for (int64_t h = h0; h < h1; ++h) {
-      for (int i = 0; i < TILE; ++i) hrows[i] = rows[i] + (h - h0) * P.ks2;
-      for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
-        if (SIMD) qk_tile_simd(qb + r * D, hrows, D, sb + r * Lp + t0);
-        else qk_tile_scalar(qb + r * D, hrows, D, sb + r * Lp + t0);
-      }
-    }
-  }
-  for (int64_t r = 0; r < RR; ++r) {
-    // query j sees context positions [0, L - n + j]: the rest of its row gets weight 0
-    float* s = sb + r * Lp;
-    std::fill(s + L - n + (r % R) / G + 1, s + Lp, -INFINITY);
-    w.inv[r] = 1.f / (SIMD ? softmax_simd(s, Lp) : softmax_scalar(s, Lp));
-  }
-  for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
-    tile_rows(P.v, P.vs0, P.vs1, P.vs2, t0);
-    for (int64_t h = h0; h < h1; ++h) {
-      for (int i = 0; i < TILE; ++i) hrows[i] = rows[i] + (h - h0) * P.vs2;
-      for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
-        if (SIMD) pv_tile_simd(sb + r * Lp + t0, hrows, D, ob + r * D);
-        else pv_tile_scalar(sb + r * Lp + t0, hrows, D, ob + r * D);
-      }
-    }
-  }
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = (h - h0) * R + j * G + g;
-        const float inv = w.inv[r];
-        const float* src = ob + r * D;
-        float* dst = P.out + (q0 + j) * P.os0 + (h * G + g) * P.os1;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv;
-      }
-}
-
-torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                  const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                  const c10::optional<torch::Tensor>& query_start_loc, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "q [T, H, D], caches [blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "fp32 only");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V caches differ in shape");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "K/V head rows must be contiguous");
-  const int64_t Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
-  q = q.contiguous();
-  auto bt = block_tables.to(torch::kInt).contiguous();
-  auto sl = seq_lens.to(torch::kInt).contiguous();
-  const int64_t S = sl.numel(), T = q.size(0), nblocks = k_cache.size(0);
-  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == S, "block_tables must be [num_seqs, max_blocks]");
-  torch::Tensor qsl;
-  const int32_t* qslp = nullptr;
-  if (query_start_loc.has_value()) {
-    qsl = query_start_loc->to(torch::kInt).contiguous();
-    TORCH_CHECK(qsl.numel() == S + 1, "query_start_loc must have num_seqs + 1 entries");
-    qslp = qsl.data_ptr<int32_t>();
-  } else {
-    TORCH_CHECK(T == S, "decode: one query token per sequence");
-  }
-  const int32_t* slp = sl.data_ptr<int32_t>();
-  const int32_t* btp = bt.data_ptr<int32_t>();
-  const int64_t maxb = bt.size(1);
-  TORCH_CHECK(!qslp || (qslp[0] == 0 && qslp[S] == T), "query_start_loc must run from 0 to num_tokens");
-  for (int64_t b = 0; b < S; ++b) {               // cheap host checks: no out-of-bounds reads below
-    const int64_t n = qslp ? qslp[b + 1] - qslp[b] : 1, L = slp[b];
-    TORCH_CHECK(n >= 0 && n <= L, "sequence ", b, ": ", n, " query tokens but context length ", L);
-    TORCH_CHECK(L <= maxb * bs, "sequence ", b, ": context ", L, " exceeds its block table");
-    for (int64_t i = 0, nb = n ? (L + bs - 1) / bs : 0; i < nb; ++i)
-      TORCH_CHECK(btp[b * maxb + i] >= 0 && btp[b * maxb + i] < nblocks, "sequence ", b, ": bad block id");
-  }
-  auto out = torch::empty_like(q);
-  if (T == 0) return out;
-  Problem P{q.data_ptr<float>(), q.stride(0), q.stride(1),
-            k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            btp, maxb, slp, qslp, out.data_ptr<float>(), out.stride(0), out.stride(1),
-            Hkv, Hq / Hkv, D, bs, static_cast<float>(scale)};
-  const bool simd = VW > 0 && D % VW == 0;
-  // Tasks are (sequence, kv head) pairs, numbered sequence-major, so a single sequence still spreads
-  // its kv heads over the threads. A thread's contiguous range of pairs is served sequence by
-  // sequence, all of that sequence's heads in the range in one sweep over its blocks: whole cached
-  // token rows stream in at once (a per-head sweep would read each row in slices, three times).
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
-    Scratch w;
-    for (int64_t i = begin; i < end;) {
-      const int64_t b = i / Hkv, h0 = i % Hkv, h1 = std::min(Hkv, h0 + (end - i));
-      if (simd) attend<true>(P, b, h0, h1, w);
-      else attend<false>(P, b, h0, h1, w);
-      i += h1 - h0;
-    }
-  });
-  return out;
-}
-
-}  // namespace
-
-// q [T, H, D]: sequence i owns q[qsl[i]:qsl[i+1]], the last tokens of its seq_lens[i]-token
-// context, causal among themselves.
-torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     torch::Tensor query_start_loc, double scale) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
-}
-
-// One query token per sequence (the n = 1 case).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale);
-}
-"""
+SOURCE = Path(__file__).with_suffix(".cpp")          # engine/cpu_attention.cpp, shipped as package data
 
 _lock = threading.Lock()
 _module = None
@@ -482,23 +35,23 @@ def _load():
     with _lock:
         if _module is None and not _failed:
             try:
-                from torch.utils.cpp_extension import load_inline
+                from torch.utils.cpp_extension import load
                 from engine.loader import cache_dir
-                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{_cpu_key()}"
+                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{_build_key()}"
                 build.mkdir(parents=True, exist_ok=True)
                 log.info("loading the CPU paged-attention kernel (compiled on first use per machine, ~30 s)")
-                _module = load_inline("baton_cpu_attention_v3", cpp_sources=_SOURCE,
-                                      functions=["paged_attention_varlen", "paged_decode"],
-                                      extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
-                                      extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+                _module = load("baton_cpu_attention", sources=[str(SOURCE)],
+                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
+                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
             except Exception as e:                       # noqa: BLE001 - no compiler: keep serving
                 _failed = True
                 log.warning("CPU attention kernel unavailable (%s); using the torch reference", e)
     return _module
 
 
-def _cpu_key() -> str:
-    """Builds use -march=native: key them by the CPU's feature flags so none runs on another CPU."""
+def _build_key() -> str:
+    """The build directory's key: the source's content (an edited kernel builds afresh) and, since builds use
+    -march=native, the CPU's feature flags (none runs on another CPU)."""
     import hashlib
     import platform
     flags = platform.machine()
@@ -507,7 +60,7 @@ def _cpu_key() -> str:
             flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return hashlib.blake2b(flags.encode(), digest_size=6).hexdigest()
+    return hashlib.blake2b(SOURCE.read_bytes() + flags.encode(), digest_size=6).hexdigest()
 
 
 @functools.cache

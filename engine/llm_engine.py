@@ -95,9 +95,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
-                    remote: RemotePrefill | None = None) -> str:
+                    remote: RemotePrefill | None = None, block_hashes: list[int] | None = None) -> str:
         """Queue a request. `remote`: its prompt's K/V (and first token) come from another engine
-        through the attached KVConnector; if they cannot, it is prefilled here."""
+        through the attached KVConnector; if they cannot, it is prefilled here. `block_hashes`: the
+        prompt's full-block hashes when the caller has them (a pool request carries them from the
+        ingress; an import's are remote.block_hashes), so the prefix cache need not hash it again."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -105,12 +107,11 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if remote is not None and len(remote.block_hashes) != len(ids) // self.block_size:
-            raise InvalidRequestError(f"{len(remote.block_hashes)} block hashes for a prompt of "
-                                      f"{len(ids) // self.block_size} full blocks")
+        hashes = remote.block_hashes if remote is not None else block_hashes
+        if remote is not None and len(hashes) != len(ids) // self.block_size:
+            raise InvalidRequestError(f"{len(hashes)} block hashes for a prompt of {len(ids) // self.block_size} full blocks")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
-        if remote is not None:
-            seq.block_hashes = list(remote.block_hashes)
+        seq.block_hashes = list(hashes or [])
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         self.requests[request_id] = seq

@@ -1,8 +1,10 @@
 """Baton's KV hand-off: moving a prompt's KV blocks from a prefill engine's cache to a decode engine's.
 
-`make_transport(kv_cache, name_prefix, compat_key, kind="nixl" | "ray")` builds one transport per
-engine; NIXL (one-sided READs over UCX) is the default, the Ray object store the fallback. See
-kvtransfer/transport.py for the flow; `KVLink` (engine_link.py) ties a transport to an LLMEngine.
+`make_transport(kv_cache, name_prefix, compat_key, kind="nixl" | "ray", peer_metadata=...)` builds one
+transport per engine; NIXL (one-sided READs over UCX) is the default, the Ray object store the fallback.
+A producer's export gives a `KVHandoff`, all a consumer needs to pull; nothing outside this package knows
+which transport runs. See kvtransfer/transport.py for the flow; `KVLink` (engine_link.py) ties a
+transport to an LLMEngine.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from kvtransfer.errors import KVCompatibilityError, KVHandleError, KVTransferError
 from kvtransfer.handle import KVHandle, compat_hash
+from kvtransfer.handoff import KVHandoff
 from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.ray_transport import RayTransport
 from kvtransfer.transport import KVTransport, Pull
@@ -20,18 +23,15 @@ TRANSPORTS = {"nixl": NixlTransport, "ray": RayTransport}
 
 
 def make_transport(kv_cache: torch.Tensor, name_prefix: str, compat_key: str, kind: str = "nixl",
-                   source: Callable | None = None, **options) -> KVTransport:
-    """The transport `kind` (cluster config) for one engine's cache. `source` reaches a producer by agent name:
-    NIXL: source(agent) -> its metadata() bytes; Ray: source(agent, request_id, block_ids) ->
-    its read_blocks(...) result (an ObjectRef or the array)."""
+                   peer_metadata: Callable[[str], bytes] | None = None, **options) -> KVTransport:
+    """The transport `kind` (cluster config) for one engine's cache. `peer_metadata(agent)` returns a
+    producer's metadata() bytes by its agent name; a transport asks it once per producer it meets."""
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {kind!r}; choose one of {sorted(TRANSPORTS)}")
-    if kind == "nixl":
-        return NixlTransport(kv_cache, name_prefix, compat_key, metadata_source=source, **options)
-    return RayTransport(kv_cache, name_prefix, compat_key, block_source=source, **options)
+    return TRANSPORTS[kind](kv_cache, name_prefix, compat_key, peer_metadata=peer_metadata, **options)
 
 
 from kvtransfer.engine_link import KVLink  # noqa: E402  (needs make_transport)
 
-__all__ = ["KVHandle", "KVLink", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
+__all__ = ["KVHandle", "KVHandoff", "KVLink", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
            "KVTransferError", "KVCompatibilityError", "KVHandleError", "TRANSPORTS"]

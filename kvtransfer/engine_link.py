@@ -3,7 +3,7 @@
     prefill replica                                  decode replica
     engine.add_request(..., prefill_only=True)
     out = <step until finished>
-    handoff = link.export(out)  ---- handoff -------> engine.add_request(ids, params, rid, remote=RemotePrefill(
+    handoff = link.export(out, hashes) - handoff -> engine.add_request(ids, params, rid, remote=RemotePrefill(
                                                           source=handoff, block_hashes=..., first_token=...,
                                                           deadline=...))
                                                      the scheduler reserves blocks when there is room and
@@ -13,7 +13,8 @@
 
 On the decode side KVLink is the engine's KVConnector (engine/kv_connector.py): leading blocks the
 engine's own prefix cache holds are not pulled. The handle's block hashes must equal the prompt's,
-so a handle never fills the blocks of another prompt. A cancelled load keeps its blocks until its
+so a handle never fills the blocks of another prompt. In a cluster both sides take the request's
+hashes (computed once, at the ingress) and hash nothing themselves. A cancelled load keeps its blocks until its
 transfer has ended (finished_loads reports it, then the engine frees them).
 
 Threads: the transport is used under the link's own lock (NIXL's agent is not thread-safe). The
@@ -26,24 +27,24 @@ import threading
 import time
 from typing import Callable
 
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes as hash_blocks
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import make_transport
 from kvtransfer.errors import KVTransferError
-from kvtransfer.handle import KVHandle
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.transport import Pull
 
 
 class KVLink:
-    def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl", source: Callable | None = None,
-                 ttl_s: float = 30.0, clock: Callable[[], float] = time.time, **options):
+    def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl",
+                 peer_metadata: Callable[[str], bytes] | None = None, ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.time, **options):
         self.engine, self.ttl_s = engine, ttl_s
         self._lock = threading.Lock()
         self._loads: dict[str, Pull] = {}            # request id -> its pull in flight (cancelled ones too)
         self.transport = make_transport(engine.runner.kv_cache, name_prefix, engine.compat_key(), kind=kind,
-                                        source=source, clock=clock, **options)
+                                        peer_metadata=peer_metadata, clock=clock, **options)
         engine.attach_kv_connector(self)
 
     @property
@@ -55,20 +56,18 @@ class KVLink:
             return self.transport.metadata()
 
     # -- producer ---------------------------------------------------------------------------------
-    def export(self, out: RequestOutput) -> KVHandle:
-        """The handle of a finished prefill_only request's pinned prompt blocks."""
+    def export(self, out: RequestOutput, hashes: list[int] | None = None) -> KVHandoff:
+        """The hand-off of a finished prefill_only request's pinned prompt blocks. `hashes`: the prompt's
+        full-block hashes as the request carries them (hashed here only when not given). The Ray fallback
+        copies the blocks out here: call it off the event loop."""
         if not out.finished or not out.kv_blocks:
             raise KVTransferError(f"request {out.request_id} holds no pinned prompt blocks to export")
-        ids = out.prompt_token_ids
-        hashes = block_hashes(ids, self.engine.block_size, self.engine.model_key)
+        ids, bs = out.prompt_token_ids, self.engine.block_size
+        hashes = hash_blocks(ids, bs, self.engine.model_key) if hashes is None else list(hashes)
+        if len(hashes) != len(ids) // bs:
+            raise KVTransferError(f"{len(hashes)} block hashes for a prompt of {len(ids) // bs} full blocks")
         with self._lock:
             return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
-
-    def copy_out(self, handle: KVHandle):
-        """Ray fallback: the handle's block bytes now, for the object store (its pin is released at the
-        next release_finished)."""
-        with self._lock:
-            return self.transport.read_blocks(handle.agent, handle.request_id, handle.block_ids)
 
     def release_finished(self) -> list[str]:
         """Unpin the prompts consumers have pulled (or that expired); call it from the engine loop."""
@@ -89,7 +88,7 @@ class KVLink:
         if handle.block_hashes != block_hashes:
             raise KVTransferError(f"handle {handle.request_id} was made for another prompt (block hashes differ)")
         with self._lock:
-            self._loads[request_id] = self.transport.start_pull(handle, block_ids, skip_blocks=skip_blocks)
+            self._loads[request_id] = self.transport.start_pull(source, block_ids, skip_blocks=skip_blocks)
 
     def finished_loads(self) -> tuple[list[str], dict[str, str]]:
         done, failed = [], {}

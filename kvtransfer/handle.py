@@ -31,6 +31,11 @@ class KVHandle:
     def to_bytes(self) -> bytes:
         return msgpack.packb({"v": HANDLE_VERSION, **asdict(self)})
 
+    def __reduce__(self):
+        # inside a message Ray pickles (replica/messages.py), a handle still crosses as its msgpack bytes,
+        # and is checked when it arrives (from_bytes validates)
+        return KVHandle.from_bytes, (self.to_bytes(),)
+
     @classmethod
     def from_bytes(cls, data: bytes) -> KVHandle:
         try:

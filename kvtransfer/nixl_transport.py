@@ -6,14 +6,16 @@ engine's layout keeps a block's K and V for every layer contiguous, so a pull of
 descriptors, prepared once per peer and picked by index.
 
     producer                                   consumer
-    metadata() --(through Ray, once)--> add_peer(): compat checked first, then load + prep blocks
-    export() -> KVHandle  -----------------------> start_pull(): READ blocks[skip:] into dst[skip:]
-    poll() <-- NIXL notification "request id" --  (sent by NIXL once the READ's data is read)
+    metadata() --(registered once per process)--> add_peer(): compat checked first, then load + prep blocks
+    export() -> KVHandoff ------------------------> start_pull(): READ blocks[skip:] into dst[skip:]
+    poll() <-- NIXL notification "request id" ---  (sent by NIXL once the READ's data is read)
 
-A pull naming an agent the consumer has never seen asks `metadata_source(agent_name)` (in Ray: a
-call to the producer's actor) and handshakes. A producer that restarted has a new agent: its
-handshake drops the old one (same prefix), and a READ that fails is retried once after a fresh
-handshake; a handle naming a dead agent fails with KVTransferError for that request only.
+A pull naming an agent the consumer has never seen asks `peer_metadata(agent_name)` once (in a cluster:
+the state actor, where every replica registered its metadata at start-up) and handshakes; the peer
+table is the cache. A producer that restarted has a new agent name, so a cached entry never goes
+stale: its handshake drops the old agent (same prefix), and a READ that fails forgets the peer and is
+retried once after a fresh handshake; a handle naming a dead agent fails with KVTransferError for
+that request only.
 
 UCX settings (environment, read when the agent is made):
 - CPU (DRAM to DRAM): UCX_TLS defaults to CPU_UCX_TLS = "shm,tcp" unless already set: shm brings
@@ -49,6 +51,7 @@ import torch
 from engine import faults
 from kvtransfer.errors import KVTransferError
 from kvtransfer.handle import KVHandle
+from kvtransfer.handoff import KVHandoff
 from kvtransfer.transport import KVTransport
 
 log = logging.getLogger(__name__)
@@ -70,12 +73,11 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
-                 metadata_source: Callable[[str], bytes] | None = None, num_threads: int = 0,
+                 peer_metadata: Callable[[str], bytes] | None = None, num_threads: int = 0,
                  clock: Callable[[], float] = time.time):
-        super().__init__(kv_cache, name_prefix, compat_key, clock)
+        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata, clock)
         if kv_cache.device.type == "cpu":
             os.environ.setdefault("UCX_TLS", CPU_UCX_TLS)
-        self.metadata_source = metadata_source
         self.mem = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         self.dev = max(kv_cache.get_device(), 0)
         self.agent = _make_agent(self.name, num_threads)
@@ -129,13 +131,13 @@ class NixlTransport(KVTransport):
         return name
 
     def peer(self, name: str) -> Peer:
-        """The peer called `name`, handshaking through metadata_source if it is new."""
+        """The peer called `name`, handshaking through peer_metadata if it is new."""
         if name in self.peers:
             return self.peers[name]
-        if self.metadata_source is None:
-            raise KVTransferError(f"{self.name}: unknown producer {name} and no metadata_source to ask")
+        if self.peer_metadata is None:
+            raise KVTransferError(f"{self.name}: unknown producer {name} and no peer_metadata to ask")
         try:
-            metadata = self.metadata_source(name)
+            metadata = self.peer_metadata(name)
         except Exception as e:
             raise KVTransferError(f"{self.name}: cannot get the metadata of producer {name}: {e!r}") from e
         got = self.add_peer(metadata)
@@ -160,7 +162,8 @@ class NixlTransport(KVTransport):
             log.debug("%s: %s failed: %r", self.name, getattr(fn, "__name__", fn), e)
 
     # -- consumer ---------------------------------------------------------------------------------
-    def start_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0) -> NixlPull:
+    def start_pull(self, handoff: KVHandoff, dst_block_ids: list[int], skip_blocks: int = 0) -> NixlPull:
+        handle = handoff.handle
         self._check_pull(handle, dst_block_ids, skip_blocks)
         pull = NixlPull(self, handle, np.asarray(dst_block_ids[skip_blocks:], dtype=np.int32),
                         np.asarray(handle.block_ids[skip_blocks:], dtype=np.int32))
@@ -256,7 +259,8 @@ class NixlPull:
             self.retried = True
             self.t.forget_peer(self.handle.agent)
             self.start()
-        else:
+        else:                                         # gone for good, most likely: forget it (its name never returns)
+            self.t.forget_peer(self.handle.agent)
             self._fail(KVTransferError(f"pull of {self.request_id} from {self.handle.agent} failed: {self.cause!r}"))
 
     def wait(self, timeout_s: float | None = None) -> None:

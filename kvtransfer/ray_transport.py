@@ -1,11 +1,11 @@
 """RayTransport: the fallback KV transport, block bytes copied through the Ray object store.
 
-Same interface and unpin semantics as NixlTransport, for where NIXL cannot run. The consumer asks
-the producer for the blocks with `block_source(agent, request_id, block_ids)` (in Ray: a call to the
-producer actor's `read_blocks`, returning an ObjectRef, so many pulls can be in flight); the producer
-copies them out of its cache while they are pinned and counts the request as pulled (its next
-poll() returns it); the consumer copies the bytes into its blocks. Two more copies than NIXL's
-one-sided READ, plus Ray's object transfer: that is why it is not the default.
+Same interface as NixlTransport, for where NIXL cannot run. The producer copies a prompt's pinned
+blocks out of its cache when it exports them and puts the copy in the object store; the hand-off
+carries its ObjectRef (KVHandoff.payload), so the consumer needs nothing else from the producer. The
+pin has done its job once the bytes are copied: the request counts as pulled (the next poll() returns
+it). The consumer writes the bytes of the blocks it does not cache into its own. Two more copies than
+NIXL's one-sided READ, plus Ray's object transfer: that is why it is not the default.
 """
 from __future__ import annotations
 
@@ -19,17 +19,17 @@ import torch
 
 from kvtransfer.errors import KVTransferError
 from kvtransfer.handle import KVHandle
+from kvtransfer.handoff import KVHandoff
 from kvtransfer.transport import KVTransport
 
 
 class RayTransport(KVTransport):
+    """peer_metadata is never asked: a hand-off carries its bytes, and the handle's compat hash is checked."""
     kind = "ray"
 
-    def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
-                 block_source: Callable[[str, str, list[int]], Any] | None = None,
+    def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str, peer_metadata=None,
                  clock: Callable[[], float] = time.time):
-        super().__init__(kv_cache, name_prefix, compat_key, clock)
-        self.block_source = block_source
+        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata, clock)
         self.blocks = kv_cache.view(-1).view(torch.uint8).view(self.num_blocks, self.block_bytes)
         self.peers: dict[str, str] = {}           # agent name -> prefix
         self._pulled: list[str] = []
@@ -38,17 +38,14 @@ class RayTransport(KVTransport):
     def metadata(self) -> bytes:
         return self._envelope()
 
-    def read_blocks(self, agent: str, request_id: str, block_ids: list[int]) -> np.ndarray:
-        """The bytes of pinned blocks [len, block_bytes], for a consumer; the request counts as pulled."""
-        expiry = self.leases.get(request_id)
-        if agent != self.name or expiry is None or self.clock() >= expiry:
-            raise KVTransferError(f"{self.name} holds no KV pin for {request_id} of {agent} "
-                                  f"(restarted, expired or already pulled)")
-        data = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
-        for i, b in enumerate(block_ids):        # block by block: memcpy speed; a gather by index is 10x slower
+    def _payload(self, handle: KVHandle) -> Any:
+        """The pinned blocks' bytes [len, block_bytes], in the object store when Ray runs (else the array)."""
+        data = torch.empty((len(handle.block_ids), self.block_bytes), dtype=torch.uint8)
+        for i, b in enumerate(handle.block_ids):   # block by block: memcpy speed; a gather by index is 10x slower
             data[i].copy_(self.blocks[b])
-        self._pulled.append(request_id)
-        return data.numpy()
+        self._pulled.append(handle.request_id)
+        import ray
+        return ray.put(data.numpy()) if ray.is_initialized() else data.numpy()
 
     def _notified(self) -> list[str]:
         pulled, self._pulled = self._pulled, []
@@ -62,15 +59,12 @@ class RayTransport(KVTransport):
         return env["name"]
 
     # -- consumer ---------------------------------------------------------------------------------
-    def start_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0) -> RayPull:
+    def start_pull(self, handoff: KVHandoff, dst_block_ids: list[int], skip_blocks: int = 0) -> RayPull:
+        handle = handoff.handle
         self._check_pull(handle, dst_block_ids, skip_blocks)
-        if self.block_source is None:
-            raise KVTransferError(f"{self.name}: no block_source to ask producer {handle.agent}")
-        try:
-            ref = self.block_source(handle.agent, handle.request_id, handle.block_ids[skip_blocks:])
-        except Exception as e:
-            raise KVTransferError(f"{self.name}: cannot ask producer {handle.agent} for blocks: {e!r}") from e
-        return RayPull(self, handle, list(dst_block_ids[skip_blocks:]), ref)
+        if handoff.payload is None:
+            raise KVTransferError(f"hand-off {handle.request_id} carries no block bytes")
+        return RayPull(self, handle, list(dst_block_ids), skip_blocks, handoff.payload)
 
     def write_blocks(self, dst_block_ids: list[int], data) -> None:
         arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
@@ -86,10 +80,10 @@ class RayTransport(KVTransport):
 
 
 class RayPull:
-    """One request's blocks on their way through the object store."""
+    """One request's blocks on their way through the object store; the leading `skip` are cached here."""
 
-    def __init__(self, transport: RayTransport, handle: KVHandle, dst: list[int], ref):
-        self.t, self.handle, self.dst, self.ref = transport, handle, dst, ref
+    def __init__(self, transport: RayTransport, handle: KVHandle, dst: list[int], skip: int, ref):
+        self.t, self.handle, self.dst, self.skip, self.ref = transport, handle, dst, skip, ref
         self.request_id = handle.request_id
         self.finished = False
         self.error: KVTransferError | None = None
@@ -112,7 +106,9 @@ class RayPull:
                 cause = getattr(e, "cause", None) or e          # a RayTaskError carries the producer's error
                 self._fail(KVTransferError(f"pull of {self.request_id} from {self.handle.agent} failed: {cause}"))
         try:
-            self.t.write_blocks(self.dst, data)
+            if not isinstance(data, np.ndarray) or len(data) != len(self.dst):
+                raise KVTransferError(f"hand-off {self.request_id} does not carry its {len(self.dst)} blocks")
+            self.t.write_blocks(self.dst[self.skip:], data[self.skip:])
         except KVTransferError as e:
             self._fail(e)
         self.finished, self.ref = True, None

@@ -1,12 +1,15 @@
-"""What every KV transport shares: the cache's block geometry, the producer's leases (when to tell the
-engine to unpin: on the consumer's notification or at the handle's expiry), and the checks a pull
-passes before it copies.
+"""What every KV transport shares: the cache's block geometry, the producer's leases (when to tell the engine
+to unpin: on the consumer's notification or at the handle's expiry), and the checks a pull passes before it
+copies.
 
 Producer (prefill engine owner):           Consumer (decode engine owner):
-    handle = t.export(rid, blocks, ...)        (blocks reserved by the engine's KV cache manager)
-    ... send the handle ...                    t.pull(handle, block_ids, skip_blocks=num_cached_here)
+    handoff = t.export(rid, blocks, ...)       (blocks reserved by the engine's KV cache manager)
+    ... send the KVHandoff (pickled) ...       t.pull(handoff, block_ids, skip_blocks=num_cached_here)
     for rid in t.poll():                       # or: x = t.start_pull(...); ... x.done() / x.wait()
         engine.release_pinned(rid)
+
+A consumer reaches a producer it has not met through `peer_metadata(agent) -> bytes` (the producer's
+metadata(), registered once per process; in a cluster the state actor keeps them), asked once per peer.
 
 The engine's KV cache manager holds the pinned blocks; a transport keeps only each export's expiry.
 Expiry is unix time from the injected `clock` (tests pass a fake one instead of sleeping).
@@ -16,13 +19,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import msgpack
 import torch
 
 from kvtransfer.errors import KVCompatibilityError, KVTransferError
 from kvtransfer.handle import KVHandle, compat_hash
+from kvtransfer.handoff import KVHandoff
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ class KVTransport:
     kind = ""
 
     def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
-                 clock: Callable[[], float] = time.time):
+                 peer_metadata: Callable[[str], bytes] | None = None, clock: Callable[[], float] = time.time):
         if not kv_cache.is_contiguous() or kv_cache.dim() < 2:
             raise ValueError("the KV cache must be one contiguous tensor [num_blocks, ...]")
         self.kv_cache = kv_cache
@@ -56,21 +60,27 @@ class KVTransport:
         self.name = f"{name_prefix}-{uuid.uuid4().hex[:12]}"     # a restart is a new peer, never the old one
         self.compat_key = compat_key
         self.compat = compat_hash(compat_key)
+        self.peer_metadata = peer_metadata          # agent name -> its metadata(): how a peer is first met
         self.clock = clock
         self.leases: dict[str, float] = {}           # exported request id -> unix time its pin ends
         self.num_released = {"notified": 0, "expired": 0}
 
     # -- producer ---------------------------------------------------------------------------------
     def export(self, request_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int,
-               ttl_s: float = 30.0) -> KVHandle:
-        """A handle to pinned `block_ids`, leased to a consumer until it notifies or `ttl_s` passes; poll()
-        says when to unpin."""
+               ttl_s: float = 30.0) -> KVHandoff:
+        """Pin `block_ids` for a consumer until it notifies or `ttl_s` passes (poll() says when); the
+        hand-off is all a consumer needs to pull them."""
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
         expiry = self.clock() + ttl_s
         self.leases[request_id] = expiry
-        return KVHandle(self.name, request_id, list(block_ids), list(block_hashes), num_tokens, self.compat,
-                        expiry, self.kind)
+        handle = KVHandle(self.name, request_id, list(block_ids), list(block_hashes), num_tokens, self.compat,
+                          expiry, self.kind)
+        return KVHandoff(handle, self._payload(handle))
+
+    def _payload(self, handle: KVHandle) -> Any:
+        """What a hand-off carries besides its handle (the Ray fallback: the block bytes)."""
+        return None
 
     def poll(self) -> list[str]:
         """Request ids to unpin now (engine.release_pinned): pulled by their consumer, or expired."""
@@ -112,12 +122,12 @@ class KVTransport:
         return env
 
     # -- consumer ---------------------------------------------------------------------------------
-    def pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0,
+    def pull(self, handoff: KVHandoff, dst_block_ids: list[int], skip_blocks: int = 0,
              timeout_s: float | None = None) -> None:
         """Copy the producer's blocks [skip:] into dst [skip:] and tell the producer; blocking."""
-        self.start_pull(handle, dst_block_ids, skip_blocks).wait(timeout_s)
+        self.start_pull(handoff, dst_block_ids, skip_blocks).wait(timeout_s)
 
-    def start_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int = 0) -> Pull:
+    def start_pull(self, handoff: KVHandoff, dst_block_ids: list[int], skip_blocks: int = 0) -> Pull:
         raise NotImplementedError
 
     def _check_pull(self, handle: KVHandle, dst_block_ids: list[int], skip_blocks: int) -> None:

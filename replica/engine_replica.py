@@ -1,9 +1,10 @@
 """EngineReplica: what a replica of either pool is: one engine (AsyncLLM), its KVLink, KV events shipped
 to the cluster state actor, load stats for the request routers, and its Prometheus metrics.
 
-The prefill pool's PrefillServer and the decode pool's DecodeServer subclass it. Everything that
-crosses a process is msgpack or plain dicts; the cluster state actor (router/cluster_state.py) is
-reached by name, never imported.
+The prefill pool's PrefillServer and the decode pool's DecodeServer subclass it. Requests and answers
+are the typed messages of replica/messages.py; KV events cross as msgpack. The cluster state actor
+(router/cluster_state.py) is reached by name, never imported: a replica registers there once, with its
+transport's metadata, and a consumer meeting a producer's agent for the first time asks it for them.
 """
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
 from engine.kv_events import AllBlocksCleared, BlockStored, KVEvent, encode_events
 from kvtransfer import KVLink
+from kvtransfer.config import TransferConfig
 from replica.metrics import LatencyWindow, ReplicaMetrics
+from replica.names import get_state_actor
 
 log = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
+PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
 
 
 def replica_id() -> str:
@@ -39,26 +43,22 @@ def replica_id() -> str:
 class EngineReplica:
     pool = ""
 
-    def __init__(self, engine: dict[str, Any], transfer: dict[str, Any], state_actor: str | None,
-                 served_model_name: str):
+    def __init__(self, engine: EngineConfig, transfer: TransferConfig, state_actor: str, served_model_name: str):
         self.replica = replica_id()
         self.served_model_name = served_model_name
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self._seq = 0
-        eng = LLMEngine(EngineConfig.from_kwargs(**engine), on_kv_event=self._on_event)
+        eng = LLMEngine(engine, on_kv_event=self._on_event)
         self.llm = AsyncLLM(engine=eng)
         self.engine = eng
-        self.transfer_kind = transfer.get("backend", "nixl")
-        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=self.transfer_kind, source=self._source,
-                           ttl_s=transfer.get("ttl_s", 30.0))
+        self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
+                           peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
         self._busy_mark = (time.monotonic(), 0.0)       # (when, engine busy seconds then): utilisation
-        self._state_name, self._state = state_actor, None   # found lazily: the ingress creates it
-        self._peer_metadata: dict[str, bytes] = {}       # NIXL: producer agent -> metadata, from requests
-        self._blocks: dict[str, Any] = {}                 # Ray fallback: request id -> (ref, block count)
+        self._state_name, self._state = state_actor, None   # found lazily: the app's `state` deployment creates it
         self._closed = False
         self._bg = threading.Thread(target=self._background, name="baton-replica-bg", daemon=True)
         self._bg.start()
@@ -92,13 +92,19 @@ class EngineReplica:
         with self._events_lock:
             self._events.append(event)
 
+    def _state_actor(self):
+        try:
+            return get_state_actor(self._state_name)
+        except ValueError:                  # not created yet
+            return None
+
     def _find_state(self) -> None:
         import ray
-        try:
-            state = ray.get_actor(self._state_name, namespace="baton")   # router.cluster_state.STATE_NAMESPACE
-        except ValueError:                  # not created yet
+        state = self._state_actor()
+        if state is None:
             return
-        ray.get(state.register.remote(self.pool, self.replica, b"", 0))
+        ray.get([state.register.remote(self.pool, self.replica, 0),
+                 state.register_transfer_metadata.remote(self.link.name, self.link.metadata())])
         self._state = state
 
     def _background(self) -> None:
@@ -106,7 +112,7 @@ class EngineReplica:
         last_report, report = 0.0, None
         while not self._closed:
             try:
-                if self._state is None and self._state_name:
+                if self._state is None:
                     self._find_state()
                 self.llm.call(lambda _: self.link.release_finished())
                 self._publish()
@@ -146,15 +152,16 @@ class EngineReplica:
         self._state.resync.remote(self.pool, self.replica, seq, events)
         log.warning("%s replica %s: the index lost KV events; resynced with the whole cache", self.pool, self.replica)
 
-    # -- transfer sources: what the ingress passed along with a request ----------------------------------
-    def _source(self, agent: str, *rest):
-        if self.transfer_kind == "nixl":
-            return self._peer_metadata[agent]
-        request_id, block_ids = rest
-        ref, count = self._blocks.pop(request_id)
+    # -- transfer peers: a producer's metadata, asked once per agent (the transport caches it) ------------
+    def _peer_metadata(self, agent: str) -> bytes:
+        """The transport asks this at its first pull from a producer process (under the engine lock, like the
+        pull itself): one round trip to the state actor per producer, then the transport's peer table serves."""
         import ray
-        data = ray.get(ref)
-        return data[count - len(block_ids):]            # the leading blocks are cached here: skipped
+        state = self._state or self._state_actor()
+        metadata = None if state is None else ray.get(state.transfer_metadata.remote(agent), timeout=PEER_TIMEOUT_S)
+        if metadata is None:
+            raise LookupError(f"no transfer metadata registered for {agent}")
+        return metadata
 
     def stats(self) -> dict:
         return {**self.llm.stats(), **self.link.stats(), **self.metrics.transfer_stats()}

@@ -29,6 +29,7 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge
 
+from router.config import AdmissionConfig
 from router.openai_protocol import OpenAIError
 
 REJECTED = Counter("baton_admission_rejected", "Requests refused with 429 by admission control, by budget",
@@ -78,12 +79,9 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, cfg: dict, kv_capacity_tokens: Callable[[], int] = lambda: 0, clock=time.monotonic):
-        self.enabled = cfg.get("enabled", True)
-        self.slo = cfg.get("ttft_slo_s", 5.0)
-        self.cap = cfg.get("max_queued_prompt_tokens")
-        self.kv_budget = cfg.get("kv_budget", 1.0)
-        self.max_retry = cfg.get("max_retry_after_s", 30)
+    def __init__(self, config: AdmissionConfig, kv_capacity_tokens: Callable[[], int] = lambda: 0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
         self.kv_capacity = kv_capacity_tokens          # this ingress replica's share of the decode pool's KV, now
         self.clock = clock
         self._lock = threading.Lock()
@@ -136,16 +134,17 @@ class Admission:
             self._advance()
             rate = self._rate()
             predicted = (self.queued + need) / rate if rate is not None else None
-            if self.enabled and self.queued > 0:
-                if predicted is not None and predicted + self.margin() > self.slo:
+            slo, cap = self.config.ttft_slo_s, self.config.max_queued_prompt_tokens
+            if self.config.enabled and self.queued > 0:
+                if predicted is not None and predicted + self.margin() > slo:
                     wait = predicted + self.margin()
-                    self._reject("ttft", wait - self.slo, f"the predicted wait for a first token ({wait:.1f} s) "
-                                                          f"exceeds the {self.slo:g} s objective")
-                if self.cap is not None and self.queued + need > self.cap:
-                    drain = (self.queued + need - self.cap) / rate if rate else 1.0
-                    self._reject("queue", drain, f"{self.queued} prompt tokens are queued (cap {self.cap})")
-            if self.enabled and self.kv_tokens > 0 and \
-                    self.kv_tokens + kv_need > (self.kv_capacity() or float("inf")) * self.kv_budget:
+                    self._reject("ttft", wait - slo, f"the predicted wait for a first token ({wait:.1f} s) "
+                                                     f"exceeds the {slo:g} s objective")
+                if cap is not None and self.queued + need > cap:
+                    drain = (self.queued + need - cap) / rate if rate else 1.0
+                    self._reject("queue", drain, f"{self.queued} prompt tokens are queued (cap {cap})")
+            if self.config.enabled and self.kv_tokens > 0 and \
+                    self.kv_tokens + kv_need > (self.kv_capacity() or float("inf")) * self.config.kv_budget:
                 self._reject("kv", KV_RETRY_AFTER_S, "the decode pool's KV cache is full")
             t = Ticket(self, {}, {}, admitted_at=self.clock(),
                        predicted_s=predicted if len(uncached) == 1 else None)
@@ -162,7 +161,7 @@ class Admission:
 
     def _reject(self, reason: str, retry_after_s: float, why: str) -> None:
         REJECTED.labels(reason).inc()
-        retry = min(max(math.ceil(retry_after_s), 1), self.max_retry)
+        retry = min(max(math.ceil(retry_after_s), 1), self.config.max_retry_after_s)
         raise OpenAIError(429, f"The server is at capacity: {why}. Retry after {retry} s.", "RateLimitError",
                           code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
 

@@ -1,5 +1,9 @@
 """ClusterState: the one Ray actor that every replica reports to and every router reads from.
 
+Lifetime: ClusterStateOwner, a one-replica deployment of the app, creates the actor (named, not detached), so
+Ray ends it with its owner: deleting the app (serve delete, KubeRay) leaves no actor behind. Everyone else
+reaches it by name (replica.names).
+
 - KV events: each replica of both pools publishes numbered batches (msgpack, engine.kv_events.encode_events);
   the actor keeps the exact PrefixIndex of each pool and a log of recent batches. Routers (in every
   ingress replica, and wherever a handle routes) hold an IndexMirror that pulls the log since its
@@ -8,6 +12,8 @@
 - Metrics: each replica sends its Prometheus exposition every REPORT_INTERVAL_S; the ingress /metrics
   merges them. A replica that stops reporting for DEAD_AFTER_S is forgotten (index and metrics), as
   is one Serve dropped from a pool (the request routers tell it at once).
+- Transfer metadata: each replica registers its KV transport's metadata once, under its agent name (new in
+  every process, so an entry never goes stale); a consumer asks for a producer's the first time it meets it.
 - Lost KV events: a gap in a replica's batches marks it stale; its next metrics report learns so and
   the replica resends its whole cache as one batch (resync).
 """
@@ -17,42 +23,44 @@ import asyncio
 import logging
 import time
 from collections import deque
-
+from typing import Callable
 
 from engine.kv_events import decode_events
+from replica.names import POOLS, STATE_NAMESPACE, get_state_actor
 from router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
 LOG_CAPACITY = 4096             # event batches kept for mirrors; older mirrors take a snapshot
 DEAD_AFTER_S = 15.0
-POOLS = ("prefill", "decode")
-
-
-STATE_NAMESPACE = "baton"       # Serve replicas run in the "serve" namespace, drivers in theirs: name it
-
-
-def state_actor_name(app_name: str) -> str:
-    return f"baton-state-{app_name}"
 
 
 class ClusterState:
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, dead_after_s: float = DEAD_AFTER_S):
+        self.clock, self.dead_after_s = clock, dead_after_s         # tests inject both
         self.index = {p: PrefixIndex() for p in POOLS}
         self.version = 0
         self.log: deque[tuple[int, str, str, int, bytes]] = deque(maxlen=LOG_CAPACITY)
         self.metrics: dict[tuple[str, str], tuple[float, bytes]] = {}
         self.seen: dict[tuple[str, str], float] = {}
+        self.transfer_md: dict[str, bytes] = {}     # agent -> metadata; kept when a replica is forgotten (it
+                                                    # may be alive, only quiet): a few KiB per replica process
 
     # -- replicas ---------------------------------------------------------------------------------
-    def register(self, pool: str, replica: str, _events: bytes, seq: int) -> None:
+    def register(self, pool: str, replica: str, seq: int) -> None:
         """A replica starts with an empty cache at sequence `seq`."""
-        self.seen[(pool, replica)] = time.monotonic()
+        self.seen[(pool, replica)] = self.clock()
         self.index[pool].load_snapshot(replica, seq, [])
         self._append(pool, replica, -seq - 1, b"")            # negative seq: "reset to empty at seq"
 
+    def register_transfer_metadata(self, agent: str, metadata: bytes) -> None:
+        self.transfer_md[agent] = metadata
+
+    def transfer_metadata(self, agent: str) -> bytes | None:
+        return self.transfer_md.get(agent)
+
     def publish(self, pool: str, replica: str, seq: int, events: bytes) -> None:
-        self.seen[(pool, replica)] = time.monotonic()
+        self.seen[(pool, replica)] = self.clock()
         try:
             decoded = decode_events(events)
         except ValueError as e:             # checked on receipt: the replica's entry waits for a snapshot
@@ -68,7 +76,7 @@ class ClusterState:
         """A replica's metrics and its last event batch number; the answer says whether its index entry is
         stale (then it resyncs). Calls from one replica arrive in order, so a batch number ahead of the last
         one applied means a batch was lost, even when no batch has come since."""
-        now = time.monotonic()
+        now = self.clock()
         self.seen[(pool, replica)] = now
         self.metrics[(pool, replica)] = (now, exposition)
         if pool not in self.index:
@@ -86,7 +94,7 @@ class ClusterState:
     def resync(self, pool: str, replica: str, seq: int, events: bytes) -> None:
         """A stale replica's whole cache as batch `seq` (cleared, then stored: every cached hash); it
         replaces the entry, and the batches after it apply again. Mirrors see the same two log entries."""
-        self.seen[(pool, replica)] = time.monotonic()
+        self.seen[(pool, replica)] = self.clock()
         try:
             decoded = decode_events(events)
         except ValueError as e:
@@ -114,9 +122,9 @@ class ClusterState:
         self.log.append((self.version, pool, replica, seq, events))
 
     def _reap(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for (pool, replica), t in list(self.seen.items()):
-            if now - t > DEAD_AFTER_S:
+            if now - t > self.dead_after_s:
                 log.warning("%s replica %s silent for %.0f s: forgotten", pool, replica, now - t)
                 self.forget(pool, replica)
 
@@ -138,36 +146,53 @@ class ClusterState:
         return {p: sorted(r for q, r in self.seen if q == p) for p in POOLS}
 
 
+class ClusterStateOwner:
+    """The app's `state` deployment (one replica): creates the ClusterState actor, named and not detached, so
+    that Ray ends the actor with this replica, and the app's deletion leaves none behind. Its health is the
+    actor's; the ingress's /metrics reads the replicas' metrics through it."""
+
+    def __init__(self, actor_name: str):
+        import ray
+        # get_if_exists: a replacement replica may start while its predecessor's actor is still being
+        # torn down; the health check then fails and Serve starts another replica, which creates a fresh one
+        self.actor = ray.remote(ClusterState).options(name=actor_name, namespace=STATE_NAMESPACE, num_cpus=0,
+                                                      get_if_exists=True).remote()
+
+    async def check_health(self) -> None:
+        await self.actor.stale.remote()
+
+    async def metrics_texts(self) -> list[bytes]:
+        return await self.actor.metrics_texts.remote()
+
+
 class IndexMirror:
     """A router process's copy of the pools' prefix indexes, kept current by one background task.
     One per process and actor (IndexMirror.shared): the ingress and its request routers share it."""
     _shared: dict[str, "IndexMirror"] = {}
 
     @classmethod
-    def shared(cls, actor_name: str, interval_s: float = 0.01) -> "IndexMirror":
+    def shared(cls, actor_name: str, interval_s: float) -> "IndexMirror":
         if actor_name not in cls._shared:
             cls._shared[actor_name] = cls(actor_name, interval_s)
         return cls._shared[actor_name]
 
-    def __init__(self, actor_name: str, interval_s: float = 0.01):
+    def __init__(self, actor_name: str, interval_s: float):
         self.actor_name, self.interval_s = actor_name, interval_s
         self.index = {p: PrefixIndex() for p in POOLS}
         self.version = 0
         self._task: asyncio.Task | None = None
         self._actor = None
-        self.last_sync = 0.0
 
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def start(self) -> None:
+        """Begin syncing, on the running event loop (the first routing decision or request calls it)."""
         if self._task is None:
-            loop = loop or asyncio.get_event_loop()
-            self._task = loop.create_task(self._run())
+            self._task = asyncio.get_event_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        import ray
         while True:
             try:
                 if self._actor is None:
-                    self._actor = ray.get_actor(self.actor_name, namespace=STATE_NAMESPACE)
+                    self._actor = get_state_actor(self.actor_name)
                 await self.sync_once()
             except asyncio.CancelledError:
                 raise
@@ -185,18 +210,12 @@ class IndexMirror:
             for _, pool, replica, seq, events in entries:
                 apply_entry(self.index[pool], replica, seq, events)
         self.version = version
-        self.last_sync = time.monotonic()
 
     def forget(self, pool: str, replica: str) -> None:
         """A replica is gone: out of this mirror now and out of the state actor (for every other mirror)."""
         self.index[pool].remove_replica(replica)
         if self._actor is not None:
             self._actor.forget.remote(pool, replica)
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
 
 
 def apply_entry(index: PrefixIndex, replica: str, seq: int, events: bytes) -> None:
@@ -234,4 +253,4 @@ def _render(families) -> bytes:
     return generate_latest(reg)
 
 
-__all__ = ["ClusterState", "IndexMirror", "state_actor_name", "merge_expositions"]
+__all__ = ["ClusterState", "ClusterStateOwner", "IndexMirror", "merge_expositions"]

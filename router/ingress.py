@@ -20,8 +20,9 @@ from ray import serve
 from engine.llm import chat_token_ids
 from engine.loader import load_tokenizer
 from router import openai_protocol as oa
-from router.cluster_state import STATE_NAMESPACE, ClusterState, merge_expositions
+from router.cluster_state import merge_expositions
 from router.admission import Admission
+from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
 from router.orchestrator import Orchestrator, as_openai_error
 
 log = logging.getLogger(__name__)
@@ -79,24 +80,26 @@ def _no_constant(name: str):
 
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, prefill, decode, config: dict[str, Any], state_actor: str):
-        import ray
-        self.config = config
-        self.limits = config.get("limits") or {}
-        auth = config.get("auth") or {}
-        self.keys = oa.ApiKeys(auth.get("api_keys_env", "BATON_API_KEYS"))
-        self.protect_metrics = bool(auth.get("protect_metrics"))
+    def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
+                 auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
+                 router: RouterConfig):
+        """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
+        state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
+        share the decode pool's KV budget; the rest are the cluster config's sections."""
+        self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
+        self.keys = oa.ApiKeys(auth.api_keys_env)
+        self.protect_metrics = auth.protect_metrics
         if self.keys.enabled:
-            log.info("ingress: API keys required (from $%s)", auth.get("api_keys_env", "BATON_API_KEYS"))
-        self.state = ray.remote(ClusterState).options(name=state_actor, namespace=STATE_NAMESPACE,
-                                                      get_if_exists=True, lifetime="detached", num_cpus=0).remote()
+            log.info("ingress: API keys required (from $%s)", auth.api_keys_env)
+        self.state = state
         self.decode = decode
         self.info = None
         self._prefill, self._state_name = prefill, state_actor
         self.served_name = None
         self.tokenizer = None
         self.orchestrator = None
-        self.admission: Admission | None = None
+        # asked only once a request is admitted, after _setup made the orchestrator; each replica's share
+        self.admission = Admission(admission, lambda: self.orchestrator.kv_capacity_tokens() // num_replicas)
         self._ready = asyncio.Lock()
 
     async def _setup(self) -> Orchestrator:
@@ -108,11 +111,9 @@ class Ingress:
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
                     self.served_name = info["served_model_name"]
                     self.info = info
-                    self.admission = Admission(self.config.get("admission") or {}, lambda: (
-                        self.orchestrator.kv_capacity_tokens() // self.config["ingress"]["num_replicas"]))
                     self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
-                                             self.config["disaggregation"]["min_remote_prefill_tokens"],
-                                             self.config["router"]["index_sync_interval_s"])
+                                             self.disaggregation.min_remote_prefill_tokens,
+                                             self.router_config.index_sync_interval_s)
         return self.orchestrator
 
     # -- routes -----------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ class Ingress:
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
             self.keys.check(request.headers.get("authorization"))
-            body = await _json(request, self.limits.get("max_body_bytes", oa.LIMITS["max_body_bytes"]))
+            body = await _json(request, self.limits.max_body_bytes)
             orchestrator = await self._setup()
             req = oa.parse_request(body, chat, self.limits)
             oa.check_model(req.model, [self.served_name])
@@ -190,7 +191,7 @@ class Ingress:
         async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
                 async for d in orchestrator.stream(ids, params, hashes=hashes):
-                    ticket.progress(i, len(d["token_ids"]))
+                    ticket.progress(i, len(d.token_ids))
                     builder.add(i, d)
             finally:
                 ticket.release(i)
@@ -207,7 +208,7 @@ class Ingress:
         async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
             try:
                 async for d in orchestrator.stream(ids, params, hashes=hashes):
-                    ticket.progress(i, len(d["token_ids"]))
+                    ticket.progress(i, len(d.token_ids))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001
                 await queue.put((i, e))
@@ -226,7 +227,7 @@ class Ingress:
                     break
                 for chunk in builder.chunks(i, d):
                     yield oa.sse(chunk)
-                done += d["finished"]
+                done += d.finished
             else:
                 usage = builder.usage_chunk()
                 if usage is not None:

@@ -12,15 +12,17 @@ import hmac
 import json
 import os
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.config import LimitsConfig
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
+from router.config import LimitsConfig
 
-LIMITS = LimitsConfig().model_dump()    # the defaults; the ingress passes the cluster config's
+if TYPE_CHECKING:
+    from replica.messages import TokenDelta
+
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -85,7 +87,8 @@ class CompletionRequest(_Request):
     echo: bool = False
 
 
-def parse_request(body: Any, chat: bool, limits: dict | None = None) -> ChatCompletionRequest | CompletionRequest:
+def parse_request(body: Any, chat: bool, limits: LimitsConfig = LimitsConfig()) -> ChatCompletionRequest | CompletionRequest:
+    """The request, checked against `limits` (the defaults, or the cluster config's that the ingress passes)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     try:
@@ -94,23 +97,23 @@ def parse_request(body: Any, chat: bool, limits: dict | None = None) -> ChatComp
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) if err["loc"] else None
         raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
-    _check(req, chat, {**LIMITS, **(limits or {})})
+    _check(req, chat, limits)
     return req
 
 
-def _check(req, chat: bool, limits: dict) -> None:
+def _check(req, chat: bool, limits: LimitsConfig) -> None:
     if chat and not req.messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
     if not chat and (req.prompt == [] or req.prompt == ""):
         raise OpenAIError(400, "prompt must not be empty", param="prompt")
-    if not 1 <= req.n <= limits["max_n"]:
-        raise OpenAIError(400, f"n must be between 1 and {limits['max_n']}, got {req.n}", param="n")
+    if not 1 <= req.n <= limits.max_n:
+        raise OpenAIError(400, f"n must be between 1 and {limits.max_n}, got {req.n}", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > limits["max_stop_sequences"]:
-        raise OpenAIError(400, f"at most {limits['max_stop_sequences']} stop sequences are allowed, got "
+    if len(stops) > limits.max_stop_sequences:
+        raise OpenAIError(400, f"at most {limits.max_stop_sequences} stop sequences are allowed, got "
                                f"{len(stops)}", param="stop")
-    if any(len(s) > limits["max_stop_chars"] for s in stops):
-        raise OpenAIError(400, f"a stop sequence may have at most {limits['max_stop_chars']} characters",
+    if any(len(s) > limits.max_stop_chars for s in stops):
+        raise OpenAIError(400, f"a stop sequence may have at most {limits.max_stop_chars} characters",
                           param="stop")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) != 0:
@@ -119,8 +122,8 @@ def _check(req, chat: bool, limits: dict) -> None:
         raise OpenAIError(400, "echo is not supported", param="echo")
 
 
-def check_prompt_length(num_tokens: int, limits: dict | None) -> None:
-    limit = (limits or {}).get("max_prompt_tokens")
+def check_prompt_length(num_tokens: int, limits: LimitsConfig) -> None:
+    limit = limits.max_prompt_tokens
     if limit is not None and num_tokens > limit:
         raise OpenAIError(400, f"the prompt has {num_tokens} tokens; this server accepts at most {limit}",
                           param="messages", code="context_length_exceeded")
@@ -238,21 +241,21 @@ class ResponseBuilder:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def add(self, i: int, d: dict) -> list:
+    def add(self, i: int, d: TokenDelta) -> list:
         """Record a delta of choice i; returns its logprob items (token text, logprob, top)."""
-        self.text.setdefault(i, []).append(d["text"])
+        self.text.setdefault(i, []).append(d.text)
         items = self._logprobs(d) if self.want_lp else []
         self.lps.setdefault(i, []).extend(items)
-        if d["finished"]:
-            self.finish[i] = "length" if d["finish_reason"] == "length" else "stop"
-            self.prompt_tokens[i] = d["prompt_tokens"]
-            self.completion_tokens[i] = d["completion_tokens"]
-            self.cached_tokens[i] = d.get("cached_tokens", 0)
+        if d.finished:
+            self.finish[i] = "length" if d.finish_reason == "length" else "stop"
+            self.prompt_tokens[i] = d.prompt_tokens
+            self.completion_tokens[i] = d.completion_tokens
+            self.cached_tokens[i] = d.cached_tokens
         return items
 
-    def _logprobs(self, d: dict) -> list:
+    def _logprobs(self, d: TokenDelta) -> list:
         out = []
-        for tok, lp in zip(d["token_ids"], d.get("logprobs") or []):
+        for tok, lp in zip(d.token_ids, d.logprobs or []):
             if lp is None:
                 continue
             text = self.tok.decode([tok])
@@ -314,17 +317,17 @@ class ResponseBuilder:
     def _num_choices(self) -> int:
         return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))
 
-    def chunks(self, i: int, d: dict) -> list[dict]:
+    def chunks(self, i: int, d: TokenDelta) -> list[dict]:
         items = self.add(i, d)
         lp = self._lp_body(items)
-        finish = self.finish.get(i) if d["finished"] else None
-        if not d["text"] and finish is None and not items:
+        finish = self.finish.get(i) if d.finished else None
+        if not d.text and finish is None and not items:
             return []
         if self.chat:
-            choice = {"index": i, "delta": {"content": d["text"]} if d["text"] else {}, "logprobs": lp,
+            choice = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
                       "finish_reason": finish}
         else:
-            choice = {"index": i, "text": d["text"], "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish}
         return [self._chunk([choice])]
 
     def usage_chunk(self) -> dict | None:

@@ -1,13 +1,15 @@
 """Orchestrator: one request's way through the prefill and decode pools, behind the HTTP layer (router/ingress.py).
 
-    token ids + SamplingParams
-      -> block hashes (the engine's function, the model's key from a replica)
+    token ids + SamplingParams + block hashes (hashed once, by the ingress, with `hashes`)
+      -> a PoolRequest (replica/messages.py)
       -> disaggregated?  uncached part on the best decode replica > min_remote_prefill_tokens
-           yes: prefill pool (PrefixAwareRouter) -> first token + KVHandle -> decode pool pulls
+           yes: prefill pool (PrefixAwareRouter) -> PrefillResult (first token + KVHandoff) -> decode pool pulls
            no:  decode pool prefills itself (DecodeRouter prefers the replica that caches most)
-      -> token deltas streamed back from the decode replica (Serve streaming handle)
-Cancelling the iteration (client gone) cancels the Serve calls: each pool aborts its request and
-frees its blocks. Latency histograms are observed here, where the client sees them.
+      -> TokenDeltas streamed back from the decode replica (Serve streaming handle)
+A failed prefill call, or a decode replica that dies before its first delta, sends the request to the
+decode pool to prefill itself. Cancelling the iteration (client gone) cancels the Serve calls: each
+pool aborts its request and frees its blocks. Latency histograms are observed here, where the client
+sees them.
 """
 from __future__ import annotations
 
@@ -15,13 +17,15 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from prometheus_client import Counter, Histogram
 
 from engine import SamplingParams
 from engine.block_hash import block_hashes
+from replica.messages import PoolRequest, TokenDelta
+from replica.names import DECODE
 from router.cluster_state import IndexMirror
 
 log = logging.getLogger(__name__)
@@ -39,13 +43,14 @@ PATHS = Counter("baton_disaggregation_decisions", "Where prompts were prefilled"
 
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
-                 min_remote_prefill_tokens: int, sync_interval_s: float = 0.01):
+                 min_remote_prefill_tokens: int, sync_interval_s: float):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
         self.model = model                        # DecodeServer.model_info(): key, block size, limits
         self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
         self.min_remote = min_remote_prefill_tokens
 
     def hashes(self, token_ids: list[int]) -> list[int]:
+        """The prompt's full-block hashes: computed here once per prompt, then carried by its PoolRequests."""
         return block_hashes(token_ids, self.model["block_size"], self.model["model_key"])
 
     def remote_prefill(self, token_ids: list[int], hashes: list[int]) -> bool:
@@ -55,7 +60,7 @@ class Orchestrator:
         hit = 0
         if self.mirror is not None:
             self.mirror.start()
-            hit = max(self.mirror.index["decode"].match(hashes).values(), default=0)
+            hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
         return len(token_ids) - hit * self.model["block_size"] > self.min_remote
 
     def cached_tokens(self, hashes: list[int]) -> int:
@@ -68,24 +73,23 @@ class Orchestrator:
 
     def kv_capacity_tokens(self) -> int:
         """Tokens the decode pool's KV caches hold in all (replicas the index knows; at least one)."""
-        replicas = len(self.mirror.index["decode"].slots) if self.mirror is not None else 0
+        replicas = len(self.mirror.index[DECODE].slots) if self.mirror is not None else 0
         return self.model.get("kv_blocks_total", 0) * self.model["block_size"] * max(replicas, 1)
 
     async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                     hashes: list[int] | None = None) -> AsyncIterator[dict[str, Any]]:
+                     hashes: list[int] | None = None) -> AsyncIterator[TokenDelta]:
         """Token deltas of one request (see DecodeServer.generate); the last has finished=True."""
         rid = request_id or uuid.uuid4().hex
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = hashes if hashes is not None else self.hashes(token_ids)
-        req: dict[str, Any] = {"request_id": rid, "token_ids": token_ids, "block_hashes": hashes,
-                               "sampling": asdict(params), "prefill": None}
-        status, reason, pool, replica = "error", "error", "decode", "?"
+        req = PoolRequest(rid, token_ids, hashes, params)
+        status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:
             if self.remote_prefill(token_ids, hashes):
                 try:
-                    req["prefill"] = await self.prefill.prefill.remote(req)
+                    req.prefill = await self.prefill.prefill.remote(req)
                     PATHS.labels("remote").inc()
                 except Exception as e:              # noqa: BLE001 - the decode replica can prefill it
                     log.warning("request %s: prefill pool failed (%s); the decode pool prefills it", rid,
@@ -95,14 +99,14 @@ class Orchestrator:
                 PATHS.labels("local").inc()
             async for delta in self._decode(req):
                 now = time.perf_counter()
-                replica = delta.get("replica", replica)
+                replica = delta.replica or replica
                 if last is None:
                     TTFT.labels(pool, replica).observe(now - t0)
-                elif delta["token_ids"]:
-                    ITL.labels(pool, replica).observe((now - last) / len(delta["token_ids"]))
-                last, n = now, n + len(delta["token_ids"])
-                if delta["finished"]:
-                    status, reason = "ok", delta["finish_reason"] or "stop"
+                elif delta.token_ids:
+                    ITL.labels(pool, replica).observe((now - last) / len(delta.token_ids))
+                last, n = now, n + len(delta.token_ids)
+                if delta.finished:
+                    status, reason = "ok", delta.finish_reason or "stop"
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             status, reason = "aborted", "abort"
@@ -114,22 +118,23 @@ class Orchestrator:
             if status == "ok":
                 E2E.labels(pool, replica).observe(time.perf_counter() - t0)
 
-    async def _decode(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _decode(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
         """The decode pool's deltas. A replica that dies before its first delta costs nothing the client
         saw: the request goes once more, to a live replica (Serve routes around the dead one), which
         prefills it itself. After the first delta the stream cannot be replayed: the error goes up."""
+        sent = False
         try:
             async for delta in self.decode.generate.remote(req):
                 yield delta
-                req = None                               # something was sent: no retry from here on
+                sent = True                              # something was sent: no retry from here on
         except Exception as e:
-            if req is None or not _replica_died(e):
+            if sent or not _replica_died(e):
                 raise
             log.warning("request %s: decode replica failed before its first token (%s); retrying on another",
-                        req["request_id"], _short(e))
+                        req.request_id, _short(e))
             PATHS.labels("decode_retry").inc()
-            _own_serve_request_ids(req["request_id"])     # a new Serve call: its own internal id
-            async for delta in self.decode.generate.remote({**req, "prefill": None}):
+            _own_serve_request_ids(req.request_id)       # a new Serve call: its own internal id
+            async for delta in self.decode.generate.remote(replace(req, prefill=None)):
                 yield delta
 
 
@@ -166,5 +171,14 @@ def _own_serve_request_ids(rid: str) -> None:
     """Give this task's Serve calls their own request ids. The n choices of one HTTP request run as
     sibling tasks that would otherwise share the HTTP request's ids, and Serve keys in-flight calls
     (streams, cancellation) by them: with n > 1 streams crossed and hung. Call inside the task."""
+    _set_serve_request_ids(rid, uuid.uuid4().hex)
+
+
+# -- shims over Ray's private API: one each, so an upgrade of Ray has one place to look -----------------
+def _set_serve_request_ids(request_id: str, internal_id: str) -> None:
+    """Set the Serve request context of this asyncio task (a contextvar, so sibling tasks are untouched).
+    Private API, checked against Ray 2.60: ray.serve.context._set_request_context(request_id=...,
+    _internal_request_id=...) sets the ids the handle's calls from this task carry; Serve has no public way to
+    give a task's handle calls ids of their own."""
     from ray.serve import context
-    context._set_request_context(request_id=rid, _internal_request_id=uuid.uuid4().hex)
+    context._set_request_context(request_id=request_id, _internal_request_id=internal_id)

@@ -180,8 +180,8 @@ class PrefillRanker:
 
     The replicas ranked are those in `loads` or `matches`; one with no load report counts as load 0.
     """
-    load_weight: float = 1.0
-    imbalance_threshold: int = 8192
+    load_weight: float              # RouterConfig.load_weight
+    imbalance_threshold: int        # RouterConfig.imbalance_threshold_tokens
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
              loads: dict[str, int], cached: dict[str, int] | None = None) -> tuple[list[list[str]], str]:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any
-
 from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from replica.names import DECODE, PREFILL
+from replica.messages import PoolRequest
 from router.cluster_state import IndexMirror
+from router.config import RouterConfig
 from router.prefix_index import PrefillRanker
 
 ROUTING_DECISIONS = Counter("baton_routing_decisions", "Routing decisions, by pool and reason", ["pool", "reason"])
@@ -34,8 +35,8 @@ def _observe(pool: str, reason: str, seconds: float) -> None:
     live.ROUTING_SECONDS.labels(pool).observe(seconds)
 
 
-def request_payload(pending: PendingRequest | None) -> dict[str, Any] | None:
-    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+def request_payload(pending: PendingRequest | None) -> PoolRequest | None:
+    if pending is None or not pending.args or not isinstance(pending.args[0], PoolRequest):
         return None
     return pending.args[0]
 
@@ -61,9 +62,9 @@ class _ForgetsGoneReplicas:
     publishes again is found stale and resyncs itself."""
 
     def update_replicas(self, replicas) -> None:
-        before = {r.unique_id for r in self._replica_id_set}
+        before = {r.unique_id for r in self.curr_replicas}
         super().update_replicas(replicas)
-        for rid in before - {r.unique_id for r in self._replica_id_set}:
+        for rid in before - {r.unique_id for r in self.curr_replicas}:
             self._forget(rid)
 
     def on_replica_actor_died(self, replica_id) -> None:
@@ -77,12 +78,13 @@ class _ForgetsGoneReplicas:
 
 
 class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
-    pool = "prefill"
+    pool = PREFILL
 
-    def initialize_state(self, state_actor: str = "", block_size: int = 16, load_weight: float = 1.0,
-                         imbalance_threshold_tokens: int = 8192, index_sync_interval_s: float = 0.01, **_):
-        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
-        self.ranker = PrefillRanker(load_weight=load_weight, imbalance_threshold=imbalance_threshold_tokens)
+    def initialize_state(self, state_actor: str, block_size: int, router: dict[str, Any]):
+        """router: the cluster config's RouterConfig as JSON (Serve requires JSON router kwargs)."""
+        cfg = RouterConfig.model_validate(router)
+        self.mirror = IndexMirror.shared(state_actor, cfg.index_sync_interval_s)
+        self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
         self.block_size = block_size
         self.inflight = _InflightLoad()
         self._last: dict[str, int] = {}
@@ -90,7 +92,7 @@ class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         req = request_payload(pending_request)
-        if req is None or "block_hashes" not in req:
+        if req is None:
             return [candidate_replicas]
         self.mirror.start()
         t0 = time.perf_counter()
@@ -100,14 +102,14 @@ class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
             stats = r.routing_stats or {}
             loads[rid] = stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0))
         index = self.mirror.index[self.pool]
-        matches = index.match(req["block_hashes"])
-        tiers, reason = self.ranker.rank(req["block_hashes"], len(req["token_ids"]), self.block_size,
+        matches = index.match(req.block_hashes)
+        tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
                                          {rid: matches.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
         _observe(self.pool, reason, time.perf_counter() - t0)
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is not None:
             self._last[pending_request.metadata.request_id] = max(
-                len(req["token_ids"]) - matches.get(best, 0) * self.block_size, 0)
+                len(req.token_ids) - matches.get(best, 0) * self.block_size, 0)
         return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -117,10 +119,9 @@ class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
 
 
 class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
-    pool = "decode"
+    pool = DECODE
 
-    def initialize_state(self, state_actor: str = "", block_size: int = 16, max_num_seqs: int = 64,
-                         index_sync_interval_s: float = 0.01, **_):
+    def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float):
         self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.inflight = _InflightLoad()
@@ -136,17 +137,17 @@ class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         req = request_payload(pending_request)
-        if req is None or "token_ids" not in req:
+        if req is None:
             return [candidate_replicas]
         self.mirror.start()
         t0 = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
-        blocks = -(-len(req["token_ids"]) // self.block_size)
-        if req.get("prefill") is None and req.get("block_hashes"):
+        blocks = -(-len(req.token_ids) // self.block_size)
+        if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
-            hits = self.mirror.index[self.pool].match(req["block_hashes"])
-            order = sorted(by_id, key=lambda rid: (len(req["token_ids"]) - hits.get(rid, 0) * self.block_size,
+            hits = self.mirror.index[self.pool].match(req.block_hashes)
+            order = sorted(by_id, key=lambda rid: (len(req.token_ids) - hits.get(rid, 0) * self.block_size,
                                                     pressure[rid], rid))
             reason = "local_prefill_hit" if any(hits.get(rid, 0) for rid in by_id) else "local_prefill"
         else:

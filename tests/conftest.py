@@ -1,7 +1,12 @@
-"""Shared fixtures: the default model (converted once), tiny random HF checkpoints, engines."""
+"""Shared fixtures: the default model (converted once), tiny random HF checkpoints, engines, the Ray clusters
+the cluster tests share, the `cluster` marker, and wait_for (tests poll a condition, never sleep a fixed time)."""
 from __future__ import annotations
 
+import json
 import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # no GPU in CI: Triton kernels run in the interpreter
 
@@ -41,27 +46,152 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     return str(tmp_dir)
 
 
-def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    """transformers greedy reference that never stops early (EOS disabled, like ignore_eos)."""
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
-
-
 def assert_not_in_ray_logs(*secrets: str) -> None:
     """No file of this process's Ray session (every replica, the proxy, the controller, the raylet) holds
     any of the secrets (prompt text, completions, API keys)."""
     import glob
-    import time
 
     import ray
-    time.sleep(1.0)                                         # log lines reach their files
     logs = ray._private.worker._global_node.get_logs_dir_path()
-    files = [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
+    mark = f"baton-test-log-flush-{time.monotonic_ns()}"
+    ray.get(ray.remote(num_cpus=0)(lambda m: print(m)).remote(mark))   # a lambda travels by value
+
+    def log_files() -> list[str]:
+        return [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
+    wait_for(lambda: any(mark.encode() in open(f, "rb").read() for f in log_files()), 10, "log lines to reach files")
+    files = log_files()
     assert len(files) > 5
     for f in files:
         data = open(f, "rb").read()
         for secret in secrets:
             assert secret.encode() not in data, (f, secret)
 
+
+
+def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Poll `condition` until it returns something truthy and return that; fail the test naming `what` once
+    `timeout_s` has passed. Tests wait on a condition (a metric, an index version, an actor's state), never
+    for a fixed time: a fixed sleep is too short on a loaded machine and wasted on an idle one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}", pytrace=False)
+        time.sleep(interval_s)
+
+
+# -- markers -------------------------------------------------------------------------------------------
+# `cluster`: the test starts Ray (run it under the Ray lock; `make test-fast` leaves it out). A module whose
+# tests all start Ray says so in its pytestmark; a fixture named `cluster` (a module's own Ray) or
+# `shared_cluster` (below) marks every test that uses it.
+RAY_FIXTURES = {"cluster", "shared_cluster"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if RAY_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.cluster)
+
+
+# -- the Ray clusters the cluster tests share -----------------------------------------------------------
+CLUSTER_ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
+TEST_KEYS_ENV, TEST_KEY = "BATON_TEST_API_KEYS", "sk-baton-test-key"
+# One prefill and one decode replica of the default model, KV over NIXL, API keys and tight request limits
+# (tests/test_cluster_e2e.py), and the baseline its speculative twin below is compared with.
+DISAGGREGATED = {
+    "port": 8731, "ingress": {"num_cpus": 0},
+    "prefill": {"num_cpus": 0, "engine": CLUSTER_ENGINE}, "decode": {"num_cpus": 0, "engine": CLUSTER_ENGINE},
+    "disaggregation": {"min_remote_prefill_tokens": 16},
+    "limits": {"max_body_bytes": 256 << 10, "max_n": 4, "max_stop_sequences": 8},
+    "auth": {"api_keys_env": TEST_KEYS_ENV}}
+DISAGGREGATED_ENV = {TEST_KEYS_ENV: f"sk-other, {TEST_KEY}"}
+# Every pool scaled out or switched to its alternative: two ingress replicas (each with its own mirror of the
+# index), two prefill replicas, n-gram speculative decoding in the decode pool, the Ray object-store transport,
+# every prompt prefilled remotely (tests/test_cluster_multi.py, tests/test_cluster_ray_transfer.py).
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}     # drafts whenever it can
+SCALED_OUT = {
+    "port": 8735, "ingress": {"num_replicas": 2, "num_cpus": 0}, "transfer": {"backend": "ray"},
+    "prefill": {"num_replicas": 2, "num_cpus": 0, "engine": CLUSTER_ENGINE},
+    "decode": {"num_cpus": 0, "engine": {**CLUSTER_ENGINE, "speculative_config": SPECULATIVE}},
+    "disaggregation": {"min_remote_prefill_tokens": 0}}
+
+
+@dataclass
+class SharedCluster:
+    """One local Ray cluster serving one Baton app at a time. `up(config)` keeps the running app when the test
+    asks for the same config (and environment) as the last one, and replaces the whole cluster otherwise, so
+    modules that test the same kind of app share its start-up (a minute of replicas loading the model)."""
+    key: str | None = None
+    config: Any = None
+
+    def up(self, config: dict[str, Any], env: dict[str, str] | None = None, num_cpus: int = 2):
+        from cluster.config import ClusterConfig
+        from cluster.serving import start
+        env = env or {}
+        key = json.dumps([config, env], sort_keys=True)
+        if key != self.key:
+            self.down()
+            os.environ.update(env)                  # the local Ray's processes inherit it at start
+            try:
+                self.config = ClusterConfig.from_dict(config)
+                start(self.config, num_cpus=num_cpus)
+            finally:
+                for name in env:
+                    del os.environ[name]
+            self.key = key
+        return self.config
+
+    def down(self) -> None:
+        import ray
+        if self.key is not None:
+            from cluster.serving import stop
+            self.key = None
+            stop()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster():
+    cluster = SharedCluster()
+    yield cluster
+    cluster.down()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_at_a_time(request):
+    """Ray is one per process: before a module that starts a Ray of its own, the shared cluster goes down."""
+    mine = [i for i in request.session.items if i.module is request.module]
+    starts_own = any(i.get_closest_marker("cluster") for i in mine) and \
+        not any("shared_cluster" in i.fixturenames for i in mine)
+    if starts_own:
+        request.getfixturevalue("shared_cluster").down()
+
+
+def on_ingress_replicas(fn: Callable[[], Any], app: str = "baton") -> dict[str, Any]:
+    """fn() run inside every ingress replica's process, by replica actor name: what that process's routers see
+    (its IndexMirror, its own metrics). Ray's `__ray_call__` (a DeveloperAPI) runs a closure in an actor, and
+    Serve's replicas are actors, so no test-only route is needed. fn must be a lambda or a nested function
+    (cloudpickle sends those by value; the workers cannot import a test module)."""
+    import ray
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(f"SERVE_REPLICA::{app}#ingress#"))
+    refs = [ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _replica: fn()) for n in names]
+    return dict(zip(names, ray.get(refs, timeout=30)))
+
+
+def ingress_index_matches(pool: str, hashes: list[int]) -> dict[str, dict[str, int]]:
+    """Per ingress replica: the leading blocks of `hashes` each replica of `pool` caches, as that ingress's own
+    mirror of the prefix index has it (what its routers decide on)."""
+    def match() -> dict[str, int]:
+        from router.cluster_state import IndexMirror
+        (mirror,) = IndexMirror._shared.values()      # one per process: the ingress and its routers share it
+        return mirror.index[pool].match(hashes)
+    return on_ingress_replicas(match)
+
+
+def served_model_key(app: str = "baton") -> str:
+    """The model key block hashes of this app's prompts use (from a decode replica)."""
+    from ray import serve
+    return serve.get_deployment_handle("decode", app).model_info.remote().result()["model_key"]

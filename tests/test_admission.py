@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.admission import Admission
+from router.config import AdmissionConfig
 from router.openai_protocol import OpenAIError
 
 
@@ -28,7 +29,7 @@ def warm(adm: Admission, clock: Clock, rate: float, seconds: float = 4.0) -> Non
 
 def test_an_idle_cluster_admits_anything_and_a_busy_one_refuses_what_would_miss_the_slo():
     clock = Clock()
-    adm = Admission({"ttft_slo_s": 2.0}, clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=2.0), clock=clock)
     assert adm.rate() is None
     huge = adm.admit([50_000], [50_000], 1)          # nothing queued: always admitted, even beyond the SLO
     huge.release(0)
@@ -47,7 +48,7 @@ def test_an_idle_cluster_admits_anything_and_a_busy_one_refuses_what_would_miss_
 
 def test_retry_after_tracks_the_excess_and_is_capped():
     clock = Clock()
-    adm = Admission({"ttft_slo_s": 1.0, "max_retry_after_s": 5}, clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=1.0, max_retry_after_s=5), clock=clock)
     warm(adm, clock, rate=100.0, seconds=30)
     adm.admit([200], [200], 1)
     with pytest.raises(OpenAIError) as e:
@@ -59,7 +60,7 @@ def test_retry_after_tracks_the_excess_and_is_capped():
 
 
 def test_the_hard_cap_applies_before_any_rate_is_known():
-    adm = Admission({"ttft_slo_s": 100.0, "max_queued_prompt_tokens": 1000}, clock=Clock())
+    adm = Admission(AdmissionConfig(ttft_slo_s=100.0, max_queued_prompt_tokens=1000), clock=Clock())
     a = adm.admit([800], [800], 1)
     with pytest.raises(OpenAIError):
         adm.admit([300], [300], 1)
@@ -68,7 +69,7 @@ def test_the_hard_cap_applies_before_any_rate_is_known():
 
 
 def test_the_kv_budget_counts_prompts_and_generated_tokens():
-    adm = Admission({"kv_budget": 1.0}, kv_capacity_tokens=lambda: 1000, clock=Clock())
+    adm = Admission(AdmissionConfig(kv_budget=1.0), kv_capacity_tokens=lambda: 1000, clock=Clock())
     a = adm.admit([0], [400], 2)                     # two choices of a cached 400-token prompt: 800 tokens
     a.progress(0, 50)
     a.progress(1, 100)                               # 950 held
@@ -80,7 +81,7 @@ def test_the_kv_budget_counts_prompts_and_generated_tokens():
 
 
 def test_every_path_gives_its_tokens_back_exactly_once():
-    adm = Admission({}, kv_capacity_tokens=lambda: 10_000, clock=Clock())
+    adm = Admission(AdmissionConfig(), kv_capacity_tokens=lambda: 10_000, clock=Clock())
     t = adm.admit([100, 50], [120, 50], 2)            # two prompts x two choices
     assert adm.queued == 150 and adm.kv_tokens == 2 * 170
     t.progress(0, 1)
@@ -94,7 +95,7 @@ def test_every_path_gives_its_tokens_back_exactly_once():
 
 def test_disabled_admission_admits_everything():
     clock = Clock()
-    adm = Admission({"enabled": False, "ttft_slo_s": 0.1, "max_queued_prompt_tokens": 1}, kv_capacity_tokens=lambda: 1,
+    adm = Admission(AdmissionConfig(enabled=False, ttft_slo_s=0.1, max_queued_prompt_tokens=1), kv_capacity_tokens=lambda: 1,
                     clock=clock)
     warm(adm, clock, rate=10.0)
     for _ in range(5):
@@ -106,7 +107,7 @@ def test_the_time_a_first_token_takes_beyond_the_queue_is_learnt_and_kept_as_a_m
     step) while the prefill pool works on at 1,000 tokens/s: the margin learns the 0.5 s, and a queue that
     fitted before is refused."""
     clock = Clock()
-    adm = Admission({"ttft_slo_s": 2.0}, clock=clock)
+    adm = Admission(AdmissionConfig(ttft_slo_s=2.0), clock=clock)
     warm(adm, clock, rate=1000.0)
     assert abs(adm.margin()) < 0.01                            # first tokens came when predicted
     for _ in range(40):
@@ -130,7 +131,7 @@ def test_the_time_a_first_token_takes_beyond_the_queue_is_learnt_and_kept_as_a_m
 def test_a_streaming_body_the_server_never_started_gives_its_tokens_back():
     """A client that leaves before the response starts: the body generator never runs, nor its `finally`."""
     import gc
-    adm = Admission({}, kv_capacity_tokens=lambda: 10_000, clock=Clock())
+    adm = Admission(AdmissionConfig(), kv_capacity_tokens=lambda: 10_000, clock=Clock())
     t = adm.admit([100], [100], 1)
 
     async def body():

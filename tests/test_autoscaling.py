@@ -16,8 +16,8 @@ from prometheus_client import generate_latest
 from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config, _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig
 
-from bench.autoscale_bench import context
 from cluster.autoscaling import CoupledPolicy, PoolPolicy, decide, pool_demand
+from cluster.autoscaling_context import context
 from cluster.config import ClusterConfig
 from engine.errors import ConfigError
 
@@ -267,10 +267,11 @@ def test_bad_autoscaling_knobs_are_refused_with_their_path(bad, message):
     assert message in str(e.value)
 
 
+@pytest.mark.bench
 def test_bench_autoscale_writes_json_and_a_plot_and_coupling_wins(tmp_path):
     import json
 
-    from cluster.cli import main
+    from cli.main import main
     assert main(["bench", "autoscale", "--out-dir", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "autoscale_bench.json").read_text())
     assert (tmp_path / "autoscale_bench.png").stat().st_size > 10_000

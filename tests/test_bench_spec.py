@@ -13,9 +13,10 @@ ROOT = Path(__file__).parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_bench_spec_quick(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "spec", "--quick", "--json",
+    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "spec", "--quick", "--json",
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     result = json.loads(res.stdout)

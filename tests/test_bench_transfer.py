@@ -14,9 +14,11 @@ ROOT = Path(__file__).parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.cluster                        # the benchmark starts a local Ray of its own
+@pytest.mark.bench
 def test_bench_transfer_quick(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "transfer", "--quick", "--json",
+    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--quick", "--json",
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     result = json.loads(res.stdout)

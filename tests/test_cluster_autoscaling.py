@@ -11,6 +11,8 @@ import openai
 import pytest
 from ray import serve
 
+from tests.conftest import wait_for
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PORT = 8736
@@ -19,21 +21,19 @@ ENGINE = {"kv_cache_memory": 64 << 20, "max_model_len": 1024, "max_num_seqs": 8}
 FAST = {"look_back_period_s": 2, "metrics_interval_s": 0.5, "cooldown_s": 3}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from cluster.config import ClusterConfig
-    from cluster.serving import start, stop
-    start(ClusterConfig.from_dict({
-        "port": PORT, "ingress": {"num_cpus": 0},
-        "prefill": {"num_cpus": 0, "engine": ENGINE,
-                    "autoscaling": {"min_replicas": 1, "max_replicas": 1, "ttft_slo_s": 0, **FAST}},
-        "decode": {"num_cpus": 0, "engine": ENGINE, "graceful_shutdown_timeout_s": 60,
-                   "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_running_seqs": 2, "itl_slo_s": 0,
-                                   "upscale_delay_s": 1, "downscale_delay_s": 4, **FAST}}}), num_cpus=2)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=300)
-    stop()
-    import ray
-    ray.shutdown()
+AUTOSCALING = {
+    "port": PORT, "ingress": {"num_cpus": 0},
+    "prefill": {"num_cpus": 0, "engine": ENGINE,
+                "autoscaling": {"min_replicas": 1, "max_replicas": 1, "ttft_slo_s": 0, **FAST}},
+    "decode": {"num_cpus": 0, "engine": ENGINE, "graceful_shutdown_timeout_s": 60,
+               "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_running_seqs": 2, "itl_slo_s": 0,
+                               "upscale_delay_s": 1, "downscale_delay_s": 4, **FAST}}}
+
+
+@pytest.fixture
+def client(shared_cluster):
+    shared_cluster.up(AUTOSCALING)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def running(deployment: str) -> int:
@@ -41,22 +41,21 @@ def running(deployment: str) -> int:
     return d.replica_states.get("RUNNING", 0)
 
 
-def wait_for(cond, timeout_s: float, what: str) -> float:
+def waited(cond, timeout_s: float, what: str) -> float:
+    """Seconds until cond() held (wait_for fails past timeout_s)."""
     t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout_s, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.5)
+    wait_for(cond, timeout_s, what, interval_s=0.5)
     return time.monotonic() - t0
 
 
-def test_decode_pool_scales_up_under_load_and_back_down_after_it(cluster):
+def test_decode_pool_scales_up_under_load_and_back_down_after_it(client):
     assert running("decode") == 1
     done, errors, stop = [], [], threading.Event()
 
     def user(i: int) -> None:
         while not stop.is_set():
             try:
-                stream = cluster.chat.completions.create(
+                stream = client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": f"Tell story number {i} about relays."}],
                     max_tokens=96, temperature=0, stream=True, extra_body={"ignore_eos": True})
                 chunks = [c for c in stream]
@@ -68,23 +67,48 @@ def test_decode_pool_scales_up_under_load_and_back_down_after_it(cluster):
     for u in users:
         u.start()
     try:
-        up_after = wait_for(lambda: running("decode") == 2, 240, "the decode pool to reach 2 replicas")
-        wait_for(lambda: len(done) >= 6, 240, "streams to finish after the scale-up")   # the pool serves on
+        up_after = waited(lambda: running("decode") == 2, 240, "the decode pool to reach 2 replicas")
+        waited(lambda: len(done) >= 6, 240, "streams to finish after the scale-up")   # the pool serves on
     finally:
         stop.set()
         for u in users:
             u.join(timeout=300)
     assert not errors, errors[:3]
     assert all(n > 50 for n in done)                        # every stream got its tokens, none was cut
-    down_after = wait_for(lambda: running("decode") == 1, 180, "the decode pool to shrink back to 1")
+    down_after = waited(lambda: running("decode") == 1, 180, "the decode pool to shrink back to 1")
 
     def metrics() -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
 
     down = 'baton_autoscaling_decisions_total{direction="down",pool="decode"'
-    wait_for(lambda: down in metrics(), 30, "the scale-down decision in /metrics")   # exported about once a second
+    waited(lambda: down in metrics(), 30, "the scale-down decision in /metrics")   # exported about once a second
     text = metrics()
     assert 'baton_autoscaling_decisions_total{direction="up",pool="decode",reason="running_seqs"}' in text
     assert 'baton_autoscaling_target_replicas{pool="decode"} 1.0' in text
     assert running("prefill") == 1                          # its max, held however the coupling pulls
     print(f"scaled up {up_after:.1f} s into the load, down {down_after:.1f} s after it; {len(done)} streams")
+
+
+def test_deleting_an_app_leaves_no_actor_of_it_behind(cluster):
+    """Under `serve deploy` or KubeRay the app is all there is: its state actor must end with it (a detached one
+    would outlive it). A second, colocated app on the same Ray cluster, then serve.delete."""
+    import ray
+
+    from cluster.app import build_app
+    from cluster.config import ClusterConfig
+    from replica.names import STATE_NAMESPACE, get_state_actor, state_actor_name
+    app = "lifecycle"
+    config = ClusterConfig.from_dict({"mode": "colocated", "decode": {"num_cpus": 0, "engine": ENGINE}})
+    serve.run(build_app(config, app), name=app, route_prefix=f"/{app}")
+
+    def actors_of_app() -> list[str]:       # named actors, from the GCS (this local Ray has no dashboard)
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"] == state_actor_name(app) or a["name"].startswith(f"SERVE_REPLICA::{app}#")]
+
+    assert ray.get(get_state_actor(state_actor_name(app)).stale.remote()) == {"prefill": [], "decode": []}
+    assert {a for a in actors_of_app() if not a.startswith("SERVE_REPLICA")} == {state_actor_name(app)}
+    serve.delete(app)
+    wait_for(lambda: not actors_of_app(), 60, f"the actors of app {app} to end")
+    with pytest.raises(ValueError):
+        ray.get_actor(state_actor_name(app), namespace=STATE_NAMESPACE)
+    assert get_state_actor(state_actor_name("baton"))        # the other app's is untouched

@@ -8,24 +8,20 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.conftest import CLUSTER_ENGINE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PORT = 8733
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
+ENGINE = CLUSTER_ENGINE
+COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0}, "decode": {"num_cpus": 0, "engine": ENGINE}}
 
 
-@pytest.fixture(scope="module")
-def client():
-    from cluster.config import ClusterConfig
-    from cluster.serving import start, stop
-    start(ClusterConfig.from_dict({"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0},
-                                   "decode": {"num_cpus": 0, "engine": ENGINE}}), num_cpus=2)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
-    stop()
-    import ray
-    ray.shutdown()
+@pytest.fixture
+def client(shared_cluster):
+    shared_cluster.up(COLOCATED)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_colocated_serves_greedy_n_and_logprobs(client, smol_path):

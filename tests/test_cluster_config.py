@@ -13,9 +13,10 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema
 
 from cluster.autoscaling import Coupling, DecodeAutoscaling, PrefillAutoscaling
-from cluster.config import (POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs, PrefillPoolConfig,
-                            PoolConfig)
+from cluster.config import POOL_KV_CACHE_BYTES_WITHOUT_GPU, Autoscaling, ClusterConfig, EngineKnobs, PrefillPoolConfig
 from engine import EngineConfig
+from kvtransfer.config import TransferConfig
+from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
 from engine.errors import ConfigError
 
 ROOT = Path(__file__).parents[1]
@@ -47,7 +48,7 @@ def test_the_example_file_has_every_section_loads_and_round_trips(tmp_path):
     again.write_text(cfg.to_yaml())
     assert ClusterConfig.from_yaml(again) == cfg
     for pool in ("prefill", "decode"):
-        EngineConfig.from_kwargs(**cfg.engine_kwargs(pool))     # what a replica does with them
+        assert isinstance(cfg.engine_config(pool), EngineConfig)     # what a replica gets
 
 
 def test_the_commented_out_alternatives_in_the_example_load_too():
@@ -184,7 +185,7 @@ def test_colocated_mode_has_only_the_decode_pool():
     with pytest.raises(ConfigError, match="no prefill pool"):
         cfg.deployment_options("prefill")
     with pytest.raises(ConfigError, match="no prefill pool"):
-        cfg.engine_kwargs("prefill")
+        cfg.engine_config("prefill")
 
 
 def test_deployment_options_are_accepted_by_ray_serve():
@@ -250,7 +251,8 @@ def test_every_field_is_documented():
                 if isinstance(a, type) and issubclass(a, BaseModel):
                     yield from models(a)
     seen = set(models(ClusterConfig))
-    assert {PrefillAutoscaling, DecodeAutoscaling, Coupling, EngineKnobs, PrefillPoolConfig} <= seen
+    assert {PrefillAutoscaling, DecodeAutoscaling, Coupling, EngineKnobs, PrefillPoolConfig, TransferConfig, RouterConfig,
+            DisaggregationConfig, LimitsConfig, AdmissionConfig, AuthConfig} <= seen     # the sections other packages own
     for m in seen:
         for name, field in m.model_fields.items():
             assert field.description and len(field.description) > 8, f"{m.__name__}.{name}"

@@ -1,51 +1,38 @@
 """The real Serve app on loopback, driven by the official `openai` client: one prefill and one decode
-replica of the default model, KV over NIXL. Greedy output equals the offline engine's; stop strings,
-max_tokens and usage hold; bad input gets OpenAI error JSON; /metrics shows both pools."""
+replica of the default model, KV over NIXL (conftest's DISAGGREGATED app, shared with other modules). Greedy
+output equals the offline engine's; stop strings, max_tokens and usage hold; bad input gets OpenAI error JSON;
+/metrics shows both pools."""
 from __future__ import annotations
 
 import json
-import os
-import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
-from bench.cluster_bench import pool_total as _pool_sum
-from bench.cluster_bench import scrape
+from cluster.live_metrics import pool_total as _pool_sum
+from cluster.live_metrics import scrape
 from engine import LLM, SamplingParams
-from tests.conftest import assert_not_in_ray_logs
+from engine.block_hash import block_hashes
+from tests.conftest import (CLUSTER_ENGINE, DISAGGREGATED, DISAGGREGATED_ENV, TEST_KEY, assert_not_in_ray_logs,
+                            ingress_index_matches, served_model_key, wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-PORT = 8731
-KEYS_ENV, KEY = "BATON_TEST_API_KEYS", "sk-baton-test-key"
+PORT = DISAGGREGATED["port"]
+KEY = TEST_KEY
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
+ENGINE = CLUSTER_ENGINE
 
 
-@pytest.fixture(scope="module")
-def server():
-    from cluster.config import ClusterConfig
-    from cluster.serving import start, stop
-    os.environ[KEYS_ENV] = f"sk-other, {KEY}"     # the local Ray's processes inherit it
-    cfg = ClusterConfig.from_dict({
-        "port": PORT, "ingress": {"num_cpus": 0},
-        "prefill": {"num_cpus": 0, "engine": ENGINE}, "decode": {"num_cpus": 0, "engine": ENGINE},
-        "disaggregation": {"min_remote_prefill_tokens": 16},
-        "limits": {"max_body_bytes": 256 << 10, "max_n": 4, "max_stop_sequences": 8},
-        "auth": {"api_keys_env": KEYS_ENV}})
-    start(cfg, num_cpus=2)
-    del os.environ[KEYS_ENV]
-    yield cfg
-    stop()
-    import ray
-    ray.shutdown()
+@pytest.fixture
+def server(shared_cluster):
+    return shared_cluster.up(DISAGGREGATED, DISAGGREGATED_ENV)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0, timeout=120)
 
@@ -162,12 +149,8 @@ def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
 def test_metrics_show_both_pools_and_the_transfer(client):
     client.completions.create(model=MODEL, prompt="Relay teams win or lose in the exchange zone because " * 3,
                               temperature=0, max_tokens=4)
-    deadline = time.monotonic() + 10
-    while True:
-        m = _metrics()
-        if _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    m = wait_for(lambda: (lambda m: m if _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") > 0 else None)(
+        _metrics()), 10, "the transfer in the decode pool's metrics")
     for pool in ("prefill", "decode"):
         assert _pool_sum(m, "baton_kv_blocks_free", pool) > 0, pool
         assert _pool_sum(m, "baton_prefix_cache_query_tokens_total", pool) > 0, pool
@@ -188,18 +171,13 @@ def test_a_request_aborted_mid_stream_frees_its_blocks_in_both_pools(client):
         if got == 5:
             break
     stream.close()                                                # the client goes away mid-stream
-    deadline, m = time.monotonic() + 20, {}
-    while time.monotonic() < deadline:
-        m = _metrics()
-        if all(_pool_sum(m, "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")):
-            break
-        time.sleep(0.5)
-    assert _pool_sum(m, "baton_kv_blocks_used", "decode") == 0
-    assert _pool_sum(m, "baton_kv_blocks_used", "prefill") == 0
+    m = wait_for(lambda: (lambda m: m if all(_pool_sum(m, "baton_kv_blocks_used", p) == 0
+                                             for p in ("prefill", "decode")) else None)(_metrics()),
+                 20, "both pools to free the aborted request's blocks")
     assert sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="aborted"' in k) >= 1
 
 
-def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client):
+def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offline):
     """Conditional disaggregation: the second time, the decode replica holds all but the last partial
     block (< min_remote_prefill_tokens uncached), so it prefills locally: same text, no transfer."""
     def paths() -> dict[str, float]:
@@ -210,7 +188,11 @@ def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client):
     before = paths()
     first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
     mid = paths()
-    time.sleep(0.5)                                   # the decode replica's KV events reach the index
+    ids = offline.engine.tokenize(prompt)
+    full = len(ids) // 16                               # the engine's default block size
+    hashes = block_hashes(ids, 16, served_model_key())
+    wait_for(lambda: all(max(m.values(), default=0) >= full for m in ingress_index_matches("decode", hashes).values()),
+             10, "the decode replica's KV events to reach the ingress's index")
     second = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
     after = paths()
     assert mid["remote"] == before["remote"] + 1 and mid["local"] == before["local"]

@@ -8,7 +8,7 @@ import ray
 
 from bench.cluster_bench import routing_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.bench, pytest.mark.timeout(1200)]
 
 
 def test_prefix_aware_routing_keeps_tenants_on_their_replica():

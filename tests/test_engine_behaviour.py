@@ -238,11 +238,11 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
 
 def test_cli_generate_prints_a_completion():
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
-    ok = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--max-tokens", "24", "--temperature", "0",
+    ok = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--max-tokens", "24", "--temperature", "0",
                          "What is the capital of France?"], capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "Paris" in ok.stdout and "tokens" in ok.stderr
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/no/such/model", "hi"],
+    bad = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", "/no/such/model", "hi"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr
 

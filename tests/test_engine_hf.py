@@ -1,11 +1,13 @@
-"""Greedy output equals transformers' generate, alone and batched with tiny prefill chunks."""
+"""Greedy output equals transformers' generate (up to an fp32 near-tie, tests/greedy.py), alone and batched
+with tiny prefill chunks; Baton alone and Baton batched agree exactly."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import hf_greedy, make_tiny_checkpoint
+from tests.conftest import make_tiny_checkpoint
+from tests.greedy import TOP_K, baton_greedy, check_greedy_close, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -17,7 +19,7 @@ PROMPTS = [
     "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n",
     "import numpy as np\nx = np.arange(10)\n# compute the mean of x and print it together with a short message explaining",
 ]
-GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=TOP_K)
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +28,27 @@ def smol_reference(hf_smol, smol_llm):
     return prompt_ids, [hf_greedy(hf_smol, ids, 64) for ids in prompt_ids]
 
 
-@pytest.mark.slow
-def test_smollm2_alone_matches_transformers(smol_llm, smol_reference):
-    prompt_ids, ref = smol_reference
-    for ids, want in zip(prompt_ids, ref):
-        assert smol_llm.generate([ids], GREEDY_64)[0].token_ids == want
+@pytest.fixture(scope="module")
+def smol_alone(smol_llm, smol_reference):
+    prompt_ids, _ = smol_reference
+    return [smol_llm.generate([ids], GREEDY_64)[0] for ids in prompt_ids]
 
 
 @pytest.mark.slow
-def test_smollm2_batched_chunked_matches_transformers(smol_path, smol_reference):
+def test_smollm2_alone_matches_transformers(smol_alone, smol_reference):
+    _, ref = smol_reference
+    for out, want in zip(smol_alone, ref):
+        check_greedy_close(baton_greedy(out), want)
+
+
+@pytest.mark.slow
+def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path, smol_reference, smol_alone):
     prompt_ids, ref = smol_reference
     llm = LLM(smol_path, max_num_batched_tokens=24, kv_cache_memory=128 << 20, max_model_len=1024)   # forces 24-token chunks
     outs = llm.generate(prompt_ids, GREEDY_64)
-    assert [o.token_ids for o in outs] == ref
+    for out, want in zip(outs, ref):
+        check_greedy_close(baton_greedy(out), want)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in smol_alone]       # Baton against itself: exact
     assert max(len(p) for p in prompt_ids) > 24                                   # some prompts really chunked
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
 
@@ -58,8 +68,11 @@ def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 48, 70)]
     want = [hf_greedy(hf, p, 32) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP_K)
     alone = LLM(path, block_size=8, num_kv_blocks=64)
-    assert [alone.generate([p], params)[0].token_ids for p in prompts] == want
+    alone_outs = [alone.generate([p], params)[0] for p in prompts]
+    for out, ref in zip(alone_outs, want):
+        check_greedy_close(baton_greedy(out), ref)
     batched = LLM(path, block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
-    assert [o.token_ids for o in batched.generate(prompts, params)] == want
+    outs = batched.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone_outs]     # Baton against itself: exact

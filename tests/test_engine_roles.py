@@ -171,6 +171,7 @@ def test_a_prefill_whose_caller_leaves_as_it_finishes_frees_its_pinned_blocks(sm
     import asyncio
 
     from engine.async_llm import AsyncLLM
+    from tests.conftest import wait_for
     llm = AsyncLLM(engine=LLMEngine(EngineConfig(smol_path, num_kv_blocks=64, max_model_len=512)))
     prompt = llm.engine.tokenize("A relay team passes the baton in a twenty-metre zone " * 3)
 
@@ -183,10 +184,8 @@ def test_a_prefill_whose_caller_leaves_as_it_finishes_frees_its_pinned_blocks(sm
         while "p" not in llm._streams:               # added (in a thread)
             await asyncio.sleep(0.001)
         llm._wake.set()
-        deadline = time.monotonic() + 30
-        while "p" not in llm.engine.kv.pinned:          # block the loop: the finished output stays unread
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        # polled without yielding to the loop: the finished output stays unread
+        wait_for(lambda: "p" in llm.engine.kv.pinned, 30, "the prefill to finish and pin its blocks", interval_s=0.005)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     try:

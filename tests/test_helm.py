@@ -190,7 +190,7 @@ def test_the_dashboard_queries_only_metrics_baton_exports():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 15
     used = {m for e in exprs for m in re.findall(r"\b(baton_[a-z0-9_]+)", e)}
-    source = "\n".join(p.read_text() for d in ("router", "prefill_worker", "cluster")
+    source = "\n".join(p.read_text() for d in ("router", "replica", "prefill_worker", "decode_worker", "cluster")
                        for p in (ROOT / d).glob("*.py"))
     declared = set(re.findall(r'"(baton_[a-z0-9_]+)"', source))
     def base(m: str) -> str:

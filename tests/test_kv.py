@@ -383,7 +383,7 @@ def test_a_malformed_batch_marks_the_replica_stale_and_the_state_actor_goes_on()
     from engine.kv_events import BlockStored, encode_events
     from router.cluster_state import ClusterState
     state = ClusterState()
-    state.register("decode", "r1", b"", 0)
+    state.register("decode", "r1", 0)
     state.publish("decode", "r1", 1, encode_events([BlockStored([11, 12], None)]))
     assert "r1" not in state.index["decode"].stale
     state.publish("decode", "r1", 2, b"\x93garbage")              # refused, not raised

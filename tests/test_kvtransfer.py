@@ -1,10 +1,11 @@
 """KV hand-off between engines in separate processes (Ray actors): exact pulls, partial pulls, 32 in
 flight, unpin on notification and on timeout, a producer restarted mid-run, compatibility checks;
-for NIXL and for the Ray fallback."""
+for NIXL and for the Ray fallback. A consumer meets a producer through its metadata, asked once."""
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 import ray
 import torch
 
-from kvtransfer import KVHandle, KVHandleError, make_transport
+from kvtransfer import KVHandle, KVHandleError, KVHandoff, make_transport
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,12 +27,8 @@ def _actor(agent: str):
     return ray.get_actor(agent.rsplit("-", 1)[0])        # in these tests an agent's prefix names its actor
 
 
-def _nixl_source(agent: str) -> bytes:
+def _peer_metadata(agent: str) -> bytes:
     return ray.get(_actor(agent).metadata.remote())
-
-
-def _ray_source(agent: str, request_id: str, block_ids: list[int]):
-    return _actor(agent).read_blocks.remote(agent, request_id, block_ids)
 
 
 class KVOwner:
@@ -39,8 +37,7 @@ class KVOwner:
     def __init__(self, kind: str, prefix: str, compat: str = COMPAT, num_blocks: int = NUM_BLOCKS):
         self.kv = torch.randn((num_blocks, *LAYOUT))     # different in every incarnation
         self.skew = 0.0                                   # seconds this owner's clock runs ahead
-        self.t = make_transport(self.kv, prefix, compat, kind=kind,
-                                source=_nixl_source if kind == "nixl" else _ray_source,
+        self.t = make_transport(self.kv, prefix, compat, kind=kind, peer_metadata=_peer_metadata,
                                 clock=lambda: time.time() + self.skew)
 
     def advance(self, seconds: float) -> None:
@@ -52,11 +49,8 @@ class KVOwner:
     def metadata(self) -> bytes:
         return self.t.metadata()
 
-    def read_blocks(self, agent, request_id, block_ids):
-        return self.t.read_blocks(agent, request_id, block_ids)
-
-    def export(self, request_id: str, block_ids: list[int], ttl_s: float = 60.0) -> bytes:
-        return self.t.export(request_id, block_ids, [], 16 * len(block_ids), ttl_s).to_bytes()
+    def export(self, request_id: str, block_ids: list[int], ttl_s: float = 60.0) -> KVHandoff:
+        return self.t.export(request_id, block_ids, [], 16 * len(block_ids), ttl_s)
 
     def poll(self) -> list[str]:
         return self.t.poll()
@@ -64,12 +58,12 @@ class KVOwner:
     def blocks(self, block_ids: list[int]) -> np.ndarray:
         return self.kv[block_ids].numpy()
 
-    def pull(self, jobs: list[tuple[bytes, list[int], int]]) -> list[str | None]:
+    def pull(self, jobs: list[tuple[KVHandoff, list[int], int]]) -> list[str | None]:
         """Start every pull, then wait for each: None where it succeeded, else 'ErrorType: message'."""
         started = []
-        for handle, dst, skip in jobs:
+        for handoff, dst, skip in jobs:
             try:
-                started.append(self.t.start_pull(KVHandle.from_bytes(handle), dst, skip))
+                started.append(self.t.start_pull(handoff, dst, skip))
             except Exception as e:
                 started.append(e)
         out = []
@@ -99,10 +93,12 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _released(producer, want: set[str], timeout_s: float = 10.0) -> set[str]:
-    got, deadline = set(), time.monotonic() + timeout_s
-    while not want <= got and time.monotonic() < deadline:
-        got |= set(ray.get(producer.poll.remote()))
-        time.sleep(0.02)
+    got: set[str] = set()
+
+    def all_released() -> bool:
+        got.update(ray.get(producer.poll.remote()))
+        return want <= got
+    wait_for(all_released, timeout_s, f"the producer to unpin {sorted(want)}", interval_s=0.02)
     return got
 
 
@@ -142,6 +138,38 @@ def test_handle_round_trips_and_rejects_malformed_bytes():
 def test_make_transport_rejects_an_unknown_kind():
     with pytest.raises(ValueError, match="nixl"):
         make_transport(torch.zeros(4, 8), "x", COMPAT, kind="carrier-pigeon")
+
+
+def test_a_consumer_asks_for_a_producers_metadata_once_for_many_pulls():
+    """The resolver (in a cluster: the state actor) is asked once per producer agent, not per hand-off; a
+    restarted producer is a new agent, asked for once more."""
+    asked: list[str] = []
+    producers = {}
+
+    def peer_metadata(agent: str) -> bytes:
+        asked.append(agent)
+        return producers[agent].metadata()
+
+    def producer():
+        t = make_transport(torch.randn((16, *LAYOUT)), "producer-once", COMPAT)
+        producers[t.name] = t
+        return t
+
+    consumer = make_transport(torch.zeros((16, *LAYOUT)), "consumer-once", COMPAT, peer_metadata=peer_metadata)
+    first = producer()
+    try:
+        for i in range(6):
+            consumer.pull(first.export(f"r{i}", [i, 15 - i], [], 32), [i, 15 - i], timeout_s=30)
+        assert asked == [first.name]
+        assert torch.equal(consumer.kv_cache[:6], first.kv_cache[:6])
+        again = producer()                                   # the same replica, restarted: a new agent
+        for i in range(3):
+            consumer.pull(again.export(f"s{i}", [i], [], 16), [i], timeout_s=30)
+        assert asked == [first.name, again.name]
+        assert torch.equal(consumer.kv_cache[:3], again.kv_cache[:3])
+    finally:
+        for t in (consumer, *producers.values()):
+            t.close()
 
 
 # -- two processes --------------------------------------------------------------------------------
@@ -190,20 +218,27 @@ def test_32_transfers_in_flight_are_all_exact_and_all_unpinned(pair):
 
 
 def test_producer_unpins_when_the_consumer_says_it_pulled(pair):
-    _, producer, consumer = pair
+    kind, producer, consumer = pair
     ray.get(producer.poll.remote())
     handle = ray.get(producer.export.remote("notify", [1, 2]))
-    assert "notify" not in ray.get(producer.poll.remote())          # pinned while nobody pulled
+    if kind == "ray":               # the hand-off carries a copy of the blocks: the pin ends at once
+        assert "notify" in ray.get(producer.poll.remote())
+    else:
+        assert "notify" not in ray.get(producer.poll.remote())      # pinned while nobody pulled
     assert ray.get(consumer.pull.remote([(handle, [1, 2], 0)])) == [None]
-    assert "notify" in _released(producer, {"notify"})
+    if kind == "nixl":
+        assert "notify" in _released(producer, {"notify"})
 
 
 def test_producer_unpins_at_expiry_and_an_expired_handle_is_refused(pair):
-    _, producer, consumer = pair
+    kind, producer, consumer = pair
+    ray.get(producer.poll.remote())
     handle = ray.get(producer.export.remote("ttl", [4, 5], 0.5))
-    assert "ttl" not in ray.get(producer.poll.remote())
+    if kind == "nixl":              # (the Ray fallback unpins at export: see the test above)
+        assert "ttl" not in ray.get(producer.poll.remote())
     ray.get([producer.advance.remote(0.6), consumer.advance.remote(0.6)])   # both clocks: expiry is unix time
-    assert "ttl" in ray.get(producer.poll.remote())
+    if kind == "nixl":
+        assert "ttl" in ray.get(producer.poll.remote())           # at its 0.5 s expiry, nobody having pulled
     before = ray.get(consumer.blocks.remote([70, 71]))
     (err,) = ray.get(consumer.pull.remote([(handle, [70, 71], 0)]))
     assert err.startswith("KVTransferError") and "expired" in err
@@ -223,9 +258,9 @@ def test_incompatible_engines_never_copy(pair):
         ray.kill(odd)
     # a handle of the other transport kind is refused the same way
     other = "ray" if kind == "nixl" else "nixl"
-    h = KVHandle.from_bytes(ray.get(producer.export.remote("kind", [1])))
-    forged = KVHandle(h.agent, h.request_id, h.block_ids, h.block_hashes, h.num_tokens, h.compat, h.expiry, other)
-    (err,) = ray.get(consumer.pull.remote([(forged.to_bytes(), [0], 0)]))
+    handoff = ray.get(producer.export.remote("kind", [1]))
+    forged = replace(handoff, handle=replace(handoff.handle, kind=other))
+    (err,) = ray.get(consumer.pull.remote([(forged, [0], 0)]))
     assert err.startswith("KVCompatibilityError")
 
 
@@ -235,13 +270,13 @@ def test_consumer_recovers_from_a_producer_restart(pair):
     first, stale = ray.get([producer.export.remote("before", [10, 11]), producer.export.remote("stale", [12])])
     assert ray.get(consumer.pull.remote([(first, [80, 81], 0)])) == [None]       # the old agent is known
     ray.kill(producer, no_restart=False)
-    new, deadline = old, time.monotonic() + 60                     # ray.kill returns before the process dies
-    while new == old:
-        assert time.monotonic() < deadline, "the producer did not come back"
+
+    def restarted() -> bool:                                       # ray.kill returns before the process dies
         try:
-            new = ray.get(producer.name.remote(), timeout=10)
+            return ray.get(producer.name.remote(), timeout=10) != old
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            time.sleep(0.2)
+            return False
+    wait_for(restarted, 60, "the producer to come back", interval_s=0.2)
     before = ray.get(consumer.blocks.remote([90]))
     (err,) = ray.get(consumer.pull.remote([(stale, [90], 0)]))     # names the dead agent: fails alone
     assert err.startswith("KVTransferError"), err

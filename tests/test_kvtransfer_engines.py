@@ -11,8 +11,7 @@ import ray
 from engine import LLM, EngineConfig, LLMEngine, RemotePrefill, SamplingParams
 from engine.block_hash import block_hashes
 from engine.block_pool import blocks_for
-from kvtransfer import KVHandle, KVLink
-from kvtransfer.handoff import KVHandoff
+from kvtransfer import KVHandoff, KVLink
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -22,15 +21,13 @@ STORY = ("The history of the relay race begins in ancient Greece, where runners 
          "the race is often won or lost in the exchange zone, where")
 
 
-def _remote(engine: LLMEngine, handle: KVHandle, prompt: list[int], first: int | None) -> RemotePrefill:
-    return RemotePrefill(KVHandoff(handle), block_hashes(prompt, engine.block_size, engine.model_key), first, None,
-                         deadline=handle.expiry - 2)
+def _remote(engine: LLMEngine, handoff: KVHandoff, prompt: list[int], first: int | None) -> RemotePrefill:
+    return RemotePrefill(handoff, block_hashes(prompt, engine.block_size, engine.model_key), first, None,
+                         deadline=handoff.handle.expiry - 2)
 
 
-def _source(kind: str):
-    if kind == "nixl":
-        return lambda agent: ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
-    return lambda agent, rid, blocks: ray.get_actor(agent.rsplit("-", 1)[0]).read_blocks.remote(agent, rid, blocks)
+def _peer_metadata(agent: str) -> bytes:
+    return ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
 
 
 class EngineHost:
@@ -38,13 +35,10 @@ class EngineHost:
 
     def __init__(self, kind: str, prefix: str, model: str):
         self.engine = LLMEngine(EngineConfig(model, **ENGINE))
-        self.link = KVLink(self.engine, prefix, kind=kind, source=_source(kind))
+        self.link = KVLink(self.engine, prefix, kind=kind, peer_metadata=_peer_metadata)
 
     def metadata(self) -> bytes:
         return self.link.metadata()
-
-    def read_blocks(self, agent, request_id, block_ids):
-        return self.link.transport.read_blocks(agent, request_id, block_ids)
 
     def _run(self):
         outs = []
@@ -52,15 +46,15 @@ class EngineHost:
             outs += [o for o in self.engine.step() if o.finished]
         return outs
 
-    def prefill(self, prompt: list[int], request_id: str) -> tuple[int, bytes]:
+    def prefill(self, prompt: list[int], request_id: str) -> tuple[int, KVHandoff]:
         self.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), request_id, prefill_only=True)
         (out,) = self._run()
-        return out.token_ids[0], self.link.export(out).to_bytes()
+        return out.token_ids[0], self.link.export(out)
 
-    def decode(self, handle: bytes, prompt: list[int], first: int | None, max_tokens: int) -> dict:
-        h = KVHandle.from_bytes(handle)
+    def decode(self, handoff: KVHandoff, prompt: list[int], first: int | None, max_tokens: int) -> dict:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        self.engine.add_request(prompt, params, h.request_id, remote=_remote(self.engine, h, prompt, first))
+        self.engine.add_request(prompt, params, handoff.handle.request_id,
+                                remote=_remote(self.engine, handoff, prompt, first))
         (out,) = self._run()
         m = out.metrics
         return {"tokens": out.token_ids, "local_blocks": m.num_cached_tokens // 16, "pulled_blocks": m.kv_transfer_blocks,
@@ -141,19 +135,20 @@ def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_p
     producer, consumer = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(2))
     now = [time.time()]
     links: dict[str, KVLink] = {}
-    links["p"] = KVLink(producer, "producer", kind="nixl", source=lambda agent: links["p"].metadata(), ttl_s=5,
-                        clock=lambda: now[0])
-    link = KVLink(consumer, "consumer", kind="nixl", source=lambda agent: links["p"].metadata(), clock=lambda: now[0])
+    links["p"] = KVLink(producer, "producer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata(),
+                        ttl_s=5, clock=lambda: now[0])
+    link = KVLink(consumer, "consumer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata(),
+                  clock=lambda: now[0])
     try:
         prompt = list(range(10, 60))                          # 4 blocks
         producer.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), "r", prefill_only=True)
         (out,) = [o for o in producer.step() if o.finished]
-        handle = links["p"].export(out)
+        handoff = links["p"].export(out)
         path = tmp_path / "faults.json"
         faults.write(str(path), {"kv_pull_stall": 1.0})
         monkeypatch.setenv(faults.ENV, str(path))
         consumer.add_request(prompt, SamplingParams(temperature=0, max_tokens=4), "r",
-                             remote=_remote(consumer, handle, prompt, out.token_ids[0]))
+                             remote=_remote(consumer, handoff, prompt, out.token_ids[0]))
         consumer.step()                                       # blocks reserved, the READ started (and stalls)
         monkeypatch.delenv(faults.ENV)
         assert consumer.scheduler.loading and consumer.pool.num_used_blocks == 4

@@ -8,6 +8,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from replica.messages import TokenDelta
 from router import openai_protocol as oa
 
 
@@ -49,9 +50,9 @@ def test_context_length_and_sampling_mapping():
 
 
 def _deltas():
-    return [{"token_ids": [5], "text": "Hel", "finished": False, "logprobs": [{5: -0.1, 6: -2.0}]},
-            {"token_ids": [6], "text": "lo", "finished": True, "logprobs": [{6: -0.3, 5: -1.5}],
-             "finish_reason": "length", "prompt_tokens": 7, "completion_tokens": 2, "cached_tokens": 0}]
+    return [TokenDelta([5], "Hel", False, [{5: -0.1, 6: -2.0}], replica="d0"),
+            TokenDelta([6], "lo", True, [{6: -0.3, 5: -1.5}], finish_reason="length", prompt_tokens=7,
+                       completion_tokens=2, cached_tokens=3)]
 
 
 def test_bodies_and_chunks_parse_as_the_official_types():
@@ -61,6 +62,7 @@ def test_bodies_and_chunks_parse_as_the_official_types():
     parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
     assert "".join(p.choices[0].delta.content or "" for p in parsed if p.choices) == "Hello"
     assert parsed[-1].usage.total_tokens == 9 and parsed[-2].choices[0].finish_reason == "length"
+    assert parsed[-1].usage.prompt_tokens_details.cached_tokens == 3
     assert oa.sse(chunks[0]).startswith(b"data: {") and oa.sse(chunks[0]).endswith(b"\n\n")
     assert json.loads(oa.sse(chunks[0])[6:]) == chunks[0]
     full = ChatCompletion.model_validate(b.final())
@@ -94,14 +96,15 @@ def test_api_keys_from_the_environment(monkeypatch):
 
 
 def test_request_limits_are_configurable():
+    from router.config import LimitsConfig
     from router.openai_protocol import OpenAIError, parse_request
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 6, "stop": ["a"] * 6}
     with pytest.raises(OpenAIError, match="n must be between 1 and 8|at most 4 stop"):
         parse_request(body, chat=True)
-    req = parse_request(body, chat=True, limits={"max_n": 6, "max_stop_sequences": 6})
+    req = parse_request(body, chat=True, limits=LimitsConfig(max_n=6, max_stop_sequences=6))
     assert req.n == 6
     with pytest.raises(OpenAIError, match="at most 3 characters"):
-        parse_request({**body, "n": 1, "stop": ["abcd"]}, chat=True, limits={"max_stop_chars": 3})
+        parse_request({**body, "n": 1, "stop": ["abcd"]}, chat=True, limits=LimitsConfig(max_stop_chars=3))
 
 
 def test_out_of_range_seeds_are_refused_before_they_reach_an_engine():

@@ -246,12 +246,12 @@ def test_snapshot_round_trip_is_msgpack_and_keeps_seq_and_staleness():
 def test_state_actor_log_and_snapshots_give_mirrors_the_same_index():
     state, reps = ClusterState(), [Replica("p0", 16), Replica("p1", 16)]
     for r in reps:
-        state.register("prefill", r.name, b"", 0)
+        state.register("prefill", r.name, 0)
     reps[0].run_prompt(list(range(12)))
     reps[1].run_prompt(list(range(8)) + [9, 9, 9, 9])
     for r in reps:
         state.publish("prefill", r.name, *r.batch())
-    mirror = IndexMirror("unused")
+    mirror = IndexMirror("unused", interval_s=0.01)
     version, entries, snap = state.changes(0)
     assert snap is None
     for _, pool, rep, seq, events in entries:
@@ -267,16 +267,19 @@ def test_state_actor_log_and_snapshots_give_mirrors_the_same_index():
     assert mirror.index["prefill"].match(h) == {"p1": 2}
 
 
-def test_a_replica_that_stops_reporting_is_forgotten(monkeypatch):
-    import router.cluster_state as cs
-    state, r = ClusterState(), Replica("dead", 16)
-    state.register("prefill", "dead", b"", 0)
+def test_a_replica_that_stops_reporting_is_forgotten():
+    now = [0.0]
+    state, r = ClusterState(clock=lambda: now[0], dead_after_s=15.0), Replica("dead", 16)
+    state.register("prefill", "dead", 0)
     r.run_prompt(list(range(8)))
     state.publish("prefill", "dead", *r.batch())
     state.report("prefill", "dead", b"# metrics\n")
     h = block_hashes(list(range(8)), BS, KEY)
     assert state.index["prefill"].match(h) == {"dead": 2} and state.metrics_texts() == [b"# metrics\n"]
-    monkeypatch.setattr(cs, "DEAD_AFTER_S", 0.0)
+    now[0] = 15.0
+    state.changes(0)
+    assert state.metrics_texts() == [b"# metrics\n"]   # silent for exactly the limit: still there
+    now[0] = 15.1
     version, entries, _ = state.changes(0)             # readers trigger the reaping
     assert state.index["prefill"].match(h) == {} and state.metrics_texts() == []
     assert entries[-1][2] == "dead" and entries[-1][4] == b"forget"     # mirrors hear it too
@@ -311,14 +314,14 @@ def test_ranker_falls_back_to_least_loaded_when_imbalanced():
 
 
 def test_a_replica_without_a_load_report_counts_as_idle():
-    ranker = PrefillRanker(imbalance_threshold=10_000)
+    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=10_000)
     tiers, reason = ranker.rank(H, 128, 16, {"a": 4, "quiet": 4}, {"a": 50})
     assert tiers == [["quiet"], ["a"]] and reason == "prefix_hit"
     assert ranker.rank(H, 128, 16, {}, {}) == ([], "no_replica")
 
 
 def test_ranker_ties_stick_per_prompt_and_spread_across_prompts():
-    ranker = PrefillRanker()
+    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=8192)
     idle = dict.fromkeys("abcdefgh", 0)
     picks = [first(ranker.rank([k * 7919, 1], 32, 16, {}, idle))[0] for k in range(400)]
     assert len(set(picks)) == 8 and max(picks.count(r) for r in idle) < 100   # spread, not one hot spot
@@ -329,6 +332,7 @@ def test_ranker_ties_stick_per_prompt_and_spread_across_prompts():
 
 
 # -- benchmark ----------------------------------------------------------------------------------------
+@pytest.mark.bench
 def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
     import argparse
     import json

@@ -6,8 +6,9 @@ CI's time), KV over NIXL, a 3 s pin TTL, admission control with a queued-token c
 loose enough that a 2-core CI box's speed never decides a fault test; tests/test_admission.py covers that
 rule on a fake clock). Faults are switched
 at run time through $BATON_FAULTS_FILE (engine/faults.py); replicas and the Serve controller are killed
-with ray.kill. The order matters: the tests that need every replica as it started (fuzz, soak, logging)
-run before the ones that kill replicas.
+with ray.kill. The cluster is this module's own (no other module shares a cluster tests break on purpose).
+A test that kills something waits until the cluster is whole again, and the ones that count replicas compare
+before with after, so no test depends on the order they run in; they are written cheapest-first.
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ import urllib.request
 
 import pytest
 
-from bench.cluster_bench import pool_total, scrape
-from bench.soak_bench import leak_report, replica_gauges, soak
+from bench.soak_bench import soak
+from cluster.live_metrics import leak_report, pool_total, replica_gauges, scrape
 from engine import faults
-from tests.conftest import assert_not_in_ray_logs
+from tests.conftest import assert_not_in_ray_logs, served_model_key, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -55,24 +56,15 @@ def fault_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model, fault_file):
-    from cluster.config import ClusterConfig
-    from cluster.serving import start, stop
-    os.environ[faults.ENV] = fault_file            # the local Ray's processes inherit it
-    cfg = ClusterConfig.from_dict({
+@pytest.fixture
+def cluster(shared_cluster, tiny_model, fault_file):
+    return shared_cluster.up({
         "model": tiny_model, "served_model_name": MODEL, "port": PORT, "ingress": {"num_cpus": 0},
         "prefill": {"num_replicas": 2, "num_cpus": 0, "engine": ENGINE},
         "decode": {"num_replicas": 2, "num_cpus": 0, "engine": ENGINE},
         "disaggregation": {"min_remote_prefill_tokens": 16}, "transfer": {"ttl_s": 3.0},
         "admission": {"max_queued_prompt_tokens": QUEUE_CAP, "ttft_slo_s": 60.0},
-        "limits": {"max_n": 4, "max_stop_sequences": 8}})
-    start(cfg, num_cpus=2)
-    yield cfg
-    del os.environ[faults.ENV]
-    stop()
-    import ray
-    ray.shutdown()
+        "limits": {"max_n": 4, "max_stop_sequences": 8}}, env={faults.ENV: fault_file})
 
 
 @pytest.fixture
@@ -115,19 +107,10 @@ def counter(m: dict[str, float], metric: str, pool: str | None = None, **labels:
     return total
 
 
-def wait_for(cond, timeout: float = 30.0, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
-
-
 def state_actor():
     import ray
 
-    from router.cluster_state import STATE_NAMESPACE, state_actor_name
+    from replica.names import STATE_NAMESPACE, state_actor_name
     return ray.get_actor(state_actor_name("baton"), namespace=STATE_NAMESPACE)
 
 
@@ -168,11 +151,17 @@ async def stream(session, body: dict, out: dict | None = None) -> dict:
     return out
 
 
-def load(bodies: list[dict], during=None, delay: float = 1.0, min_chunks: int | None = None,
-         timeout: float = 120) -> list[dict]:
-    """Stream all bodies at once; call `during()` `delay` seconds in, or (min_chunks) once every stream has
-    had that many chunks, so the fault lands mid-stream however fast the machine. A hang fails on the
-    client timeout."""
+def every_stream_has(chunks: int):
+    return lambda outs: all(o.get("chunks", 0) >= chunks or o.get("done") for o in outs)
+
+
+def some_stream_has(chunks: int):
+    return lambda outs: any(o.get("chunks", 0) >= chunks for o in outs)
+
+
+def load(bodies: list[dict], during=None, when=every_stream_has(1), timeout: float = 120) -> list[dict]:
+    """Stream all bodies at once; call `during()` once the streams' progress meets `when` (polled), so the fault
+    lands mid-stream however fast the machine. A hang fails on the client timeout."""
     import aiohttp
 
     async def main():
@@ -180,11 +169,8 @@ def load(bodies: list[dict], during=None, delay: float = 1.0, min_chunks: int | 
             outs = [{} for _ in bodies]
             tasks = [asyncio.create_task(stream(s, b, o)) for b, o in zip(bodies, outs)]
             if during is not None:
-                if min_chunks is None:
-                    await asyncio.sleep(delay)
-                else:
-                    while not all(o.get("chunks", 0) >= min_chunks or o.get("done") for o in outs):
-                        await asyncio.sleep(0.01)
+                while not when(outs):
+                    await asyncio.sleep(0.01)       # the streams' own progress, polled (they run on this loop)
                 await asyncio.to_thread(during)
             return await asyncio.gather(*tasks)
     return asyncio.run(main())
@@ -377,8 +363,8 @@ def test_a_failed_kv_pull_is_recomputed_locally_with_the_same_tokens(cluster, in
     assert got == ref
     fallbacks = lambda m: pool_total(m, "baton_kv_transfer_fallbacks_total", "decode") - \
         pool_total(m0, "baton_kv_transfer_fallbacks_total", "decode")       # noqa: E731
-    m1 = wait_for(lambda: (lambda m: m if fallbacks(m) >= 4 else None)(scrape(BASE)), timeout=10)  # 0.5 s reports
-    assert m1, fallbacks(scrape(BASE))
+    m1 = wait_for(lambda: (lambda m: m if fallbacks(m) >= 4 else None)(scrape(BASE)), 10,
+                  "4 KV transfer fallbacks in the decode pool's metrics")                   # 0.5 s reports
     assert pool_total(m1, "baton_kv_transfer_failures_total", "decode") > \
         pool_total(m0, "baton_kv_transfer_failures_total", "decode")
     assert_no_leaks()                           # the producers' pins ended at their TTL
@@ -395,8 +381,7 @@ def test_a_stalled_kv_pull_times_out_and_the_producer_pin_expires(cluster, injec
     assert 2.0 <= waited < 15, waited                     # the 3 s TTL bounded the wait
     m1 = wait_for(lambda: (lambda m: m if counter(m, "baton_kv_pins_released_total", "prefill", reason="expired")
                            > counter(m0, "baton_kv_pins_released_total", "prefill", reason="expired") else None)(
-        scrape(BASE)), timeout=10)
-    assert m1, "the producer's pin was not released by its TTL"
+        scrape(BASE)), 10, "the producer's pin to be released by its TTL")
     assert_no_leaks()
 
 
@@ -412,29 +397,26 @@ def test_lost_kv_events_cost_cache_misses_not_failures_and_the_index_resyncs(clu
     inject()
     state = state_actor()
     complete(prompt(999, 40), 2)                                   # a batch after the gap: replicas learn it
-    assert wait_for(lambda: not any(ray.get(state.stale.remote()).values()), timeout=20), \
-        ray.get(state.stale.remote())
+    wait_for(lambda: not any(ray.get(state.stale.remote()).values()), 20, "no replica's index to be stale")
     info = ray.get(state.changes.remote(-10**9))[2]                # a snapshot of both pools' indexes
     from router.prefix_index import PrefixIndex
     index = PrefixIndex.from_snapshot(info["prefill"])
-    model_key = _model_key()
+    model_key = served_model_key()
     for p in ps:                                                   # the resync brought the lost blocks back
         hashes = block_hashes(p, 16, model_key)
         assert max(index.match(hashes).values(), default=0) == len(p) // 16
 
 
-def _model_key() -> str:
-    from ray import serve
-    h = serve.get_deployment_handle("decode", "baton")
-    return h.model_info.remote().result()["model_key"]
-
-
 # -- the soak (CI version; `baton bench soak` runs longer) --------------------------------------------
+@pytest.mark.bench
 def test_soak_thousands_of_mixed_requests_leak_nothing_and_restart_nothing(cluster):
     before = {p: replicas(p) for p in ("prefill", "decode")}
     result = soak(BASE, MODEL, n=2000, concurrency=12, seed=7, max_body=cluster.limits.max_body_bytes, warmup=100)
     print(json.dumps({k: result[k] for k in ("requests", "wall_s", "requests_per_s", "outcomes", "rss_mb",
                                              "heap_mb", "heap_growth_mb", "rss_growth_mb_max")}, indent=1))
+    # the run completed: every request has an outcome, every replica (2 + 2) a memory series
+    assert result["requests"] == 2000 and sum(result["outcomes"].values()) == 2000, result["outcomes"]
+    assert result["wall_s"] > 0 and len(result["replicas_before"]) >= 4
     assert result["num_failures"] == 0, result["failures"]
     oc = result["outcomes"]
     for kind in ("complete", "stream", "chat", "n", "stop"):
@@ -462,16 +444,19 @@ def test_a_prefill_replica_killed_under_load_loses_no_request_and_the_index_rele
     victim = replicas("prefill")[0]
     victim_id = victim.rsplit("#", 1)[1]
     assert victim_id in ray.get(state.replicas.remote())["prefill"]
-    results = load(_bodies(24, 5000, 48, prompt_len=200), during=lambda: kill(victim), delay=0.3)
+    # as the first stream decodes, the others are still in prefill or being pulled
+    results = load(_bodies(24, 5000, 48, prompt_len=200), during=lambda: kill(victim), when=some_stream_has(1))
     assert all(r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 48 for r in results), \
         [r for r in results if r["error"] or not r["done"]][:3]
     # the index drops the dead replica as soon as Serve announces the new replica set (its health check),
     # well before the state actor's silence timeout, and learns its successor when Serve has started it
-    assert wait_for(lambda: victim_id not in ray.get(state.replicas.remote())["prefill"], timeout=30)
-    assert wait_for(lambda: len(replicas("prefill")) == 2 and victim not in replicas("prefill"), timeout=120)
+    wait_for(lambda: victim_id not in ray.get(state.replicas.remote())["prefill"], 30,
+             "the index to drop the killed prefill replica")
+    wait_for(lambda: len(replicas("prefill")) == 2 and victim not in replicas("prefill"), 120,
+             "Serve to replace the killed prefill replica")
     new_id = next(r for r in replicas("prefill") if r != victim).rsplit("#", 1)[1]
-    assert wait_for(lambda: all(r.rsplit("#", 1)[1] in ray.get(state.replicas.remote())["prefill"]
-                                for r in replicas("prefill")), timeout=60), new_id
+    wait_for(lambda: all(r.rsplit("#", 1)[1] in ray.get(state.replicas.remote())["prefill"]
+                         for r in replicas("prefill")), 60, f"the index to learn the new prefill replica {new_id}")
     assert complete(prompt(5100, 200), 4)["usage"]["completion_tokens"] == 4
     assert_no_leaks()
 
@@ -484,12 +469,14 @@ def test_a_decode_replica_killed_under_load_ends_its_streams_with_an_error_event
                 if r.startswith("decode/")}
 
     def kill_the_busiest() -> None:            # every stream is under way: kill the replica running the most
-        wait_for(lambda: sum(v > 0 for v in decode_running().values()) >= 2, timeout=5, interval=0.2)
+        deadline = time.monotonic() + 5        # routing may put every stream on one replica: then kill that one
+        while sum(v > 0 for v in decode_running().values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         running = decode_running()
         busiest = max(running, key=running.get)
         killed.append(next(a for a in replicas("decode") if a.endswith("#" + busiest.split("/")[1])))
         kill(killed[0])
-    results = load(_bodies(16, 6000, 400, prompt_len=24), during=kill_the_busiest, min_chunks=5)
+    results = load(_bodies(16, 6000, 400, prompt_len=24), during=kill_the_busiest, when=every_stream_has(5))
     victim = killed[0]
     failed = [r for r in results if r["error"] is not None]
     served = [r for r in results if r["error"] is None]
@@ -503,7 +490,8 @@ def test_a_decode_replica_killed_under_load_ends_its_streams_with_an_error_event
     assert failed, results                    # (served is empty only when the router put every stream on one)
     after = load(_bodies(6, 6100, 8, prompt_len=24))            # new requests go to the live replica
     assert all(r["error"] is None and r["done"] for r in after), after
-    assert wait_for(lambda: len(replicas("decode")) == 2 and victim not in replicas("decode"), timeout=120)
+    wait_for(lambda: len(replicas("decode")) == 2 and victim not in replicas("decode"), 120,
+             "Serve to replace the killed decode replica")
     assert_no_leaks()
 
 
@@ -513,10 +501,10 @@ def test_a_serve_controller_restart_fails_no_in_flight_request(cluster):
 
     def restart():
         ray.kill(ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE), no_restart=False)
-    results = load(_bodies(12, 7000, 200, prompt_len=48), during=restart, delay=0.5)
+    results = load(_bodies(12, 7000, 200, prompt_len=48), during=restart, when=every_stream_has(1))
     assert all(r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 200 for r in results), \
         [r for r in results if r["error"] or not r["done"]][:3]
     from ray import serve
-    assert wait_for(lambda: serve.status().applications["baton"].status == "RUNNING", timeout=120)
+    wait_for(lambda: serve.status().applications["baton"].status == "RUNNING", 120, "the app to run again")
     assert complete(prompt(7100), 4)["usage"]["completion_tokens"] == 4
     assert_no_leaks()

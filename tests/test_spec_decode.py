@@ -329,7 +329,7 @@ def _tv_all(samples, exact):
 
 
 def test_cli_generate_takes_a_speculative_config(capsys):
-    from cluster.cli import main
+    from cli.main import main
     assert main(["generate", "--temperature", "0", "--max-tokens", "24", "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": 4}', "Repeat after me: one two three, one two three"]) == 0
     out = capsys.readouterr()

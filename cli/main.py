@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(serve_config(config), sort_keys=False), end="")
         return 0
     from cluster.serving import start
-    start(config, blocking=False)
+    start(config)
     print(f"baton: serving {config.model_name()} ({config.mode}) on http://{config.host}:{config.port}/v1 "
           f"- Ctrl-C to stop", file=sys.stderr)
     try:
@@ -103,27 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
     bsub = b.add_subparsers(dest="bench", required=True)
     from bench import autoscale_bench, cluster_bench, engine_bench, router_bench, soak_bench, spec_bench, transfer_bench
-    e = bsub.add_parser("engine", help="engine throughput and latency against transformers")
-    engine_bench.add_arguments(e)
-    e.set_defaults(fn=_bench, bench_fn=engine_bench.run)
-    s = bsub.add_parser("spec", help="batch-1 inter-token latency with and without speculative decoding")
-    spec_bench.add_arguments(s)
-    s.set_defaults(fn=_bench, bench_fn=spec_bench.run)
-    t = bsub.add_parser("transfer", help="one request's KV between two processes: NIXL vs the Ray fallback vs a copy")
-    transfer_bench.add_arguments(t)
-    t.set_defaults(fn=_bench, bench_fn=transfer_bench.run)
-    c = bsub.add_parser("cluster", help="open-loop HTTP load: prefix-aware vs pow2 routing, disaggregated vs colocated")
-    cluster_bench.add_arguments(c)
-    c.set_defaults(fn=_bench, bench_fn=cluster_bench.run)
-    a = bsub.add_parser("autoscale", help="coupled vs independent pool autoscaling on a load step (fluid model)")
-    autoscale_bench.add_arguments(a)
-    a.set_defaults(fn=_bench, bench_fn=autoscale_bench.run)
-    so = bsub.add_parser("soak", help="thousands of mixed requests, then zero leaked KV blocks, no restarts, memory")
-    soak_bench.add_arguments(so)
-    so.set_defaults(fn=_bench, bench_fn=soak_bench.run)
-    r = bsub.add_parser("router", help="prefill routing decision time with a large prefix index")
-    router_bench.add_arguments(r)
-    r.set_defaults(fn=_bench, bench_fn=router_bench.run)
+    for name, module, text in (
+            ("engine", engine_bench, "engine throughput and latency against transformers"),
+            ("spec", spec_bench, "batch-1 inter-token latency with and without speculative decoding"),
+            ("transfer", transfer_bench, "one request's KV between two processes: NIXL vs the Ray fallback vs a copy"),
+            ("cluster", cluster_bench, "open-loop HTTP load: prefix-aware vs pow2 routing, disaggregated vs colocated"),
+            ("autoscale", autoscale_bench, "coupled vs independent pool autoscaling on a load step (fluid model)"),
+            ("soak", soak_bench, "thousands of mixed requests, then zero leaked KV blocks, no restarts, memory"),
+            ("router", router_bench, "prefill routing decision time with a large prefix index")):
+        sp = bsub.add_parser(name, help=text)
+        module.add_arguments(sp)
+        sp.set_defaults(fn=_bench, bench_fn=module.run)
     return p
 
 

@@ -1,0 +1,74 @@
+"""The messages the pools exchange: one typed object per hop of a request, instead of dicts read by key.
+
+    ingress process (router/ingress.py -> router/orchestrator.py)
+      tokenizes once, hashes the prompt's full blocks once, builds a PoolRequest
+        |-- PoolRequest ------------------> prefill replica (PrefillServer.prefill)
+        |<- PrefillResult ----------------  first token + the KVHandoff of the pinned prompt blocks
+        |-- PoolRequest(prefill=result) --> decode replica (DecodeServer.generate)
+        |                                   (prefill=None: the decode replica prefills the prompt itself)
+        |<- TokenDelta, TokenDelta, ... --  streamed; the last has finished=True and the usage
+      router/openai_protocol.py's ResponseBuilder turns the deltas into OpenAI bodies and SSE chunks
+
+Each hop is a Serve call: Ray pickles these dataclasses (small, typed, in one Python version per cluster).
+The request routers (router/request_routers.py) read the PoolRequest of a pending call to route it.
+What our own code ships between processes stays msgpack: a KVHandle inside a KVHandoff pickles as its
+msgpack bytes (kvtransfer/handle.py) and is checked when it arrives; KV events go to the cluster state actor
+as msgpack batches. The block hashes travel with the request: the prefill engine caches under them, the
+decode engine reserves with them, and a KVHandle carries the same list, so a decode replica checks that a
+hand-off was made for its prompt without hashing it again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer.handoff import KVHandoff
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """A prefill replica's answer: the first token, sampled with the request's own parameters, and the hand-off."""
+    replica: str                                # Serve's id of the prefill replica
+    first_token: int
+    first_logprobs: dict[int, float] | None
+    num_cached_tokens: int                      # prompt tokens the prefill replica found in its prefix cache
+    handoff: KVHandoff
+
+
+@dataclass(slots=True)
+class PoolRequest:
+    """One choice of one HTTP request, as both pools see it."""
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int]                     # engine.block_hash.block_hashes of token_ids' full blocks
+    sampling: SamplingParams
+    prefill: PrefillResult | None = None        # None: the decode replica prefills the prompt itself
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """New tokens of one request, streamed by a decode replica; the last one has finished=True and the usage."""
+    token_ids: list[int]
+    text: str
+    finished: bool
+    logprobs: list[dict[int, float]] | None = None    # one per new token, when the request asked for them
+    replica: str | None = None                  # the decode replica: on the first delta only
+    finish_reason: str | None = None            # the rest: on the last delta only
+    stop_reason: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    transferred: bool = False                   # the prompt's KV came from a prefill replica
+
+    @classmethod
+    def of(cls, out: RequestOutput, replica: str | None = None, transferred: bool = False) -> TokenDelta:
+        """The delta of one engine output (`replica` on a request's first delta)."""
+        n = len(out.new_token_ids)
+        d = cls(out.new_token_ids, out.new_text, out.finished,
+                out.logprobs[-n:] if out.logprobs is not None and n else None, replica)
+        if out.finished:
+            d.finish_reason, d.stop_reason = out.finish_reason, out.stop_reason
+            d.prompt_tokens, d.completion_tokens = len(out.prompt_token_ids), len(out.token_ids)
+            d.cached_tokens, d.transferred = out.metrics.num_cached_tokens, transferred
+        return d

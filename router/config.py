@@ -1,0 +1,74 @@
+"""The router's sections of the cluster config (cluster.ClusterConfig composes them): how the prefill pool is
+chosen, when a prompt is prefilled remotely, what one request may ask for, admission control, API keys.
+The ingress and the request routers receive these objects as they are; their defaults are written here once."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(_Section):
+    """How the prefill pool is chosen (the decode pool always goes by KV pressure)."""
+    policy: Literal["prefix_aware", "pow2"] = Field(
+        "prefix_aware", description="prefix_aware: the replica caching most of the prompt, load-corrected; "
+                                    "pow2: Ray Serve's default power-of-two choices, for comparison")
+    load_weight: float = Field(1.0, ge=0, description="Weight of a replica's queued prefill tokens against the "
+                                                      "prompt tokens it would have to compute")
+    imbalance_threshold_tokens: int = Field(8192, ge=0, description="When replicas' queued prefill tokens differ "
+                                                                    "by more, route least-loaded first")
+    index_sync_interval_s: float = Field(0.01, gt=0, description="Seconds between pulls of the KV-event index "
+                                                                 "by each router")
+
+
+class DisaggregationConfig(_Section):
+    """When a prompt is worth a remote prefill and a KV transfer."""
+    min_remote_prefill_tokens: int = Field(
+        64, ge=0, description="A prompt whose uncached part (on the best decode replica) is at most this many "
+                              "tokens is prefilled by the decode replica itself; longer ones go to the prefill pool")
+
+
+class LimitsConfig(_Section):
+    """What one request may ask for; beyond it the ingress answers 400 (413 for the body) and runs nothing."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body in bytes (413 beyond): 1 MiB "
+                                                              "holds a 100k-token prompt as text or token ids")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens (default: the model's "
+                                                                  "max_model_len less one token of output)")
+    max_n: int = Field(8, ge=1, le=128, description="Most choices (`n`) per request: each is a sequence in "
+                                                    "the decode pool")
+    max_stop_sequences: int = Field(4, ge=0, le=64, description="Most stop strings per request (OpenAI allows 4; "
+                                                                "each is checked after every token)")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")
+
+
+class AdmissionConfig(_Section):
+    """Admission control at the ingress (router/admission.py): beyond capacity a request is answered 429 with
+    Retry-After at once instead of joining a queue that would miss its deadline anyway."""
+    enabled: bool = Field(True, description="Refuse requests the cluster cannot start in time (429); off: "
+                                            "every valid request queues")
+    ttft_slo_s: float = Field(5.0, gt=0, description="Seconds a request may wait for its first token: one whose "
+                                                     "predicted wait (prompt tokens queued ahead of it and its "
+                                                     "own, over the measured prefill rate) exceeds it gets a 429")
+    max_queued_prompt_tokens: int | None = Field(None, ge=1, description="Hard cap on prompt tokens admitted "
+                                                                        "but not yet past their first token, "
+                                                                        "per ingress replica (default: none; the "
+                                                                        "SLO rule alone)")
+    kv_budget: float = Field(1.0, gt=0, description="Fraction of the decode pool's KV cache that admitted "
+                                                    "requests' tokens (prompt and generated so far) may fill; "
+                                                    "beyond it new requests get a 429 (above 1 lets the engines' "
+                                                    "preemption absorb bursts)")
+    max_retry_after_s: int = Field(30, ge=1, description="Largest Retry-After the ingress advertises")
+
+
+class AuthConfig(_Section):
+    """Optional API keys: clients send `Authorization: Bearer <key>`; keys live in the environment, not here."""
+    api_keys_env: str = Field("BATON_API_KEYS", min_length=1, description="Environment variable holding the "
+                                                                          "accepted keys, comma-separated; unset or "
+                                                                          "empty: no authentication (bind to "
+                                                                          "127.0.0.1 then)")
+    protect_metrics: bool = Field(False, description="Require a key on /metrics too (/health is always open, "
+                                                     "for probes)")

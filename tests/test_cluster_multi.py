@@ -1,0 +1,91 @@
+"""Scaled-out pools on the real app (conftest's SCALED_OUT): n-gram speculative decoding in the decode pool
+leaves greedy text as the pool without it (conftest's DISAGGREGATED) writes it; two ingress replicas, each
+routing on its own mirror of one prefix index, send a repeated long prefix to the one prefill replica caching
+it. (The speculative test comes first: it starts from the app test_cluster_e2e.py leaves up.)"""
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+
+import openai
+import pytest
+
+from cluster.live_metrics import pool_total, scrape
+from engine.block_hash import block_hashes
+from tests.conftest import (DISAGGREGATED, DISAGGREGATED_ENV, SCALED_OUT, TEST_KEY, ingress_index_matches,
+                            on_ingress_replicas, served_model_key, wait_for)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MODEL = "SmolLM2-135M-Instruct"
+BASE = f"http://127.0.0.1:{SCALED_OUT['port']}"
+BLOCK = 16                                   # the engine's default block size
+
+
+def complete(ids: list[int]) -> dict:
+    body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{BASE}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def prefix_hit_decisions() -> dict[str, float]:
+    """Per ingress replica: its own routers' prefix-hit decisions for the prefill pool (its process's metrics)."""
+    def count() -> float:
+        import prometheus_client
+        return prometheus_client.REGISTRY.get_sample_value(
+            "baton_routing_decisions_total", {"pool": "prefill", "reason": "prefix_hit"}) or 0.0
+    return on_ingress_replicas(count)
+
+
+def greedy_texts(port: int, api_key: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=120)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from one to twenty in words, comma separated."}],
+        temperature=0, max_tokens=48)
+    repeat = client.completions.create(        # a prompt the n-gram lookup finds drafts in
+        model=MODEL, prompt="red, green, blue, red, green, blue, red, green, blue, red, green,", temperature=0,
+        max_tokens=32, extra_body={"ignore_eos": True})
+    return [chat.choices[0].message.content, repeat.choices[0].text]
+
+
+def test_speculative_decoding_in_the_decode_pool_keeps_the_greedy_text(shared_cluster):
+    shared_cluster.up(DISAGGREGATED, DISAGGREGATED_ENV)
+    plain = greedy_texts(DISAGGREGATED["port"], TEST_KEY)
+    cfg = shared_cluster.up(SCALED_OUT)
+    assert cfg.decode.engine.speculative_config["method"] == "ngram"
+    m0 = scrape(BASE)
+    assert greedy_texts(SCALED_OUT["port"], "unused") == plain
+
+    def grew(metric: str):
+        return lambda: pool_total(scrape(BASE), metric, "decode") > pool_total(m0, metric, "decode")
+    wait_for(grew("baton_spec_proposed_tokens_total"), 10, "the decode pool to report drafted tokens")
+    wait_for(grew("baton_spec_accepted_tokens_total"), 10, "the decode pool to report accepted drafts")
+
+
+def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(shared_cluster):
+    shared_cluster.up(SCALED_OUT)
+    rng = random.Random(15)
+    prefix = [rng.randrange(200, 40000) for _ in range(16 * BLOCK)]
+    hashes = block_hashes(prefix, BLOCK, served_model_key())
+
+    def holders() -> list[dict[str, int]]:
+        return list(ingress_index_matches("prefill", hashes).values())
+    complete(prefix + [rng.randrange(200, 40000) for _ in range(BLOCK)])
+    views = wait_for(lambda: (lambda v: v if len(v) == 2 and all(max(m.values(), default=0) == 16 for m in v)
+                              else None)(holders()), 10, "both ingress replicas' mirrors to hold the prefix")
+    before = prefix_hit_decisions()
+    cached = []
+    for _ in range(40):        # the proxy picks an ingress replica per request: go on until both have routed
+        if all(n - before[name] >= 2 for name, n in prefix_hit_decisions().items()):
+            break
+        suffix = [rng.randrange(200, 40000) for _ in range(BLOCK)]
+        cached.append(complete(prefix + suffix)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    after = prefix_hit_decisions()
+    assert all(after[name] - before[name] >= 2 for name in before), (before, after)
+    assert cached and all(c == len(prefix) for c in cached), cached    # each found the whole prefix cached
+    # one index: both mirrors agree, and only one prefill replica ever computed the prefix
+    final = wait_for(lambda: (lambda v: v if v[0] == v[1] else None)(holders()), 10, "the two mirrors to agree")
+    assert [r for r, n in final[0].items() if n == 16] == [r for r, n in views[0].items() if n == 16]
+    assert sum(n == 16 for n in final[0].values()) == 1, final

@@ -1,0 +1,98 @@
+"""The decode pool's RequestRouter (router/request_routers.py DecodeRouter), with Serve's replica and request
+objects faked as far as choose_replicas reads them: a request that brings its KV goes to the replica with the
+least KV in use and the fewest running sequences, counting what this router sent since the last stats; one
+that prefills locally goes to the replica caching most of its prompt; a control call goes anywhere."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from engine import SamplingParams
+from engine.block_hash import block_hashes
+from replica.messages import PoolRequest
+from router.prefix_index import PrefixIndex
+from router.request_routers import DecodeRouter
+
+BS, KEY = 16, "test-model"
+PROMPT = list(range(100, 100 + 8 * BS))                  # 8 full blocks
+HASHES = block_hashes(PROMPT, BS, KEY)
+
+
+@dataclass
+class FakeReplica:
+    """What the router reads of Serve's RunningReplica: its id and the stats record_routing_stats reported."""
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+
+    @property
+    def replica_id(self):
+        return SimpleNamespace(unique_id=self.name)
+
+
+def stats(used: int = 0, total: int = 100, running: int = 0) -> dict:
+    return {"kv_blocks_used": used, "kv_blocks_total": total, "num_running": running, "time": time.time()}
+
+
+def pending(request_id: str, prefill=None, hashes=HASHES, tokens=PROMPT):
+    """Serve's PendingRequest as far as the router reads it: the payload the ingress sends, and its id."""
+    payload = PoolRequest(request_id, tokens, hashes, SamplingParams(), prefill)
+    return SimpleNamespace(args=[payload], metadata=SimpleNamespace(request_id=request_id))
+
+
+def router(cached: dict[str, int] | None = None, max_num_seqs: int = 64) -> DecodeRouter:
+    """A DecodeRouter without Serve's constructor, its index mirror a local index: replica -> leading blocks of
+    PROMPT it caches."""
+    r = DecodeRouter.__new__(DecodeRouter)
+    r.initialize_state(state_actor="unused", block_size=BS, max_num_seqs=max_num_seqs, index_sync_interval_s=0.01)
+    index = PrefixIndex()
+    for name, n in (cached or {}).items():
+        index.load_snapshot(name, 0, HASHES[:n])
+    r.mirror = SimpleNamespace(index={"decode": index}, start=lambda: None)
+    return r
+
+
+def choose(r: DecodeRouter, replicas: list[FakeReplica], request) -> list[str]:
+    tiers = asyncio.run(r.choose_replicas(replicas, request))
+    assert all(len(t) == 1 for t in tiers)                    # one replica per tier, every candidate ranked
+    return [t[0].name for t in tiers]
+
+
+def test_a_transferred_request_goes_to_the_replica_with_the_least_kv_in_use():
+    replicas = [FakeReplica("a", stats(used=60)), FakeReplica("b", stats(used=10)), FakeReplica("c", stats(used=30))]
+    assert choose(router(), replicas, pending("r1", prefill={"from": "p0"})) == ["b", "c", "a"]
+
+
+def test_with_equal_kv_the_replica_running_fewer_sequences_wins():
+    replicas = [FakeReplica("a", stats(used=20, running=40)), FakeReplica("b", stats(used=20, running=3))]
+    assert choose(router(), replicas, pending("r1", prefill={"from": "p0"}))[0] == "b"
+    # a full batch outweighs a little more KV: 64/64 running costs as much as the whole cache
+    replicas = [FakeReplica("a", stats(used=25, running=64)), FakeReplica("b", stats(used=35, running=0))]
+    assert choose(router(), replicas, pending("r2", prefill={"from": "p0"}))[0] == "b"
+
+
+def test_requests_sent_since_the_last_stats_count_against_their_replica():
+    r = router()
+    replicas = [FakeReplica("a", stats(used=10)), FakeReplica("b", stats(used=12))]
+    req = pending("r1", prefill={"from": "p0"})
+    assert choose(r, replicas, req)[0] == "a"
+    r.on_request_routed(req, replicas[0].replica_id, None)     # 8 blocks on their way to a, unseen by its stats
+    assert choose(r, replicas, pending("r2", prefill={"from": "p0"}))[0] == "b"
+
+
+def test_a_local_prefill_goes_to_the_replica_caching_most_of_the_prompt_even_if_busier():
+    replicas = [FakeReplica("idle", stats(used=0)), FakeReplica("warm", stats(used=70, running=20)),
+                FakeReplica("some", stats(used=30))]
+    r = router(cached={"warm": 8, "some": 3})
+    assert choose(r, replicas, pending("r1")) == ["warm", "some", "idle"]
+    # equal hits: pressure decides
+    r = router(cached={"warm": 8, "idle": 8})
+    assert choose(r, replicas, pending("r2"))[0] == "idle"
+
+
+def test_a_request_without_routing_fields_may_go_to_any_replica():
+    replicas = [FakeReplica("a", stats(used=90)), FakeReplica("b")]
+    control = SimpleNamespace(args=[], metadata=SimpleNamespace(request_id="c"))
+    assert asyncio.run(router().choose_replicas(replicas, control)) == [replicas]
+    assert asyncio.run(router().choose_replicas(replicas, None)) == [replicas]
