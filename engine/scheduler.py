@@ -161,9 +161,9 @@ class Scheduler:
         return True
 
     def finish_loads(self) -> list[Sequence]:
-        """Take the ended loads: imports whose K/V arrived join the running sequences (returned, with
-        every prompt token computed and `remote` still set, for the engine to finish); failed ones wait again for a local prefill; aborted ones free
-        their blocks now that nothing writes into them."""
+        """Take the ended loads: imports whose K/V arrived join the running sequences (returned, every
+        prompt token computed and `remote` still set, for the engine to finish); failed ones wait again
+        for a local prefill; aborted ones free their blocks now that nothing writes into them."""
         if not self.loading:
             return []
         done, failed = self.connector.finished_loads()
