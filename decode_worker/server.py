@@ -32,7 +32,7 @@ class DecodeServer(EngineReplica):
             elif out.new_token_ids:
                 self.itl.observe((now - last) / len(out.new_token_ids))
             last = now
-            if out.finished and remote is not None:
+            if first and remote is not None:          # the import has ended (loaded or fallen back) by now
                 self._observe_import(out.metrics)
             yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
             first = False
