@@ -3,10 +3,11 @@ from engine.config import EngineConfig
 from engine.errors import BatonError, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.async_llm import AsyncLLM
 from engine.llm import LLM
-from engine.llm_engine import KVReservation, LLMEngine
+from engine.kv_connector import RemotePrefill
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
-           "KVReservation", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
+           "RemotePrefill", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
            "PromptTooLongError"]

@@ -12,11 +12,12 @@ import threading
 from typing import Any, AsyncIterator
 
 from engine.config import EngineConfig
-from engine.llm_engine import KVReservation, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+LOAD_POLL_S = 5e-4          # while the only work is K/V arriving: wait this long between steps, not spin
 
 
 class AsyncLLM:
@@ -32,7 +33,8 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per new token (deltas in new_text/new_token_ids); the last has
-        finished=True. Bad input raises InvalidRequestError before anything is queued."""
+        finished=True. Bad input raises InvalidRequestError before anything is queued. kwargs go to
+        LLMEngine.add_request (priority, prefill_only, remote)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def add() -> str:
@@ -70,7 +72,7 @@ class AsyncLLM:
             return self.engine.abort_request(request_id) or self.engine.release_pinned(request_id)
 
     def call(self, fn, *args, **kwargs):
-        """Run fn(engine, ...) under the engine lock (reserve/release blocks, stats)."""
+        """Run fn(engine, ...) under the engine lock (release pinned blocks, stats)."""
         with self._lock:
             return fn(self.engine, *args, **kwargs)
 
@@ -108,9 +110,9 @@ class AsyncLLM:
                     self._streams.clear()
             for (loop, queue), item in deliveries:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
-            if not busy:
-                self._wake.wait(timeout=1.0)
+            if not busy or (not outputs and self.engine.is_waiting_for_kv()):
+                self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
 
 
-__all__ = ["AsyncLLM", "KVReservation"]
+__all__ = ["AsyncLLM"]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.block_pool import blocks_for
+
 
 # Queries of at most this many tokens (decodes, speculative verify steps of k+1 tokens, short
 # prompts) go to the C++ CPU kernel; longer ones (prefill chunks) to SDPA.
@@ -129,7 +131,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int) -> t
     """The first n_tokens of K (or V) of each sequence: [num_seqs, n_tokens, kv_heads, D]."""
     rows, base, block_stride = _row_view(cache)
     bs = cache.shape[1]
-    nb = -(-n_tokens // bs)
+    nb = blocks_for(n_tokens, bs)
     idx = base + block_tables[:, :nb].long().unsqueeze(-1) * block_stride + torch.arange(bs)
     out = rows.index_select(0, idx.flatten()).view(block_tables.shape[0], nb * bs, *cache.shape[2:])
     return out[:, :n_tokens]

@@ -18,6 +18,12 @@ from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 
 KV_LAYOUT_VERSION = 1
 
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` slots (ceiling division)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int

@@ -1,22 +1,22 @@
 """LLMEngine: the synchronous core loop — add requests, step (schedule, forward, sample), abort.
 
 Prefill role: a request added with prefill_only=True stops after its first token and keeps its
-prompt blocks pinned (ref-counted) until release_pinned(); decode role: reserve_blocks() takes the
-blocks a transfer will fill, and add_request(kv=...) admits a sequence whose prompt K/V are there.
+prompt blocks pinned (ref-counted) until release_pinned(); decode role: add_request(remote=...) queues
+a request whose prompt K/V a KVConnector (attach_kv_connector) brings from another engine.
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Callable
 
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
-from engine.block_hash import block_hashes
 from engine.block_pool import KV_LAYOUT_VERSION, BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector, RemotePrefill
 from engine.kv_events import KVEvent
 from engine.loader import load_config, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
@@ -31,18 +31,9 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
-@dataclass
-class KVReservation:
-    """Blocks a decode engine set aside for an incoming prompt: the first `num_local_blocks` were
-    already in its prefix cache; the rest must be filled by a transfer before add_request(kv=...)."""
-    token_ids: list[int]
-    block_ids: list[int]
-    block_hashes: list[int]
-    num_local_blocks: int
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None):
+    def __init__(self, config: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None,
+                 clock: Callable[[], float] = time.time):
         self.config = config
         self.model_path = resolve_model(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
@@ -62,7 +53,8 @@ class LLMEngine:
                               f"less than max_model_len {self.max_model_len}: give it more memory")
         self.pool = BlockPool(self.runner.num_blocks, self.block_size, config.enable_prefix_caching, on_kv_event)
         self.model_key = self.compat_key()
-        self.scheduler = Scheduler(config, self.pool, self.model_key)
+        self.kv = KVCacheManager(self.pool, self.model_key)
+        self.scheduler = Scheduler(config, self.kv, clock)
         self.sampler = Sampler(config.seed)
         self.spec = None
         if config.speculative_config is not None:
@@ -70,7 +62,6 @@ class LLMEngine:
             self.spec = SpecDecoder(self)
         self.eos_ids = self._eos_ids()
         self.requests: dict[str, Sequence] = {}
-        self.pinned: dict[str, list[int]] = {}
         self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
         self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
@@ -104,10 +95,11 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
-                    kv: KVReservation | None = None, first_token: int | None = None,
-                    first_logprobs: dict[int, float] | None = None, block_hashes: list[int] | None = None) -> str:
-        """`block_hashes`: the prompt's full-block hashes when the caller has them (a pool request carries
-        them from the ingress), so the prefix cache need not hash the prompt again."""
+                    remote: RemotePrefill | None = None, block_hashes: list[int] | None = None) -> str:
+        """Queue a request. `remote`: its prompt's K/V (and first token) come from another engine
+        through the attached KVConnector; if they cannot, it is prefilled here. `block_hashes`: the
+        prompt's full-block hashes when the caller has them (a pool request carries them from the
+        ingress; an import's are remote.block_hashes), so the prefix cache need not hash it again."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -115,16 +107,20 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only)
-        seq.block_hashes = list(block_hashes or [])
+        hashes = remote.block_hashes if remote is not None else block_hashes
+        if remote is not None and len(hashes) != len(ids) // self.block_size:
+            raise InvalidRequestError(f"{len(hashes)} block hashes for a prompt of {len(ids) // self.block_size} full blocks")
+        seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
+        seq.block_hashes = list(hashes or [])
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         self.requests[request_id] = seq
-        if kv is not None:
-            self._admit_transferred(seq, kv, first_token, first_logprobs)
-        else:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq)
         return request_id
+
+    def attach_kv_connector(self, connector: KVConnector) -> None:
+        """Decode role: what fills the blocks of requests added with remote=."""
+        self.scheduler.connector = connector
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -141,9 +137,9 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove(seq)
+        if self.scheduler.remove(seq):             # else a transfer may still write into its blocks
+            self.kv.free(seq)
         self._drop_spec(seq)
-        self._free(seq)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         seq.finished_time = time.monotonic()
         return True
@@ -151,8 +147,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._early_outputs)
 
+    def is_waiting_for_kv(self) -> bool:
+        """Nothing to compute until a transfer ends (a step would only poll the connector)."""
+        s = self.scheduler
+        return bool(s.loading) and not s.running and not self._early_outputs
+
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._start_imported(self.scheduler.finish_loads())
         early, self._early_outputs = self._early_outputs, []
         drafted = self.spec.propose(self.scheduler.running) if self.spec is not None else []
         sched = self.scheduler.schedule()
@@ -216,14 +218,6 @@ class LLMEngine:
         if seq.finish_reason is not None or seq.prefill_only:
             self._finish(seq)
 
-    def trim_blocks(self, seq: Sequence) -> None:
-        """Speculation rollback: free blocks past the one that will hold the next token; they hold
-        only rejected drafts' K/V (never hashed, so never shared)."""
-        keep = -(-seq.num_tokens // self.block_size)
-        if len(seq.block_table) > keep:
-            self.pool.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
-
     def _drop_spec(self, seq: Sequence) -> None:
         if self.spec is not None:
             self.spec.release(seq)
@@ -250,14 +244,9 @@ class LLMEngine:
         del self.requests[seq.request_id]
         if seq.prefill_only:
             # keep the prompt's full and partial blocks for export; the first token's K/V is not there
-            self.pinned[seq.request_id] = list(seq.block_table)
+            self.kv.pin(seq)
         else:
-            self._free(seq)
-
-    def _free(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
+            self.kv.free(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
@@ -269,7 +258,7 @@ class LLMEngine:
             text=seq.detok.text if seq.detok is not None else "", new_token_ids=new_ids,
             new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            kv_blocks=self.pinned.get(seq.request_id, []) if seq.prefill_only else [])
+            kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only else [])
 
     @staticmethod
     def _metrics(seq: Sequence) -> RequestMetrics:
@@ -277,55 +266,27 @@ class LLMEngine:
                               seq.last_token_time, seq.finished_time, seq.num_prompt_tokens,
                               seq.num_cached_tokens, seq.num_output_tokens, seq.num_preemptions,
                               seq.spec.num_drafts, seq.spec.num_draft_tokens, seq.spec.num_accepted_tokens,
-                              seq.spec.draft_time, seq.spec.verify_time)
+                              seq.spec.draft_time, seq.spec.verify_time, seq.kv_import.transferred,
+                              seq.kv_import.blocks, seq.kv_import.seconds, seq.kv_import.error)
 
     # -- roles for the pools ----------------------------------------------------------------------
     def release_pinned(self, request_id: str) -> bool:
         """Prefill role: the transfer is done (or timed out); unpin the prompt's blocks."""
-        blocks = self.pinned.pop(request_id, None)
-        if blocks is None:
-            return False
-        self.pool.free(blocks)
-        return True
+        return self.kv.unpin(request_id)
 
-    def reserve_blocks(self, token_ids: list[int], hashes: list[int] | None = None) -> KVReservation:
-        """Decode role: hold blocks for a prompt's K/V; leading blocks in the local prefix cache are
-        reused (no transfer needed for them), the rest are fresh and must be filled. `hashes`: the
-        prompt's full-block hashes when the caller has them."""
-        self.check_prompt(token_ids)
-        bs = self.block_size
-        n_blocks = -(-len(token_ids) // bs)
-        hashes = list(hashes) if hashes is not None else block_hashes(token_ids, bs, self.model_key)
-        hit = self.pool.match(hashes, token_ids)
-        if not self.pool.can_allocate(n_blocks - len(hit)):
-            raise MemoryError(f"no room for {n_blocks - len(hit)} KV blocks")
-        self.pool.touch(hit)
-        blocks = hit + self.pool.allocate(n_blocks - len(hit))
-        self.pool.record_query(len(token_ids), len(hit) * bs)
-        return KVReservation(list(token_ids), blocks, hashes, len(hit))
-
-    def cancel_reservation(self, kv: KVReservation) -> None:
-        self.pool.free(kv.block_ids)
-
-    def _admit_transferred(self, seq: Sequence, kv: KVReservation, first_token: int | None,
-                           first_logprobs: dict[int, float] | None) -> None:
-        if kv.token_ids != seq.token_ids:
-            raise InvalidRequestError("the KV reservation was made for other tokens")
-        seq.block_table = list(kv.block_ids)
-        seq.block_hashes = list(kv.block_hashes)
-        seq.num_cached_tokens = kv.num_local_blocks * self.block_size
-        self.scheduler.on_computed(seq, len(seq.token_ids))     # registers the transferred full blocks
-        seq.first_scheduled_time = time.monotonic()
-        if first_token is None:
-            # recompute the last prompt token to get logits: its K/V slot is rewritten identically
-            seq.num_computed_tokens -= 1
-        else:
-            self._append(seq, [first_token], [first_logprobs], time.monotonic())
-        if seq.is_finished:                  # the prefill's token already ended it: report at the next step
-            self._early_outputs.append(self._output(seq))
-        else:
-            seq.status = Status.RUNNING
-            self.scheduler.running.append(seq)
+    def _start_imported(self, loaded: list[Sequence]) -> None:
+        """Imports whose prompt K/V arrived: append the producer's first token, or recompute the last
+        prompt token for its logits (its K/V slot is rewritten identically)."""
+        now = time.monotonic()
+        for seq in loaded:
+            seq.first_scheduled_time = now
+            remote, seq.remote = seq.remote, None
+            if remote.first_token is None:
+                seq.num_computed_tokens -= 1
+                continue
+            self._append(seq, [remote.first_token], [remote.first_logprobs], now)
+            if seq.is_finished:                 # the prefill's token already ended it: report it now
+                self._early_outputs.append(self._output(seq))
 
     # -- stats ------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -335,7 +296,9 @@ class LLMEngine:
             "kv_blocks_used": self.pool.num_used_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_pinned": len(self.pinned),
+            "num_awaiting_kv_room": self.scheduler.num_awaiting_room,     # decode: imports waiting for blocks
+            "num_loading_kv": len(self.scheduler.loading),               # decode: imports whose K/V are arriving
+            "num_pinned": len(self.kv.pinned),
             "prefix_cache_query_tokens": self.pool.query_tokens,
             "prefix_cache_hit_tokens": self.pool.hit_tokens,
             "busy_seconds_total": self.busy_seconds_total,

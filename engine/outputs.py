@@ -20,6 +20,10 @@ class RequestMetrics:
     spec_num_accepted_tokens: int = 0      # drafts accepted
     spec_draft_time: float = 0.0           # seconds of draft passes it took part in
     spec_verify_time: float = 0.0          # seconds of target steps that verified its drafts
+    kv_transferred: bool = False           # its prompt's K/V came from another engine
+    kv_transfer_blocks: int = 0            # blocks pulled (leading blocks cached here are not)
+    kv_transfer_seconds: float = 0.0       # blocks reserved to K/V in place
+    kv_transfer_error: str | None = None   # why an import fell back to a local prefill
 
     @property
     def spec_acceptance_rate(self) -> float | None:
@@ -60,5 +64,4 @@ class RequestOutput:
     stop_reason: int | str | None
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob}
-    prompt: str | None = None
     kv_blocks: list[int] = field(default_factory=list)   # prefill role: the pinned block ids

@@ -31,8 +31,8 @@ class SampleResult:
 
 
 @dataclass
-class _Block:
-    """Filtered rows. ids None: whole rows in vocabulary order, nothing filtered (vals = the row).
+class _RowGroup:
+    """A group of logits rows filtered alike. ids None: whole rows in vocabulary order, nothing filtered (vals = the row).
     Otherwise ids [r, K]: each row's K largest logits (vals, descending), of which keep says which
     survive the filters; every token outside ids is filtered."""
     rows: list[int]
@@ -60,14 +60,14 @@ def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if len(rows) == t.shape[0] else t[rows]
 
 
-def _blocks(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Block]:
-    """logits: temperature-scaled [R, V]. Splits the rows into blocks whose kept sets are known."""
+def _row_groups(logits: torch.Tensor, params: list[SamplingParams]) -> list[_RowGroup]:
+    """logits: temperature-scaled [R, V]. Splits the rows into groups whose kept sets are known."""
     vocab = logits.shape[-1]
     plain = [i for i, p in enumerate(params) if not _filters(p, vocab)]
-    blocks = [_Block(plain, _take(logits, plain))] if plain else []
+    groups = [_RowGroup(plain, _take(logits, plain))] if plain else []
     pending = [i for i, p in enumerate(params) if _filters(p, vocab)]
     if not pending:
-        return blocks
+        return groups
     x, sub = _take(logits, pending), [params[i] for i in pending]
     ks = [_top_k(p, vocab) for p in sub]
     first = max(max(ks), _CANDIDATES[0]) if min(ks) == 0 else max(ks)
@@ -88,10 +88,10 @@ def _blocks(logits: torch.Tensor, params: list[SamplingParams]) -> list[_Block]:
         keep, covered = _cut(vals, [sub[j] for j in live], s_full[live], vocab)
         done = covered.nonzero().squeeze(1)
         if len(done) == len(live):
-            blocks.append(_Block([pending[j] for j in live], vals, ids, keep))
-            return blocks
+            groups.append(_RowGroup([pending[j] for j in live], vals, ids, keep))
+            return groups
         if len(done):
-            blocks.append(_Block([pending[live[j]] for j in done.tolist()], vals[done], ids[done], keep[done]))
+            groups.append(_RowGroup([pending[live[j]] for j in done.tolist()], vals[done], ids[done], keep[done]))
         live = [j for j, c in zip(live, covered.tolist()) if not c]
     raise AssertionError("unreachable: the full sort covers every row")
 
@@ -132,11 +132,11 @@ def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """Temperature-scaled logits with top-k / top-p / min-p applied (filtered entries at -inf)."""
     logits = _scale(logits, params)
     out = torch.full_like(logits, float("-inf"))
-    for b in _blocks(logits, params):
-        if b.ids is None:
-            out[b.rows] = b.vals
+    for g in _row_groups(logits, params):
+        if g.ids is None:
+            out[g.rows] = g.vals
         else:
-            out[b.rows] = out[b.rows].scatter_(-1, b.ids, b.vals.masked_fill(~b.keep, float("-inf")))
+            out[g.rows] = out[g.rows].scatter_(-1, g.ids, g.vals.masked_fill(~g.keep, float("-inf")))
     return out
 
 
@@ -193,7 +193,7 @@ class Sampler:
             tokens[sampled] = self._sample(_take(logits, sampled), [params[i] for i in sampled],
                                            [generators[i] for i in sampled])
         token_list = tokens.tolist()
-        return SampleResult(token_list, self._logprobs(logits, params, token_list))
+        return SampleResult(token_list, logprobs(logits, params, token_list))
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -201,33 +201,33 @@ class Sampler:
         race runs over each row's kept tokens (in token order), weights exp(x - max) (the softmax for
         rows without filters, exactly as the dense path)."""
         out = torch.empty(len(params), dtype=torch.long)
-        for b in _blocks(_scale(logits, params), params):
-            gens = [generators[i] for i in b.rows]
-            if b.ids is None:                               # as target_probs + sample_from_probs
-                out[b.rows] = _race(b.vals.softmax(-1), gens, self.generator)
+        for g in _row_groups(_scale(logits, params), params):
+            gens = [generators[i] for i in g.rows]
+            if g.ids is None:                               # as target_probs + sample_from_probs
+                out[g.rows] = _race(g.vals.softmax(-1), gens, self.generator)
                 continue
-            w = (b.vals - b.vals[:, :1]).exp_().masked_fill_(~b.keep, 0.0)
-            if b.ids.shape[1] == logits.shape[1]:           # the full sort: back to token order
-                out[b.rows] = _race(torch.zeros_like(w).scatter_(-1, b.ids, w), gens, self.generator)
+            w = (g.vals - g.vals[:, :1]).exp_().masked_fill_(~g.keep, 0.0)
+            if g.ids.shape[1] == logits.shape[1]:           # the full sort: back to token order
+                out[g.rows] = _race(torch.zeros_like(w).scatter_(-1, g.ids, w), gens, self.generator)
             else:
-                ids, order = b.ids.sort(-1)
+                ids, order = g.ids.sort(-1)
                 pick = _race(w.gather(-1, order), gens, self.generator)
-                out[b.rows] = ids.gather(-1, pick.unsqueeze(1)).squeeze(1)
+                out[g.rows] = ids.gather(-1, pick.unsqueeze(1)).squeeze(1)
         return out
 
-    @staticmethod
-    def _logprobs(logits, params, tokens) -> list[dict[int, float] | None]:
-        """Logprobs of the model's raw distribution (before temperature and filters), as vLLM does."""
-        out: list[dict[int, float] | None] = [None] * len(params)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not rows:
-            return out
-        lp = logits[rows].log_softmax(-1)
-        n = max(params[i].logprobs for i in rows)
-        top_v, top_i = lp.topk(max(n, 1), dim=-1)
-        for r, i in enumerate(rows):
-            k = params[i].logprobs
-            d = {int(t): float(v) for t, v in zip(top_i[r, :k].tolist(), top_v[r, :k].tolist())}
-            d[tokens[i]] = float(lp[r, tokens[i]])
-            out[i] = d
+
+def logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[dict[int, float] | None]:
+    """Logprobs of the model's raw distribution (before temperature and filters), as vLLM does."""
+    out: list[dict[int, float] | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
         return out
+    lp = logits[rows].log_softmax(-1)
+    n = max(params[i].logprobs for i in rows)
+    top_v, top_i = lp.topk(max(n, 1), dim=-1)
+    for r, i in enumerate(rows):
+        k = params[i].logprobs
+        d = {int(t): float(v) for t, v in zip(top_i[r, :k].tolist(), top_v[r, :k].tolist())}
+        d[tokens[i]] = float(lp[r, tokens[i]])
+        out[i] = d
+    return out

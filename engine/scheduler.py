@@ -6,16 +6,26 @@ of what is left); waiting ones join, highest priority then
 oldest first, while budget, max_num_seqs and KV blocks allow. When blocks run out, the lowest
 priority, newest running sequence is preempted by recompute: its blocks are freed (they stay in the
 prefix cache until reused, so the recompute is often a cache hit) and it waits again.
+
+A request whose prompt K/V come from another engine (decode role, `seq.remote`) waits in the same
+queue, in the same order. Admitted, it takes a slot (max_num_seqs) and blocks for its whole prompt,
+and waits WAITING_FOR_REMOTE_KVS while the connector fills them; then it runs (and may be preempted)
+like any other. If its deadline passes before it is admitted, or the load fails, it is prefilled here.
 """
 from __future__ import annotations
 
 import heapq
+import logging
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.config import EngineConfig
-from engine.block_hash import block_hashes
-from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
 from engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,13 +39,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, model_key: str):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.time):
         self.config = config
-        self.pool = pool
-        self.block_size = pool.block_size
-        self.model_key = model_key
+        self.kv = kv
+        self.clock = clock                         # unix time, for import deadlines
+        self.connector: KVConnector | None = None  # decode role: what fills imported requests' blocks
         self.waiting: list[Sequence] = []          # heap on (priority, seq_no)
         self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}     # WAITING_FOR_REMOTE_KVS, and aborted ones whose load is in flight
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -43,15 +54,30 @@ class Scheduler:
         heapq.heappush(self.waiting, seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues (finished or aborted); the caller frees its blocks."""
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a slot (max_num_seqs): running, and imports whose K/V are arriving."""
+        return len(self.running) + sum(not s.is_finished for s in self.loading.values())
+
+    @property
+    def num_awaiting_room(self) -> int:
+        """Imports still waiting for blocks."""
+        return sum(s.remote is not None for s in self.waiting)
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take a sequence out of the queues (finished or aborted). False if it still holds its blocks
+        because a transfer may write into them (freed when the load ends); else the caller frees them."""
+        if seq.request_id in self.loading:
+            self.connector.cancel_load(seq.request_id)
+            return False
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
             heapq.heapify(self.waiting)
+        return True
 
     # -- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -64,7 +90,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self._allocate(seq, n):
+            while not self.kv.allocate_slots(seq, n):
                 victim = max(self.running, key=lambda s: s.sort_key)
                 budget += self._preempt(victim, out)
                 if victim is seq:
@@ -79,16 +105,20 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_seqs < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = self._prefix_hit(seq) if seq.num_computed_tokens == 0 else []
+            if seq.remote is not None:
+                if not self._start_load(seq):
+                    break
+                continue
+            hit = self.kv.match_prefix(seq)
             n = self._chunk(seq, budget)
-            if n == 0 or not self._allocate(seq, n):
-                self._undo_hit(seq, hit)
+            if n == 0 or not self.kv.allocate_slots(seq, n):
+                self.kv.undo_prefix(seq)
                 break
             heapq.heappop(self.waiting)
-            if self.pool.enable_caching:
-                self.pool.record_query(seq.num_tokens, len(hit) * self.block_size)
+            if self.kv.pool.enable_caching:
+                self.kv.pool.record_query(seq.num_tokens, hit * self.kv.block_size)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
@@ -104,35 +134,65 @@ class Scheduler:
             return 0
         return min(remaining, budget)
 
-    # -- blocks -----------------------------------------------------------------------------------
-    def _allocate(self, seq: Sequence, n: int) -> bool:
-        need = -(-(seq.num_computed_tokens + n) // self.block_size) - len(seq.block_table)
-        if need <= 0:
+    # -- imports ----------------------------------------------------------------------------------
+    def _start_load(self, seq: Sequence) -> bool:
+        """Reserve blocks for an import at the head of the queue and start its load; False: no room yet.
+        Past its deadline, or if the load cannot start, it stays at the head as a local prefill."""
+        if self.clock() >= seq.remote.deadline:
+            self._fall_back(seq, "no KV room before the source's deadline")
             return True
-        if not self.pool.can_allocate(need):
+        num_local = self.kv.reserve_prompt(seq)
+        if num_local is None:
             return False
-        seq.block_table.extend(self.pool.allocate(need))
+        try:
+            if self.connector is None:
+                raise RuntimeError("this engine has no KV connector")
+            self.connector.start_load(seq.request_id, seq.remote.source, list(seq.block_table), seq.block_hashes,
+                                      seq.num_tokens, num_local)
+        except Exception as e:                          # noqa: BLE001 - any failure means: compute it here
+            self.kv.free(seq)
+            self._fall_back(seq, f"{type(e).__name__}: {e}")
+            return True
+        heapq.heappop(self.waiting)
+        seq.status = Status.WAITING_FOR_REMOTE_KVS
+        seq.num_cached_tokens = num_local * self.kv.block_size
+        seq.kv_import.blocks, seq.kv_import.started = len(seq.block_table) - num_local, time.monotonic()
+        self.loading[seq.request_id] = seq
         return True
 
-    def _prefix_hit(self, seq: Sequence) -> list[int]:
-        """Reuse cached leading blocks; the last prompt token is always computed (it gives logits)."""
-        bs = self.block_size
-        usable = (seq.num_tokens - 1) // bs
-        if not seq.block_hashes or len(seq.block_hashes) < usable:
-            seq.block_hashes = block_hashes(seq.token_ids[:usable * bs], bs, self.model_key)
-        hashes = seq.block_hashes[:usable]
-        hit = self.pool.match(hashes, seq.token_ids)
-        self.pool.touch(hit)
-        seq.block_table = list(hit)
-        seq.num_computed_tokens = len(hit) * bs
-        seq.num_cached_tokens = seq.num_computed_tokens
-        return hit
+    def finish_loads(self) -> list[Sequence]:
+        """Take the ended loads: imports whose K/V arrived join the running sequences (returned, every
+        prompt token computed and `remote` still set, for the engine to finish); failed ones wait again
+        for a local prefill; aborted ones free their blocks now that nothing writes into them."""
+        if not self.loading:
+            return []
+        done, failed = self.connector.finished_loads()
+        loaded = []
+        for rid in [*done, *failed]:
+            seq = self.loading.pop(rid, None)
+            if seq is None:
+                continue
+            if seq.is_finished or rid in failed:
+                self.kv.free(seq)
+                if not seq.is_finished:
+                    seq.num_cached_tokens = 0
+                    self._fall_back(seq, failed[rid])
+                    self.add(seq)
+                continue
+            seq.kv_import.transferred = True
+            seq.kv_import.seconds = time.monotonic() - seq.kv_import.started
+            self.on_computed(seq, seq.num_tokens)      # registers the transferred full blocks
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            loaded.append(seq)
+        return loaded
 
-    def _undo_hit(self, seq: Sequence, hit: list[int]) -> None:
-        if hit:
-            self.pool.free(hit)
-        seq.block_table, seq.num_computed_tokens, seq.num_cached_tokens = [], 0, 0
+    @staticmethod
+    def _fall_back(seq: Sequence, error: str) -> None:
+        log.warning("request %s: KV import failed (%s); prefilling locally", seq.request_id, error)
+        seq.remote, seq.kv_import.error = None, error
 
+    # -- blocks ----------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Free a running sequence's blocks and requeue it; returns budget it had been given."""
         returned = 0
@@ -142,8 +202,8 @@ class Scheduler:
                 del out.scheduled[k]
                 break
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
-        seq.block_table, seq.num_computed_tokens = [], 0
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
         seq.spec_tokens, seq.spec_probs = [], None
         seq.num_preemptions += 1
         out.preempted.append(seq)
@@ -153,15 +213,4 @@ class Scheduler:
     def on_computed(self, seq: Sequence, n: int) -> None:
         """After the model ran: advance progress and register newly full blocks in the prefix cache."""
         seq.num_computed_tokens += n
-        if not self.pool.enable_caching:
-            return
-        bs = self.block_size
-        full, before = seq.num_computed_tokens // bs, (seq.num_computed_tokens - n) // bs
-        known = len(seq.block_hashes)
-        if full > known:
-            parent = seq.block_hashes[-1] if known else None
-            seq.block_hashes.extend(block_hashes(seq.token_ids[known * bs:full * bs], bs, self.model_key, parent))
-        for j in range(before, full):
-            if self.pool.blocks[seq.block_table[j]].hash is None:
-                self.pool.cache_block(seq.block_table[j], seq.block_hashes[j],
-                                      seq.token_ids[j * bs:(j + 1) * bs], seq.block_hashes[j - 1] if j else None)
+        self.kv.cache_full_blocks(seq, n)

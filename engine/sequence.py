@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from engine.kv_connector import ImportStats, RemotePrefill
 from engine.sampling_params import SamplingParams
 from engine.spec.metrics import SpecStats
 
@@ -16,6 +17,7 @@ _counter = itertools.count()
 
 class Status(Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"     # blocks reserved, its prompt's K/V arriving
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -44,6 +46,8 @@ class Sequence:
     spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step
     spec_probs: torch.Tensor | None = None                    # their draft distributions q [k, V] (None: one-hot)
     spec: SpecStats = field(default_factory=SpecStats)
+    remote: RemotePrefill | None = None   # decode role: prompt K/V to import (None once loaded or fallen back)
+    kv_import: ImportStats = field(default_factory=ImportStats)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

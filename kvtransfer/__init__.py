@@ -31,7 +31,7 @@ def make_transport(kv_cache: torch.Tensor, name_prefix: str, compat_key: str, ki
     return TRANSPORTS[kind](kv_cache, name_prefix, compat_key, peer_metadata=peer_metadata, **options)
 
 
-from kvtransfer.engine_link import KVImport, KVLink  # noqa: E402  (needs make_transport)
+from kvtransfer.engine_link import KVLink  # noqa: E402  (needs make_transport)
 
-__all__ = ["KVHandle", "KVHandoff", "KVLink", "KVImport", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
+__all__ = ["KVHandle", "KVHandoff", "KVLink", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
            "KVTransferError", "KVCompatibilityError", "KVHandleError", "TRANSPORTS"]

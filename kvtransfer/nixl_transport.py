@@ -73,8 +73,9 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
-                 peer_metadata: Callable[[str], bytes] | None = None, num_threads: int = 0):
-        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata)
+                 peer_metadata: Callable[[str], bytes] | None = None, num_threads: int = 0,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata, clock)
         if kv_cache.device.type == "cpu":
             os.environ.setdefault("UCX_TLS", CPU_UCX_TLS)
         self.mem = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
@@ -244,12 +245,12 @@ class NixlPull:
 
     def _settle(self, state: str) -> None:
         if state == "PROC":
-            if time.time() >= self.handle.expiry:
+            if self.t.clock() >= self.handle.expiry:
                 self._fail(KVTransferError(f"pull of {self.request_id} not done by the handle's expiry"))
             return
         self._release()
         if state == "DONE":
-            if time.time() > self.handle.expiry:     # the producer may have reused the blocks meanwhile
+            if self.t.clock() > self.handle.expiry:     # the producer may have reused the blocks meanwhile
                 self._fail(KVTransferError(f"pull of {self.request_id} finished after the handle's expiry"))
             self.finished = True
         elif not self.retried:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,8 +27,9 @@ class RayTransport(KVTransport):
     """peer_metadata is never asked: a hand-off carries its bytes, and the handle's compat hash is checked."""
     kind = "ray"
 
-    def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str, peer_metadata=None):
-        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata)
+    def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str, peer_metadata=None,
+                 clock: Callable[[], float] = time.time):
+        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata, clock)
         self.blocks = kv_cache.view(-1).view(torch.uint8).view(self.num_blocks, self.block_bytes)
         self.peers: dict[str, str] = {}           # agent name -> prefix
         self._pulled: list[str] = []
@@ -96,7 +97,7 @@ class RayPull:
         data = self.ref
         if isinstance(self.ref, ray.ObjectRef):
             if not ray.wait([self.ref], timeout=0)[0]:
-                if time.time() >= self.handle.expiry:
+                if self.t.clock() >= self.handle.expiry:
                     self._fail(KVTransferError(f"pull of {self.request_id} not done by the handle's expiry"))
                 return False
             try:
@@ -116,7 +117,7 @@ class RayPull:
     def wait(self, timeout_s: float | None = None) -> None:
         import ray
         if isinstance(self.ref, ray.ObjectRef) and self.error is None:
-            left = self.handle.expiry - time.time()
+            left = self.handle.expiry - self.t.clock()
             ray.wait([self.ref], timeout=max(0.0, left if timeout_s is None else min(left, timeout_s)))
         if not self.done():
             self._fail(KVTransferError(f"pull of {self.request_id} timed out"))

@@ -1,21 +1,24 @@
-"""What every KV transport shares: the cache's block geometry, the producer's pin table (unpin on the
-consumer's notification or at the handle's expiry), and the checks a pull passes before it copies.
+"""What every KV transport shares: the cache's block geometry, the producer's leases (when to tell the engine
+to unpin: on the consumer's notification or at the handle's expiry), and the checks a pull passes before it
+copies.
 
 Producer (prefill engine owner):           Consumer (decode engine owner):
-    handoff = t.export(rid, blocks, ...)       kv = engine.reserve_blocks(ids)
-    ... send the KVHandoff (pickled) ...       t.pull(handoff, kv.block_ids, skip_blocks=kv.num_local_blocks)
+    handoff = t.export(rid, blocks, ...)       (blocks reserved by the engine's KV cache manager)
+    ... send the KVHandoff (pickled) ...       t.pull(handoff, block_ids, skip_blocks=num_cached_here)
     for rid in t.poll():                       # or: x = t.start_pull(...); ... x.done() / x.wait()
         engine.release_pinned(rid)
 
 A consumer reaches a producer it has not met through `peer_metadata(agent) -> bytes` (the producer's
 metadata(), registered once per process; in a cluster the state actor keeps them), asked once per peer.
+
+The engine's KV cache manager holds the pinned blocks; a transport keeps only each export's expiry.
+Expiry is unix time from the injected `clock` (tests pass a fake one instead of sleeping).
 """
 from __future__ import annotations
 
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import msgpack
@@ -38,12 +41,6 @@ class Pull(Protocol):
     def wait(self, timeout_s: float | None = None) -> None: ...
 
 
-@dataclass(slots=True)
-class Pin:
-    block_ids: list[int]
-    expiry: float
-
-
 class KVTransport:
     """Base of NixlTransport and RayTransport: one per engine, producer and consumer at once.
 
@@ -53,7 +50,7 @@ class KVTransport:
     kind = ""
 
     def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
-                 peer_metadata: Callable[[str], bytes] | None = None):
+                 peer_metadata: Callable[[str], bytes] | None = None, clock: Callable[[], float] = time.time):
         if not kv_cache.is_contiguous() or kv_cache.dim() < 2:
             raise ValueError("the KV cache must be one contiguous tensor [num_blocks, ...]")
         self.kv_cache = kv_cache
@@ -64,7 +61,8 @@ class KVTransport:
         self.compat_key = compat_key
         self.compat = compat_hash(compat_key)
         self.peer_metadata = peer_metadata          # agent name -> its metadata(): how a peer is first met
-        self.pins: dict[str, Pin] = {}
+        self.clock = clock
+        self.leases: dict[str, float] = {}           # exported request id -> unix time its pin ends
         self.num_released = {"notified": 0, "expired": 0}
 
     # -- producer ---------------------------------------------------------------------------------
@@ -74,8 +72,8 @@ class KVTransport:
         hand-off is all a consumer needs to pull them."""
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
-        expiry = time.time() + ttl_s
-        self.pins[request_id] = Pin(list(block_ids), expiry)
+        expiry = self.clock() + ttl_s
+        self.leases[request_id] = expiry
         handle = KVHandle(self.name, request_id, list(block_ids), list(block_hashes), num_tokens, self.compat,
                           expiry, self.kind)
         return KVHandoff(handle, self._payload(handle))
@@ -86,11 +84,11 @@ class KVTransport:
 
     def poll(self) -> list[str]:
         """Request ids to unpin now (engine.release_pinned): pulled by their consumer, or expired."""
-        done = [r for r in self._notified() if self.pins.pop(r, None) is not None]
-        now = time.time()
-        expired = [r for r, pin in self.pins.items() if now >= pin.expiry]
+        done = [r for r in self._notified() if self.leases.pop(r, None) is not None]
+        now = self.clock()
+        expired = [r for r, expiry in self.leases.items() if now >= expiry]
         for r in expired:
-            del self.pins[r]
+            del self.leases[r]
         if expired:
             log.warning("%s: %d KV pins expired unpulled: %s", self.name, len(expired), expired[:8])
         self.num_released["notified"] += len(done)
@@ -147,13 +145,13 @@ class KVTransport:
             raise KVTransferError(f"skip_blocks {skip_blocks} is outside [0, {len(dst_block_ids)}]")
         if any(not 0 <= b < self.num_blocks for b in dst_block_ids):
             raise KVTransferError(f"destination block ids must be in [0, {self.num_blocks})")
-        if time.time() >= handle.expiry:
-            raise KVTransferError(f"handle {handle.request_id} expired {time.time() - handle.expiry:.1f} s ago: "
+        if self.clock() >= handle.expiry:
+            raise KVTransferError(f"handle {handle.request_id} expired {self.clock() - handle.expiry:.1f} s ago: "
                                   f"its producer may have reused the blocks")
 
     def close(self) -> None:
         pass
 
     def stats(self) -> dict:
-        return {"kv_pinned_requests": len(self.pins), "kv_released_notified": self.num_released["notified"],
+        return {"kv_pinned_requests": len(self.leases), "kv_released_notified": self.num_released["notified"],
                 "kv_released_expired": self.num_released["expired"]}

@@ -57,7 +57,6 @@ class EngineReplica:
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
-        self.awaiting_room = 0                          # decode: pulls waiting for free KV blocks
         self._busy_mark = (time.monotonic(), 0.0)       # (when, engine busy seconds then): utilisation
         self._state_name, self._state = state_actor, None   # found lazily: the app's `state` deployment creates it
         self._closed = False
@@ -85,7 +84,7 @@ class EngineReplica:
         utilization = min((load["busy_seconds"] - busy_then) / max(now - then, 1e-3), 1.0)
         return {"queued_prefill_tokens": float(load["queued_prefill_tokens"]), "utilization": utilization,
                 "kv_utilization": load["kv_blocks_used"] / max(load["kv_blocks_total"], 1),
-                "running_seqs": float(load["num_running"] + load["num_waiting"] + self.awaiting_room),
+                "running_seqs": float(load["num_running"] + load["num_waiting"]),
                 "ttft_s": self.ttft.quantile(0.9), "itl_s": self.itl.quantile(0.9)}
 
     # -- KV events and unpins, off the request path ---------------------------------------------------
@@ -178,8 +177,10 @@ class EngineReplica:
 def _load(engine: LLMEngine) -> dict[str, Any]:
     """What the routers weigh: prompt tokens not yet computed, sequences, KV use (under the engine lock)."""
     s = engine.scheduler
-    queued = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in (*s.waiting, *s.running))
-    return {"queued_prefill_tokens": queued, "num_running": len(s.running), "num_waiting": len(s.waiting),
+    queued = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in (*s.waiting, *s.running)
+                 if seq.remote is None)                    # an import's prompt comes computed
+    # imports (decode) wait among the waiting, for KV room or for their K/V to arrive
+    return {"queued_prefill_tokens": queued, "num_running": len(s.running), "num_waiting": len(s.waiting) + len(s.loading),
             "kv_blocks_used": engine.pool.num_used_blocks, "kv_blocks_total": engine.pool.num_blocks,
             "busy_seconds": engine.busy_seconds_total, "time": time.time()}
 

@@ -389,3 +389,75 @@ def test_a_malformed_batch_marks_the_replica_stale_and_the_state_actor_goes_on()
     state.publish("decode", "r1", 2, b"\x93garbage")              # refused, not raised
     assert "r1" in state.index["decode"].stale
     state.publish("decode", "r2", 1, msgpack.packb([["cleared"]]))  # other replicas unaffected
+
+
+# -- KVCacheManager: the one writer of block tables ------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(seed):
+    """Allocate, cache, trim, prefix hits and undo, imports, pins and unpins, frees, in random order:
+    every block's ref count equals the tables (sequences' and pinned) that hold it."""
+    import random
+
+    from engine.block_pool import blocks_for
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+    rng = random.Random(seed)
+    bs, pool = 4, BlockPool(40, 4)
+    kv = KVCacheManager(pool, "k")
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    live: list[Sequence] = []
+
+    def check():
+        holders: dict[int, int] = {}
+        for table in [s.block_table for s in live] + list(kv.pinned.values()):
+            for b in table:
+                holders[b] = holders.get(b, 0) + 1
+        assert [b.ref_count for b in pool.blocks] == [holders.get(i, 0) for i in range(pool.num_blocks)]
+        for s in live:
+            assert len(s.block_table) >= blocks_for(s.num_computed_tokens, bs)
+
+    for i in range(300):
+        op = rng.random()
+        if op < 0.3 or not live:
+            s = Sequence(f"r{i}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))],
+                         SamplingParams())
+            if rng.random() < 0.3:
+                if kv.reserve_prompt(s) is not None:                 # an import: the whole prompt
+                    s.num_computed_tokens = s.num_tokens
+                    kv.cache_full_blocks(s, s.num_tokens)
+                    live.append(s)
+            else:
+                kv.match_prefix(s)
+                if rng.random() < 0.2 or not kv.allocate_slots(s, s.num_tokens - s.num_computed_tokens):
+                    kv.undo_prefix(s)
+                else:
+                    n = s.num_tokens - s.num_computed_tokens
+                    s.num_computed_tokens += n
+                    kv.cache_full_blocks(s, n)
+                    live.append(s)
+        elif op < 0.6:
+            s = rng.choice(live)
+            k = rng.randrange(1, 6)                                  # decode with k drafts, accept some
+            if kv.allocate_slots(s, k):
+                accepted = rng.randrange(k)
+                s.token_ids += [rng.randrange(50) for _ in range(accepted + 1)]
+                s.num_computed_tokens += accepted + 1
+                kv.cache_full_blocks(s, accepted + 1)
+                kv.trim(s)
+                assert len(s.block_table) == blocks_for(s.num_tokens, bs)
+        elif op < 0.75:
+            s = live.pop(rng.randrange(len(live)))
+            kv.pin(s)
+            assert s.block_table == []
+        elif op < 0.85 and kv.pinned:
+            assert kv.unpin(rng.choice(list(kv.pinned)))
+        else:
+            kv.free(live.pop(rng.randrange(len(live))))
+        check()
+    for s in live:
+        kv.free(s)
+    for rid in list(kv.pinned):
+        kv.unpin(rid)
+    assert pool.num_free_blocks == pool.num_blocks and not kv.unpin("r0")

@@ -8,7 +8,9 @@ import sys
 import pytest
 import ray
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, LLMEngine, RemotePrefill, SamplingParams
+from engine.block_hash import block_hashes
+from engine.block_pool import blocks_for
 from kvtransfer import KVHandoff, KVLink
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -17,6 +19,11 @@ ENGINE = dict(num_kv_blocks=96, max_model_len=1024)
 STORY = ("The history of the relay race begins in ancient Greece, where runners carried torches from "
          "altar to altar. Modern relays pass a baton instead: four runners, each covering one leg, and "
          "the race is often won or lost in the exchange zone, where")
+
+
+def _remote(engine: LLMEngine, handoff: KVHandoff, prompt: list[int], first: int | None) -> RemotePrefill:
+    return RemotePrefill(handoff, block_hashes(prompt, engine.block_size, engine.model_key), first, None,
+                         deadline=handoff.handle.expiry - 2)
 
 
 def _peer_metadata(agent: str) -> bytes:
@@ -44,21 +51,14 @@ class EngineHost:
         (out,) = self._run()
         return out.token_ids[0], self.link.export(out)
 
-    def decode(self, handoff: KVHandoff, prompt: list[int], first: int, max_tokens: int) -> dict:
-        x = self.link.start_import(handoff, prompt)
-        local = x.kv.num_local_blocks
-        x.wait(timeout_s=60)
+    def decode(self, handoff: KVHandoff, prompt: list[int], first: int | None, max_tokens: int) -> dict:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        self.engine.add_request(prompt, params, x.request_id, kv=x.kv, first_token=first)
+        self.engine.add_request(prompt, params, handoff.handle.request_id,
+                                remote=_remote(self.engine, handoff, prompt, first))
         (out,) = self._run()
-        return {"tokens": out.token_ids, "local_blocks": local, "pulled_blocks": x.num_pulled_blocks}
-
-    def try_import(self, handoff: KVHandoff, prompt: list[int]) -> str:
-        try:
-            self.link.start_import(handoff, prompt).cancel()
-            return "imported"
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
+        m = out.metrics
+        return {"tokens": out.token_ids, "local_blocks": m.num_cached_tokens // 16, "pulled_blocks": m.kv_transfer_blocks,
+                "transferred": m.kv_transferred, "error": m.kv_transfer_error}
 
     def release(self) -> list[str]:
         return self.link.release_finished()
@@ -96,9 +96,9 @@ def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(k
         want = greedy(prompt, 24)
         first, handle = ray.get(prefill.prefill.remote(prompt, "story"))
         assert first == want[0]
-        assert ray.get(prefill.used_blocks.remote()) == -(-len(prompt) // 16)     # pinned for the pull
+        assert ray.get(prefill.used_blocks.remote()) == blocks_for(len(prompt), 16)     # pinned for the pull
         got = ray.get(decode.decode.remote(handle, prompt, first, 24))
-        assert got["tokens"] == want and got["local_blocks"] == 0
+        assert got["tokens"] == want and got["local_blocks"] == 0 and got["transferred"]
         assert "story" in ray.get(prefill.release.remote()) and ray.get(prefill.used_blocks.remote()) == 0
         assert ray.get(decode.used_blocks.remote()) == 0
 
@@ -107,14 +107,16 @@ def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(k
         want = greedy(other, 16)
         first, handle = ray.get(prefill.prefill.remote(other, "other"))
         got = ray.get(decode.decode.remote(handle, other, first, 16))
-        assert got["tokens"] == want
-        assert got["local_blocks"] >= 2 and got["pulled_blocks"] == -(-len(other) // 16) - got["local_blocks"]
+        assert got["tokens"] == want and got["transferred"]
+        assert got["local_blocks"] >= 2 and got["pulled_blocks"] == blocks_for(len(other), 16) - got["local_blocks"]
 
-        # a handle for one prompt never fills the blocks of another, and the refusal leaks nothing
+        # a handle for one prompt never fills the blocks of another: the forged prompt is prefilled
+        # locally (its own greedy tokens), and the refusal leaks nothing
         _, handle = ray.get(prefill.prefill.remote(prompt, "wrong"))
         forged = prompt[:2] + [prompt[2] + 1] + prompt[3:]     # same length, another first block
-        err = ray.get(decode.try_import.remote(handle, forged))
-        assert err.startswith("KVTransferError") and "another prompt" in err
+        got = ray.get(decode.decode.remote(handle, forged, None, 4))
+        assert not got["transferred"] and got["error"].startswith("KVTransferError") and "another prompt" in got["error"]
+        assert got["tokens"] == greedy(forged, 4)
         assert ray.get(decode.used_blocks.remote()) == 0
     finally:
         ray.kill(prefill)
@@ -124,33 +126,39 @@ def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(k
 def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_path, monkeypatch):
     """A client that leaves mid-pull: were its reserved blocks freed at once, another request could take them
     while NIXL still writes into them. They wait until the pull has ended (here a READ that never completes,
-    ended by the handle's expiry), then release_finished frees them."""
+    ended by the handle's expiry: the clock is moved past it), then the engine frees them."""
+    import time
+
     from engine import faults
-    from tests.conftest import make_tiny_checkpoint, wait_for
+    from tests.conftest import make_tiny_checkpoint
     model = make_tiny_checkpoint(tmp_path / "m", "llama")
     producer, consumer = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(2))
+    now = [time.time()]
     links: dict[str, KVLink] = {}
     links["p"] = KVLink(producer, "producer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata(),
-                        ttl_s=1.5)
-    link = KVLink(consumer, "consumer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata())
+                        ttl_s=5, clock=lambda: now[0])
+    link = KVLink(consumer, "consumer", kind="nixl", peer_metadata=lambda agent: links["p"].metadata(),
+                  clock=lambda: now[0])
     try:
         prompt = list(range(10, 60))                          # 4 blocks
         producer.add_request(prompt, SamplingParams(temperature=0, max_tokens=1), "r", prefill_only=True)
         (out,) = [o for o in producer.step() if o.finished]
-        handle = links["p"].export(out)
+        handoff = links["p"].export(out)
         path = tmp_path / "faults.json"
         faults.write(str(path), {"kv_pull_stall": 1.0})
         monkeypatch.setenv(faults.ENV, str(path))
-        x = link.start_import(handle, prompt)
+        consumer.add_request(prompt, SamplingParams(temperature=0, max_tokens=4), "r",
+                             remote=_remote(consumer, handoff, prompt, out.token_ids[0]))
+        consumer.step()                                       # blocks reserved, the READ started (and stalls)
         monkeypatch.delenv(faults.ENV)
-        x.cancel()
+        assert consumer.scheduler.loading and consumer.pool.num_used_blocks == 4
+        assert consumer.abort_request("r")
         assert consumer.pool.num_used_blocks == 4              # the READ has not ended: still reserved
-        link.release_finished()
+        consumer.step()
         assert consumer.pool.num_used_blocks == 4
-        def released() -> bool:                               # at the handle's 1.5 s expiry the pull fails
-            link.release_finished()
-            return consumer.pool.num_used_blocks == 0
-        wait_for(released, 10, "the stalled pull to end at the handle's expiry and free its blocks")
+        now[0] += 6                                           # past the handle's expiry: the pull has failed
+        consumer.step()
+        assert consumer.pool.num_used_blocks == 0 and not consumer.has_unfinished_requests()
     finally:
         link.close()
         links["p"].close()

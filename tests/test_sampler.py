@@ -358,7 +358,7 @@ def test_filters_cover_every_path():
         for rows in [list(range(len(params)))] + [[r] for r in range(len(params))]:
             ps = [params[r] for r in rows]
             scaled = sampler_mod._scale(logits[rows], ps)
-            widths |= {b.ids.shape[1] for b in sampler_mod._blocks(scaled, ps) if b.ids is not None}
+            widths |= {b.ids.shape[1] for b in sampler_mod._row_groups(scaled, ps) if b.ids is not None}
     assert {256, 4096, 5000, VOCAB} <= widths, widths
 
 
@@ -373,8 +373,8 @@ def test_filters_fallback_rows():
               SamplingParams(min_p=0.97), SamplingParams(top_k=10_000, top_p=0.99, min_p=0.98),
               SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(top_k=50, min_p=0.01)]
     _assert_same_filter(logits, params)
-    blocks = sampler_mod._blocks(sampler_mod._scale(logits, params), params)
-    assert any(b.ids is not None and b.ids.shape[1] == VOCAB for b in blocks), "no row took the full sort"
+    groups = sampler_mod._row_groups(sampler_mod._scale(logits, params), params)
+    assert any(b.ids is not None and b.ids.shape[1] == VOCAB for b in groups), "no row took the full sort"
     for r in range(len(params)):
         _assert_same_filter(logits[r:r + 1], params[r:r + 1])
 
@@ -428,7 +428,7 @@ def test_seeded_rows_sample_the_same_whatever_the_batch_and_path():
     others = torch.randn(3, VOCAB, generator=g) * 0.02
     p = SamplingParams(temperature=0.9, top_p=0.9, seed=3)
     scaled = sampler_mod._scale(row.unsqueeze(0), [p])
-    assert sampler_mod._blocks(scaled, [p])[0].ids.shape[1] == 4096
+    assert sampler_mod._row_groups(scaled, [p])[0].ids.shape[1] == 4096
 
     def run(extra_params):
         gen = torch.Generator().manual_seed(3)

@@ -13,6 +13,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, Status
@@ -26,7 +27,7 @@ def make(num_blocks: int = 64, **cfg) -> tuple[Scheduler, BlockPool]:
     kw.update(cfg)
     config = EngineConfig(**kw)
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-    return Scheduler(config, pool, KEY), pool
+    return Scheduler(config, KVCacheManager(pool, KEY)), pool
 
 
 _fresh = itertools.count(10_000, 1000)
@@ -63,7 +64,7 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out: SchedulerOutput) ->
         assert s not in seen
     # ref counts equal the number of running sequences holding each block
     holders: dict[int, int] = {}
-    for s in sched.running:
+    for s in [*sched.running, *sched.loading.values()]:
         assert len(set(s.block_table)) == len(s.block_table)
         for b in s.block_table:
             holders[b] = holders.get(b, 0) + 1
@@ -75,6 +76,9 @@ def check_invariants(sched: Scheduler, pool: BlockPool, out: SchedulerOutput) ->
 
 
 def step(sched: Scheduler, pool: BlockPool, finished: list[Sequence] | None = None) -> SchedulerOutput:
+    for s in sched.finish_loads():         # as LLMEngine does with no first token: recompute the last one
+        s.remote = None
+        s.num_computed_tokens -= 1
     running_before = list(sched.running)
     out = sched.schedule()
     check_invariants(sched, pool, out)
@@ -95,8 +99,7 @@ def apply(sched: Scheduler, pool: BlockPool, out: SchedulerOutput, finished: lis
             if s.num_output_tokens >= s.params.max_tokens:
                 sched.remove(s)
                 s.status = Status.FINISHED
-                pool.free(s.block_table)
-                s.block_table = []
+                sched.kv.free(s)
                 if finished is not None:
                     finished.append(s)
 
@@ -482,3 +485,174 @@ def test_engine_with_chunked_prefill_off_needs_a_budget_for_the_longest_prompt()
         if not engine.has_unfinished_requests():
             break
     assert done == {"short"}
+
+
+# -- imports (decode role): requests whose prompt K/V come from another engine ---------------------------
+
+class FakeConnector:
+    """Loads end when the test says so: done() / fail()."""
+
+    def __init__(self):
+        self.started: dict[str, tuple[list[int], int]] = {}     # request id -> (blocks, skip_blocks)
+        self.cancelled: list[str] = []
+        self._done, self._failed = [], {}
+
+    def start_load(self, request_id, source, block_ids, block_hashes, num_tokens, skip_blocks):
+        if source == "refuse":
+            raise RuntimeError("the producer is gone")
+        assert len(block_hashes) == num_tokens // BS and len(block_ids) == -(-num_tokens // BS)
+        self.started[request_id] = (list(block_ids), skip_blocks)
+
+    def finished_loads(self):
+        done, failed, self._done, self._failed = self._done, self._failed, [], {}
+        return done, failed
+
+    def cancel_load(self, request_id):
+        self.cancelled.append(request_id)
+
+    def done(self, *request_ids):
+        self._done += request_ids
+
+    def fail(self, request_id, error="READ failed"):
+        self._failed[request_id] = error
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_importer(num_blocks: int = 64, **cfg) -> tuple[Scheduler, BlockPool, FakeConnector, Clock]:
+    sched, pool = make(num_blocks, **cfg)
+    sched.connector, sched.clock = FakeConnector(), Clock()
+    return sched, pool, sched.connector, sched.clock
+
+
+def imported(rid: str, prompt, deadline: float = 2000.0, source="handoff", **kw) -> Sequence:
+    from engine.block_hash import block_hashes
+    from engine.kv_connector import RemotePrefill
+    s = seq(rid, prompt, **kw)
+    s.remote = RemotePrefill(source, block_hashes(s.token_ids, BS, KEY), None, None, deadline)
+    s.block_hashes = list(s.remote.block_hashes)
+    return s
+
+
+def test_an_import_waits_for_room_in_the_queue_then_loads_and_runs():
+    sched, pool, conn, _ = make_importer(num_blocks=6)
+    hog = seq("hog", 16, max_tokens=2)                   # 4 blocks, 5 with its outputs
+    sched.add(hog)
+    step(sched, pool)
+    x = imported("x", 8, max_tokens=2)                   # needs 2 blocks: not free while hog runs
+    sched.add(x)
+    step(sched, pool)
+    assert x in sched.waiting and "x" not in conn.started and sched.num_awaiting_room == 1
+    while not hog.is_finished:
+        step(sched, pool)
+    step(sched, pool)                                    # hog's blocks are free: x gets them and loads
+    assert x.status is Status.WAITING_FOR_REMOTE_KVS and conn.started["x"] == (x.block_table, 0)
+    assert sched.num_awaiting_room == 0
+    out = step(sched, pool)
+    assert out.scheduled == [] and sched.has_work()     # its K/V are not there yet: nothing to run
+    conn.done("x")
+    out = step(sched, pool)
+    assert out.scheduled == [(x, 1)] and x.kv_import.transferred and x.kv_import.blocks == 2
+    run_all(sched, pool)
+    assert x.is_finished and x.num_output_tokens == 2 and pool.num_free_blocks == pool.num_blocks
+
+
+def test_an_import_skips_the_blocks_cached_here():
+    sched, pool, conn, _ = make_importer()
+    prompt = list(range(100, 110))
+    sched.add(seq("a", prompt, max_tokens=1))
+    run_all(sched, pool)
+    x = imported("x", prompt)
+    sched.add(x)
+    step(sched, pool)
+    blocks, skip = conn.started["x"]
+    assert skip == 2 and x.num_cached_tokens == 8 and x.kv_import.blocks == 1
+
+
+def test_imports_respect_max_num_seqs_while_loading():
+    sched, pool, conn, _ = make_importer(max_num_seqs=2)
+    xs = [imported(f"x{i}", 6) for i in range(3)]
+    for x in xs:
+        sched.add(x)
+    step(sched, pool)
+    assert sorted(conn.started) == ["x0", "x1"] and xs[2] in sched.waiting     # a loading import holds a slot
+    conn.done("x0")
+    step(sched, pool)
+    assert "x2" not in conn.started and len(sched.running) + len(sched.loading) == 2
+    for _ in range(4):                                  # x0 finishes: x2 takes its slot
+        step(sched, pool)
+    assert xs[0].is_finished and "x2" in conn.started
+
+
+def test_imports_keep_priority_order():
+    sched, pool, conn, _ = make_importer(max_num_seqs=1)
+    late = imported("late", 6, priority=1)
+    urgent = imported("urgent", 6, priority=0)
+    sched.add(late)
+    sched.add(urgent)
+    step(sched, pool)
+    assert list(conn.started) == ["urgent"]
+
+
+def test_an_import_past_its_deadline_is_prefilled_here():
+    sched, pool, conn, clock = make_importer(num_blocks=6)
+    hog = seq("hog", 16, max_tokens=3)
+    sched.add(hog)
+    step(sched, pool)
+    x = imported("x", 8, deadline=clock.now + 5, max_tokens=2)
+    sched.add(x)
+    step(sched, pool)
+    assert x in sched.waiting                            # no room yet, deadline not reached
+    clock.now += 10                                      # the producer is about to unpin
+    _, finished = run_all(sched, pool)
+    assert "x" not in conn.started and x in finished and x.num_output_tokens == 2
+    assert x.remote is None and not x.kv_import.transferred and "deadline" in x.kv_import.error
+
+
+def test_a_failed_load_or_refused_start_is_prefilled_here():
+    sched, pool, conn, _ = make_importer()
+    x, y = imported("x", 9, max_tokens=2), imported("y", 9, max_tokens=2, source="refuse")
+    sched.add(x)
+    sched.add(y)
+    step(sched, pool)
+    assert "y" not in conn.started and "producer is gone" in y.kv_import.error and y in sched.running
+    conn.fail("x")
+    step(sched, pool)
+    assert x in sched.running and x.num_cached_tokens == 0     # prefilled here from the start
+    run_all(sched, pool)
+    assert x.is_finished and y.is_finished and x.kv_import.error == "READ failed"
+    assert x.token_ids == expected_tokens(x, 9) and y.token_ids == expected_tokens(y, 9)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_an_aborted_import_keeps_its_blocks_until_its_load_ends():
+    sched, pool, conn, _ = make_importer()
+    x = imported("x", 9)
+    sched.add(x)
+    step(sched, pool)
+    assert not sched.remove(x)                           # still loading: the blocks stay
+    x.status = Status.FINISHED
+    assert conn.cancelled == ["x"] and pool.num_used_blocks == 3
+    step(sched, pool)
+    assert pool.num_used_blocks == 3 and sched.num_seqs == 0    # it holds no slot any more
+    conn.fail("x", "stalled past expiry")
+    step(sched, pool)
+    assert pool.num_used_blocks == 0 and not sched.has_work()
+
+
+def test_a_loaded_import_is_preempted_like_any_request():
+    sched, pool, conn, _ = make_importer(num_blocks=5)
+    x = imported("x", 8, max_tokens=12)
+    sched.add(x)
+    step(sched, pool)
+    conn.done("x")
+    step(sched, pool)
+    sched.add(seq("y", 8, max_tokens=12, priority=-1))
+    outs, finished = run_all(sched, pool)
+    assert x.num_preemptions >= 1 and x in finished and x.token_ids == expected_tokens(x, 8)

@@ -6,7 +6,7 @@ import torch
 
 from engine.sampler import target_probs
 from engine.sampling_params import SamplingParams
-from engine.spec import NgramProposer, rejection_sample
+from engine.spec import NgramLookup, rejection_sample
 
 V = 8
 TARGET = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -63,10 +63,10 @@ def test_identical_draft_is_always_accepted():
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
-    prop = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=3)
+    prop = NgramLookup(prompt_lookup_min=1, prompt_lookup_max=3, num_speculative_tokens=3)
     assert prop.propose([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 1, 2, 3]) == [7, 8, 1]   # newest 3-gram match
     assert prop.propose([5, 6, 7, 6]) == [7, 6]                                   # 1-gram fallback
     assert prop.propose([1, 2, 3, 4]) == []                                       # nothing repeats
     assert prop.propose([4, 4, 4, 4], k=2) == [4]
     with pytest.raises(ValueError):
-        NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
+        NgramLookup(prompt_lookup_min=3, prompt_lookup_max=2)

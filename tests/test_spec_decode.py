@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, ConfigError, SamplingParams
+from engine.block_pool import blocks_for
 from engine.sampler import target_probs
 from engine.spec.adaptive import DepthController, LinearCost
 from tests.conftest import make_tiny_checkpoint
@@ -240,10 +241,10 @@ def test_no_block_leaks_after_rejections_aborts_and_preemption(tiny_pair):
         preempted += sum(o.metrics.num_preemptions for o in engine.step() if o.finished)
         steps += 1
         for seq in engine.scheduler.running:              # rollback: nothing held past the next token
-            assert len(seq.block_table) <= -(-seq.num_tokens // 16)
+            assert len(seq.block_table) <= blocks_for(seq.num_tokens, 16)
             st = engine.spec.drafter.state.get(seq.request_id)
             if st is not None:
-                assert st.fed == seq.token_ids[:len(st.fed)] and len(st.blocks) <= -(-(len(st.fed) + 1) // 16)
+                assert st.fed == seq.token_ids[:len(st.fed)] and len(st.blocks) <= blocks_for(len(st.fed) + 1, 16)
         if steps % 5 == 0:                                     # abort one mid-flight now and then
             live = [r for r in rids if r in engine.requests]
             if live:

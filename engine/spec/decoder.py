@@ -18,12 +18,13 @@ import torch
 
 from engine.errors import ConfigError
 from engine.block_pool import BlockPool
-from engine.sampler import Sampler, target_probs
+from engine.kv_cache_manager import KVCacheManager
+from engine.sampler import logprobs, target_probs
 from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
-from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramDrafter
+from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramProposer
 from engine.spec.rejection import rejection_sample
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,13 @@ class SpecDecoder:
     def _build_drafter(self):
         e, cfg = self.engine, self.cfg
         if cfg.method == "ngram":
-            return NgramDrafter(cfg)
+            return NgramProposer(cfg)
         if cfg.method == "layer_skip":
             total = e.runner.model.num_layers
             if not cfg.num_layers < total:
                 raise ConfigError(f"speculative_config: num_layers must be below the target's {total} layers, "
                                   f"got {cfg.num_layers}")
-            return LayerSkipProposer(e.runner, cfg.num_layers, e.scheduler._allocate)
+            return LayerSkipProposer(e.runner, cfg.num_layers, e.kv.allocate_slots)
         return self._load_draft_model()
 
     def _load_draft_model(self) -> DraftModelProposer:
@@ -86,7 +87,7 @@ class SpecDecoder:
         runner = ModelRunner(dcfg, path, hf, e.max_model_len)
         log.info("draft model %s: %.1f MiB of weights, %d KV blocks", path, runner.weight_bytes / 2**20,
                  runner.num_blocks)
-        return DraftModelProposer(runner, BlockPool(runner.num_blocks, c.block_size, enable_caching=False))
+        return DraftModelProposer(runner, KVCacheManager(BlockPool(runner.num_blocks, c.block_size, enable_caching=False), ""))
 
     @staticmethod
     def _profile(runner, num_layers: int | None, sizes: list[int]) -> list[tuple[int, float]]:
@@ -181,7 +182,7 @@ class SpecDecoder:
         out = []
         for (seq, row), toks in zip(entries, emitted):
             if seq.params.logprobs is not None:
-                lps = Sampler._logprobs(logits[row:row + len(toks)], [seq.params] * len(toks), toks)
+                lps = logprobs(logits[row:row + len(toks)], [seq.params] * len(toks), toks)
             else:
                 lps = [None] * len(toks)
             out.append((toks, lps))
@@ -212,7 +213,7 @@ class SpecDecoder:
         for seq in drafted:
             seq.spec_tokens, seq.spec_probs = [], None
             if not seq.is_finished:
-                self.engine.trim_blocks(seq)
+                self.engine.kv.trim(seq)
                 self.drafter.rollback(seq)
 
     def release(self, seq: Sequence) -> None:

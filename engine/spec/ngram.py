@@ -7,7 +7,7 @@ import numpy as np
 
 
 @dataclass
-class NgramProposer:
+class NgramLookup:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     num_speculative_tokens: int = 4

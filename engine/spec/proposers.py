@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_pool import BlockPool
 from engine.sampler import sample_from_probs, target_probs
-from engine.spec.ngram import NgramProposer
+from engine.spec.ngram import NgramLookup
 
 if TYPE_CHECKING:
+    from engine.kv_cache_manager import KVCacheManager
     from engine.sequence import Sequence
 
 
@@ -64,15 +64,15 @@ class Proposer:
         return {}
 
 
-class NgramDrafter(Proposer):
+class NgramProposer(Proposer):
     """Prompt lookup: the candidates are known before depth is chosen, so `available` proposes."""
 
     def __init__(self, cfg):
-        self.ngram = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
+        self.lookup = NgramLookup(cfg.prompt_lookup_min, cfg.prompt_lookup_max, cfg.num_speculative_tokens)
         self._pending: dict[str, list[int]] = {}
 
     def available(self, seq: Sequence, room: int) -> int:
-        tokens = self.ngram.propose(seq.token_ids, room) if room > 0 else []
+        tokens = self.lookup.propose(seq.token_ids, room) if room > 0 else []
         self._pending[seq.request_id] = tokens
         return len(tokens)
 
@@ -140,19 +140,16 @@ class _ModelProposer(Proposer):
 
 
 class DraftModelProposer(_ModelProposer):
-    def __init__(self, runner, pool: BlockPool):
+    def __init__(self, runner, kv: KVCacheManager):
         super().__init__(runner, None)
-        self.pool = pool
+        self.kv = kv                                     # the draft cache's own blocks
         self.state: dict[str, _DraftKV] = {}
 
     def _prepare(self, seq, k):
         st = self.state.setdefault(seq.request_id, _DraftKV())
-        need = -(-(seq.num_tokens + k - 1) // self.pool.block_size) - len(st.blocks)
-        if need > 0:
-            if not self.pool.can_allocate(need):
-                self.release(seq)                      # no room in the draft cache: no drafts now
-                return None
-            st.blocks.extend(self.pool.allocate(need))
+        if not self.kv.grow(st.blocks, seq.num_tokens + k - 1):
+            self.release(seq)                          # no room in the draft cache: no drafts now
+            return None
         return seq.token_ids[len(st.fed):], len(st.fed), st.blocks
 
     def _after(self, seq, fed):
@@ -170,29 +167,26 @@ class DraftModelProposer(_ModelProposer):
                 n = j
                 break
         del st.fed[n:]
-        keep = -(-(n + 1) // self.pool.block_size)
-        if len(st.blocks) > keep:
-            self.pool.free(st.blocks[keep:])
-            del st.blocks[keep:]
+        self.kv.shrink(st.blocks, n + 1)
 
     def release(self, seq: Sequence) -> None:
         st = self.state.pop(seq.request_id, None)
-        if st is not None and st.blocks:
-            self.pool.free(st.blocks)
+        if st is not None:
+            self.kv.release(st.blocks)
 
     def stats(self) -> dict:
-        return {"spec_draft_kv_blocks_used": self.pool.num_used_blocks,
-                "spec_draft_kv_blocks_total": self.pool.num_blocks}
+        return {"spec_draft_kv_blocks_used": self.kv.pool.num_used_blocks,
+                "spec_draft_kv_blocks_total": self.kv.pool.num_blocks}
 
 
 class LayerSkipProposer(_ModelProposer):
-    def __init__(self, runner, num_layers: int, allocate):
+    def __init__(self, runner, num_layers: int, allocate_slots):
         super().__init__(runner, num_layers)
-        self.allocate = allocate                         # Scheduler._allocate: target blocks
+        self.allocate_slots = allocate_slots             # KVCacheManager.allocate_slots: the target's blocks
 
     def _prepare(self, seq, k):
         # the verify step needs slots for the last token and k drafts: take them now (the draft
         # writes its layers' K/V there); no room means no drafts this step
-        if not self.allocate(seq, 1 + k):
+        if not self.allocate_slots(seq, 1 + k):
             return None
         return [seq.token_ids[-1]], seq.num_tokens - 1, seq.block_table

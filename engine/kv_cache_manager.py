@@ -1,0 +1,131 @@
+"""KVCacheManager: the one owner of every sequence's block table (vLLM v1's KVCacheManager, nano-vllm's BlockManager).
+
+It allocates slots for new tokens, frees, trims after a speculation rollback, looks up (and undoes)
+prefix-cache hits, registers newly full blocks in the prefix cache, reserves a prompt's blocks for
+an import, and pins a finished prefill's blocks for export until the transfer is done. Nothing else
+writes `seq.block_table`; the block pool below it (block_pool.py) only counts references.
+
+The low-level calls (`grow`, `shrink`, `release`) work on any block table, so a draft model's cache
+(engine/spec/proposers.py), which tracks its own tokens, goes through the same code.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.block_hash import block_hashes
+from engine.block_pool import BlockPool, blocks_for
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, model_key: str):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.model_key = model_key
+        self.pinned: dict[str, list[int]] = {}     # prefill role: request id -> blocks kept for export
+
+    # -- any block table --------------------------------------------------------------------------
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extend `table` to hold `num_tokens` slots; False (nothing taken) if the pool lacks the blocks."""
+        need = blocks_for(num_tokens, self.block_size) - len(table)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need):
+            return False
+        table.extend(self.pool.allocate(need))
+        return True
+
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Free the blocks of `table` past the ones holding `num_tokens` slots."""
+        keep = blocks_for(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(table[keep:])
+            del table[keep:]
+
+    def release(self, table: list[int]) -> None:
+        if table:
+            self.pool.free(table)
+            table.clear()
+
+    # -- a sequence's blocks ----------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for the K/V of `num_new_tokens` more tokens after the computed ones."""
+        return self.grow(seq.block_table, seq.num_computed_tokens + num_new_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        self.release(seq.block_table)
+
+    def trim(self, seq: Sequence) -> None:
+        """Speculation rollback: free blocks past the one that will hold the next token; they hold
+        only rejected drafts' K/V (never hashed, so never shared)."""
+        self.shrink(seq.block_table, seq.num_tokens)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Reuse cached leading blocks of a sequence that holds none; the last prompt token is always
+        computed (it gives logits). Returns the blocks hit; undo_prefix() gives them back."""
+        bs = self.block_size
+        usable = (seq.num_tokens - 1) // bs
+        self._hash_blocks(seq, usable)
+        hit = self.pool.match(seq.block_hashes[:usable], seq.token_ids)
+        self.pool.touch(hit)
+        seq.block_table = list(hit)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * bs
+        return len(hit)
+
+    def undo_prefix(self, seq: Sequence) -> None:
+        """Give back what match_prefix took (the sequence could not be admitted after all)."""
+        self.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence, num_new_tokens: int) -> None:
+        """After the model computed `num_new_tokens` more: register the blocks they filled."""
+        if not self.pool.enable_caching:
+            return
+        bs = self.block_size
+        full, before = seq.num_computed_tokens // bs, (seq.num_computed_tokens - num_new_tokens) // bs
+        self._hash_blocks(seq, full)
+        for j in range(before, full):
+            if self.pool.blocks[seq.block_table[j]].hash is None:
+                self.pool.cache_block(seq.block_table[j], seq.block_hashes[j],
+                                      seq.token_ids[j * bs:(j + 1) * bs], seq.block_hashes[j - 1] if j else None)
+
+    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Extend seq.block_hashes (a chain) to its first `num_blocks` full blocks."""
+        known, bs = len(seq.block_hashes), self.block_size
+        if num_blocks > known:
+            parent = seq.block_hashes[-1] if known else None
+            seq.block_hashes.extend(block_hashes(seq.token_ids[known * bs:num_blocks * bs], bs, self.model_key, parent))
+
+    # -- imports (decode role) --------------------------------------------------------------------
+    def reserve_prompt(self, seq: Sequence) -> int | None:
+        """Blocks for the whole prompt of a sequence whose K/V will be transferred: leading blocks in
+        the local prefix cache are reused, the rest are fresh. Returns how many were cached here
+        (they need no transfer), or None, holding nothing, if the pool lacks room."""
+        bs = self.block_size
+        self._hash_blocks(seq, seq.num_tokens // bs)
+        hit = self.pool.match(seq.block_hashes, seq.token_ids)
+        if not self.pool.can_allocate(blocks_for(seq.num_tokens, bs) - len(hit)):
+            return None
+        self.pool.touch(hit)
+        seq.block_table = list(hit)
+        self.grow(seq.block_table, seq.num_tokens)
+        self.pool.record_query(seq.num_tokens, len(hit) * bs)
+        return len(hit)
+
+    # -- pins (prefill role) ----------------------------------------------------------------------
+    def pin(self, seq: Sequence) -> list[int]:
+        """Keep a finished prefill's blocks (its prompt's full and partial blocks) for export; the
+        sequence lets go of them."""
+        blocks, seq.block_table = seq.block_table, []
+        self.pinned[seq.request_id] = blocks
+        return blocks
+
+    def unpin(self, request_id: str) -> bool:
+        """The transfer is done (or timed out, or nobody will export): free the pinned blocks."""
+        blocks = self.pinned.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks)
+        return True
