@@ -31,6 +31,7 @@ from engine.block_hash import block_hashes as hash_blocks
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import make_transport
+from kvtransfer.config import TransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.transport import Pull
@@ -38,7 +39,7 @@ from kvtransfer.transport import Pull
 
 class KVLink:
     def __init__(self, engine: LLMEngine, name_prefix: str, kind: str = "nixl",
-                 peer_metadata: Callable[[str], bytes] | None = None, ttl_s: float = 30.0,
+                 peer_metadata: Callable[[str], bytes] | None = None, ttl_s: float = TransferConfig.model_fields["ttl_s"].default,
                  clock: Callable[[], float] = time.time, **options):
         self.engine, self.ttl_s = engine, ttl_s
         self._lock = threading.Lock()

@@ -38,7 +38,6 @@ UCX settings (environment, read when the agent is made):
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -269,10 +268,6 @@ class NixlPull:
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(KVTransferError(f"pull of {self.request_id} timed out after {timeout_s} s"))
             time.sleep(WAIT_POLL_S)
-
-    async def wait_async(self, poll_s: float = 5e-4) -> None:
-        while not self.done():
-            await asyncio.sleep(poll_s)
 
     def _release(self) -> None:
         """Free NIXL's request; NIXL cancels one still in flight (where the backend can)."""

@@ -9,7 +9,6 @@ NIXL's one-sided READ, plus Ray's object transfer: that is why it is not the def
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import warnings
 from typing import Any, Callable
@@ -121,10 +120,6 @@ class RayPull:
             ray.wait([self.ref], timeout=max(0.0, left if timeout_s is None else min(left, timeout_s)))
         if not self.done():
             self._fail(KVTransferError(f"pull of {self.request_id} timed out"))
-
-    async def wait_async(self, poll_s: float = 5e-4) -> None:
-        while not self.done():
-            await asyncio.sleep(poll_s)
 
     def _fail(self, error: KVTransferError):
         self.ref, self.error = None, error

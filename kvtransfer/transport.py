@@ -67,7 +67,7 @@ class KVTransport:
 
     # -- producer ---------------------------------------------------------------------------------
     def export(self, request_id: str, block_ids: list[int], block_hashes: list[int], num_tokens: int,
-               ttl_s: float = 30.0) -> KVHandoff:
+               ttl_s: float) -> KVHandoff:
         """Pin `block_ids` for a consumer until it notifies or `ttl_s` passes (poll() says when); the
         hand-off is all a consumer needs to pull them."""
         if any(not 0 <= b < self.num_blocks for b in block_ids):

@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from engine.block_pool import blocks_for
 from replica.messages import PoolRequest
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
@@ -145,7 +146,7 @@ class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
         t0 = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
-        blocks = -(-len(req.token_ids) // self.block_size)
+        blocks = blocks_for(len(req.token_ids), self.block_size)
         if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
             hits = self.mirror.index[self.pool].match(req.block_hashes)
