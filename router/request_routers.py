@@ -80,17 +80,21 @@ class _ForgetsGoneReplicas:
             mirror.forget(self.pool, rid)
 
 
-class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
-    pool = PREFILL
+class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
+    """What both pools' routers share: a call without routing fields goes anywhere; a routed request's
+    decision is timed and counted by reason, and the load it sends (`_rank`'s third value) counts against
+    the replica it went to until that replica's stats can show it."""
+    pool: str
 
-    def initialize_state(self, state_actor: str, block_size: int, router: dict[str, Any]):
-        """router: the cluster config's RouterConfig as JSON (Serve requires JSON router kwargs)."""
-        cfg = RouterConfig.model_validate(router)
-        self.mirror = IndexMirror.shared(state_actor, cfg.index_sync_interval_s)
-        self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
+    def _init_common(self, state_actor: str, index_sync_interval_s: float, block_size: int) -> None:
+        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size = block_size
         self.inflight = _InflightLoad()
         self._last: dict[str, int] = {}
+
+    def _rank(self, req: PoolRequest, by_id: dict[str, RunningReplica]) -> tuple[list[list[str]], str, int | None]:
+        """Tiers of replica ids, best first; the decision's reason; the load the best one gets (None: none)."""
+        raise NotImplementedError
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -100,6 +104,29 @@ class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
         self.mirror.start()
         t0 = time.perf_counter()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        tiers, reason, load = self._rank(req, by_id)
+        _observe(self.pool, reason, time.perf_counter() - t0)
+        if load is not None:
+            self._last[pending_request.metadata.request_id] = load
+        return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        load = self._last.pop(pending_request.metadata.request_id, None)
+        if load is not None:
+            self.inflight.add(replica_id.unique_id, load)
+
+
+class PrefixAwareRouter(_PoolRouter):
+    pool = PREFILL
+
+    def initialize_state(self, state_actor: str, block_size: int, router: dict[str, Any]):
+        """router: the cluster config's RouterConfig as JSON (Serve requires JSON router kwargs)."""
+        cfg = RouterConfig.model_validate(router)
+        self._init_common(state_actor, cfg.index_sync_interval_s, block_size)
+        self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
+
+    def _rank(self, req, by_id):
+        """The load is the prompt tokens the best replica must prefill (those it does not cache)."""
         loads = {}
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
@@ -108,27 +135,18 @@ class PrefixAwareRouter(_ForgetsGoneReplicas, RequestRouter):
         matches = index.match(req.block_hashes)
         tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
                                          {rid: matches.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
-        _observe(self.pool, reason, time.perf_counter() - t0)
         best = tiers[0][0] if tiers and tiers[0] else None
-        if best is not None:
-            self._last[pending_request.metadata.request_id] = max(
-                len(req.token_ids) - matches.get(best, 0) * self.block_size, 0)
-        return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        tokens = self._last.pop(pending_request.metadata.request_id, None)
-        if tokens is not None:
-            self.inflight.add(replica_id.unique_id, tokens)
+        if best is None:
+            return tiers, reason, None
+        return tiers, reason, max(len(req.token_ids) - matches.get(best, 0) * self.block_size, 0)
 
 
-class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
+class DecodeRouter(_PoolRouter):
     pool = DECODE
 
     def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float):
-        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
-        self.block_size, self.max_num_seqs = block_size, max_num_seqs
-        self.inflight = _InflightLoad()
-        self._last: dict[str, int] = {}
+        self._init_common(state_actor, index_sync_interval_s, block_size)
+        self.max_num_seqs = max_num_seqs
 
     def _pressure(self, r: RunningReplica, rid: str) -> float:
         """0..~2: KV fraction in use plus running-batch fraction, counting requests sent since the stats."""
@@ -137,16 +155,9 @@ class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
         total = max(s.get("kv_blocks_total", 1), 1)
         return (s.get("kv_blocks_used", 0) + extra) / total + (s.get("num_running", 0) + (extra > 0)) / self.max_num_seqs
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        req = request_payload(pending_request)
-        if req is None:
-            return [candidate_replicas]
-        self.mirror.start()
-        t0 = time.perf_counter()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+    def _rank(self, req, by_id):
+        """One replica per tier; the load is the request's KV blocks."""
         pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
-        blocks = blocks_for(len(req.token_ids), self.block_size)
         if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
             hits = self.mirror.index[self.pool].match(req.block_hashes)
@@ -156,12 +167,4 @@ class DecodeRouter(_ForgetsGoneReplicas, RequestRouter):
         else:
             order = sorted(by_id, key=lambda rid: (pressure[rid], rid))
             reason = "least_kv_pressure"
-        _observe(self.pool, reason, time.perf_counter() - t0)
-        if order:
-            self._last[pending_request.metadata.request_id] = blocks
-        return [[by_id[rid]] for rid in order]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        blocks = self._last.pop(pending_request.metadata.request_id, None)
-        if blocks is not None:
-            self.inflight.add(replica_id.unique_id, blocks)
+        return [[rid] for rid in order], reason, blocks_for(len(req.token_ids), self.block_size) if order else None
