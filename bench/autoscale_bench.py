@@ -123,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from bench.engine_bench import make_logger, pyplot
+    from bench.engine_bench import make_logger, pyplot, save
     log = make_logger("autoscale-bench")
     started = time.perf_counter()
     results = {}
@@ -155,9 +155,8 @@ def run(args: argparse.Namespace) -> dict:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle(f"load step {args.low:g} -> {args.high:g} req/s: coupled vs independent pool scaling")
-    fig.tight_layout()
     plot = out_dir / "autoscale_bench.png"
-    fig.savefig(plot, dpi=110)
+    save(fig, plot, dpi=110)
     result = {"bench": "autoscale", "params": {k: v for k, v in vars(args).items() if not callable(v)},
               "summary": summary, "plot": str(plot), "seconds": round(time.perf_counter() - started, 2),
               "results": {k: {kk: vv for kk, vv in v.items() if kk != "timeline"} for k, v in results.items()}}

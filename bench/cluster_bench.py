@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine_bench import machine_info, make_logger, pyplot, write_result
+from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from cluster.live_metrics import pool_total, scrape
 
 log = make_logger("cluster-bench")
@@ -271,9 +271,7 @@ def plot_overload(result: dict, path: Path) -> None:
     axes[1].bar(names, [o[n]["rejected_429"] for n in names], bottom=[o[n]["ok"] for n in names], label="429")
     axes[1].set_ylabel("requests")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot(result: dict, path: Path) -> None:
@@ -300,9 +298,7 @@ def plot(result: dict, path: Path) -> None:
     axes[2].set_ylabel("ITL of streams, ms")
     axes[2].set_title("long answers + long prompts: ITL")
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

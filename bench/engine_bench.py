@@ -249,12 +249,16 @@ def bench_decode(llm, allowed: np.ndarray, seed: int, prompt_len: int, n_tokens:
             "bound_definition": "bound_ms = weight_bytes / copy bandwidth"}
 
 
-def write_result(result: dict, path: Path, plots: dict[str, Callable[[dict, Path], None]] | None = None) -> dict:
-    """Draw each plot beside `path` (name -> plot function; file `<name>.png`), then write the result as JSON,
-    with the paths of both in it."""
+PlotFn = Callable[[dict, Path], None]            # draws a result into a PNG file
+
+
+def write_result(result: dict, path: Path, plots: dict[str, PlotFn | tuple[str, PlotFn]] | None = None) -> dict:
+    """Draw each plot beside `path` (name -> plot function, file `<name>.png`; or name -> (file name, plot
+    function)), then write the result as JSON, with the paths of both in it."""
     result["plots"] = {}
-    for name, draw in (plots or {}).items():
-        png = path.parent / f"{name}.png"
+    for name, plot in (plots or {}).items():
+        file, draw = plot if isinstance(plot, tuple) else (f"{name}.png", plot)
+        png = path.parent / file
         draw(result, png)
         result["plots"][name] = str(png)
     result["json_path"] = str(path)
@@ -270,6 +274,13 @@ def pyplot():
     return plt
 
 
+def save(fig, path: Path, dpi: int = 120) -> None:
+    """Write a finished figure and close it (pyplot keeps every open figure alive)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def plot_throughput(result: dict, path: Path) -> None:
     plt = pyplot()
     t = result["throughput"]
@@ -281,9 +292,7 @@ def plot_throughput(result: dict, path: Path) -> None:
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens / s (requested tokens)")
     ax.set_title(f"{result['workload']['num_requests']} requests, {Path(result['model']).name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_ttft(prefix: dict, path: Path) -> None:
@@ -297,9 +306,7 @@ def plot_ttft(prefix: dict, path: Path) -> None:
     ax.set_ylabel("TTFT (ms), median of trials")
     ax.set_title(f"{prefix['prefix_len']}-token prefix + {prefix['suffix_len']}-token suffix: "
                  f"warm/cold {prefix['warm_over_cold']:.2f}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # -- the command ------------------------------------------------------------------------------------
@@ -369,13 +376,10 @@ def run(args: argparse.Namespace) -> dict:
         result["throughput"].update(_bench_peers(args, model_path, device, dtype, workload, baton_tokens))
     _ratios(result["throughput"])
 
-    plots = {"throughput": out_dir / "engine_throughput.png", "ttft": out_dir / "engine_ttft.png"}
-    plot_throughput(result, plots["throughput"])
-    plot_ttft(result["prefix_ttft"], plots["ttft"])
-    result["plots"] = {k: str(v) for k, v in plots.items()}
-    result["json_path"] = str(out_dir / "engine.json")
-    (out_dir / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
-    log(f"wrote {result['json_path']} and {len(plots)} plots in {time.perf_counter() - _T0:.0f} s")
+    write_result(result, out_dir / "engine.json", {
+        "throughput": ("engine_throughput.png", plot_throughput),
+        "ttft": ("engine_ttft.png", lambda r, png: plot_ttft(r["prefix_ttft"], png))})
+    log(f"wrote {result['json_path']} and {len(result['plots'])} plots in {time.perf_counter() - _T0:.0f} s")
     return result
 
 

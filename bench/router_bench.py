@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import time
 import tracemalloc
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine_bench import machine_info, make_logger, pyplot
+from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from engine.block_hash import block_hashes
 from engine.kv_events import BlockStored, decode_events, encode_events
 from router.config import RouterConfig
@@ -138,9 +137,7 @@ def plot(us: np.ndarray, pct: dict[str, float], title: str, path: Path) -> None:
     ax.set_xlabel("routing decision (match + rank), microseconds")
     ax.set_ylabel("decisions")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,9 +180,6 @@ def run(args: argparse.Namespace) -> dict:
     log(f"decision p50 {pct['p50']:.1f} us, p90 {pct['p90']:.1f} us, p99 {pct['p99']:.1f} us, max {pct['max']:.0f} us "
         f"(match p50 {result['match_us']['p50']:.1f}, rank p50 {result['rank_us']['p50']:.1f}); "
         f"{hits:.0%} routed on a prefix hit")
-    png = out_dir / "router.png"
-    plot(total, pct, f"{args.prefixes} cached prefixes, {args.replicas} replicas, {args.tokens}-token prompts", png)
-    result["plots"] = {"decision_us": str(png)}
-    result["json_path"] = str(out_dir / "router.json")
-    (out_dir / "router.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    title = f"{args.prefixes} cached prefixes, {args.replicas} replicas, {args.tokens}-token prompts"
+    return write_result(result, out_dir / "router.json",
+                        {"decision_us": ("router.png", lambda _, png: plot(total, pct, title, png))})

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.engine_bench import machine_info, make_logger, pyplot, write_result
+from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from cluster.live_metrics import leak_report
 
 log = make_logger("soak-bench")
@@ -187,9 +187,7 @@ def plot(result: dict, path: Path) -> None:
     axes[1].set_ylabel("heap in use, MiB" if kind == "heap" else "resident memory, MiB")
     axes[1].set_title("memory: after warm-up, half-way, at the end")
     axes[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def run(args: argparse.Namespace) -> dict:

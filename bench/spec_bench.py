@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.engine_bench import machine_info, make_logger, pyplot
+from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 
 FULL = dict(max_tokens=256, batch_max_tokens=128, num_repeat=None, num_chat=None)
 QUICK = dict(max_tokens=32, batch_max_tokens=16, num_repeat=3, num_chat=3)
@@ -439,9 +438,7 @@ def plot(result: dict, path: Path) -> None:
         ax2.margins(y=0.25)
     fig.suptitle(f"{Path(result['model']).name} on {result['device']}, max_tokens {result['max_tokens']}"
                  + (" (quick)" if result["quick"] else ""), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -575,10 +572,6 @@ def run(args: argparse.Namespace) -> dict:
         log(f"{n}: ITL {x['itl_ms_baseline']:.1f} -> {x['itl_ms_spec']:.1f} ms (x{x['speedup']:.2f}), "
             f"acceptance {x['acceptance_rate']}, identical {x.get('identical_outputs', '-')}")
     log(f"goals: {goals}")
-    png = out_dir / "spec_itl.png"
-    plot(result, png)
-    result["plots"] = {"itl": str(png)}
-    result["json_path"] = str(out_dir / "spec.json")
-    (out_dir / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    log(f"wrote {result['json_path']} and {png} in {time.perf_counter() - started:.0f} s")
+    write_result(result, out_dir / "spec.json", {"itl": ("spec_itl.png", plot)})
+    log(f"wrote {result['json_path']} and {result['plots']['itl']} in {time.perf_counter() - started:.0f} s")
     return result

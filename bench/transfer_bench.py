@@ -20,7 +20,6 @@ import argparse
 import datetime as dt
 import gc
 import hashlib
-import json
 import os
 import statistics
 import time
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.engine_bench import machine_info, make_logger, pyplot
+from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 
 log = make_logger("transfer-bench")
 
@@ -199,9 +198,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("GB/s")
     ax.set_title("KV of one request between two engines")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,11 +241,7 @@ def run(args: argparse.Namespace) -> dict:
         "shapes": per_shape,
         "goals": {f"{s}:{g}": ok for s, r in per_shape.items() for g, ok in r["goals"].items()},
     }
-    png = out_dir / "transfer.png"
-    plot(result, png)
-    result["plots"] = {"gbps": str(png)}
-    result["json_path"] = str(out_dir / "transfer.json")
-    (out_dir / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, out_dir / "transfer.json", {"gbps": ("transfer.png", plot)})
     log(f"goals: {result['goals']}")
-    log(f"wrote {result['json_path']} and {png} in {time.perf_counter() - started:.0f} s")
+    log(f"wrote {result['json_path']} and {result['plots']['gbps']} in {time.perf_counter() - started:.0f} s")
     return result
