@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define BATON_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -73,203 +74,183 @@ inline void pv_tile_scalar(const float* p, const float* const* v, int64_t D, flo
   }
 }
 
+// ---- the SIMD versions: each kernel is written once against a traits struct S (S::V a vector of
+// S::W floats, and the operations on it); the traits are the only ISA-specific code -----------------
 #if defined(__AVX512F__)
-constexpr int64_t VW = 16;                        // floats per vector; the SIMD path needs D % VW == 0
-
-// Lane i of the result is the horizontal sum of a[i] (a transpose-and-add tree: ~3 ops per dot
-// product instead of a full horizontal reduction each).
-inline __m512 reduce16(const __m512* a) {
-  __m512 s[8], u[4], z[2];
-  for (int j = 0; j < 8; ++j)                    // quarters 0,1 <- a[2j], 2,3 <- a[2j+1]
-    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)                    // quarter k <- a[4j+k]
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
-  for (int j = 0; j < 2; ++j)                    // lane k: {a[k], a[4+k]} (j=0), {a[8+k], a[12+k]} (j=1)
-    z[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
-                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),   // r[4k+e] = sum a[4e+k]
-                                 _mm512_shuffle_ps(z[0], z[1], 0xDD));
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(idx, r);
-}
-
-inline __m512 exp_nonpos(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_NLT_UQ);   // NaN stays NaN
-  const __m512 fi = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(fi, _mm512_set1_ps(LN2_HI), x);
-  f = _mm512_fnmadd_ps(fi, _mm512_set1_ps(LN2_LO), f);
-  __m512 p = _mm512_set1_ps(EXP_P0);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P4));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_P5));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, f), f, f), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fi), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
-}
-
-inline float softmax_simd(float* s, int64_t n) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
-  m = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-    _mm512_storeu_ps(s + t, e);
-    sum = _mm512_add_ps(sum, e);
+struct Avx512 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V a) { _mm512_storeu_ps(p, a); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }     // a * b + c
+  static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a * b
+  static V floor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {                             // 2^n for whole n in the normal range
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
-  return _mm512_reduce_add_ps(sum);
-}
-
-inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) {
-  __m512 acc[TILE];
-#pragma GCC unroll 16
-  for (int i = 0; i < TILE; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D; c += 16) {
-    const __m512 qv = _mm512_loadu_ps(q + c);
-#pragma GCC unroll 16
-    for (int i = 0; i < TILE; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[i] + c), acc[i]);
+  static V zero_below(V x, float lo, V r) {        // r, but 0 where x < lo (NaN x keeps r)
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, set1(lo), _CMP_NLT_UQ), r);
   }
-  _mm512_storeu_ps(s, reduce16(acc));
-}
-
-inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) {
-  int64_t c = 0;
-  for (; c + 64 <= D; c += 64) {                 // 4 vectors x 2 interleaved chains: 8 FMAs in flight
-    __m512 a0 = _mm512_loadu_ps(o + c), a1 = _mm512_loadu_ps(o + c + 16);
-    __m512 a2 = _mm512_loadu_ps(o + c + 32), a3 = _mm512_loadu_ps(o + c + 48);
-    __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
-#pragma GCC unroll 8
-    for (int i = 0; i < TILE; i += 2) {
-      const __m512 pa = _mm512_set1_ps(p[i]), pb = _mm512_set1_ps(p[i + 1]);
-      const float* va = v[i] + c;
-      const float* vb = v[i + 1] + c;
-      a0 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va), a0);
-      a1 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va + 16), a1);
-      a2 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va + 32), a2);
-      a3 = _mm512_fmadd_ps(pa, _mm512_loadu_ps(va + 48), a3);
-      b0 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb), b0);
-      b1 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + 16), b1);
-      b2 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + 32), b2);
-      b3 = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vb + 48), b3);
-    }
-    _mm512_storeu_ps(o + c, _mm512_add_ps(a0, b0));
-    _mm512_storeu_ps(o + c + 16, _mm512_add_ps(a1, b1));
-    _mm512_storeu_ps(o + c + 32, _mm512_add_ps(a2, b2));
-    _mm512_storeu_ps(o + c + 48, _mm512_add_ps(a3, b3));
+  static float hsum(V a) { return _mm512_reduce_add_ps(a); }
+  static float hmax(V a) { return _mm512_reduce_max_ps(a); }
+  // Lane i of the result is the horizontal sum of a[i] (a transpose-and-add tree: ~3 ops per dot
+  // product instead of a full horizontal reduction each).
+  static V sums(const V* a) {
+    V s[8], u[4], z[2];
+    for (int j = 0; j < 8; ++j)                    // quarters 0,1 <- a[2j], 2,3 <- a[2j+1]
+      s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; ++j)                    // quarter k <- a[4j+k]
+      u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                           _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; ++j)                    // lane k: {a[k], a[4+k]} (j=0), {a[8+k], a[12+k]} (j=1)
+      z[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
+                           _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
+    const V r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),     // r[4k+e] = sum a[4e+k]
+                              _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, r);
   }
-  for (; c < D; c += 16) {
-    __m512 a = _mm512_loadu_ps(o + c), b = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int i = 0; i < TILE; i += 2) {
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(v[i] + c), a);
-      b = _mm512_fmadd_ps(_mm512_set1_ps(p[i + 1]), _mm512_loadu_ps(v[i + 1] + c), b);
-    }
-    _mm512_storeu_ps(o + c, _mm512_add_ps(a, b));
-  }
-}
+};
+using Simd = Avx512;
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t VW = 8;
-
-inline __m256 reduce8(const __m256* a) {           // lane i = horizontal sum of a[i]
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-
-inline __m256 exp_nonpos(__m256 x) {
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_NLT_UQ);
-  const __m256 fi = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(fi, _mm256_set1_ps(LN2_HI), x);
-  f = _mm256_fnmadd_ps(fi, _mm256_set1_ps(LN2_LO), f);
-  __m256 p = _mm256_set1_ps(EXP_P0);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P1));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P2));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P3));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P4));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_P5));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, f), f, f), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-inline float softmax_simd(float* s, int64_t n) {
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_max_ss(x, _mm_movehdup_ps(x));
-  const __m256 mv = _mm256_set1_ps(_mm_cvtss_f32(x));
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; t += 8) {
-    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
-    _mm256_storeu_ps(s + t, e);
-    sum = _mm256_add_ps(sum, e);
+struct Avx2 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V a) { _mm256_storeu_ps(p, a); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static V floor(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   }
-  return hsum8(sum);
+  static V zero_below(V x, float lo, V r) { return _mm256_and_ps(_mm256_cmp_ps(x, set1(lo), _CMP_NLT_UQ), r); }
+  static float hsum(V a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  static float hmax(V a) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static V sums(const V* a) {                      // lane i = horizontal sum of a[i]
+    const V h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const V h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const V lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+};
+using Simd = Avx2;
+#endif
+
+#ifdef BATON_SIMD
+constexpr int64_t VW = Simd::W;                   // floats per vector; the SIMD path needs D % VW == 0
+static_assert(TILE % VW == 0, "a tile is whole vectors");
+
+template <class S>
+inline typename S::V exp_nonpos(typename S::V x) {
+  using V = typename S::V;
+  const V fi = S::floor(S::fmadd(x, S::set1(LOG2E), S::set1(0.5f)));
+  V f = S::fnmadd(fi, S::set1(LN2_HI), x);
+  f = S::fnmadd(fi, S::set1(LN2_LO), f);
+  V p = S::set1(EXP_P0);
+  p = S::fmadd(p, f, S::set1(EXP_P1));
+  p = S::fmadd(p, f, S::set1(EXP_P2));
+  p = S::fmadd(p, f, S::set1(EXP_P3));
+  p = S::fmadd(p, f, S::set1(EXP_P4));
+  p = S::fmadd(p, f, S::set1(EXP_P5));
+  p = S::add(S::fmadd(S::mul(p, f), f, f), S::set1(1.f));
+  return S::zero_below(x, EXP_LO, S::mul(p, S::pow2(fi)));
 }
 
-inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) {
-  for (int h = 0; h < TILE; h += 8) {
-    __m256 acc[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[h + i] + c), acc[i]);
+template <class S>
+inline float softmax(float* s, int64_t n) {
+  using V = typename S::V;
+  V m = S::set1(-INFINITY);
+  for (int64_t t = 0; t < n; t += S::W) m = S::max(m, S::load(s + t));
+  m = S::set1(S::hmax(m));
+  V sum = S::zero();
+  for (int64_t t = 0; t < n; t += S::W) {
+    const V e = exp_nonpos<S>(S::sub(S::load(s + t), m));
+    S::store(s + t, e);
+    sum = S::add(sum, e);
+  }
+  return S::hsum(sum);
+}
+
+template <class S>
+inline void qk_tile(const float* q, const float* const* k, int64_t D, float* s) {
+  using V = typename S::V;
+  for (int h = 0; h < TILE; h += S::W) {           // S::W rows at a time, one accumulator each
+    V acc[S::W];
+#pragma GCC unroll 16
+    for (int i = 0; i < S::W; ++i) acc[i] = S::zero();
+    for (int64_t c = 0; c < D; c += S::W) {
+      const V qv = S::load(q + c);
+#pragma GCC unroll 16
+      for (int i = 0; i < S::W; ++i) acc[i] = S::fmadd(qv, S::load(k[h + i] + c), acc[i]);
     }
-    _mm256_storeu_ps(s + h, reduce8(acc));
+    S::store(s + h, S::sums(acc));
   }
 }
 
-inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) {
+template <class S>
+inline void pv_tile(const float* p, const float* const* v, int64_t D, float* o) {
+  using V = typename S::V;
+  constexpr int W = S::W;
   int64_t c = 0;
-  for (; c + 32 <= D; c += 32) {
-    __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8);
-    __m256 a2 = _mm256_loadu_ps(o + c + 16), a3 = _mm256_loadu_ps(o + c + 24);
-    __m256 b0 = _mm256_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+  for (; c + 4 * W <= D; c += 4 * W) {             // 4 vectors x 2 interleaved chains: 8 FMAs in flight
+    V a0 = S::load(o + c), a1 = S::load(o + c + W);
+    V a2 = S::load(o + c + 2 * W), a3 = S::load(o + c + 3 * W);
+    V b0 = S::zero(), b1 = b0, b2 = b0, b3 = b0;
 #pragma GCC unroll 8
     for (int i = 0; i < TILE; i += 2) {
-      const __m256 pa = _mm256_set1_ps(p[i]), pb = _mm256_set1_ps(p[i + 1]);
+      const V pa = S::set1(p[i]), pb = S::set1(p[i + 1]);
       const float* va = v[i] + c;
       const float* vb = v[i + 1] + c;
-      a0 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va), a0);
-      a1 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 8), a1);
-      a2 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 16), a2);
-      a3 = _mm256_fmadd_ps(pa, _mm256_loadu_ps(va + 24), a3);
-      b0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb), b0);
-      b1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 8), b1);
-      b2 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 16), b2);
-      b3 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vb + 24), b3);
+      a0 = S::fmadd(pa, S::load(va), a0);
+      a1 = S::fmadd(pa, S::load(va + W), a1);
+      a2 = S::fmadd(pa, S::load(va + 2 * W), a2);
+      a3 = S::fmadd(pa, S::load(va + 3 * W), a3);
+      b0 = S::fmadd(pb, S::load(vb), b0);
+      b1 = S::fmadd(pb, S::load(vb + W), b1);
+      b2 = S::fmadd(pb, S::load(vb + 2 * W), b2);
+      b3 = S::fmadd(pb, S::load(vb + 3 * W), b3);
     }
-    _mm256_storeu_ps(o + c, _mm256_add_ps(a0, b0));
-    _mm256_storeu_ps(o + c + 8, _mm256_add_ps(a1, b1));
-    _mm256_storeu_ps(o + c + 16, _mm256_add_ps(a2, b2));
-    _mm256_storeu_ps(o + c + 24, _mm256_add_ps(a3, b3));
+    S::store(o + c, S::add(a0, b0));
+    S::store(o + c + W, S::add(a1, b1));
+    S::store(o + c + 2 * W, S::add(a2, b2));
+    S::store(o + c + 3 * W, S::add(a3, b3));
   }
-  for (; c < D; c += 8) {
-    __m256 a = _mm256_loadu_ps(o + c), b = _mm256_setzero_ps();
+  for (; c < D; c += W) {
+    V a = S::load(o + c), b = S::zero();
 #pragma GCC unroll 8
     for (int i = 0; i < TILE; i += 2) {
-      a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(v[i] + c), a);
-      b = _mm256_fmadd_ps(_mm256_set1_ps(p[i + 1]), _mm256_loadu_ps(v[i + 1] + c), b);
+      a = S::fmadd(S::set1(p[i]), S::load(v[i] + c), a);
+      b = S::fmadd(S::set1(p[i + 1]), S::load(v[i + 1] + c), b);
     }
-    _mm256_storeu_ps(o + c, _mm256_add_ps(a, b));
+    S::store(o + c, S::add(a, b));
   }
 }
+
+inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) { qk_tile<Simd>(q, k, D, s); }
+inline float softmax_simd(float* s, int64_t n) { return softmax<Simd>(s, n); }
+inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) { pv_tile<Simd>(p, v, D, o); }
 #else
 constexpr int64_t VW = 0;                         // no SIMD path: the scalar loops (auto-vectorised)
 inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) { qk_tile_scalar(q, k, D, s); }
