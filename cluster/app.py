@@ -38,8 +38,9 @@ def _router_config(cls: str, kwargs: dict[str, Any]) -> RequestRouterConfig:
 
 def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Application:
     state = state_actor_name(app_name)
+    # no access log: every /metrics scrape calls it, and Serve 2.60 keeps each access-log record alive
     owner = serve.deployment(ClusterStateOwner, name=STATE).options(
-        num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(state)
+        num_replicas=1, ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False}).bind(state)
     common = {"transfer": config.transfer, "state_actor": state, "served_model_name": config.model_name()}
     r = config.router
     decode_engine = config.engine_config(DECODE)

@@ -89,7 +89,7 @@ def test_decode_pool_scales_up_under_load_and_back_down_after_it(client):
     print(f"scaled up {up_after:.1f} s into the load, down {down_after:.1f} s after it; {len(done)} streams")
 
 
-def test_deleting_an_app_leaves_no_actor_of_it_behind(cluster):
+def test_deleting_an_app_leaves_no_actor_of_it_behind(client):
     """Under `serve deploy` or KubeRay the app is all there is: its state actor must end with it (a detached one
     would outlive it). A second, colocated app on the same Ray cluster, then serve.delete."""
     import ray
