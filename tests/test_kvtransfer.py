@@ -159,12 +159,12 @@ def test_a_consumer_asks_for_a_producers_metadata_once_for_many_pulls():
     first = producer()
     try:
         for i in range(6):
-            consumer.pull(first.export(f"r{i}", [i, 15 - i], [], 32), [i, 15 - i], timeout_s=30)
+            consumer.pull(first.export(f"r{i}", [i, 15 - i], [], 32, ttl_s=30), [i, 15 - i], timeout_s=30)
         assert asked == [first.name]
         assert torch.equal(consumer.kv_cache[:6], first.kv_cache[:6])
         again = producer()                                   # the same replica, restarted: a new agent
         for i in range(3):
-            consumer.pull(again.export(f"s{i}", [i], [], 16), [i], timeout_s=30)
+            consumer.pull(again.export(f"s{i}", [i], [], 16, ttl_s=30), [i], timeout_s=30)
         assert asked == [first.name, again.name]
         assert torch.equal(consumer.kv_cache[:3], again.kv_cache[:3])
     finally:
