@@ -16,12 +16,12 @@ are kept as q for exact rejection sampling; greedy requests take the argmax.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.device_clock import device_clock
 from engine.sampler import sample_from_probs, target_probs
 from engine.spec.ngram import NgramLookup
 
@@ -121,7 +121,7 @@ class _ModelProposer(Proposer):
                     feed, pos = [tokens[i][-1]], starts[i] + len(fed[i])
                     fed[i].append(tokens[i][-1])
                 items.append((feed, pos, bt, 1))
-            t0 = time.perf_counter()
+            t0 = device_clock(self.runner.device)
             logits = self.runner.forward_batch(items, num_layers=self.num_layers).float().cpu()
             picks = logits.argmax(-1)
             sampled = [r for r, (_, seq, _) in enumerate(active) if not seq.params.greedy]
@@ -132,7 +132,7 @@ class _ModelProposer(Proposer):
                     probs[active[r][0]].append(q[j])
             for r, (i, _, _) in enumerate(active):
                 tokens[i].append(int(picks[r]))
-            timings.append((len(active), time.perf_counter() - t0))
+            timings.append((len(active), device_clock(self.runner.device) - t0))
         for i, seq, *_ in live:
             self._after(seq, fed[i])
         drafts = [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(len(seqs))]
