@@ -158,6 +158,23 @@ class SequenceRows:
         self.block_table = np.zeros((self.max_rows, self.max_blocks), np.int32)
         self.free = list(range(self.max_rows - 1, -1, -1))
 
+    def prepare(self, scheduled: list) -> tuple[StepShape, np.ndarray, np.ndarray, list]:
+        """A scheduled step [(sequence, new tokens)]: its shape, token ids, block tables, and the
+        sequences that sample (those that reach their end: 1 + k logits rows with k drafts)."""
+        n = len(scheduled)
+        rows, starts, qlens, nlogits = (np.empty(n, np.int64) for _ in range(4))
+        samplers = []
+        for i, (seq, q) in enumerate(scheduled):
+            rows[i] = self.sync(seq)
+            k, start = len(seq.spec_tokens), seq.num_computed_tokens
+            done = start + q == seq.num_tokens + k
+            starts[i], qlens[i], nlogits[i] = start, q, (1 + k) if done else 0
+            if done:
+                samplers.append(seq)
+        shape = StepShape(starts, qlens, nlogits)
+        _, owner, pos = shape.flat
+        return shape, self.token_ids[rows[owner], pos], self.block_table[rows], samplers
+
     def sync(self, seq) -> int:
         """The row of `seq`, brought up to date (tokens, drafts at their positions, blocks)."""
         row = self.rows.get(seq.request_id) or self._take(seq.request_id)

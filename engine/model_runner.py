@@ -48,11 +48,10 @@ class ModelRunner:
     def allocate_kv(self, num_blocks: int) -> None:
         """The KV cache, the step buffers and (on CUDA, unless enforce_eager) the CUDA graphs."""
         self.num_blocks = num_blocks
-        # One block more than the pool's: the padding block of CUDA-graph padding rows. Only the
-        # first num_blocks are the cache that the pool and transports see; kernels reach the last
-        # one through the same storage (attention addresses the cache by pointer and strides).
-        storage = torch.zeros(self.kv_shape(num_blocks + 1), dtype=self.dtype, device=self.device)
-        self.kv_cache = storage[:num_blocks]
+        # One block more than the pool's: the padding block of CUDA-graph padding rows. The model
+        # gets all of them; the pool and the transports see only the first num_blocks (kv_cache).
+        self.kv_blocks = torch.zeros(self.kv_shape(num_blocks + 1), dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_blocks[:num_blocks]
         self.padding_block = num_blocks
         c, max_blocks = self.config, blocks_for(self.max_model_len, self.block_size)
         self.inputs = InputBatch(c.max_num_batched_tokens, c.max_num_seqs, max_blocks, self.block_size, self.device)
@@ -113,13 +112,14 @@ class ModelRunner:
         return list(self._graphs)
 
     def capture_graphs(self) -> None:
-        """CUDA only: capture every planned graph on a step of padding rows, largest first."""
+        """Capture every planned graph on a step of padding rows, largest first (CUDA; tests on CPU
+        stand a replay-by-rerun in for engine.cuda_graphs.capture)."""
         t0, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
         for size, width in self.graph_keys:
             shape, ids, tables = padding_step(size, width, self.inputs.max_blocks, self.padding_block)
             self.inputs.stage(shape, ids, tables)
             x = self.inputs.to_device(shape)
-            self._graphs[(size, width)] = capture(lambda: self._model(x), pool)
+            self._graphs[(size, width)] = capture(lambda x=x: self._model(x), pool)
         log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
     # -- one forward ------------------------------------------------------------------------------
@@ -131,20 +131,8 @@ class ModelRunner:
         (the target's distribution after each of its last token and k drafts), in batch order.
         The logits are valid until the next forward (a replayed graph rewrites its output).
         """
-        n = len(scheduled)
-        rows, starts, qlens, nlogits = (np.empty(n, np.int64) for _ in range(4))
-        samplers = []
-        for i, (seq, q) in enumerate(scheduled):
-            rows[i] = self.rows.sync(seq)
-            k, start = len(seq.spec_tokens), seq.num_computed_tokens
-            done = start + q == seq.num_tokens + k
-            starts[i], qlens[i], nlogits[i] = start, q, (1 + k) if done else 0
-            if done:
-                samplers.append(seq)
-        shape = StepShape(starts, qlens, nlogits)
-        _, owner, pos = shape.flat
-        ids = self.rows.token_ids[rows[owner], pos]
-        return self._forward(shape, ids, self.rows.block_table[rows]), samplers
+        shape, ids, tables, samplers = self.rows.prepare(scheduled)
+        return self._forward(shape, ids, tables), samplers
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""
@@ -162,7 +150,7 @@ class ModelRunner:
     def _forward(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
                  num_layers: int | None = None) -> torch.Tensor:
         """A uniform step of the whole model replays a graph (padded); anything else runs eagerly."""
-        width = shape.uniform_width() if num_layers is None and self._graphs else None
+        width = shape.uniform_width() if num_layers is None and self.graph_keys else None
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
         if size is not None:
             return self.forward_padded(shape, ids, tables, size)
@@ -188,7 +176,7 @@ class ModelRunner:
         return graph.logits[:shape.num_tokens]
 
     def _model(self, x: StepInputs, num_layers: int | None = None) -> torch.Tensor:
-        return self.model(x.input_ids, x.positions, self.kv_cache, x.md, x.logits_indices, num_layers=num_layers)
+        return self.model(x.input_ids, x.positions, self.kv_blocks, x.md, x.logits_indices, num_layers=num_layers)
 
 
 def plan_kv_blocks(config: EngineConfig, budget: int, block_bytes: int,
