@@ -77,18 +77,26 @@ def test_padded_forward_equals_unpadded_exactly(width):
         assert torch.equal(r.kv_cache, cache), "padding rows wrote outside the padding block"
 
 
-@pytest.mark.skipif(not cpu_attention.available(), reason="the CPU twin of a replay needs the C++ kernel "
-                    "(the torch reference reads host lists that a graph would not refresh)")
-def test_replay_over_persistent_buffers_equals_eager(monkeypatch):
-    """The capture loop and dispatch run on CPU with a stand-in graph that re-runs the captured
-    forward into the captured output: it reads only the persistent buffers, as a CUDA graph would."""
-    class Rerun:
-        def __init__(self, forward, out):
-            self.forward, self.out = forward, out
+class Rerun:
+    """A CUDA graph's CPU stand-in: replay() re-runs the captured forward into the captured output,
+    reading only the persistent buffers the capture saw (as a graph reads its fixed addresses)."""
+    replays = 0
 
-        def replay(self):
-            with torch.inference_mode():
-                self.out.copy_(self.forward())
+    def __init__(self, forward, out):
+        self.forward, self.out = forward, out
+
+    def replay(self):
+        Rerun.replays += 1
+        with torch.inference_mode():
+            self.out.copy_(self.forward())
+
+
+@pytest.fixture
+def rerun_graphs(monkeypatch):
+    """Capture on CPU: the capture loop and dispatch run as on CUDA, engine.cuda_graphs.capture aside."""
+    if not cpu_attention.available():
+        pytest.skip("the CPU stand-in of a replay needs the C++ kernel (the torch reference reads host "
+                    "lists that a graph would not refresh)")
 
     def fake_capture(forward, pool):
         out = forward()
@@ -96,10 +104,18 @@ def test_replay_over_persistent_buffers_equals_eager(monkeypatch):
 
     monkeypatch.setattr("engine.model_runner.capture", fake_capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    Rerun.replays = 0
+
+    def install(r: ModelRunner) -> ModelRunner:
+        r.graph_keys = r.graph_plan()
+        r.capture_graphs()
+        return r
+    return install
+
+
+def test_replay_over_persistent_buffers_equals_eager(rerun_graphs):
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    eager, graphed = runner(speculative_config=spec), runner(speculative_config=spec)
-    graphed.graph_keys = graphed.graph_plan()
-    graphed.capture_graphs()
+    eager, graphed = runner(speculative_config=spec), rerun_graphs(runner(speculative_config=spec))
     assert sorted(graphed.graph_sizes) == sorted(graphed.graph_plan())
     for width in (1, 3, 2):
         rng_a, rng_b = np.random.default_rng(width), np.random.default_rng(width)
@@ -108,8 +124,26 @@ def test_replay_over_persistent_buffers_equals_eager(monkeypatch):
         step = uniform_step(ctx, width, rng_a)
         assert step == uniform_step(ctx, width, rng_b)
         assert torch.equal(graphed.forward_batch(step), eager.forward_batch(step))
+    assert Rerun.replays == 3
     mixed = [([1, 2], 3, [0], 2), ([4], 9, [4], 1)]           # not uniform: eager in both
     assert torch.equal(graphed.forward_batch(mixed), eager.forward_batch(mixed))
+    assert Rerun.replays == 3
+
+
+def test_engine_outputs_equal_with_graph_replays(rerun_graphs):
+    """Greedy outputs of a speculating engine (decode and verify steps replayed) equal the eager engine's."""
+    from engine import LLM, SamplingParams
+    prompts = [[7, 8, 9, 10] * 6, [3, 4, 5] * 5 + [6], list(range(40, 60)), [11, 12] * 9]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def generate(graphs: bool) -> list[list[int]]:
+        llm = LLM("llama-tiny", load_format="dummy", max_num_seqs=4, max_model_len=256, kv_cache_memory=8 << 20,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 2, "adaptive": False})
+        if graphs:
+            rerun_graphs(llm.engine.runner)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+    assert generate(True) == generate(False)
+    assert Rerun.replays > 10
 
 
 def test_kv_budget_split_between_target_and_draft():
