@@ -152,7 +152,7 @@ class ModelRunner:
         """A uniform step of the whole model replays a graph (padded); anything else runs eagerly."""
         width = shape.uniform_width() if num_layers is None and self.graph_keys else None
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
-        if size is not None:
+        if size is not None and tables.shape[1] <= self.inputs.max_blocks:
             return self.forward_padded(shape, ids, tables, size)
         batch = self.inputs
         if not batch.fits(len(ids), len(shape.query_lens), tables.shape[1]):
