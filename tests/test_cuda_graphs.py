@@ -143,7 +143,7 @@ def test_engine_outputs_equal_with_graph_replays(rerun_graphs):
             rerun_graphs(llm.engine.runner)
         return [o.token_ids for o in llm.generate(prompts, params)]
     assert generate(True) == generate(False)
-    assert Rerun.replays > 10
+    assert Rerun.replays >= 4, "decode and verify steps replayed graphs"
 
 
 def test_kv_budget_split_between_target_and_draft():
