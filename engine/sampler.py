@@ -235,6 +235,15 @@ def _penalized(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
+def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(lists), vocab] occurrence counts, from one scatter_add over the lists concatenated."""
+    lens = np.fromiter((len(t) for t in lists), dtype=np.int64, count=len(lists))
+    ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists])
+    flat = to_device(np.repeat(np.arange(len(lists), dtype=np.int64), lens) * vocab + ids, device)
+    counts = torch.zeros(len(lists) * vocab, dtype=torch.float32, device=device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32)).view(len(lists), vocab)
+
+
 def penalize(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None = None) -> torch.Tensor:
     """The logits with each row's penalties applied (a new tensor when any row has some). Row r's
     output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's position)."""
@@ -244,13 +253,7 @@ def penalize(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] 
     dev, vocab, n = logits.device, logits.shape[1], len(rows)
     outs = [seqs[i].output_token_ids + (ahead[i] if ahead else []) for i in rows]
     prompts = [seqs[i].prompt_token_ids if seqs[i].params.repetition_penalty != 1.0 else [] for i in rows]
-    lists = outs + prompts                                 # slots 0..n-1: output counts, n..2n-1: prompt
-    lens = np.fromiter((len(t) for t in lists), dtype=np.int64, count=2 * n)
-    ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists]) if lens.sum() else np.zeros(0, np.int64)
-    flat = to_device(np.repeat(np.arange(2 * n, dtype=np.int64), lens) * vocab + ids, dev)
-    counts = torch.zeros(2 * n * vocab, dtype=torch.float32, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-    out_counts, prompt_counts = counts.view(2 * n, vocab).split(n)
+    out_counts, prompt_counts = _counts(outs + prompts, vocab, dev).split(n)
     pen = torch.tensor([[seqs[i].params.presence_penalty, seqs[i].params.frequency_penalty,
                          seqs[i].params.repetition_penalty] for i in rows], dtype=torch.float32, device=dev)
     presence, frequency, repetition = (c.unsqueeze(1) for c in pen.unbind(1))
