@@ -189,8 +189,9 @@ def draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) ->
     return out
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
-    """Token ids [R] on the logits' device: argmax for greedy rows, `draw` for the others."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor | None) -> torch.Tensor:
+    """Token ids [R] on the logits' device: argmax for greedy rows, `draw` for the others (u: one
+    uniform per row; None when every row is greedy)."""
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == len(params):
         return logits.argmax(-1)
@@ -307,6 +308,8 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
     """One device-to-host copy for several small tensors (ids travel as float64, exact below 2**53)."""
+    if len(tensors) == 1:
+        return [tensors[0].cpu().numpy()]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
     out, at = [], 0
     for t in tensors:
@@ -327,7 +330,8 @@ class Sampler:
         """Row i samples seqs[i]'s next token (at position seqs[i].num_tokens)."""
         raw = logits.float()
         params = [s.params for s in seqs]
-        tokens = sample(penalize(raw, seqs), params, row_uniforms(seqs, None, SAMPLE, raw.device))
+        u = None if all(p.greedy for p in params) else row_uniforms(seqs, None, SAMPLE, raw.device)
+        tokens = sample(penalize(raw, seqs), params, u)
         lps = LogprobRows.of(params)
         host = to_host(tokens, *lps.on_device(raw, tokens))
         token_list = host[0].astype(np.int64).tolist()
