@@ -72,12 +72,8 @@ def run_peers(path: str, workload, args, hf_batch: int, device: torch.device, dt
     return {"hf_static": static, "hf_continuous": cont, "static_tokens": static_tokens}
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
-
-
 def check_speed(path: str, cpu: bool, log: Callable[[str], None] = lambda m: None) -> list[Row]:
-    from bench.engine_bench import FULL, QUICK, allowed_token_ids, make_workload, measure_bandwidth
+    from bench.engine_bench import FULL, QUICK, _exact_match, allowed_token_ids, make_workload, measure_bandwidth
     from engine.loader import load_config
     device, dtype = torch.device("cpu" if cpu else "cuda"), torch.float32 if cpu else torch.bfloat16
     args, cfg = bench_defaults(), QUICK if cpu else FULL
@@ -93,16 +89,15 @@ def check_speed(path: str, cpu: bool, log: Callable[[str], None] = lambda m: Non
     log("speed: transformers peers")
     peers = run_peers(path, workload, args, CPU_HF_BATCH if cpu else args.hf_batch_size, device, dtype)
     requested = sum(r.max_tokens for r in workload)
-    peers["hf_static"]["exact_match_vs_engine"] = _agreement(tokens[False], peers.pop("static_tokens"))
+    peers["hf_static"]["exact_match_vs_engine"] = _exact_match(tokens[False], peers.pop("static_tokens"))
     static_tps = peers["hf_static"]["output_tokens_per_s"]
-    rows = [_engine_row(engines[e], e, requested, static_tps, _agreement(tokens[e], tokens[not e]))
+    for eager in (False, True):
+        engines[eager].update(workload={"num_requests": len(workload), "prompt_len_range": list(cfg["prompt_len"]),
+                                        "output_len_range": list(cfg["output_len"])}, bandwidth=bandwidth)
+    rows = [_engine_row(engines[e], e, requested, static_tps, _exact_match(tokens[e], tokens[not e]))
             for e in (False, True)]
     rows += _peer_rows(peers, len(workload))
     rows += [_itl_row(engines[e]["decode"], e, bandwidth["bytes_per_s"]) for e in (False, True)]
-    for r in rows:
-        r.data.update(workload={"num_requests": len(workload), "requested_output_tokens": requested,
-                                "prompt_len_range": list(cfg["prompt_len"]), "output_len_range": list(cfg["output_len"])},
-                      bandwidth=bandwidth, h100_goal=not cpu)
     return rows
 
 
