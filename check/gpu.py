@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
 import tempfile
 import time
 import traceback
@@ -73,36 +74,57 @@ def _guarded(part: str, *args) -> list[Row]:
         return [Row(part, "error", f"{type(e).__name__}: {e}", FAIL, data={"traceback": traceback.format_exc()})]
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
-    from bench.engine_bench import machine_info, make_logger
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
-        print(f"baton: error: unknown part(s) {unknown}; choose from {list(PARTS)}")
+        print(f"baton: error: unknown part(s) {unknown}; choose from {list(PARTS)}", file=sys.stderr)
         return 2
     if not args.cpu and not torch.cuda.is_available():
-        print("baton: error: no CUDA device here; `baton check gpu --cpu` runs the CPU dry mode")
+        print("baton: error: no CUDA device here; `baton check gpu --cpu` runs the CPU dry mode", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
+    rows, seconds = run_parts(parts, args.cpu)
+    result = _result(rows, seconds, args.cpu, time.perf_counter() - t0)
+    write_json(result, Path(args.out))
+    title = "baton check gpu" + (" --cpu (CPU dry mode: tiny sizes, fp32; goals are for one H100)" if args.cpu else "")
+    print(f"{title}\n\n{table(rows)}\n\n{'PASSED' if result['passed'] else 'FAILED'} in {result['seconds']:.0f} s; "
+          f"JSON: {args.out}")
+    return 0 if result["passed"] else 1
+
+
+def run_parts(parts: list[str], cpu: bool) -> tuple[list[Row], dict[str, float]]:
+    """Every part in turn (progress on stderr), sharing one temporary directory of checkpoints."""
+    from bench.engine_bench import make_logger
     log = make_logger("check-gpu")
-    rows, seconds, t0 = [], {}, time.perf_counter()
+    rows, seconds = [], {}
     with tempfile.TemporaryDirectory(prefix="baton-check-") as tmp:
-        checkpoints = Checkpoints(Path(tmp), args.cpu, log)
+        checkpoints = Checkpoints(Path(tmp), cpu, log)
         for part in parts:
             log(f"part {PARTS.index(part) + 1}: {part} ...")
             t = time.perf_counter()
-            rows += _guarded(part, args.cpu, checkpoints, log)
+            rows += _guarded(part, cpu, checkpoints, log)
             seconds[part] = time.perf_counter() - t
             log(f"part {PARTS.index(part) + 1}: {part} done in {seconds[part]:.1f} s")
+    return rows, seconds
+
+
+def _result(rows: list[Row], seconds: dict[str, float], cpu: bool, total_s: float) -> dict:
+    from bench.engine_bench import machine_info
     summary = part_summary(rows)
     for part, s in seconds.items():
-        summary.setdefault(part, {"rows": 0, "failed": 0, "skipped": 0, "passed": False})["seconds"] = s
-    passed = all(s["passed"] for s in summary.values()) and all(p in summary for p in parts)
-    result = {"check": "gpu", "mode": "cpu dry mode" if args.cpu else "cuda",
-              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
-              "parts": summary, "passed": passed, "seconds": time.perf_counter() - t0,
-              "rows": [row_to_dict(r) for r in rows]}
-    write_json(result, Path(args.out))
-    title = "baton check gpu" + (" --cpu (CPU dry mode: tiny sizes, fp32; goals are for one H100)" if args.cpu else "")
-    print(f"{title}\n\n{table(rows)}\n\n{'PASSED' if passed else 'FAILED'} in {result['seconds']:.0f} s; "
-          f"JSON: {args.out}")
-    return 0 if passed else 1
+        summary[part]["seconds"] = s
+    return {"check": "gpu", "mode": "cpu dry mode" if cpu else "cuda",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {**machine_info(), "cuda": torch.version.cuda, "triton": _version("triton"),
+                        "nixl": _version("nixl")},
+            "parts": summary, "passed": all(s["passed"] for s in summary.values()), "seconds": total_s,
+            "rows": [row_to_dict(r) for r in rows]}

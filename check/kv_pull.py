@@ -86,34 +86,50 @@ def check_kv_pull(cpu: bool, log: Callable[[str], None] = lambda m: None) -> lis
     proc.start()
     try:
         log("kv_pull: producer started, pulling")
-        return [_pull_row(here, layout, num_blocks, n, dtype, device)]
+        return [_pull_row(_Producer(here, proc), layout, num_blocks, n, dtype, device)]
     finally:
-        here.send(None)
+        try:
+            here.send(None)
+        except OSError:                             # the producer is already gone
+            pass
         proc.join(30)
         if proc.is_alive():
             proc.kill()
 
 
-def _pull_row(conn, layout, num_blocks: int, n: int, dtype: torch.dtype, device: str) -> Row:
+class _Producer:
+    """The pipe to the producer process; an answer that does not come in time raises instead of hanging."""
+
+    def __init__(self, conn, proc, timeout_s: float = 120.0):
+        self.conn, self.proc, self.timeout_s = conn, proc, timeout_s
+
+    def ask(self, *msg):
+        if msg:
+            self.conn.send(msg)
+        if not self.conn.poll(self.timeout_s):
+            raise RuntimeError(f"the producer process did not answer in {self.timeout_s:.0f} s "
+                               f"(alive: {self.proc.is_alive()}, exit code {self.proc.exitcode})")
+        return self.conn.recv()
+
+
+def _pull_row(producer: _Producer, layout, num_blocks: int, n: int, dtype: torch.dtype, device: str) -> Row:
     from kvtransfer.nixl_transport import NixlTransport
     kv = _cache(layout, num_blocks, dtype, device, CONSUMER_SEED)
     theirs = _cache(layout, num_blocks, dtype, device, PRODUCER_SEED)
     t = NixlTransport(kv, "check-consumer", COMPAT_KEY)
-    t.add_peer(conn.recv())
+    t.add_peer(producer.ask())                      # its metadata, sent once it is up
     rng = np.random.default_rng(0)
     seconds, exact, notified = [], [], []
     for i in range(REPEATS):
         src, dst = (rng.permutation(num_blocks)[:n].tolist() for _ in range(2))
-        conn.send(("export", f"pull-{i}", src))
-        handoff = conn.recv()
+        handoff = producer.ask("export", f"pull-{i}", src)
         _sync(device)
         start = time.perf_counter()
         t.pull(handoff, dst, timeout_s=120)
         _sync(device)
         seconds.append(time.perf_counter() - start)
         exact.append(torch.equal(_bits(kv, dst), _bits(theirs, src)))
-        conn.send(("notified", f"pull-{i}", src))
-        notified.append(conn.recv())
+        notified.append(producer.ask("notified", f"pull-{i}", src))
     t.close()
     nbytes = n * t.block_bytes
     median = statistics.median(seconds[1:])

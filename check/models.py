@@ -122,16 +122,15 @@ def hf_reference(path: str, prompts: list[list[int]], new_tokens: int, dtype: to
     ref = _hf_logprobs(model, seqs)
     del model
     _free(device)
-    floor_max, floor_mean = FLOORS[dtype]
+    tol_max, tol_mean = FLOORS[dtype]
     hf_low = None
     if dtype != torch.float32:
         model = _hf_model(path, dtype, device)
         hf_low = _stats(_hf_logprobs(model, seqs), ref, Tolerance(float("inf")))
         del model
         _free(device)
-        floor_max = max(floor_max, TOL_FACTOR * hf_low.max_abs)
-        floor_mean = max(floor_mean, TOL_FACTOR * hf_low.mean_abs)
-    return Reference(prompts, greedy, ref, floor_max, floor_mean, hf_low)
+        tol_max, tol_mean = max(tol_max, TOL_FACTOR * hf_low.max_abs), max(tol_mean, TOL_FACTOR * hf_low.mean_abs)
+    return Reference(prompts, greedy, ref, tol_max, tol_mean, hf_low)
 
 
 def _stats(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance) -> ErrorStats:

@@ -116,3 +116,24 @@ def test_model_check_fails_a_model_whose_weights_were_perturbed(tmp_path):
     logprobs, greedy = compare_logprobs("tiny", llm, ref), compare_greedy("tiny", llm, ref, "x")
     assert logprobs.status == FAIL and logprobs.data["max_abs_err"] > 10 * ref.tol_max
     assert greedy.status == FAIL and greedy.data["errors"], greedy.result
+
+
+def test_a_part_that_raises_fails_the_command_and_the_others_still_run(tmp_path, monkeypatch):
+    import argparse
+
+    from check import gpu
+    from check.report import Row
+
+    def run_part(part, cpu, checkpoints, log):
+        if part == "models":
+            raise RuntimeError("the engine fell over")
+        return [Row(part, "fine", "ok", PASS)]
+
+    monkeypatch.setattr(gpu, "run_part", run_part)
+    out = tmp_path / "check.json"
+    assert gpu.run(argparse.Namespace(cpu=True, out=str(out), parts="attention,models,kv_pull")) == 1
+    result = json.loads(out.read_text())
+    assert result["passed"] is False and list(result["parts"]) == ["attention", "models", "kv_pull"]
+    assert result["parts"]["models"]["failed"] == 1 and result["parts"]["kv_pull"]["passed"]
+    (error,) = [r for r in result["rows"] if r["part"] == "models"]
+    assert "the engine fell over" in error["result"] and "Traceback" in error["data"]["traceback"]
