@@ -31,6 +31,7 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None  # bytes (int) or fraction of device memory (float)
     num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
     seed: int = 0                             # for dummy weights and unseeded sampling
+    enforce_eager: bool = False               # CUDA: no CUDA graphs for decode and verify steps
     speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
 
     def __post_init__(self) -> None:
