@@ -1,10 +1,23 @@
-"""The `baton` command: generate with the engine, serve the cluster, run benchmarks."""
+"""The `baton` command: generate with the engine, serve the cluster, run benchmarks, check a GPU."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
+
+# name -> (module, help); a bench's module is imported only when that bench runs: some import Ray and the
+# cluster code at load, which `baton generate` and `baton check gpu` must not need
+BENCHES = {
+    "engine": ("bench.engine_bench", "engine throughput and latency against transformers"),
+    "spec": ("bench.spec_bench", "batch-1 inter-token latency with and without speculative decoding"),
+    "transfer": ("bench.transfer_bench", "one request's KV between two processes: NIXL vs the Ray fallback vs a copy"),
+    "cluster": ("bench.cluster_bench", "open-loop HTTP load: prefix-aware vs pow2 routing, disaggregated vs colocated"),
+    "autoscale": ("bench.autoscale_bench", "coupled vs independent pool autoscaling on a load step (fluid model)"),
+    "soak": ("bench.soak_bench", "thousands of mixed requests, then zero leaked KV blocks, no restarts, memory"),
+    "router": ("bench.router_bench", "prefill routing decision time with a large prefix index"),
+}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -71,7 +84,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _check_gpu(args: argparse.Namespace) -> int:
+    from check.gpu import run
+    return run(args)
+
+
+def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; only the bench named `bench` (if any) has its arguments, so only its module loads."""
     p = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray.")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     sub = p.add_subparsers(dest="command", required=True)
@@ -102,23 +121,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from bench import autoscale_bench, cluster_bench, engine_bench, router_bench, soak_bench, spec_bench, transfer_bench
-    for name, module, text in (
-            ("engine", engine_bench, "engine throughput and latency against transformers"),
-            ("spec", spec_bench, "batch-1 inter-token latency with and without speculative decoding"),
-            ("transfer", transfer_bench, "one request's KV between two processes: NIXL vs the Ray fallback vs a copy"),
-            ("cluster", cluster_bench, "open-loop HTTP load: prefix-aware vs pow2 routing, disaggregated vs colocated"),
-            ("autoscale", autoscale_bench, "coupled vs independent pool autoscaling on a load step (fluid model)"),
-            ("soak", soak_bench, "thousands of mixed requests, then zero leaked KV blocks, no restarts, memory"),
-            ("router", router_bench, "prefill routing decision time with a large prefix index")):
-        sp = bsub.add_parser(name, help=text)
-        module.add_arguments(sp)
-        sp.set_defaults(fn=_bench, bench_fn=module.run)
+    for name, (module_name, text) in BENCHES.items():
+        sp = bsub.add_parser(name, help=text, add_help=name == bench)
+        if name == bench:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+            sp.set_defaults(fn=_bench, bench_fn=module.run)
+
+    c = sub.add_parser("check", help="checks on this machine's hardware")
+    csub = c.add_subparsers(dest="check", required=True)
+    from check.gpu import add_arguments
+    cg = csub.add_parser("gpu", help="the CUDA path on one NVIDIA GPU: attention kernel, engine vs transformers, "
+                                     "speed, KV pull (table + JSON; --cpu: dry mode)")
+    add_arguments(cg)
+    cg.set_defaults(fn=_check_gpu)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    # first pass: which bench, if any, without importing a bench module; second: the full parse
+    known, _ = build_parser().parse_known_args(argv)
+    args = build_parser(getattr(known, "bench", None)).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(logging.INFO)     # start-up report: KV blocks, memory, load time

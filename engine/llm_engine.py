@@ -119,6 +119,7 @@ class LLMEngine:
             raise InvalidRequestError(f"{len(hashes)} block hashes for a prompt of {len(ids) // self.block_size} full blocks")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
         seq.block_hashes = list(hashes or [])
+        seq.sampling_seed = self.sampler.request_seed(params.seed)
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         self.requests[request_id] = seq
@@ -187,8 +188,8 @@ class LLMEngine:
         result = None
         if plain:
             rows = [r for _, r in plain] if verify else slice(None)
-            result = self.sampler(logits[rows], [s.params for s, _ in plain], [s.generator for s, _ in plain])
-        emitted = self.spec.verify(logits, verify, self.sampler.generator) if verify else []
+            result = self.sampler(logits[rows], [s for s, _ in plain])
+        emitted = self.spec.verify(logits, verify) if verify else []
         seconds = device_clock(self.runner.device) - t0
         self.busy_seconds_total += seconds
         now = time.monotonic()

@@ -1,7 +1,8 @@
-"""Sampling: temperature, top-k, top-p, min-p, per-request seeds, top-n logprobs; one batched pass.
+"""Sampling on the device: penalties, temperature, top-k, top-p, min-p, greedy, per-request random
+streams, top-n logprobs; one batched pass where the logits are, and one small copy to the host.
 
-`target_probs` gives the filtered distribution a request samples from; speculative decoding uses
-the same function for both the draft and the target, so their filters agree.
+Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and presence over
+the output, on the raw logits; logprobs stay those of the raw distribution.
 
 The filters never sort the whole vocabulary when they do not have to: a row's kept set is found
 inside its K largest logits (`torch.topk`), K = its top_k, or a candidate set (256, then 4096) for
@@ -9,16 +10,26 @@ top-p / min-p rows, which is enough whenever those candidates already reach top_
 below min_p * p_max). A row the candidates do not cover takes the full sort. Both ways run the same
 cut (`_cut`), so the kept set of a row does not depend on which way it went, nor on the batch.
 
-Sampling is an exponential race, argmax w / E with E ~ Exp(1), drawn only over the tokens that can
-win (w > 0), in token-id order, from the row's own generator (or the sampler's).
+A sampled row draws by inverse CDF with one uniform: weights w = exp(x - max) over its kept tokens
+in token-id order, float64 prefix sums, the first token whose sum exceeds u * total. The uniform is
+Philox(request seed, position of the token, purpose) (engine/philox.py), so a seeded request's
+tokens depend only on its seed, positions and logits. `target_weights` + `inverse_cdf` is the dense
+twin speculative decoding uses; it picks the same token from the same uniform.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from engine.philox import DRAFT, SAMPLE, as_seed, uniforms
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
 
 # candidate-set sizes tried, in turn, for top-p / min-p rows without top-k; then the full sort
 _CANDIDATES = (256, 4096)
@@ -144,90 +155,184 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return apply_filters(logits, params).softmax(-1)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None],
-                      default: torch.Generator | None = None) -> torch.Tensor:
-    """Exponential race (argmax p/E, E ~ Exp(1)) per row, with draws only where p > 0, in token
-    order, from the row's generator (`default` for None)."""
-    return _race(probs, generators, default)
+def target_weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """exp(x - max) of the filtered logits (0 where filtered): the unnormalized distribution a row
+    samples from, bit for bit the weights the sparse draw uses."""
+    x = apply_filters(logits, params)
+    return (x - x.max(-1, keepdim=True).values).exp_()
 
 
-def _race(weights: torch.Tensor, generators: list[torch.Generator | None],
-          default: torch.Generator | None) -> torch.Tensor:
-    """argmax over columns of weights / E (weights >= 0, not necessarily normalized); a row's draws,
-    one per positive weight, in column order, come from its own generator (`default` for None), so
-    a seeded row's result depends on that row alone."""
-    support = weights > 0
-    e = torch.empty_like(weights)
-    unseeded = [r for r, g in enumerate(generators) if g is None]
-    if unseeded:                                            # one block from `default`, in row order
-        mask = _take(support, unseeded)
-        block = torch.full_like(mask, float("inf"), dtype=weights.dtype)
-        block[mask] = torch.empty(int(mask.sum()), dtype=weights.dtype,
-                                  device=weights.device).exponential_(generator=default)
-        e[unseeded] = block
-    for r, g in enumerate(generators):
-        if g is None:
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first column whose float64 prefix sum of weights (>= 0) exceeds u * total: column
+    i with probability w_i / total, never a zero-weight one."""
+    csum = weights.cumsum(-1, dtype=torch.float64)
+    target = (u.to(torch.float64) * csum[:, -1]).unsqueeze(1)
+    return torch.searchsorted(csum, target, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf(target_weights(logits, params), u) without the dense [R, V] weights: over each
+    row's kept tokens only (in token order, so the same token comes out)."""
+    out = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    for g in _row_groups(_scale(logits, params), params):
+        ug = _take(u, g.rows)
+        if g.ids is None:
+            out[g.rows] = inverse_cdf((g.vals - g.vals.max(-1, keepdim=True).values).exp_(), ug)
             continue
-        n = int(support[r].sum())
-        if n == weights.shape[1]:
-            e[r].exponential_(generator=g)
+        w = (g.vals - g.vals[:, :1]).exp_().masked_fill_(~g.keep, 0.0)
+        if g.ids.shape[1] == logits.shape[1]:               # the full sort: back to token order
+            out[g.rows] = inverse_cdf(torch.zeros_like(w).scatter_(-1, g.ids, w), ug)
         else:
-            e[r].fill_(float("inf"))
-            e[r, support[r]] = torch.empty(n, dtype=e.dtype, device=e.device).exponential_(generator=g)
-    return (weights / e).argmax(-1)
+            ids, order = g.ids.sort(-1)
+            pick = inverse_cdf(w.gather(-1, order), ug)
+            out[g.rows] = ids.gather(-1, pick.unsqueeze(1)).squeeze(1)
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor | None) -> torch.Tensor:
+    """Token ids [R] on the logits' device: argmax for greedy rows, `draw` for the others (u: one
+    uniform per row; None when every row is greedy)."""
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy) == len(params):
+        return logits.argmax(-1)
+    out = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    if greedy:
+        out[greedy] = _take(logits, greedy).argmax(-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    out[sampled] = draw(_take(logits, sampled), [params[i] for i in sampled], _take(u, sampled))
+    return out
+
+
+def draft_sample(logits: torch.Tensor, seqs: list[Sequence],
+                 ahead: list[list[int]]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A model proposer's drafts: row r drafts seqs[r]'s token after ahead[r] (its drafts so far), from
+    the filtered, penalized distribution with Philox(seed, position, DRAFT). Returns the ids (on the
+    host: the next pass feeds them) and each row's q [V] on the device (None for greedy rows)."""
+    x = penalize(logits.float(), seqs, ahead)
+    picks = x.argmax(-1)
+    q: list[torch.Tensor | None] = [None] * len(seqs)
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        w = target_weights(_take(x, sampled), [seqs[i].params for i in sampled])
+        u = row_uniforms([seqs[i] for i in sampled], [ahead[i] for i in sampled], DRAFT, x.device)
+        picks[sampled] = inverse_cdf(w, u)
+        for i, row in zip(sampled, w / w.sum(-1, keepdim=True)):
+            q[i] = row
+    return picks.tolist(), q
+
+
+# -- per-row inputs: random streams and penalties ---------------------------------------------------
+def row_uniforms(seqs: list[Sequence], ahead: list[list[int]] | None, purpose: int,
+                 device: torch.device) -> torch.Tensor:
+    """One uniform per row: row r samples the token of seqs[r] at position num_tokens + len(ahead[r])."""
+    seeds = np.fromiter((s.sampling_seed for s in seqs), dtype=np.uint64, count=len(seqs))
+    pos = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+    if ahead is not None:
+        pos += np.fromiter((len(a) for a in ahead), dtype=np.int64, count=len(seqs))
+    return to_device(uniforms(seeds, pos, purpose), device)
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(lists), vocab] occurrence counts, from one scatter_add over the lists concatenated."""
+    lens = np.fromiter((len(t) for t in lists), dtype=np.int64, count=len(lists))
+    ids = np.concatenate([np.asarray(t, dtype=np.int64) for t in lists])
+    flat = to_device(np.repeat(np.arange(len(lists), dtype=np.int64), lens) * vocab + ids, device)
+    counts = torch.zeros(len(lists) * vocab, dtype=torch.float32, device=device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32)).view(len(lists), vocab)
+
+
+def penalize(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None = None) -> torch.Tensor:
+    """The logits with each row's penalties applied (a new tensor when any row has some). Row r's
+    output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's position)."""
+    rows = [i for i, s in enumerate(seqs) if _penalized(s.params)]
+    if not rows:
+        return logits
+    dev, vocab, n = logits.device, logits.shape[1], len(rows)
+    outs = [seqs[i].output_token_ids + (ahead[i] if ahead else []) for i in rows]
+    prompts = [seqs[i].prompt_token_ids if seqs[i].params.repetition_penalty != 1.0 else [] for i in rows]
+    out_counts, prompt_counts = _counts(outs + prompts, vocab, dev).split(n)
+    pen = torch.tensor([[seqs[i].params.presence_penalty, seqs[i].params.frequency_penalty,
+                         seqs[i].params.repetition_penalty] for i in rows], dtype=torch.float32, device=dev)
+    presence, frequency, repetition = (c.unsqueeze(1) for c in pen.unbind(1))
+    idx = torch.tensor(rows, device=dev)
+    x = logits.index_select(0, idx)
+    seen = (out_counts + prompt_counts) > 0
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    x = x - frequency * out_counts - presence * (out_counts > 0).float()
+    return logits.index_copy(0, idx, x)
+
+
+# -- logprobs and the copy to the host ----------------------------------------------------------------
+@dataclass
+class LogprobRows:
+    """The rows that asked for logprobs (of the raw distribution, before penalties, temperature and
+    filters, as vLLM does): their top-n and the sampled token's, computed on the device."""
+    rows: list[int]
+    n: list[int]
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> LogprobRows:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return cls(rows, [params[i].logprobs for i in rows])
+
+    def on_device(self, raw: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        if not self.rows:
+            return []
+        idx = torch.tensor(self.rows, device=raw.device)
+        lp = raw.index_select(0, idx).log_softmax(-1)
+        top_v, top_i = lp.topk(max(max(self.n), 1), dim=-1)
+        return [top_v, top_i, lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)]
+
+    def on_host(self, arrays: list[np.ndarray], tokens: list[int], num_rows: int) -> list[dict[int, float] | None]:
+        out: list[dict[int, float] | None] = [None] * num_rows
+        if not self.rows:
+            return out
+        top_v, top_i, tok = arrays
+        for r, (row, k) in enumerate(zip(self.rows, self.n)):
+            d = {int(t): float(v) for t, v in zip(top_i[r, :k], top_v[r, :k])}
+            d[tokens[row]] = float(tok[r])
+            out[row] = d
+        return out
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """One device-to-host copy for several small tensors (ids travel as float64, exact below 2**53)."""
+    if len(tensors) == 1:
+        return [tensors[0].cpu().numpy()]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].reshape(t.shape))
+        at += t.numel()
+    return out
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+        self._rng = np.random.default_rng(seed)             # seeds of requests that bring none
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SampleResult:
-        logits = logits.float().cpu()
-        tokens = torch.empty(len(params), dtype=torch.long)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            tokens[greedy] = _take(logits, greedy).argmax(-1)
-        if sampled:
-            tokens[sampled] = self._sample(_take(logits, sampled), [params[i] for i in sampled],
-                                           [generators[i] for i in sampled])
-        token_list = tokens.tolist()
-        return SampleResult(token_list, logprobs(logits, params, token_list))
+    def request_seed(self, seed: int | None) -> int:
+        """A request's 64-bit sampling seed: its own (as uint64), else one from the engine's seeded RNG."""
+        return as_seed(seed) if seed is not None else int(self._rng.integers(0, 2**64, dtype=np.uint64))
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-        """sample_from_probs(target_probs(logits, params)) without the dense [R, V] distribution: the
-        race runs over each row's kept tokens (in token order), weights exp(x - max) (the softmax for
-        rows without filters, exactly as the dense path)."""
-        out = torch.empty(len(params), dtype=torch.long)
-        for g in _row_groups(_scale(logits, params), params):
-            gens = [generators[i] for i in g.rows]
-            if g.ids is None:                               # as target_probs + sample_from_probs
-                out[g.rows] = _race(g.vals.softmax(-1), gens, self.generator)
-                continue
-            w = (g.vals - g.vals[:, :1]).exp_().masked_fill_(~g.keep, 0.0)
-            if g.ids.shape[1] == logits.shape[1]:           # the full sort: back to token order
-                out[g.rows] = _race(torch.zeros_like(w).scatter_(-1, g.ids, w), gens, self.generator)
-            else:
-                ids, order = g.ids.sort(-1)
-                pick = _race(w.gather(-1, order), gens, self.generator)
-                out[g.rows] = ids.gather(-1, pick.unsqueeze(1)).squeeze(1)
-        return out
-
-
-def logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[dict[int, float] | None]:
-    """Logprobs of the model's raw distribution (before temperature and filters), as vLLM does."""
-    out: list[dict[int, float] | None] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
-        return out
-    lp = logits[rows].log_softmax(-1)
-    n = max(params[i].logprobs for i in rows)
-    top_v, top_i = lp.topk(max(n, 1), dim=-1)
-    for r, i in enumerate(rows):
-        k = params[i].logprobs
-        d = {int(t): float(v) for t, v in zip(top_i[r, :k].tolist(), top_v[r, :k].tolist())}
-        d[tokens[i]] = float(lp[r, tokens[i]])
-        out[i] = d
-    return out
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """Row i samples seqs[i]'s next token (at position seqs[i].num_tokens)."""
+        raw = logits.float()
+        params = [s.params for s in seqs]
+        u = None if all(p.greedy for p in params) else row_uniforms(seqs, None, SAMPLE, raw.device)
+        tokens = sample(penalize(raw, seqs), params, u)
+        lps = LogprobRows.of(params)
+        host = to_host(tokens, *lps.on_device(raw, tokens))
+        token_list = host[0].astype(np.int64).tolist()
+        return SampleResult(token_list, lps.on_host(host[1:], token_list, len(seqs)))

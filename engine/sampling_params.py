@@ -13,7 +13,10 @@ class SamplingParams:
     top_k: int = 0                    # 0 or -1 = off
     top_p: float = 1.0                # nucleus mass, in (0, 1]
     min_p: float = 0.0                # drop tokens below min_p * p_max, in [0, 1]
-    seed: int | None = None           # per-request generator: same seed, same tokens
+    presence_penalty: float = 0.0     # in [-2, 2]: subtracted from a token's logit once it was generated
+    frequency_penalty: float = 0.0    # in [-2, 2]: subtracted once per time it was generated
+    repetition_penalty: float = 1.0   # > 0: logits of prompt and generated tokens divided (> 0) or multiplied
+    seed: int | None = None           # the request's random stream: same seed, same tokens
     max_tokens: int | None = 16       # None = up to max_model_len
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -43,6 +46,11 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):

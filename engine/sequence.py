@@ -5,12 +5,14 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.kv_connector import ImportStats, RemotePrefill
 from engine.sampling_params import SamplingParams
 from engine.spec.metrics import SpecStats
+
+if TYPE_CHECKING:
+    import torch
 
 _counter = itertools.count()
 
@@ -41,7 +43,7 @@ class Sequence:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    sampling_seed: int = 0                # uint64 key of its random streams (engine.philox), set at add_request
     detok: object = None                  # engine.detokenizer.Detokenizer
     num_streamed: int = 0                 # output tokens already reported in a RequestOutput
     spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step
@@ -58,8 +60,6 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,8 @@
 SSE chunk builders. No server here (router/ingress.py serves it).
 
 Decisions: unknown request fields are ignored, as OpenAI and vLLM do; features the engine lacks
-(presence/frequency penalties other than 0, echo, best_of, tools) are refused with a 400 naming the
-field rather than silently dropped.
+(echo, best_of, tools) are refused with a 400 naming the field rather than silently dropped.
+presence_penalty and frequency_penalty take OpenAI's range [-2, 2]; repetition_penalty (> 0) is vLLM's.
 """
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ class _Request(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)      # int64, as OpenAI
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     user: str | None = None
 
@@ -115,9 +116,6 @@ def _check(req, chat: bool, limits: LimitsConfig) -> None:
     if any(len(s) > limits.max_stop_chars for s in stops):
         raise OpenAIError(400, f"a stop sequence may have at most {limits.max_stop_chars} characters",
                           param="stop")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) != 0:
-            raise OpenAIError(400, f"{name} is not supported (only 0)", param=name)
     if not chat and req.echo:
         raise OpenAIError(400, "echo is not supported", param="echo")
 
@@ -206,6 +204,8 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0)
         logprobs = req.logprobs
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              repetition_penalty=req.repetition_penalty,
                               seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens or room,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                               ignore_eos=req.ignore_eos, logprobs=logprobs)

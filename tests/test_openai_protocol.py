@@ -26,7 +26,9 @@ def _chat(**kw):
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": list("abcde")}, "stop"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3}, "frequency_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
     ({"messages": [{"role": "user", "content": "x"}]}, "model"),
 ])
 def test_bad_requests_name_the_field(body, param):
@@ -44,6 +46,10 @@ def test_context_length_and_sampling_mapping():
     assert e.value.param == "temperature"
     p = oa.to_sampling_params(_chat(seed=5, n=2, stop="x", top_p=0.5), 100, 10, index=1)
     assert (p.seed, p.max_tokens, p.stop, p.top_p) == (6, 90, ["x"], 0.5)
+    p = oa.to_sampling_params(_chat(presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.2), 100, 10)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (-2.0, 1.5, 1.2)
+    assert oa.to_sampling_params(oa.parse_request({"model": "m", "prompt": "x", "frequency_penalty": 2}, chat=False),
+                                 100, 10).frequency_penalty == 2.0
     with pytest.raises(oa.OpenAIError) as e:
         oa.check_model("other", ["m"])
     assert e.value.status == 404 and e.value.body()["error"]["code"] == "model_not_found"

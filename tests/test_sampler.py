@@ -1,15 +1,19 @@
-"""Sampling as a user sees it: greedy, seeds, top-k / top-p / min-p distributions, logprobs, validation."""
+"""Sampling as a user sees it: greedy, seeds, top-k / top-p / min-p distributions, penalties, logprobs, validation."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from engine.errors import InvalidRequestError
 from engine import sampler as sampler_mod
-from engine.sampler import Sampler, apply_filters, sample_from_probs, target_probs
+from engine.philox import SAMPLE, uniforms
+from engine.sampler import Sampler, apply_filters, inverse_cdf, penalize, target_probs, target_weights
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from tests.reference_sampler import ReferenceSampler
 
 N = 20_000
 # a fixed 6-token distribution, deliberately not in sorted order
@@ -18,12 +22,35 @@ LOGITS = torch.log(PROBS.clamp_min(1e-30))          # token 5 is (nearly) imposs
 LOGITS[5] = -1e9
 
 
-def empirical(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = N, seed: int = 0) -> torch.Tensor:
-    """Token frequencies of n independent draws (one batch of n identical rows, unseeded)."""
+def seqs_for(params: list[SamplingParams], sampler: Sampler, prompt: list[int] | None = None) -> list[Sequence]:
+    """One sequence per row, each with its own seed (the request's, else one from the sampler's RNG), as
+    add_request gives them."""
+    out = []
+    for i, p in enumerate(params):
+        seq = Sequence(f"r{i}", list(prompt or [1, 2, 3]), p)
+        seq.sampling_seed = sampler.request_seed(p.seed)
+        out.append(seq)
+    return out
+
+
+def device_sampler(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> list[int]:
     sampler = Sampler(seed=seed)
-    res = sampler(logits.expand(n, -1).clone(), [params] * n, [None] * n)
-    counts = torch.bincount(torch.tensor(res.token_ids), minlength=logits.shape[-1]).float()
-    return counts / n
+    return sampler(logits, seqs_for(params, sampler)).token_ids
+
+
+def reference_sampler(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> list[int]:
+    return ReferenceSampler(seed=seed)(logits, params, [None] * len(params))
+
+
+# the statistical tests run against the device sampler and the exact race it replaced
+IMPLS = pytest.mark.parametrize("impl", [device_sampler, reference_sampler], ids=["device", "reference"])
+
+
+def empirical(params: SamplingParams, impl=device_sampler, logits: torch.Tensor = LOGITS, n: int = N,
+              seed: int = 0) -> torch.Tensor:
+    """Token frequencies of n independent draws (one batch of n identical rows, unseeded)."""
+    toks = impl(logits.expand(n, -1).clone(), [params] * n, seed)
+    return torch.bincount(torch.tensor(toks), minlength=logits.shape[-1]).float() / n
 
 
 def renormalized(keep: list[int], probs: torch.Tensor = PROBS) -> torch.Tensor:
@@ -32,11 +59,32 @@ def renormalized(keep: list[int], probs: torch.Tensor = PROBS) -> torch.Tensor:
     return out / out.sum()
 
 
-def assert_close_dist(freq: torch.Tensor, target: torch.Tensor, tol: float = 0.02) -> None:
+def chi2_critical(df: int, z: float = 3.7) -> float:
+    """The chi-square quantile at 1 - 1e-4 (z of the normal), Wilson-Hilferty: a failure is a real one."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def assert_close_dist(freq: torch.Tensor, target: torch.Tensor, tol: float = 0.02, n: int = N) -> None:
     allowed = target > 0
     assert freq[~allowed].sum().item() == 0, f"filtered tokens were sampled: {freq.tolist()}"
     diff = (freq - target).abs().max().item()
     assert diff < tol, f"empirical {freq.tolist()} vs target {target.tolist()} (max diff {diff:.4f})"
+    big = target * n >= 5                                      # chi-square over cells expected >= 5 times
+    if big.sum() > 1:
+        expected, seen = target[big] * n, freq[big] * n
+        rest_e, rest_s = n - expected.sum(), n - seen.sum()
+        chi2 = float(((seen - expected) ** 2 / expected).sum()) + (float((rest_s - rest_e) ** 2 / rest_e) if rest_e >= 5 else 0.0)
+        df = int(big.sum()) - 1 + int(rest_e >= 5)
+        assert chi2 < chi2_critical(df), f"chi-square {chi2:.1f} over {df} degrees of freedom: {freq.tolist()} vs {target.tolist()}"
+
+
+def test_the_chi_square_check_can_fail():
+    target = renormalized([0, 1, 2, 3, 4])
+    off = target.clone()
+    off[1] += 0.015                                            # inside the max-diff tolerance
+    off[3] -= 0.015
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_close_dist(off, target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,34 +93,32 @@ def assert_close_dist(freq: torch.Tensor, target: torch.Tensor, tol: float = 0.0
 def test_greedy_is_argmax():
     torch.manual_seed(0)
     logits = torch.randn(8, 1000)
-    params = [SamplingParams(temperature=0.0)] * 8
-    res = Sampler(seed=123)(logits, params, [None] * 8)
+    sampler = Sampler(seed=123)
+    res = sampler(logits, seqs_for([SamplingParams(temperature=0.0)] * 8, sampler))
     assert res.token_ids == logits.argmax(-1).tolist()
     # greedy ignores filters and seeds
     params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.1, min_p=0.5, seed=7)] * 8
-    gens = [torch.Generator().manual_seed(i) for i in range(8)]
-    assert Sampler(seed=9)(logits, params, gens).token_ids == logits.argmax(-1).tolist()
+    assert Sampler(seed=9)(logits, seqs_for(params, sampler)).token_ids == logits.argmax(-1).tolist()
 
 
 def test_greedy_accepts_low_precision_logits():
     torch.manual_seed(1)
     logits = torch.randn(3, 50).to(torch.bfloat16)
-    res = Sampler()(logits, [SamplingParams(temperature=0.0)] * 3, [None] * 3)
+    sampler = Sampler()
+    res = sampler(logits, seqs_for([SamplingParams(temperature=0.0)] * 3, sampler))
     assert res.token_ids == logits.float().argmax(-1).tolist()
 
 
 def _seeded_run(seeds: list[int], logits_row: torch.Tensor, steps: int = 12, extra_rows: int = 0) -> list[list[int]]:
-    """Sample `steps` tokens for rows that share logits, each with its own seeded generator."""
-    gens = [torch.Generator().manual_seed(s) for s in seeds] + [None] * extra_rows
+    """Sample `steps` tokens for rows that share logits, each appended to its sequence as the engine does."""
     params = [SamplingParams(temperature=1.0, seed=s) for s in seeds] + [SamplingParams()] * extra_rows
     sampler = Sampler(seed=0)
-    rows = len(gens)
-    out = [[] for _ in seeds]
+    seqs = seqs_for(params, sampler)
     for _ in range(steps):
-        res = sampler(logits_row.expand(rows, -1).clone(), params, gens)
-        for i in range(len(seeds)):
-            out[i].append(res.token_ids[i])
-    return out
+        res = sampler(logits_row.expand(len(seqs), -1).clone(), seqs)
+        for seq, tok in zip(seqs, res.token_ids):
+            seq.token_ids.append(tok)
+    return [s.output_token_ids for s in seqs[:len(seeds)]]
 
 
 def test_same_seed_same_tokens_different_seeds_differ():
@@ -80,6 +126,7 @@ def test_same_seed_same_tokens_different_seeds_differ():
     a = _seeded_run([1, 2, 3, 1], logits)
     assert a[0] == a[3], "two requests with the same seed in one batch must get the same tokens"
     assert a[0] != a[1] and a[0] != a[2] and a[1] != a[2], "different seeds gave the same tokens"
+    assert len(set(a[0])) > 6, "a seeded request must draw a new number at each position"
     b = _seeded_run([1, 2, 3, 1], logits)
     assert a == b, "same seeds must reproduce across runs"
 
@@ -91,42 +138,63 @@ def test_seeded_tokens_do_not_depend_on_the_batch():
     assert batched[1] == alone[0], "a seeded request's tokens changed with what else was in the batch"
 
 
+def test_seeded_token_depends_only_on_seed_and_position():
+    """The same position samples the same token however often it is sampled (a recompute after
+    preemption, a replay elsewhere); the next position draws anew."""
+    logits = torch.zeros(1, 1000)
+    sampler = Sampler()
+    seq = seqs_for([SamplingParams(seed=9)], sampler)[0]
+    first = [sampler(logits, [seq]).token_ids[0] for _ in range(3)]
+    assert len(set(first)) == 1
+    seq.token_ids.append(first[0])
+    assert sampler(logits, [seq]).token_ids[0] != first[0]          # 1 in 1000 to collide; seed 9 does not
+
+
+def test_negative_and_uint64_seeds_map_to_the_same_stream():
+    sampler = Sampler()
+    assert sampler.request_seed(-1) == sampler.request_seed(2**64 - 1) == 2**64 - 1
+    assert sampler.request_seed(5) == 5
+
+
 def test_unseeded_sampler_seed_reproduces():
     logits = torch.zeros(4, 1000)
     params = [SamplingParams()] * 4
-    a = Sampler(seed=3)(logits, params, [None] * 4).token_ids
-    b = Sampler(seed=3)(logits, params, [None] * 4).token_ids
-    c = Sampler(seed=4)(logits, params, [None] * 4).token_ids
+    a, b, c = (device_sampler(logits, params, seed) for seed in (3, 3, 4))
     assert a == b and a != c
+    assert len(set(a)) > 1, "unseeded requests of one batch must get their own streams"
 
 
 def test_top_k_1_equals_greedy():
     torch.manual_seed(2)
     logits = torch.randn(16, 500)
     params = [SamplingParams(temperature=1.3, top_k=1, seed=i) for i in range(16)]
-    gens = [torch.Generator().manual_seed(i) for i in range(16)]
+    sampler = Sampler()
+    seqs = seqs_for(params, sampler)
     for _ in range(5):
-        assert Sampler()(logits, params, gens).token_ids == logits.argmax(-1).tolist()
+        assert sampler(logits, seqs).token_ids == logits.argmax(-1).tolist()
+        for s in seqs:
+            s.token_ids.append(0)
 
 
 def test_mixed_batch_rows_are_independent():
     torch.manual_seed(3)
     logits = torch.randn(3, 100)
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.0)]
-    res = Sampler()(logits, params, [None] * 3)
-    assert res.token_ids == logits.argmax(-1).tolist()
+    assert device_sampler(logits, params, 0) == logits.argmax(-1).tolist()
 
 
 # ---------------------------------------------------------------------------------------------
 # filters: sampled frequencies match the renormalized distribution
 
-def test_plain_sampling_matches_softmax():
-    assert_close_dist(empirical(SamplingParams()), renormalized([0, 1, 2, 3, 4]))
+@IMPLS
+def test_plain_sampling_matches_softmax(impl):
+    assert_close_dist(empirical(SamplingParams(), impl), renormalized([0, 1, 2, 3, 4]))
 
 
 @pytest.mark.parametrize("top_k,keep", [(1, [1]), (2, [1, 3]), (3, [1, 3, 4]), (5, [0, 1, 2, 3, 4])])
-def test_top_k(top_k, keep):
-    assert_close_dist(empirical(SamplingParams(top_k=top_k)), renormalized(keep))
+@IMPLS
+def test_top_k(top_k, keep, impl):
+    assert_close_dist(empirical(SamplingParams(top_k=top_k), impl), renormalized(keep))
 
 
 @pytest.mark.parametrize("top_p,keep", [
@@ -136,8 +204,9 @@ def test_top_k(top_k, keep):
     (0.9, [1, 3, 4, 0]),           # 0.85 < 0.9
     (1.0, [0, 1, 2, 3, 4]),
 ])
-def test_top_p(top_p, keep):
-    assert_close_dist(empirical(SamplingParams(top_p=top_p)), renormalized(keep))
+@IMPLS
+def test_top_p(top_p, keep, impl):
+    assert_close_dist(empirical(SamplingParams(top_p=top_p), impl), renormalized(keep))
 
 
 @pytest.mark.parametrize("min_p,keep", [
@@ -146,39 +215,42 @@ def test_top_p(top_p, keep):
     (0.5, [1, 3]),                 # threshold 0.20
     (1.0, [1]),
 ])
-def test_min_p(min_p, keep):
-    assert_close_dist(empirical(SamplingParams(min_p=min_p)), renormalized(keep))
+@IMPLS
+def test_min_p(min_p, keep, impl):
+    assert_close_dist(empirical(SamplingParams(min_p=min_p), impl), renormalized(keep))
 
 
-def test_top_k_then_top_p_on_the_renormalized_top_k():
+@IMPLS
+def test_top_k_then_top_p_on_the_renormalized_top_k(impl):
     # top-3 renormalized: 0.4/0.85=.47, 0.3/.85=.35, .15/.85=.18 -> top_p 0.8 keeps the first two
-    assert_close_dist(empirical(SamplingParams(top_k=3, top_p=0.8)), renormalized([1, 3]))
+    assert_close_dist(empirical(SamplingParams(top_k=3, top_p=0.8), impl), renormalized([1, 3]))
 
 
-def test_filters_per_row_in_one_batch():
+@IMPLS
+def test_filters_per_row_in_one_batch(impl):
     """Different requests in one batch get their own filters."""
     params = [SamplingParams(top_k=1), SamplingParams(top_p=0.6), SamplingParams(min_p=0.3), SamplingParams()]
     n = 5000
     rows = [p for p in params for _ in range(n)]
-    res = Sampler(seed=1)(LOGITS.expand(len(rows), -1).clone(), rows, [None] * len(rows))
-    toks = torch.tensor(res.token_ids).view(len(params), n)
+    toks = torch.tensor(impl(LOGITS.expand(len(rows), -1).clone(), rows, 1)).view(len(params), n)
     assert set(toks[0].tolist()) == {1}
     assert set(toks[1].tolist()) == {1, 3}
     assert set(toks[2].tolist()) == {1, 3, 4}
     assert set(toks[3].tolist()) == {0, 1, 2, 3, 4}
 
 
-def test_temperature():
-    sharp = empirical(SamplingParams(temperature=0.5))
+@IMPLS
+def test_temperature(impl):
+    sharp = empirical(SamplingParams(temperature=0.5), impl)
     target = PROBS ** 2
     assert_close_dist(sharp, target / target.sum())
-    flat = empirical(SamplingParams(temperature=2.0))
+    flat = empirical(SamplingParams(temperature=2.0), impl)
     target = PROBS.sqrt()
     assert_close_dist(flat, target / target.sum())
-    plain = empirical(SamplingParams(temperature=1.0))
+    plain = empirical(SamplingParams(temperature=1.0), impl)
     assert sharp[1] > plain[1] > flat[1], "lower temperature must favour the top token more"
     # very low temperature is effectively greedy
-    assert empirical(SamplingParams(temperature=1e-3), n=2000)[1].item() == 1.0
+    assert empirical(SamplingParams(temperature=1e-3), impl, n=2000)[1].item() == 1.0
 
 
 def test_target_probs_matches_filters():
@@ -195,8 +267,8 @@ def test_logprobs_top_n_and_sampled_token_from_raw_logits():
     params = [SamplingParams(temperature=0.7, top_k=50, logprobs=3, seed=11),
               SamplingParams(temperature=0.0, logprobs=0),
               SamplingParams(temperature=1.0)]
-    gens = [torch.Generator().manual_seed(11), None, None]
-    res = Sampler()(logits, params, gens)
+    sampler = Sampler()
+    res = sampler(logits, seqs_for(params, sampler))
     ref = logits.log_softmax(-1)
 
     d0 = res.logprobs[0]
@@ -216,7 +288,8 @@ def test_logprobs_include_a_sampled_token_outside_the_top_n():
     logits[0, 7] = 5.0
     p = SamplingParams(temperature=1.0, logprobs=1)
     for seed in range(200):                          # p(7) is about 0.75: some seed picks another token
-        res = Sampler(seed=seed)(logits, [p], [None])
+        sampler = Sampler(seed=seed)
+        res = sampler(logits, seqs_for([p], sampler))
         tok = res.token_ids[0]
         if tok != 7:
             break
@@ -228,7 +301,8 @@ def test_logprobs_include_a_sampled_token_outside_the_top_n():
 
 def test_logprobs_20_is_allowed():
     logits = torch.randn(1, 64)
-    res = Sampler()(logits, [SamplingParams(temperature=0.0, logprobs=20)], [None])
+    sampler = Sampler()
+    res = sampler(logits, seqs_for([SamplingParams(temperature=0.0, logprobs=20)], sampler))
     assert len(res.logprobs[0]) == 20
 
 
@@ -256,6 +330,11 @@ def test_logprobs_20_is_allowed():
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(seed="abc"), "seed"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.1), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
 ])
 def test_invalid_sampling_params_raise(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field):
@@ -270,6 +349,7 @@ def test_invalid_request_error_is_a_value_error():
 def test_valid_edge_values_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=0.0, max_tokens=1, logprobs=0)
     SamplingParams(min_p=1.0, logprobs=20, max_tokens=None, top_k=0)
+    SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5)
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.01).greedy
@@ -401,15 +481,15 @@ def _tv(freq: torch.Tensor, target: torch.Tensor) -> float:
     SamplingParams(temperature=1.0, top_p=0.95),         # ~1570 tokens: the full sort (vocab 2000)
     SamplingParams(temperature=0.8, top_k=40, min_p=0.05),
 ])
-def test_sampled_frequencies_match_the_filtered_distribution(params):
+@IMPLS
+def test_sampled_frequencies_match_the_filtered_distribution(params, impl):
     g = torch.Generator().manual_seed(11)
     # 12 strong tokens holding about half the mass, then a long, slowly decreasing (tie-free) tail
     row = torch.linspace(0.0, -1.0, 2000)
     row[torch.randperm(2000, generator=g)[:12]] += 5.0 + torch.rand(12, generator=g)
     target = target_probs(row.unsqueeze(0), [params])[0]
     n = 8000
-    res = Sampler(seed=2)(row.expand(n, -1).clone(), [params] * n, [None] * n)
-    freq = torch.bincount(torch.tensor(res.token_ids), minlength=2000).float() / n
+    freq = torch.bincount(torch.tensor(impl(row.expand(n, -1).clone(), [params] * n, 2)), minlength=2000).float() / n
     assert freq[target == 0].sum() == 0, "a filtered token was sampled"
     strong = target.topk(12).indices
     assert (freq[strong] - target[strong]).abs().max() < 0.015
@@ -431,43 +511,99 @@ def test_seeded_rows_sample_the_same_whatever_the_batch_and_path():
     assert sampler_mod._row_groups(scaled, [p])[0].ids.shape[1] == 4096
 
     def run(extra_params):
-        gen = torch.Generator().manual_seed(3)
         logits = torch.cat([others[:len(extra_params)], row.unsqueeze(0)])
-        params = extra_params + [p]
-        gens = [None] * len(extra_params) + [gen]
         sampler = Sampler(seed=0)
-        return [sampler(logits, params, gens).token_ids[-1] for _ in range(10)]
+        seqs = seqs_for(extra_params + [p], sampler)
+        out = []
+        for _ in range(10):
+            out.append(sampler(logits, seqs).token_ids[-1])
+            for s in seqs:
+                s.token_ids.append(out[-1])
+        return out
 
     alone = run([])
+    assert len(set(alone)) > 3
     assert run([SamplingParams(top_k=8000)]) == alone
     assert run([SamplingParams(top_p=0.999), SamplingParams(), SamplingParams(min_p=0.5)]) == alone
     assert run([SamplingParams(temperature=0.0)]) == alone
 
 
-def test_sampler_matches_target_probs_then_sample_from_probs():
-    """The Sampler's sparse race and the dense path speculative decoding uses (target_probs +
-    sample_from_probs) draw the same numbers for the same tokens, so they pick the same tokens."""
+def test_sparse_draw_equals_the_dense_inverse_cdf():
+    """The Sampler's draw over kept tokens and the dense path speculative decoding uses
+    (target_weights + inverse_cdf) pick the same token from the same uniform, on every filter path."""
     logits, params = _random_case(3, rows=10)
+    g = torch.Generator().manual_seed(0)
     for _ in range(5):
-        gens_a = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
-        gens_b = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
-        fast = Sampler(seed=0)._sample(logits, params, gens_a)
-        dense = sample_from_probs(target_probs(logits, params), gens_b)
+        u = torch.rand(len(params), generator=g, dtype=torch.float64)
+        fast = sampler_mod.draw(logits, params, u)
+        dense = inverse_cdf(target_weights(logits, params), u)
         assert fast.tolist() == dense.tolist()
         logits = logits + torch.randn_like(logits) * 0.1
 
 
-def test_plain_rows_sample_as_before():
-    """Rows without filters still draw one Exp(1) per vocabulary entry: the same tokens as the dense
-    exponential race over softmax(logits / T) with the same generator."""
+def test_a_row_samples_by_inverse_cdf_with_its_philox_uniform():
+    """The definition a replay elsewhere relies on: the first token (in id order) whose softmax prefix
+    sum exceeds u, u = Philox(seed, position of the token, SAMPLE)."""
     torch.manual_seed(6)
     logits = torch.randn(4, 500)
     params = [SamplingParams(temperature=0.8, seed=i) for i in range(4)]
-    gens = [torch.Generator().manual_seed(i) for i in range(4)]
-    got = Sampler()(logits, params, gens).token_ids
-    probs = (logits / 0.8).softmax(-1)
-    expect = []
-    for i in range(4):
-        e = torch.empty(500).exponential_(generator=torch.Generator().manual_seed(i))
-        expect.append(int((probs[i] / e).argmax()))
+    sampler = Sampler()
+    seqs = seqs_for(params, sampler, prompt=list(range(7)))
+    got = sampler(logits, seqs).token_ids
+    u = uniforms(np.arange(4, dtype=np.uint64), np.full(4, 7), SAMPLE)
+    probs = (logits / 0.8).double().softmax(-1).cumsum(-1)
+    expect = [int((probs[i] > u[i]).nonzero()[0]) for i in range(4)]
     assert got == expect
+
+
+def test_inverse_cdf_never_picks_a_zero_weight():
+    w = torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0, 0.0]]).expand(4, -1)
+    u = torch.tensor([0.0, 1 / 3 - 1e-12, 1 / 3 + 1e-12, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(w, u).tolist() == [1, 1, 4, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# penalties
+
+def _penalized(params: SamplingParams, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
+    seq = Sequence("r", prompt + output, params, num_prompt_tokens=len(prompt))
+    return penalize(logits.unsqueeze(0), [seq])[0]
+
+
+def test_penalties_follow_vllm_semantics():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+    prompt, output = [0, 1], [2, 2, 3]                 # 4 and 5 never appeared
+    got = _penalized(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), logits, prompt, output)
+    # output counts: token 2 twice, token 3 once; the prompt does not count for these two
+    assert got.tolist() == pytest.approx([2.0, -1.0, 0.5 - 0.5 - 0.5, 3.0 - 0.5 - 0.25, -2.0, 1.0])
+    got = _penalized(SamplingParams(repetition_penalty=2.0), logits, prompt, output)
+    # prompt and output tokens: positive logits halved, negative doubled
+    assert got.tolist() == pytest.approx([1.0, -2.0, 0.25, 1.5, -2.0, 1.0])
+    got = _penalized(SamplingParams(presence_penalty=-1.0), logits, prompt, output)
+    assert got.tolist() == pytest.approx([2.0, -1.0, 1.5, 4.0, -2.0, 1.0])   # negative: encourages repeats
+    assert torch.equal(_penalized(SamplingParams(), logits, prompt, output), logits)
+
+
+def test_penalties_apply_per_row_and_to_drafts_ahead():
+    logits = torch.zeros(3, 5)
+    a = Sequence("a", [0, 1, 1], SamplingParams(frequency_penalty=1.0), num_prompt_tokens=1)
+    b = Sequence("b", [2, 3], SamplingParams(), num_prompt_tokens=1)
+    got = penalize(logits, [a, b, a], [[], [], [4, 4, 1]])
+    assert got[0].tolist() == [0.0, -2.0, 0.0, 0.0, 0.0]
+    assert got[1].tolist() == [0.0] * 5
+    assert got[2].tolist() == [0.0, -3.0, 0.0, 0.0, -2.0]
+    assert logits.eq(0).all(), "the raw logits stay as they were (logprobs come from them)"
+
+
+def test_greedy_takes_the_argmax_of_the_penalized_logits_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]])
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0, frequency_penalty=2.0, logprobs=1)
+    seq = seqs_for([params], sampler, prompt=[0])[0]
+    seq.token_ids.append(0)                           # token 0 generated once: 5 - 2 < 4
+    res = sampler(logits, [seq])
+    assert res.token_ids == [1]
+    raw = logits[0].log_softmax(-1)
+    assert res.logprobs[0][1] == pytest.approx(raw[1].item()) and res.logprobs[0][0] == pytest.approx(raw[0].item())
+
+

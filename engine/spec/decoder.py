@@ -14,19 +14,20 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.errors import ConfigError
 from engine.block_pool import BlockPool
 from engine.device_clock import device_clock
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampler import logprobs, target_probs
+from engine.sampler import LogprobRows, penalize, to_device, to_host
 from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
 from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramProposer
-from engine.spec.rejection import rejection_sample
+from engine.spec.rejection import VerifyRows, rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class SpecDecoder:
             self.metrics.num_steps_k[ks[i]] = self.metrics.num_steps_k.get(ks[i], 0) + 1
         chosen = [(s, k) for s, k in zip(cands, ks) if k > 0]
         t0 = time.perf_counter()
-        drafts, passes = self.drafter.draft([s for s, _ in chosen], [k for _, k in chosen], e.sampler.generator)
+        drafts, passes = self.drafter.draft([s for s, _ in chosen], [k for _, k in chosen])
         elapsed = time.perf_counter() - t0
         for n, secs in passes:
             self.controller.draft.observe(n, secs)
@@ -142,37 +143,24 @@ class SpecDecoder:
         return out
 
     # -- after the forward: verify ------------------------------------------------------------------
-    def verify(self, logits: torch.Tensor, entries: list[tuple[Sequence, int]],
-               generator: torch.Generator) -> list[tuple[list[int], list]]:
+    def verify(self, logits: torch.Tensor, entries: list[tuple[Sequence, int]]) -> list[tuple[list[int], list]]:
         """entries: (sequence, its first logits row). Returns per sequence the emitted tokens (the
-        accepted drafts and one corrected or bonus token) and their logprobs (or Nones)."""
-        logits = logits.float().cpu()
-        rows, params = [], []
-        for seq, row in entries:
-            if not seq.params.greedy:
-                k = len(seq.spec_tokens)
-                rows.extend(range(row, row + k + 1))
-                params.extend([seq.params] * (k + 1))
-        probs = target_probs(logits[rows], params) if rows else None
-        ps, off = [], 0
-        for seq, row in entries:
-            k = len(seq.spec_tokens)
-            if seq.params.greedy:
-                ps.append(logits[row:row + k + 1])
-            else:
-                ps.append(probs[off:off + k + 1])
-                off += k + 1
-        emitted = rejection_sample([s.spec_tokens for s, _ in entries], ps, [s.spec_probs for s, _ in entries],
-                                   [s.params.greedy for s, _ in entries],
-                                   [s.generator or generator for s, _ in entries])
+        accepted drafts and one corrected or bonus token) and their logprobs (or Nones). Runs where
+        the logits are; one copy to the host."""
+        seqs = [s for s, _ in entries]
+        first = np.fromiter((r for _, r in entries), dtype=np.int64, count=len(entries))
+        rows = VerifyRows.of(seqs)
+        raw = logits.index_select(0, to_device(first[rows.seq] + rows.offset, logits.device)).float()
+        res = rejection_sample(penalize(raw, [seqs[s] for s in rows.seq.tolist()], rows.ahead(seqs)), seqs)
+        lps = LogprobRows.of([seqs[s].params for s in rows.seq.tolist()])
+        row_tokens = res.tokens[to_device(rows.seq, raw.device), to_device(rows.offset, raw.device)]
+        tokens, counts, *lp_arrays = to_host(res.tokens, res.counts, *lps.on_device(raw, row_tokens))
+        row_lps = lps.on_host(lp_arrays, tokens[rows.seq, rows.offset].astype(np.int64).tolist(), len(rows.seq))
         out = []
-        for (seq, row), toks in zip(entries, emitted):
-            if seq.params.logprobs is not None:
-                lps = logprobs(logits[row:row + len(toks)], [seq.params] * len(toks), toks)
-            else:
-                lps = [None] * len(toks)
-            out.append((toks, lps))
-            k, accepted = len(seq.spec_tokens), len(toks) - 1
+        for i, seq in enumerate(seqs):
+            n, at = int(counts[i]), int(rows.start[i])
+            out.append((tokens[i, :n].astype(np.int64).tolist(), row_lps[at:at + n]))
+            k, accepted = len(seq.spec_tokens), n - 1
             self.metrics.record(k, accepted)
             self.controller.observe(seq.spec, k, accepted)
             seq.spec.num_drafts += 1

@@ -11,7 +11,8 @@
 
 A model proposer drafts autoregressively in batched passes: the first pass feeds each request what
 its draft cache has not seen (for layer_skip, the last token), later passes feed the previous draft.
-Drafts are sampled from the *filtered* draft distribution (engine.sampler.target_probs), whose rows
+Drafts are sampled on the device from the *filtered*, penalized draft distribution by inverse CDF with
+Philox(seed, position, DRAFT) (engine.sampler.draft_sample), so drafting replays exactly; the rows
 are kept as q for exact rejection sampling; greedy requests take the argmax.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.device_clock import device_clock
-from engine.sampler import sample_from_probs, target_probs
+from engine.sampler import draft_sample
 from engine.spec.ngram import NgramLookup
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class NgramProposer(Proposer):
         tokens = self._pending.get(seq.request_id)
         return tokens[0] if tokens else None
 
-    def draft(self, seqs: list[Sequence], ks: list[int], sampler_gen) -> tuple[list[Draft], list[tuple[int, float]]]:
+    def draft(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[tuple[int, float]]]:
         out = [Draft(self._pending.pop(s.request_id, [])[:k], None) for s, k in zip(seqs, ks)]
         self._pending.clear()
         return out, []
@@ -99,7 +100,7 @@ class _ModelProposer(Proposer):
     def _after(self, seq: Sequence, fed: list[int]) -> None:
         pass
 
-    def draft(self, seqs: list[Sequence], ks: list[int], sampler_gen) -> tuple[list[Draft], list[tuple[int, float]]]:
+    def draft(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[tuple[int, float]]]:
         """Batched autoregressive drafting; returns the drafts and (requests, seconds) per pass."""
         live = []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
@@ -122,16 +123,12 @@ class _ModelProposer(Proposer):
                     fed[i].append(tokens[i][-1])
                 items.append((feed, pos, bt, 1))
             t0 = device_clock(self.runner.device)
-            logits = self.runner.forward_batch(items, num_layers=self.num_layers).float().cpu()
-            picks = logits.argmax(-1)
-            sampled = [r for r, (_, seq, _) in enumerate(active) if not seq.params.greedy]
-            if sampled:
-                q = target_probs(logits[sampled], [active[r][1].params for r in sampled])
-                picks[sampled] = sample_from_probs(q, [active[r][1].generator for r in sampled], sampler_gen)
-                for j, r in enumerate(sampled):
-                    probs[active[r][0]].append(q[j])
-            for r, (i, _, _) in enumerate(active):
-                tokens[i].append(int(picks[r]))
+            logits = self.runner.forward_batch(items, num_layers=self.num_layers)
+            picks, q = draft_sample(logits, [seq for _, seq, _ in active], [tokens[i] for i, _, _ in active])
+            for r, (i, seq, _) in enumerate(active):
+                tokens[i].append(picks[r])
+                if q[r] is not None:
+                    probs[i].append(q[r])
             timings.append((len(active), device_clock(self.runner.device) - t0))
         for i, seq, *_ in live:
             self._after(seq, fed[i])

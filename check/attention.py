@@ -1,0 +1,190 @@
+"""Part 1 of `baton check gpu`: the Triton paged-attention kernel against the torch reference, on mixed batches.
+
+Each case is one launch over decodes, a fresh prefill, a prefill chunk on a cached prefix and speculative
+verify steps (k + 1 query tokens), at a model's head shapes, in a dtype and a block size. The reference is
+engine/attention.py's `paged_attention_torch` in fp32 on the CPU, fed the same (rounded) inputs, so the error
+is the kernel's alone. On a GPU the kernel runs on the device; in the CPU dry mode it runs under Triton's
+interpreter (TRITON_INTERPRET=1, fp32 and fp16: the interpreter computes bf16 wrong) in a subprocess, since
+the variable must be set before triton is imported; without triton the C++ CPU kernel stands in.
+
+`python -m check.attention` runs the CPU cases and prints their rows as JSON (the subprocess).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from check.compare import Tolerance, error_stats
+from check.report import FAIL, PASS, Row, row_from_dict, row_to_dict
+from engine.attention import AttentionMetadata, paged_attention_torch
+
+NUM_LAYERS = 2               # the cache is one tensor of all layers: a layer's K/V are strided views
+HEAD_SHAPES = {              # (query heads, KV heads, head dim)
+    "SmolLM2-135M": (9, 3, 64),
+    "Llama-3-8B": (32, 8, 128),
+}
+# (context length, query length) per sequence: the query is the context's last tokens.
+GPU_SEQS = [(2047, 1), (300, 1), (33, 1),      # decodes, one over 64+ pages
+            (512, 512),                         # a fresh prefill
+            (1200, 200),                        # a prefill chunk on 1000 cached tokens
+            (900, 5), (64, 5)]                  # verify steps: the last token and 4 drafts
+CPU_SEQS = [(37, 1), (70, 1), (9, 9), (40, 24), (53, 5)]
+TOLERANCES = {               # output rounding (half an ulp) plus the kernel's low-precision P @ V
+    torch.float32: Tolerance(1e-4, 1e-4),
+    torch.float16: Tolerance(2e-3, 2e-3),
+    torch.bfloat16: Tolerance(1.6e-2, 1.6e-2),
+}
+Kernel = Callable[..., torch.Tensor]     # (q, k_cache, v_cache, md, scale) -> out
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: torch.dtype
+    block_size: int
+    seqs: tuple[tuple[int, int], ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}"
+
+
+def cases(cpu: bool) -> list[Case]:
+    dtypes = (torch.float32, torch.float16) if cpu else (torch.bfloat16, torch.float16)
+    seqs = tuple(CPU_SEQS if cpu else GPU_SEQS)
+    return [Case(model, dtype, bs, seqs) for model in HEAD_SHAPES for dtype in dtypes for bs in (16, 32)]
+
+
+def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int = 0,
+                 spare_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random mixed batch on the CPU in fp32. seqs: (context_len, query_len) per sequence, query = last tokens.
+
+    Returns q, the full KV tensor [blocks, layers, 2, block_size, kv_heads, D] and the metadata; blocks are
+    handed out in shuffled order so logical and physical order differ.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    max_blocks = max(blocks_per_seq) + 1                # a padding column, like a real table
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq):
+        block_tables[i, :nb] = perm[used:used + nb].int()
+        used += nb
+
+    query_lens = [n for _, n in seqs]
+    seq_lens = [ctx for ctx, _ in seqs]
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    slots = []
+    for i, (ctx, n) in enumerate(seqs):
+        for pos in range(ctx - n, ctx):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        seq_lens_list=seq_lens,
+        query_lens_list=query_lens,
+    )
+    kv = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=g)
+    q = torch.randn(qsl[-1], num_heads, head_dim, generator=g)
+    return q, kv, md
+
+
+def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(md.slot_mapping.to(device), md.block_tables.to(device), md.seq_lens.to(device),
+                             md.query_start_loc.to(device), md.max_query_len, md.max_seq_len,
+                             md.seq_lens_list, md.query_lens_list)
+
+
+# -- kernels ----------------------------------------------------------------------------------------
+def triton_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    from engine.triton_attention import triton_paged_attention
+    return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                  md.max_query_len, scale)
+
+
+def cpu_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C++ CPU kernel (engine/cpu_attention.py); fp32 only."""
+    from engine.cpu_attention import paged_attention_varlen
+    return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+
+
+KERNELS: dict[str, Kernel] = {"triton": triton_kernel, "cpu": cpu_kernel}
+
+
+def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int = 1) -> Row:
+    """One launch of `kernel` on the case's batch (layer 1 of the cache: strided K/V views), judged against the
+    fp32 reference on the same rounded inputs."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[case.model]
+    q, kv, md = random_batch(case.seqs, heads, kv_heads, head_dim, case.block_size)
+    q, kv = q.to(case.dtype), kv.to(case.dtype)                  # round once; the reference sees the same values
+    scale = head_dim ** -0.5
+    ref = paged_attention_torch(q.float(), kv[:, layer, 0].float(), kv[:, layer, 1].float(), md, scale)
+    fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
+    kv_dev = kv.to(device)
+    out = fn(q.to(device), kv_dev[:, layer, 0], kv_dev[:, layer, 1], metadata_to(md, device), scale)
+    tol = TOLERANCES[case.dtype]
+    stats = error_stats(out, ref, tol)
+    data = {"model": case.model, "heads": [heads, kv_heads, head_dim], "dtype": str(case.dtype).removeprefix("torch."),
+            "block_size": case.block_size, "seqs": [list(s) for s in case.seqs], "tokens": q.shape[0],
+            "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "__name__", "custom"),
+            "out_dtype_ok": out.dtype == case.dtype, "tolerance": {"atol": tol.atol, "rtol": tol.rtol},
+            **stats.as_dict()}
+    ok = stats.passed and data["out_dtype_ok"]
+    data["passed"] = ok
+    result = f"max err {stats.max_abs:.2e}, mean {stats.mean_abs:.2e} (tol {tol.atol:g} + {tol.rtol:g}|ref|)"
+    return Row("attention", case.name, result, PASS if ok else FAIL, data=data)
+
+
+# -- the part ---------------------------------------------------------------------------------------
+def check_attention(cpu: bool, log: Callable[[str], None] = lambda m: None) -> list[Row]:
+    if not cpu:
+        dev = torch.device("cuda")
+        return [run_case(c, "triton", dev) for c in cases(cpu=False)]
+    try:
+        return _interpreted_rows()
+    except RuntimeError as e:                   # no triton, or its interpreter failed: the C++ kernel stands in
+        log(f"Triton interpreter unavailable ({e}); comparing the C++ CPU kernel instead")
+        rows = [run_case(c, "cpu", torch.device("cpu")) for c in cases(cpu=True) if c.dtype == torch.float32]
+        for r in rows:
+            r.case += " (C++ CPU kernel)"
+            r.data["interpreter_error"] = str(e)
+        return rows
+
+
+def _interpreted_rows() -> list[Row]:
+    """The CPU cases in a subprocess under TRITON_INTERPRET=1; its rows come back as JSON on stdout."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "check.attention"], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    return [row_from_dict(d) for d in json.loads(proc.stdout)]
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (check.attention's CPU cases use Triton's interpreter)")
+    rows = [run_case(c, "triton", torch.device("cpu")) for c in cases(cpu=True)]
+    print(json.dumps([row_to_dict(r) for r in rows]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""How a check judges: tensors against a tolerance, and greedy tokens against a reference up to near-ties.
+
+The greedy rule is vLLM's `check_logprobs_close`: where two systems' greedy tokens first differ, each side's
+token must be in the other's top logprobs and neither side may prefer its own by more than a gap; the
+continuations part there, so comparing stops. Until then every token's logprob must agree within the gap.
+The tests (tests/greedy.py) and `baton check gpu` (check/models.py) both judge with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TOP_K = 5                   # both tokens of a near-tie are in each other's top 5
+MAX_LOGPROB_GAP = 0.01      # nats; fp32 kernels that sum in another order differ by ~1e-4, a real bug by far more
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tolerance:
+    """|out - ref| <= atol + rtol * |ref| everywhere (torch.allclose's rule)."""
+    atol: float
+    rtol: float = 0.0
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    max_abs: float
+    mean_abs: float
+    worst: float            # max of |out - ref| / (atol + rtol * |ref|): above 1 is outside the tolerance
+    passed: bool
+
+    def as_dict(self) -> dict:
+        return {"max_abs_err": self.max_abs, "mean_abs_err": self.mean_abs, "worst_over_tolerance": self.worst,
+                "passed": self.passed}
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> ErrorStats:
+    """Errors of `out` against `ref`, both compared in fp32 on the CPU. A NaN or a shape mismatch fails."""
+    out, ref = out.detach().float().cpu(), ref.detach().float().cpu()
+    if out.shape != ref.shape:
+        return ErrorStats(float("inf"), float("inf"), float("inf"), False)
+    err = (out - ref).abs()
+    worst = (err / (tol.atol + tol.rtol * ref.abs())).max().item() if err.numel() else 0.0
+    max_abs, mean_abs = (err.max().item(), err.mean().item()) if err.numel() else (0.0, 0.0)
+    passed = bool(torch.isfinite(out).all()) and worst <= 1.0          # NaN compares false: fails here
+    return ErrorStats(max_abs, mean_abs, worst, passed)
+
+
+# -- greedy tokens ----------------------------------------------------------------------------------
+class GreedyMismatch(AssertionError):
+    """Two greedy continuations that differ by more than a near-tie (an AssertionError, so tests may let it fail
+    them as it is; raised explicitly, so `python -O` does not turn the check off)."""
+
+
+@dataclass
+class Greedy:
+    """A greedy continuation: its tokens and, per token, the top logprobs of the distribution it came from."""
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int, top_k: int = TOP_K) -> Greedy:
+    """transformers' greedy reference that never stops early (EOS disabled, like ignore_eos)."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    logprobs = []
+    for step in out.logits:                                   # one [1, vocab] tensor per generated token
+        top = step[0].float().log_softmax(-1).topk(top_k)
+        logprobs.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+    return Greedy(out.sequences[0, ids.shape[1]:].tolist(), logprobs)
+
+
+def baton_greedy(output) -> Greedy:
+    """An engine RequestOutput run with SamplingParams(temperature=0, logprobs=TOP_K)."""
+    return Greedy(list(output.token_ids), list(output.logprobs))
+
+
+def check_greedy_close(ours: Greedy, theirs: Greedy, max_gap: float = MAX_LOGPROB_GAP) -> int | None:
+    """Equal greedy tokens, or equal up to a near-tie: at the first token that differs, each side's token is in
+    the other's top logprobs and neither side prefers its own by more than `max_gap`; the continuations part
+    there, so comparing stops. Until then every token's logprob agrees within `max_gap`. Returns the index of
+    the near-tie, None when every token is equal; raises GreedyMismatch otherwise."""
+    def require(ok: bool, why: str) -> None:
+        if not ok:
+            raise GreedyMismatch(why)
+
+    require(len(ours.tokens) == len(theirs.tokens), f"lengths differ: {len(ours.tokens)} vs {len(theirs.tokens)}")
+    for i, (a, b) in enumerate(zip(ours.tokens, theirs.tokens)):
+        mine, other = ours.logprobs[i], theirs.logprobs[i]
+        if a == b:
+            require(abs(mine[a] - other[b]) <= max_gap, f"token {i} ({a}): logprob {mine[a]:.5f} vs {other[b]:.5f}")
+            continue
+        require(b in mine and a in other, f"token {i}: {a} vs {b}, not in each other's top {len(mine)}")
+        gap = max(mine[a] - mine[b], other[b] - other[a])
+        require(gap <= max_gap, f"token {i}: {a} vs {b}, a gap of {gap:.5f} nats is no near-tie")
+        return i
+    return None

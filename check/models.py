@@ -1,0 +1,223 @@
+"""Part 2 of `baton check gpu`: the engine against transformers on random-weight models built from config.
+
+Each model (a Llama-3 shape of about 1B with llama3 RoPE scaling, a Qwen2 shape with its q/k/v bias) is built
+by transformers with random weights and saved with `save_pretrained` (safetensors), then loaded by both, as a
+real checkpoint is. transformers in fp32 gives the reference: greedy continuations with their top logprobs,
+and the teacher-forced log-probabilities of every position of prompt + continuation.
+
+- Teacher-forced: the engine's log-probabilities over the same tokens (a prefill of the first half, then the
+  rest as a chunk on the cached half) against the reference. In bf16 the tolerance is 3x what transformers'
+  own bf16 run misses the reference by (measured here, on the same weights and tokens): the engine may not be
+  much further from the exact answer than transformers in the same dtype. fp32 (the CPU dry mode) has a fixed
+  tolerance.
+- Greedy: the engine's greedy tokens, all prompts in one batch, with CUDA graphs and with enforce_eager,
+  against the reference up to near-ties (check/compare.py: check_greedy_close) with that tolerance as the gap.
+
+The final norm's weight is scaled so logits have a standard deviation of about 4, as a trained model's do:
+with std-0.02 weights throughout, logits are nearly flat and every greedy token is a near-tie.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from check.compare import (MAX_LOGPROB_GAP, TOP_K, ErrorStats, Greedy, GreedyMismatch, Tolerance, baton_greedy,
+                           check_greedy_close, error_stats, hf_greedy)
+from check.report import FAIL, PASS, Row
+from engine.loader import DUMMY_SHAPES
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+# name -> (model_type, config): the GPU run's shapes, then the CPU dry mode's tiny twins
+GPU_MODELS = {
+    "Llama-3-1B": ("llama", {**DUMMY_SHAPES["llama-1b"], "rope_scaling": LLAMA3_ROPE}),
+    "Qwen2-0.5B": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                 rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=32768)),
+}
+CPU_MODELS = {
+    "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
+                                                                            "original_max_position_embeddings": 64},
+                             "max_position_embeddings": 512}),
+    "qwen2-tiny": ("qwen2", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
+                                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+                                 max_position_embeddings=512)),
+}
+GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
+CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12
+LOGIT_STD = 4.0
+TOL_FACTOR = 3.0                                          # x transformers' own low-precision error
+FLOORS = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.05, 0.005), torch.float16: (0.02, 0.002)}  # max, mean
+
+
+def models(cpu: bool) -> dict[str, tuple[str, dict]]:
+    return CPU_MODELS if cpu else GPU_MODELS
+
+
+def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.dtype, device: torch.device,
+                     seed: int = 0) -> str:
+    """A random-weight checkpoint of `config`, saved by transformers (safetensors) in `dtype`: the weights both
+    systems load are then the same numbers, whatever dtype each computes in."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type](**config)
+    torch.manual_seed(seed)
+    with torch.device(device):                            # initialising 1B weights on a GPU takes a second
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(LOGIT_STD / (cfg.initializer_range * cfg.hidden_size ** 0.5))
+    model.to(dtype).save_pretrained(out_dir)
+    del model
+    _free(device)
+    return str(out_dir)
+
+
+def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- the reference ----------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    prompts: list[list[int]]
+    greedy: list[Greedy]                  # transformers in fp32
+    logprobs: list[torch.Tensor]          # teacher-forced, fp32 on the CPU: [len(prompt) + new tokens, vocab]
+    tol_max: float                        # what the engine's log-probabilities may miss the reference by
+    tol_mean: float
+    hf_low: ErrorStats | None             # transformers in the engine's dtype against the reference
+
+    def sequences(self) -> list[list[int]]:
+        return [p + g.tokens for p, g in zip(self.prompts, self.greedy)]
+
+
+def _hf_model(path: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+@torch.inference_mode()
+def _hf_logprobs(model, seqs: list[list[int]]) -> list[torch.Tensor]:
+    return [model(input_ids=torch.tensor([s], device=model.device)).logits[0].float().log_softmax(-1).cpu()
+            for s in seqs]
+
+
+def hf_reference(path: str, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> Reference:
+    """transformers' fp32 greedy continuations and teacher-forced log-probabilities; in a lower `dtype`, also how
+    far transformers itself lands from them, which sets the engine's tolerance."""
+    model = _hf_model(path, torch.float32, device)
+    with torch.inference_mode():
+        greedy = [hf_greedy(model, p, new_tokens) for p in prompts]
+    seqs = [p + g.tokens for p, g in zip(prompts, greedy)]
+    ref = _hf_logprobs(model, seqs)
+    del model
+    _free(device)
+    tol_max, tol_mean = FLOORS[dtype]
+    hf_low = None
+    if dtype != torch.float32:
+        model = _hf_model(path, dtype, device)
+        hf_low = _stats(_hf_logprobs(model, seqs), ref, Tolerance(float("inf")))
+        del model
+        _free(device)
+        tol_max, tol_mean = max(tol_max, TOL_FACTOR * hf_low.max_abs), max(tol_mean, TOL_FACTOR * hf_low.mean_abs)
+    return Reference(prompts, greedy, ref, tol_max, tol_mean, hf_low)
+
+
+def _stats(ours: list[torch.Tensor], ref: list[torch.Tensor], tol: Tolerance) -> ErrorStats:
+    return error_stats(torch.cat(ours), torch.cat(ref), tol)
+
+
+# -- the engine's side ------------------------------------------------------------------------------
+def engine_logprobs(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced log-probabilities of every position: one step prefills each sequence's first half, a
+    second step runs the rest as a chunk on that cached half. Call with no request running: the steps write
+    the first blocks of the cache directly, so the prefix cache forgets what they held."""
+    runner, bs = llm.engine.runner, llm.engine.block_size
+    if not llm.engine.pool.reset_prefix_cache():
+        raise RuntimeError("teacher forcing needs an idle engine (a cached block is in use)")
+    first, rest, start = [], [], 0
+    for s in seqs:
+        table = list(range(start, start + -(-len(s) // bs)))
+        start += len(table)
+        half = len(s) // 2
+        first.append((s[:half], 0, table, half))
+        rest.append((s[half:], half, table, len(s) - half))
+    a, b = runner.forward_batch(first).float().cpu(), runner.forward_batch(rest).float().cpu()
+    out, i, j = [], 0, 0
+    for s in seqs:
+        half = len(s) // 2
+        out.append(torch.cat([a[i:i + half], b[j:j + len(s) - half]]).log_softmax(-1))
+        i, j = i + half, j + len(s) - half
+    return out
+
+
+def engine_for(path: str, ref: Reference, dtype: torch.dtype, device: torch.device, enforce_eager: bool):
+    from engine import LLM
+    tokens = sum(len(s) for s in ref.sequences())
+    return LLM(path, dtype=str(dtype).removeprefix("torch."), device=device.type, enforce_eager=enforce_eager,
+               max_num_seqs=8, num_kv_blocks=2 * (tokens // 16 + len(ref.prompts)) + 8,
+               max_model_len=max(len(s) for s in ref.sequences()) + 16)
+
+
+def compare_logprobs(name: str, llm, ref: Reference) -> Row:
+    stats = _stats(engine_logprobs(llm, ref.sequences()), ref.logprobs, Tolerance(ref.tol_max))
+    ok = stats.passed and stats.mean_abs <= ref.tol_mean
+    hf = f" (transformers' own: {ref.hf_low.max_abs:.3g} / {ref.hf_low.mean_abs:.3g})" if ref.hf_low else ""
+    result = (f"logprob err max {stats.max_abs:.3g}, mean {stats.mean_abs:.3g}{hf}; "
+              f"tol {ref.tol_max:.3g} / {ref.tol_mean:.3g}")
+    data = {**stats.as_dict(), "passed": ok, "tol_max": ref.tol_max, "tol_mean": ref.tol_mean,
+            "tokens": sum(len(s) for s in ref.sequences()),
+            "transformers_low_precision": ref.hf_low.as_dict() if ref.hf_low else None}
+    return Row("models", f"{name} teacher-forced", result, PASS if ok else FAIL, data=data)
+
+
+def compare_greedy(name: str, llm, ref: Reference, label: str) -> Row:
+    """All prompts in one batch, greedy with top logprobs, each against its reference up to a near-tie."""
+    from engine import SamplingParams
+    n = len(ref.greedy[0].tokens)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=TOP_K)
+    outs = llm.generate(ref.prompts, params)
+    gap = max(ref.tol_max, MAX_LOGPROB_GAP)
+    ties, errors = [], []
+    for i, (out, want) in enumerate(zip(outs, ref.greedy)):
+        try:
+            ties.append(check_greedy_close(baton_greedy(out), want, max_gap=gap))
+        except GreedyMismatch as e:
+            errors.append(f"prompt {i}: {e}")
+    equal = sum(t is None for t in ties)
+    result = (f"{equal}/{len(outs)} prompts equal x {n} tokens, near-ties at "
+              f"{[t for t in ties if t is not None] or 'none'}" if not errors else "; ".join(errors))
+    data = {"prompts": len(outs), "new_tokens": n, "equal": equal, "near_ties": [t for t in ties if t is not None],
+            "errors": errors, "max_gap": gap, "passed": not errors}
+    return Row("models", f"{name} greedy, {label}", result, FAIL if errors else PASS, data=data)
+
+
+# -- the part ---------------------------------------------------------------------------------------
+def check_models(paths: dict[str, str], cpu: bool, log: Callable[[str], None] = lambda m: None) -> list[Row]:
+    device = torch.device("cpu" if cpu else "cuda")
+    dtype = torch.float32 if cpu else torch.bfloat16
+    lengths, new_tokens = (CPU_PROMPTS, CPU_NEW_TOKENS) if cpu else (GPU_PROMPTS, GPU_NEW_TOKENS)
+    rows = []
+    for name, path in paths.items():
+        log(f"models: {name}: transformers reference")
+        from engine.loader import load_config
+        ref = hf_reference(path, random_prompts(load_config(path).vocab_size, lengths), new_tokens, dtype, device)
+        for eager in (False, True):
+            log(f"models: {name}: engine, enforce_eager={eager}")
+            llm = engine_for(path, ref, dtype, device, enforce_eager=eager)
+            if not eager:
+                rows.append(compare_logprobs(name, llm, ref))
+            rows.append(compare_greedy(name, llm, ref, f"enforce_eager={eager}"))
+            del llm
+            _free(device)
+    return rows
