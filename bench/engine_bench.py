@@ -249,6 +249,82 @@ def bench_decode(llm, allowed: np.ndarray, seed: int, prompt_len: int, n_tokens:
             "bound_definition": "bound_ms = weight_bytes / copy bandwidth"}
 
 
+# -- phase 4: host time per decode step --------------------------------------------------------
+STEP_GOAL_HOST_FRACTION = 0.10          # issue 16: host work under 10% of a batch-64 decode step
+
+
+class _ForwardTimer:
+    """Device time spent in the model's forward (eager calls and graph replays) while it is installed."""
+
+    def __init__(self, runner):
+        from engine.device_clock import device_clock
+        self.runner, self.clock, self.seconds = runner, device_clock, 0.0
+        eager = runner._model
+        runner._model = lambda *a, **k: self._timed(eager, *a, **k)
+        self._graphs = {key: g.graph for key, g in runner._graphs.items()}
+        for key, g in runner._graphs.items():
+            g.graph = _TimedReplay(self, g.graph)
+
+    def _timed(self, fn, *a, **k):
+        t = self.clock(self.runner.device)
+        out = fn(*a, **k)
+        self.seconds += self.clock(self.runner.device) - t
+        return out
+
+    def remove(self) -> None:
+        del self.runner._model
+        for key, graph in self._graphs.items():
+            self.runner._graphs[key].graph = graph
+
+
+@dataclass
+class _TimedReplay:
+    timer: _ForwardTimer
+    graph: Any
+
+    def replay(self) -> None:
+        self.timer._timed(self.graph.replay)
+
+
+def bench_step_host_time(llm, allowed: np.ndarray, seed: int, batch_sizes: tuple[int, ...] = (1, 64),
+                         steps: int = 24) -> dict:
+    """Decode-only steps of `batch` requests: the step's time and the forward's (both on the device
+    clock); host time (inputs, sampling, bookkeeping) is their difference. Medians over the steps."""
+    from engine import SamplingParams
+    from engine.device_clock import device_clock
+    engine, rng = llm.engine, np.random.default_rng(seed + 3)
+    timer = _ForwardTimer(engine.runner)
+    out = {"goal_host_fraction_at_64": STEP_GOAL_HOST_FRACTION, "definition":
+           "host_ms = step_ms - forward_ms: an engine.step() of decodes only minus its model forward/graph replay"}
+    try:
+        for batch in batch_sizes:
+            params = SamplingParams(max_tokens=steps + 3, ignore_eos=True, temperature=0.0)
+            for _ in range(batch):
+                engine.add_request(rng.choice(allowed, size=32).tolist(), params)
+            rows = []
+            while engine.has_unfinished_requests():
+                running = engine.scheduler.running
+                decode = (len(running) == batch and not engine.scheduler.waiting
+                          and all(s.num_computed_tokens == s.num_tokens - 1 for s in running))
+                timer.seconds = 0.0
+                t = device_clock(engine.runner.device)
+                engine.step()
+                if decode:
+                    rows.append((device_clock(engine.runner.device) - t, timer.seconds))
+            rows = rows[2:]                                  # the first steps warm caches up
+            step, fwd = statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+            host = statistics.median(r[0] - r[1] for r in rows)
+            out[f"batch_{batch}"] = {"steps": len(rows), "step_ms": step * 1e3, "forward_ms": fwd * 1e3,
+                                     "host_ms": host * 1e3, "host_fraction": host / step}
+            log(f"  batch {batch}: step {step * 1e3:.2f} ms, forward {fwd * 1e3:.2f} ms, "
+                f"host {host * 1e3:.2f} ms ({host / step:.1%} of the step)")
+    finally:
+        timer.remove()
+    last = out.get(f"batch_{batch_sizes[-1]}")
+    out["meets_goal"] = last is not None and last["host_fraction"] < STEP_GOAL_HOST_FRACTION
+    return out
+
+
 PlotFn = Callable[[dict, Path], None]            # draws a result into a PNG file
 
 
@@ -322,6 +398,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"short prompts/outputs and a small prefix for a smoke run: {QUICK}")
     p.add_argument("--out-dir", default="bench_out/engine")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--step-only", action="store_true",
+                   help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
 
 def _phase(name: str, fn: Callable, *args) -> Any:
@@ -359,6 +437,10 @@ def run(args: argparse.Namespace) -> dict:
     }
     # a first tiny request pays one-off costs (allocator, kernels) outside every timed phase
     llm.generate([workload[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+    if args.step_only:
+        result["step_host_time"] = _phase("phase 4: host time per step", bench_step_host_time, llm, allowed,
+                                          args.seed, (1, args.max_num_seqs))
+        return write_result(result, out_dir / "engine_step.json")
 
     baton, baton_tokens = _phase("phase 1: Baton throughput", bench_baton, llm, workload)
     result["throughput"] = {"baton": baton}
@@ -368,6 +450,8 @@ def run(args: argparse.Namespace) -> dict:
     result["decode"] = _phase("phase 3: batch-1 decode", bench_decode, llm, allowed, args.seed,
                               cfg["decode_prompt_len"], cfg["decode_tokens"], bw)
     result["decode"]["bandwidth"] = bw
+    result["step_host_time"] = _phase("phase 4: host time per step", bench_step_host_time, llm, allowed,
+                                      args.seed, (1, args.max_num_seqs))
     device, dtype = runner.device, runner.dtype
     del llm, runner                                      # free Baton's KV cache before the peers load
     gc.collect()

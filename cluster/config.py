@@ -78,6 +78,8 @@ class EngineKnobs(_Schema):
                            f"{DEFAULT_GPU_KV_FRACTION} of free GPU memory")
     num_kv_blocks: int | None = _knob("num_kv_blocks", "Exact KV block count; overrides kv_cache_memory", ge=1)
     seed: int | None = _knob("seed", "Seed of dummy weights and of requests that give none")
+    enforce_eager: bool | None = _knob("enforce_eager", "On CUDA, run every step eagerly: no CUDA graphs for "
+                                                        "decode and verify steps (they are captured at start-up)")
     speculative_config: dict[str, Any] | None = _knob(
         "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
                               "num_speculative_tokens, ...} (off when unset)")

@@ -32,8 +32,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
-    seq_lens_list: list[int]        # host copies, so the torch path never syncs
-    query_lens_list: list[int]
+    seq_lens_list: list[int]        # host copies, so the torch path never syncs; the CUDA path never
+    query_lens_list: list[int]      # reads them (a replayed CUDA graph would see the captured ones)
 
     @property
     def num_seqs(self) -> int:

@@ -37,12 +37,14 @@ class KVCacheManager:
         table.extend(self.pool.allocate(need))
         return True
 
-    def shrink(self, table: list[int], num_tokens: int) -> None:
-        """Free the blocks of `table` past the ones holding `num_tokens` slots."""
+    def shrink(self, table: list[int], num_tokens: int) -> bool:
+        """Free the blocks of `table` past the ones holding `num_tokens` slots; True if there were any."""
         keep = blocks_for(num_tokens, self.block_size)
-        if len(table) > keep:
-            self.pool.free(table[keep:])
-            del table[keep:]
+        if len(table) <= keep:
+            return False
+        self.pool.free(table[keep:])
+        del table[keep:]
+        return True
 
     def release(self, table: list[int]) -> None:
         if table:
@@ -56,11 +58,13 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         self.release(seq.block_table)
+        _changed(seq)
 
     def trim(self, seq: Sequence) -> None:
         """Speculation rollback: free blocks past the one that will hold the next token; they hold
         only rejected drafts' K/V (never hashed, so never shared)."""
-        self.shrink(seq.block_table, seq.num_tokens)
+        if self.shrink(seq.block_table, seq.num_tokens):
+            _changed(seq)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Reuse cached leading blocks of a sequence that holds none; the last prompt token is always
@@ -71,6 +75,7 @@ class KVCacheManager:
         hit = self.pool.match(seq.block_hashes[:usable], seq.token_ids)
         self.pool.touch(hit)
         seq.block_table = list(hit)
+        _changed(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * bs
         return len(hit)
 
@@ -110,6 +115,7 @@ class KVCacheManager:
             return None
         self.pool.touch(hit)
         seq.block_table = list(hit)
+        _changed(seq)
         self.grow(seq.block_table, seq.num_tokens)
         self.pool.record_query(seq.num_tokens, len(hit) * bs)
         return len(hit)
@@ -119,6 +125,7 @@ class KVCacheManager:
         """Keep a finished prefill's blocks (its prompt's full and partial blocks) for export; the
         sequence lets go of them."""
         blocks, seq.block_table = seq.block_table, []
+        _changed(seq)
         self.pinned[seq.request_id] = blocks
         return blocks
 
@@ -129,3 +136,9 @@ class KVCacheManager:
             return False
         self.pool.free(blocks)
         return True
+
+
+def _changed(seq: Sequence) -> None:
+    """Blocks left the table or were replaced (not only appended): whoever mirrors it rereads it whole
+    (the model runner's persistent block table)."""
+    seq.block_table_epoch += 1

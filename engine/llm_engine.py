@@ -13,13 +13,14 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
+from engine.device_clock import device_clock
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from engine.block_pool import KV_LAYOUT_VERSION, BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, RemotePrefill
 from engine.kv_events import KVEvent
 from engine.loader import load_config, load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, allocate_kv_caches
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -47,6 +48,12 @@ class LLMEngine:
                               f"must be >= max_model_len ({self.max_model_len}): a prompt must fit one step")
         self.runner = ModelRunner(config, self.model_path, hf, self.max_model_len)
         self.hf_config = hf
+        # a draft model's weights load first, so the KV budget leaves them room (model_runner.plan_kv_blocks)
+        self.draft_runner = None
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            from engine.spec.decoder import load_draft_runner
+            self.draft_runner = load_draft_runner(config, hf, self.max_model_len)
+        allocate_kv_caches(self.runner, self.draft_runner)
         self.block_size = config.block_size
         if self.runner.num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache holds {self.runner.num_blocks * self.block_size} tokens, "
@@ -141,6 +148,7 @@ class LLMEngine:
         if self.scheduler.remove(seq):             # else a transfer may still write into its blocks
             self.kv.free(seq)
         self._drop_spec(seq)
+        self.runner.release(seq.request_id)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         seq.finished_time = time.monotonic()
         return True
@@ -161,12 +169,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self._drop_spec(seq)
+            self.runner.release(seq.request_id)
         if not sched.scheduled:
             return early
         now = time.monotonic()
         for seq, _ in sched.scheduled:
             seq.first_scheduled_time = seq.first_scheduled_time or now
-        t0 = time.perf_counter()
+        t0 = device_clock(self.runner.device)
         logits, samplers = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             if not seq.spec_tokens:                     # a verify step advances after acceptance
@@ -181,7 +190,7 @@ class LLMEngine:
             rows = [r for _, r in plain] if verify else slice(None)
             result = self.sampler(logits[rows], [s for s, _ in plain])
         emitted = self.spec.verify(logits, verify) if verify else []
-        seconds = time.perf_counter() - t0
+        seconds = device_clock(self.runner.device) - t0
         self.busy_seconds_total += seconds
         now = time.monotonic()
         outputs = early
@@ -238,6 +247,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         self._drop_spec(seq)
+        self.runner.release(seq.request_id)
         seq.status = Status.FINISHED
         seq.finished_time = time.monotonic()
         if seq.detok is not None and not isinstance(seq.stop_reason, str):

@@ -1,14 +1,18 @@
-"""ModelRunner: owns the model and the KV cache tensor; turns a scheduled batch into one forward."""
+"""ModelRunner: owns the model, the KV cache tensor, the step's persistent inputs and the CUDA graphs;
+turns a scheduled batch into one forward."""
 from __future__ import annotations
 
 import logging
 import time
 
+import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.block_pool import blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
+from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, pad_step, padding_step, verify_widths
 from engine.errors import ConfigError
+from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
 from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
 from engine.model import LlamaForCausalLM, can_prepack
 from engine.sequence import Sequence
@@ -17,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    """Built with the weights only; allocate_kv() then sizes the cache (see allocate_kv_caches)."""
+
     def __init__(self, config: EngineConfig, model_path: str, hf_config, max_model_len: int):
         self.config = config
         self.device, self.dtype = config.torch_device, config.torch_dtype
@@ -34,8 +40,25 @@ class ModelRunner:
             self.model.prepack_linears()
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks()
-        self.kv_cache = torch.zeros(self.kv_shape(self.num_blocks), dtype=self.dtype, device=self.device)
+        self.max_model_len = max_model_len
+        self.num_blocks = 0
+        self.graph_keys: list[tuple[int, int]] = []        # (batch size, query width) of the graphs to replay
+        self._graphs: dict[tuple[int, int], CapturedGraph] = {}
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The KV cache, the step buffers and (on CUDA, unless enforce_eager) the CUDA graphs."""
+        self.num_blocks = num_blocks
+        # One block more than the pool's: the padding block of CUDA-graph padding rows. The model
+        # gets all of them; the pool and the transports see only the first num_blocks (kv_cache).
+        self.kv_blocks = torch.zeros(self.kv_shape(num_blocks + 1), dtype=self.dtype, device=self.device)
+        self.kv_cache = self.kv_blocks[:num_blocks]
+        self.padding_block = num_blocks
+        c, max_blocks = self.config, blocks_for(self.max_model_len, self.block_size)
+        self.inputs = InputBatch(c.max_num_batched_tokens, c.max_num_seqs, max_blocks, self.block_size, self.device)
+        self.rows = SequenceRows(c.max_num_seqs, self.max_model_len, max_blocks)
+        if self.device.type == "cuda":
+            self.graph_keys = self.graph_plan()
+            self.capture_graphs()
 
     # -- KV cache ---------------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -57,19 +80,15 @@ class ModelRunner:
         rows = self.model.model.embed_tokens.weight[:8].detach().float().cpu().numpy().tobytes()
         return hashlib.blake2b(rows, digest_size=8).hexdigest()
 
-    def _num_blocks(self) -> int:
-        c = self.config
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        mem = c.kv_cache_memory
+    def kv_budget(self) -> int:
+        """Bytes for every KV cache of this engine (the target's and a draft model's): kv_cache_memory,
+        a fraction of it taken of what is free now, after all weights are loaded."""
+        mem = self.config.kv_cache_memory
         if mem is None:
             mem = DEFAULT_GPU_KV_FRACTION if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
         if isinstance(mem, float):
             mem = int(self._available_memory() * mem)
-        blocks = int(mem) // self.block_bytes
-        if blocks < 1:
-            raise ConfigError(f"kv_cache_memory {mem} bytes is less than one block ({self.block_bytes} bytes)")
-        return blocks
+        return int(mem)
 
     def _available_memory(self) -> int:
         if self.device.type == "cuda":
@@ -78,6 +97,31 @@ class ModelRunner:
         import os
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def graph_plan(self) -> list[tuple[int, int]]:
+        """(batch size, query width) of the graphs this config captures on CUDA; none with enforce_eager."""
+        c = self.config
+        if c.enforce_eager:
+            return []
+        return graph_keys(c.max_num_seqs, verify_widths(c.speculative_config), c.max_num_batched_tokens)
+
+    @property
+    def graph_sizes(self) -> list[tuple[int, int]]:
+        """The graphs captured (batch size, query width): empty on CPU and with enforce_eager."""
+        return list(self._graphs)
+
+    def capture_graphs(self) -> None:
+        """Capture every planned graph on a step of padding rows, largest first (CUDA; tests on CPU
+        stand a replay-by-rerun in for engine.cuda_graphs.capture)."""
+        t0, pool = time.perf_counter(), torch.cuda.graph_pool_handle()
+        for size, width in self.graph_keys:
+            shape, ids, tables = padding_step(size, width, self.inputs.max_blocks, self.padding_block)
+            self.inputs.stage(shape, ids, tables)
+            x = self.inputs.to_device(shape)
+            self._graphs[(size, width)] = capture(lambda x=x: self._model(x), pool)
+        log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
+
     # -- one forward ------------------------------------------------------------------------------
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the model over the scheduled tokens; logits for sequences that now sample.
@@ -85,19 +129,14 @@ class ModelRunner:
         A sequence's tokens are its token_ids followed by its draft tokens (seq.spec_tokens). One that
         reaches its end samples: a plain one gets one logits row, a speculating one gets 1 + k rows
         (the target's distribution after each of its last token and k drafts), in batch order.
+        The logits are valid until the next forward (a replayed graph rewrites its output).
         """
-        items, samplers = [], []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start:start + n]
-            spec = seq.spec_tokens
-            if start + n > seq.num_tokens:                  # a verify step: last token + drafts
-                tokens = tokens + spec[:start + n - seq.num_tokens]
-            done = start + n == seq.num_tokens + len(spec)
-            items.append((tokens, start, seq.block_table, (1 + len(spec)) if done else 0))
-            if done:
-                samplers.append(seq)
-        return self.forward_batch(items), samplers
+        shape, ids, tables, samplers = self.rows.prepare(scheduled)
+        return self._forward(shape, ids, tables), samplers
+
+    def release(self, request_id: str) -> None:
+        """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""
+        self.rows.release(request_id)
 
     def forward_batch(self, items: list[tuple[list[int], int, list[int], int]],
                       num_layers: int | None = None) -> torch.Tensor:
@@ -106,32 +145,70 @@ class ModelRunner:
         Writes the tokens' K/V to the cache at their slots and returns the requested logits rows
         [sum of rows, vocab] in order. `num_layers` runs only the first layers (layer-skip drafts).
         """
-        input_ids, positions, slots, qlens, slens, logit_rows = [], [], [], [], [], []
-        bs = self.block_size
-        for tokens, start, bt, n_logits in items:
-            n = len(tokens)
-            end = start + n
-            input_ids.extend(tokens)
-            positions.extend(range(start, end))
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            qlens.append(n)
-            slens.append(end)
-            logit_rows.extend(range(len(input_ids) - n_logits, len(input_ids)))
-        max_blocks = max(len(bt) for _, _, bt, _ in items)
-        tables = torch.zeros((len(items), max_blocks), dtype=torch.int32)
-        for i, (_, _, bt, _) in enumerate(items):
-            tables[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
-        qsl = [0]
-        for n in qlens:
-            qsl.append(qsl[-1] + n)
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(qlens), max_seq_len=max(slens),
-            seq_lens_list=slens, query_lens_list=qlens)
-        return self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                          self.kv_cache, md, torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-                          num_layers=num_layers)
+        return self._forward(*items_shape(items, self.block_size), num_layers=num_layers)
+
+    def _forward(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
+                 num_layers: int | None = None) -> torch.Tensor:
+        """A uniform step of the whole model replays a graph (padded); anything else runs eagerly."""
+        width = shape.uniform_width() if num_layers is None and self.graph_keys else None
+        size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
+        if size is not None and tables.shape[1] <= self.inputs.max_blocks:
+            return self.forward_padded(shape, ids, tables, size)
+        batch = self.inputs
+        if not batch.fits(len(ids), len(shape.query_lens), tables.shape[1]):
+            # larger than a step (profiling, a draft model's catch-up): buffers for this call only
+            batch = InputBatch(len(ids), len(shape.query_lens), tables.shape[1], self.block_size, self.device,
+                               pin=False)
+        batch.stage(shape, ids, tables)
+        return self._model(batch.to_device(shape), num_layers)
+
+    def forward_padded(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, size: int) -> torch.Tensor:
+        """A uniform step padded to `size` sequences: its graph replayed on CUDA, the padded batch run
+        eagerly where there is none (CPU, tests). Returns the real rows' logits."""
+        width = int(shape.query_lens[0])
+        padded = pad_step(shape, ids, tables, size, width, self.padding_block)
+        self.inputs.stage(*padded)
+        x = self.inputs.to_device(padded[0])
+        graph = self._graphs.get((size, width))
+        if graph is None:
+            return self._model(x)[:shape.num_tokens]
+        graph.graph.replay()
+        return graph.logits[:shape.num_tokens]
+
+    def _model(self, x: StepInputs, num_layers: int | None = None) -> torch.Tensor:
+        return self.model(x.input_ids, x.positions, self.kv_blocks, x.md, x.logits_indices, num_layers=num_layers)
+
+
+def plan_kv_blocks(config: EngineConfig, budget: int, block_bytes: int,
+                   draft_block_bytes: int | None = None) -> tuple[int, int | None]:
+    """Blocks of the target's KV cache and of a draft model's (None without one) in `budget` bytes.
+
+    The draft's weights are loaded before this runs, so a fraction of free memory already leaves
+    them out; the cache memory is then split so both caches hold the same number of tokens (a
+    draft can follow every sequence the target holds), or the draft takes draft_kv_blocks and the
+    target the rest. num_kv_blocks sets the target's count outright (and the draft's by default).
+    """
+    spec = config.speculative_config
+    fixed = spec.draft_kv_blocks if spec is not None and draft_block_bytes is not None else None
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, (fixed or config.num_kv_blocks) if draft_block_bytes else None
+    if draft_block_bytes is None:
+        target, draft = budget // block_bytes, None
+    elif fixed is not None:
+        target, draft = (budget - fixed * draft_block_bytes) // block_bytes, fixed
+    else:
+        target = draft = budget // (block_bytes + draft_block_bytes)
+    if target < 1:
+        need = block_bytes + (draft_block_bytes or 0) * (1 if fixed is None else fixed)
+        with_draft = " with the draft model's" if draft_block_bytes else ""
+        raise ConfigError(f"kv_cache_memory {budget} bytes is less than one block ({need} bytes{with_draft})")
+    return target, draft
+
+
+def allocate_kv_caches(target: ModelRunner, draft: ModelRunner | None = None) -> None:
+    """Size and allocate the target's KV cache and a draft model's from one budget (plan_kv_blocks)."""
+    blocks, draft_blocks = plan_kv_blocks(target.config, target.kv_budget(), target.block_bytes,
+                                          draft.block_bytes if draft is not None else None)
+    target.allocate_kv(blocks)
+    if draft is not None:
+        draft.allocate_kv(draft_blocks)

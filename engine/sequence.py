@@ -35,6 +35,7 @@ class Sequence:
     seq_no: int = field(default_factory=lambda: next(_counter))    # FCFS order
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
+    block_table_epoch: int = 0            # bumped by the KVCacheManager when blocks leave or are replaced
     block_hashes: list[int] = field(default_factory=list)   # hashes of this sequence's full blocks
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission

@@ -111,7 +111,11 @@ def _paged_attention_kernel(
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            max_query_len: int, scale: float) -> torch.Tensor:
-    """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`."""
+    """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`.
+
+    CUDA-graph safe: the grid and constexprs follow from shapes (tokens, sequences) and the host int
+    max_query_len (the query width of a captured decode/verify step); nothing reads device memory
+    on the host, and the output's shape is fixed by q's."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, kv_dim = k_cache.shape
     assert v_cache.shape == k_cache.shape and kv_dim == head_dim, "cache shape mismatch"

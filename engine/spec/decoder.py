@@ -19,6 +19,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.block_pool import BlockPool
+from engine.device_clock import device_clock
 from engine.kv_cache_manager import KVCacheManager
 from engine.sampler import LogprobRows, penalize, to_device, to_host
 from engine.sequence import Sequence
@@ -68,39 +69,24 @@ class SpecDecoder:
         return self._load_draft_model()
 
     def _load_draft_model(self) -> DraftModelProposer:
-        from engine.config import EngineConfig
-        from engine.loader import load_config, resolve_model
-        from engine.model_runner import ModelRunner
-        e, cfg = self.engine, self.cfg
-        path = resolve_model(cfg.model)
-        hf = load_config(path)
-        if hf.vocab_size != e.hf_config.vocab_size:
-            raise ConfigError(f"speculative_config: the draft model's vocabulary ({hf.vocab_size}) differs from "
-                              f"the target's ({e.hf_config.vocab_size}); a draft must share the target's tokenizer")
-        limit = getattr(hf, "max_position_embeddings", e.max_model_len)
-        if limit < e.max_model_len:
-            raise ConfigError(f"speculative_config: the draft model has {limit} positions, fewer than "
-                              f"max_model_len {e.max_model_len}; lower max_model_len or pick another draft")
-        c = e.config
-        dcfg = EngineConfig(model=cfg.model, dtype=c.dtype, device=c.device, block_size=c.block_size,
-                            num_kv_blocks=cfg.draft_kv_blocks or e.runner.num_blocks, seed=c.seed,
-                            load_format="dummy" if c.load_format == "dummy" else "auto")
-        runner = ModelRunner(dcfg, path, hf, e.max_model_len)
-        log.info("draft model %s: %.1f MiB of weights, %d KV blocks", path, runner.weight_bytes / 2**20,
+        """The engine loaded the draft's weights before sizing its KV caches (load_draft_runner)."""
+        runner = self.engine.draft_runner
+        log.info("draft model %s: %.1f MiB of weights, %d KV blocks", self.cfg.model, runner.weight_bytes / 2**20,
                  runner.num_blocks)
-        return DraftModelProposer(runner, KVCacheManager(BlockPool(runner.num_blocks, c.block_size, enable_caching=False), ""))
+        pool = BlockPool(runner.num_blocks, runner.block_size, enable_caching=False)
+        return DraftModelProposer(runner, KVCacheManager(pool, ""))
 
     @staticmethod
     def _profile(runner, num_layers: int | None, sizes: list[int]) -> list[tuple[int, float]]:
         """Seconds of a forward over T one-token rows, for each T (best of 2): the cost table's prior.
-        Writes garbage K/V to slot 0 of block 0, which nothing uses yet."""
+        Writes garbage K/V to the padding block, which no sequence owns."""
         def timed(n: int) -> float:
-            items = [([0], 0, [0], 1)] * n
+            items = [([0], 0, [runner.padding_block], 1)] * n
             best = float("inf")
             for _ in range(2):
-                t0 = time.perf_counter()
+                t0 = device_clock(runner.device)
                 runner.forward_batch(items, num_layers=num_layers)
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, device_clock(runner.device) - t0)
             return best
         timed(1)                                             # warm-up (kernel build, allocator)
         return [(n, timed(n)) for n in sizes]
@@ -211,3 +197,26 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         return {**self.metrics.as_dict(), **self.drafter.stats()}
+
+
+def load_draft_runner(config, target_hf, max_model_len: int):
+    """A draft model's runner with its weights and no KV cache yet: the engine loads it before it sizes
+    the caches, so the target's KV budget leaves room for it (model_runner.allocate_kv_caches)."""
+    from engine.config import EngineConfig
+    from engine.loader import load_config, resolve_model
+    from engine.model_runner import ModelRunner
+    cfg = config.speculative_config
+    path = resolve_model(cfg.model)
+    hf = load_config(path)
+    if hf.vocab_size != target_hf.vocab_size:
+        raise ConfigError(f"speculative_config: the draft model's vocabulary ({hf.vocab_size}) differs from "
+                          f"the target's ({target_hf.vocab_size}); a draft must share the target's tokenizer")
+    limit = getattr(hf, "max_position_embeddings", max_model_len)
+    if limit < max_model_len:
+        raise ConfigError(f"speculative_config: the draft model has {limit} positions, fewer than "
+                          f"max_model_len {max_model_len}; lower max_model_len or pick another draft")
+    c = config
+    dcfg = EngineConfig(model=cfg.model, dtype=c.dtype, device=c.device, block_size=c.block_size, seed=c.seed,
+                        max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                        enforce_eager=c.enforce_eager, load_format="dummy" if c.load_format == "dummy" else "auto")
+    return ModelRunner(dcfg, path, hf, max_model_len)

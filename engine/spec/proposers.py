@@ -17,12 +17,12 @@ are kept as q for exact rejection sampling; greedy requests take the argmax.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.device_clock import device_clock
 from engine.sampler import draft_sample
 from engine.spec.ngram import NgramLookup
 
@@ -122,14 +122,14 @@ class _ModelProposer(Proposer):
                     feed, pos = [tokens[i][-1]], starts[i] + len(fed[i])
                     fed[i].append(tokens[i][-1])
                 items.append((feed, pos, bt, 1))
-            t0 = time.perf_counter()
+            t0 = device_clock(self.runner.device)
             logits = self.runner.forward_batch(items, num_layers=self.num_layers)
             picks, q = draft_sample(logits, [seq for _, seq, _ in active], [tokens[i] for i, _, _ in active])
             for r, (i, seq, _) in enumerate(active):
                 tokens[i].append(picks[r])
                 if q[r] is not None:
                     probs[i].append(q[r])
-            timings.append((len(active), time.perf_counter() - t0))
+            timings.append((len(active), device_clock(self.runner.device) - t0))
         for i, seq, *_ in live:
             self._after(seq, fed[i])
         drafts = [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(len(seqs))]
