@@ -22,8 +22,9 @@ from typing import Any
 
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 
-FULL = dict(max_tokens=256, batch_max_tokens=128, num_repeat=None, num_chat=None)
-QUICK = dict(max_tokens=32, batch_max_tokens=16, num_repeat=3, num_chat=3)
+FULL = dict(max_tokens=256, batch_max_tokens=128, num_repeat=None, num_chat=None, num_layer_skip=None)
+# the smoke run (tests): every workload and one layer_skip config, just enough to show each path runs
+QUICK = dict(max_tokens=32, batch_max_tokens=16, num_repeat=2, num_chat=2, num_layer_skip=1)
 BATCH = 32
 LAYER_SKIP = [(8, False), (8, True), (16, False), (16, True)]   # (num_layers, adaptive) of (d)
 LAYER_SKIP_K = 3
@@ -457,7 +458,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-layer-skip", action="store_true", help="leave out workload (d)")
     p.add_argument("--quick", action="store_true",
                    help=f"a smoke run: {QUICK['num_repeat']} repeat and {QUICK['num_chat']} chat prompts, "
-                        f"{QUICK['max_tokens']} tokens (batch32: {QUICK['batch_max_tokens']})")
+                        f"{QUICK['max_tokens']} tokens (batch32: {QUICK['batch_max_tokens']}), "
+                        f"{QUICK['num_layer_skip']} layer_skip config")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/spec",
                    help="directory for spec.json and spec_itl.png (default bench_out/spec)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
@@ -493,7 +495,7 @@ def run(args: argparse.Namespace) -> dict:
     engines.build(spec_name, main_spec, KV_BYTES_MAIN)
     ls_names = []
     if not args.skip_layer_skip:
-        for n_layers, adaptive in LAYER_SKIP:
+        for n_layers, adaptive in LAYER_SKIP[:cfg["num_layer_skip"]]:
             name = f"layer_skip{n_layers}_k{LAYER_SKIP_K}_" + ("adaptive" if adaptive else "fixed")
             engines.build(name, {"method": "layer_skip", "num_layers": n_layers,
                                  "num_speculative_tokens": LAYER_SKIP_K, "adaptive": adaptive}, KV_BYTES_SMALL)
