@@ -147,8 +147,7 @@ class LLMEngine:
             return False
         if self.scheduler.remove(seq):             # else a transfer may still write into its blocks
             self.kv.free(seq)
-        self._drop_spec(seq)
-        self.runner.release(seq.request_id)
+        self._leave_batch(seq)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         seq.finished_time = time.monotonic()
         return True
@@ -168,8 +167,7 @@ class LLMEngine:
         drafted = self.spec.propose(self.scheduler.running) if self.spec is not None else []
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
-            self._drop_spec(seq)
-            self.runner.release(seq.request_id)
+            self._leave_batch(seq)
         if not sched.scheduled:
             return early
         now = time.monotonic()
@@ -228,9 +226,12 @@ class LLMEngine:
         if seq.finish_reason is not None or seq.prefill_only:
             self._finish(seq)
 
-    def _drop_spec(self, seq: Sequence) -> None:
+    def _leave_batch(self, seq: Sequence) -> None:
+        """The sequence finished, was aborted or preempted: its draft state and its rows of the
+        runner's persistent step tables go."""
         if self.spec is not None:
             self.spec.release(seq)
+        self.runner.release(seq.request_id)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -246,8 +247,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
-        self._drop_spec(seq)
-        self.runner.release(seq.request_id)
+        self._leave_batch(seq)
         seq.status = Status.FINISHED
         seq.finished_time = time.monotonic()
         if seq.detok is not None and not isinstance(seq.stop_reason, str):
