@@ -60,16 +60,22 @@ class Greedy:
     logprobs: list[dict[int, float]]
 
 
-def hf_greedy(model, prompt_ids: list[int], n: int, top_k: int = TOP_K) -> Greedy:
-    """transformers' greedy reference that never stops early (EOS disabled, like ignore_eos)."""
-    ids = torch.tensor([prompt_ids], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+def hf_greedy(model, prompts: list[list[int]], n: int, top_k: int = TOP_K) -> list[Greedy]:
+    """transformers' greedy reference that never stops early (EOS disabled, like ignore_eos), for every prompt in
+    one generate call: left-padded, with the attention mask (transformers then derives each row's positions from
+    it), so n forwards serve the whole batch. Padding changes matmul shapes, so a logprob may move by ~1e-5: far
+    inside the near-tie gap."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                          eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    logprobs = []
-    for step in out.logits:                                   # one [1, vocab] tensor per generated token
-        top = step[0].float().log_softmax(-1).topk(top_k)
-        logprobs.append(dict(zip(top.indices.tolist(), top.values.tolist())))
-    return Greedy(out.sequences[0, ids.shape[1]:].tolist(), logprobs)
+    logprobs: list[list[dict[int, float]]] = [[] for _ in prompts]
+    for step in out.logits:                                   # one [batch, vocab] tensor per generated token
+        top = step.float().log_softmax(-1).topk(top_k)
+        for row, (idx, val) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+            logprobs[row].append(dict(zip(idx, val)))
+    return [Greedy(out.sequences[row, width:].tolist(), logprobs[row]) for row in range(len(prompts))]
 
 
 def baton_greedy(output) -> Greedy:

@@ -117,7 +117,7 @@ def hf_reference(path: str, prompts: list[list[int]], new_tokens: int, dtype: to
     far transformers itself lands from them, which sets the engine's tolerance."""
     model = _hf_model(path, torch.float32, device)
     with torch.inference_mode():
-        greedy = [hf_greedy(model, p, new_tokens) for p in prompts]
+        greedy = hf_greedy(model, prompts, new_tokens)
     seqs = [p + g.tokens for p, g in zip(prompts, greedy)]
     ref = _hf_logprobs(model, seqs)
     del model

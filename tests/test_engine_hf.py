@@ -25,7 +25,7 @@ GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logpro
 @pytest.fixture(scope="module")
 def smol_reference(hf_smol, smol_llm):
     prompt_ids = [smol_llm.engine.tokenize(p) for p in PROMPTS]
-    return prompt_ids, [hf_greedy(hf_smol, ids, 64) for ids in prompt_ids]
+    return prompt_ids, hf_greedy(hf_smol, prompt_ids, 64)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 48, 70)]
-    want = [hf_greedy(hf, p, 32) for p in prompts]
+    want = hf_greedy(hf, prompts, 32)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP_K)
     alone = LLM(path, block_size=8, num_kv_blocks=64)
     alone_outs = [alone.generate([p], params)[0] for p in prompts]
