@@ -155,18 +155,31 @@ def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: in
     return ClusterConfig.from_dict(d)
 
 
-def with_cluster(cfg, fn):
-    from cluster.serving import start, stop
+def with_cluster(cfgs, fn):
+    """fn(base URL, model name) on a cluster running each config in turn (one config, or a list: the later ones
+    redeploy the app in place, as `serve deploy` of an edited config would). Returns fn's result, or a list."""
+    from cluster.app import APP_NAME
+    from cluster.serving import redeploy, start, stop
+    many = isinstance(cfgs, list)
+    results = []
     t = time.perf_counter()
-    start(cfg)
-    log(f"cluster up in {time.perf_counter() - t:.0f} s: {cfg.mode}, prefill routing {cfg.router.policy}")
+    start(cfgs[0] if many else cfgs)
     try:
-        return fn(f"http://127.0.0.1:{PORT}", cfg.model_name())
+        for i, cfg in enumerate(cfgs if many else [cfgs]):
+            if i:
+                t = time.perf_counter()
+                redeploy(cfg, APP_NAME)
+            log(f"cluster up in {time.perf_counter() - t:.0f} s: {cfg.mode}, prefill routing {cfg.router.policy}")
+            results.append(fn(f"http://127.0.0.1:{PORT}", cfg.model_name()))
     finally:
         stop()
+    return results if many else results[0]
 
 
-def routing_run(policy: str, n: int, rate: float, prefix_tokens: int, slo: tuple[float, float]) -> dict:
+def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
+                 slo: tuple[float, float]) -> dict[str, dict]:
+    """The same tenants' workload under each prefill routing policy, on one Serve start: each policy after the
+    first redeploys the app in place (Serve replaces the prefill replicas, so every policy starts cold)."""
     rng = np.random.default_rng(1)
     warm, reqs = tenants(n, prefix_tokens, rng)
     poisson(reqs, rate, rng)
@@ -188,7 +201,8 @@ def routing_run(policy: str, n: int, rate: float, prefix_tokens: int, slo: tuple
                 "prefill_query_tokens": q, "prefill_hit_tokens": h}
     # every prompt goes through the prefill pool (the decode replica would otherwise prefill a tenant's
     # prompt itself once it caches the prefix: conditional disaggregation, but not what is measured here)
-    return with_cluster(serve_config("disaggregated", policy, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20), work)
+    cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20) for p in policies]
+    return dict(zip(policies, with_cluster(cfgs, work)))
 
 
 def pd_run(mode: str, n_streams: int, n_long: int, rate: float, slo: tuple[float, float]) -> dict:
@@ -359,11 +373,10 @@ def run(args: argparse.Namespace) -> dict:
         log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
         return result
     try:
-        routing = {}
-        for policy in ("prefix_aware", "pow2"):
-            log(f"routing: {policy}, {args.requests} tenants requests at {args.rate}/s")
-            routing[policy] = routing_run(policy, args.requests, args.rate, args.prefix_tokens, slo)
-            log(f"routing {policy}: hit rate {routing[policy]['prefix_hit_rate']:.1%}, TTFT {routing[policy]['ttft_ms']}")
+        log(f"routing: prefix_aware then pow2, {args.requests} tenants requests at {args.rate}/s")
+        routing = routing_runs(["prefix_aware", "pow2"], args.requests, args.rate, args.prefix_tokens, slo)
+        for policy, r in routing.items():
+            log(f"routing {policy}: hit rate {r['prefix_hit_rate']:.1%}, TTFT {r['ttft_ms']}")
         pd = {}
         if not args.skip_pd:
             for mode in ("disaggregated", "colocated"):

@@ -26,6 +26,22 @@ def start(config: ClusterConfig, num_cpus: int | None = None):
     return _wait_running(APP_NAME)
 
 
+def redeploy(config: ClusterConfig, app_name: str):
+    """Deploy an edited config over the running app (Serve replaces only the deployments that changed) and
+    wait until it runs again."""
+    from ray import serve
+
+    from cluster.app import serve_config
+    before = serve.status().applications[app_name].last_deployed_time_s
+    _deploy_apps(serve_config(config, app_name))
+    deadline = time.monotonic() + 60              # the old status stands until the controller takes the new config
+    while serve.status().applications[app_name].last_deployed_time_s == before:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve did not take the new config of {app_name} in 60 s")
+        time.sleep(0.05)
+    return _wait_running(app_name)
+
+
 def _deploy_apps(serve_config: dict) -> None:
     """The declarative path (Serve's own `serve deploy`): the only one that carries an application-level
     autoscaling policy, and the one KubeRay uses. Ray Serve has no public Python call for it (serve.run takes

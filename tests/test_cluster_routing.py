@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from bench.cluster_bench import routing_run
+from bench.cluster_bench import routing_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.bench, pytest.mark.timeout(1200)]
 
@@ -16,8 +16,8 @@ def test_prefix_aware_routing_keeps_tenants_on_their_replica():
              namespace="test-routing")
     try:
         slo = (5.0, 1.0)
-        aware = routing_run("prefix_aware", 16, 2.0, 1024, slo)
-        pow2 = routing_run("pow2", 16, 2.0, 1024, slo)
+        runs = routing_runs(["prefix_aware", "pow2"], 16, 2.0, 1024, slo)      # one Serve start, redeployed
+        aware, pow2 = runs["prefix_aware"], runs["pow2"]
     finally:
         ray.shutdown()
     assert aware["ok"] == pow2["ok"] == 16, (aware["errors"], pow2["errors"])
