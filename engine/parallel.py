@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,6 +39,16 @@ class Rendezvous:
 
 
 @dataclass
+class CollectiveTimes:
+    """Seconds this rank waited in each kind of collective, and the steps it sent (`bench engine --tp`).
+    Host time: on CPU (gloo) the collectives' whole cost; on CUDA, NCCL work is queued, not waited for."""
+    all_reduce_s: float = 0.0
+    gather_s: float = 0.0
+    broadcast_s: float = 0.0
+    steps: int = 0
+
+
+@dataclass
 class TPGroup:
     """One rank's view of its TP group: rank, size, and the two process groups (None at TP 1)."""
     rank: int = 0
@@ -46,8 +56,7 @@ class TPGroup:
     model_pg: object = None           # the model's all-reduces and the logits gather
     control_pg: object = None         # gloo: step headers and inputs (CPU tensors)
     store: object = None              # kept alive: the groups rendezvous through it
-    collective_seconds: float = field(default=0.0)   # time spent in the model's collectives (bench)
-    timed: bool = False
+    times: CollectiveTimes | None = None   # set to count the time in collectives (benchmarks)
 
     @property
     def is_driver(self) -> bool:
@@ -58,32 +67,38 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
-        t0 = time.perf_counter() if self.timed else 0.0
+        t0 = time.perf_counter()
         _wait(self.model_pg.allreduce([t]))
-        if self.timed:
-            self.collective_seconds += time.perf_counter() - t0
+        self._count("all_reduce_s", t0)
         return t
 
     def gather_to_driver(self, t: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets every rank's t concatenated on the last dim; other ranks get None."""
-        t0 = time.perf_counter() if self.timed else 0.0
+        t0 = time.perf_counter()
         opts = dist.GatherOptions()
         opts.rootRank = 0
         t = t.contiguous()
         outs = [[torch.empty_like(t) for _ in range(self.size)]] if self.is_driver else []
         _wait(self.model_pg.gather(outs, [t], opts))
-        if self.timed:
-            self.collective_seconds += time.perf_counter() - t0
+        self._count("gather_s", t0)
         return torch.cat(outs[0], dim=-1) if self.is_driver else None
 
     # -- the step's inputs, rank 0 -> workers (gloo, CPU int64 tensors, no pickle) ------------------
     def send_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None) -> None:
+        t0 = time.perf_counter()
         b, n = len(shape.query_lens), len(ids)
         header = torch.tensor([_STEP, b, n, tables.shape[1], -1 if num_layers is None else num_layers, 0, 0, 0])
         payload = np.concatenate([shape.starts, shape.query_lens, shape.num_logits, ids.astype(np.int64, copy=False),
                                   tables.reshape(-1).astype(np.int64, copy=False)])
         _wait(self.control_pg.broadcast(header, 0))
         _wait(self.control_pg.broadcast(torch.from_numpy(payload), 0))
+        self._count("broadcast_s", t0)
+        if self.times is not None:
+            self.times.steps += 1
+
+    def _count(self, kind: str, t0: float) -> None:
+        if self.times is not None:
+            setattr(self.times, kind, getattr(self.times, kind) + time.perf_counter() - t0)
 
     def send_stop(self) -> None:
         _wait(self.control_pg.broadcast(torch.tensor([_STOP, 0, 0, 0, 0, 0, 0, 0]), 0))
