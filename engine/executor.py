@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.input_batch import StepShape
 from engine.loader import load_config
 from engine.model_runner import ModelRunner, allocate_kv_caches, plan_kv_blocks
-from engine.parallel import Rendezvous, TPGroup, TPWorkerError, check_heads, join_group, new_rendezvous
+from engine.parallel import DEFAULT_TIMEOUT_S, Rendezvous, TPGroup, TPWorkerError, check_heads, join_group, new_rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ class Executor:
     def tp_size(self) -> int:
         return 1 + len(self.workers)
 
-    def collective_rpc(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> list:
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> list:
         """fn(worker, *args) on every rank (rank 0 here, in this thread), results in rank order."""
         futures = [h.call(fn, *args) for h in self.workers]
         mine = fn(self.driver, *args)

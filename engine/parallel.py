@@ -22,6 +22,8 @@ from engine.kv_layout import KVHeadLayout
 
 # A step's collectives normally take milliseconds; a peer that stops answering for this long is lost.
 DEFAULT_TIMEOUT_S = float(os.environ.get("BATON_TP_TIMEOUT_S", "120"))
+# A worker waits this long for the next step: idleness is no failure (rank 0's death closes the connection).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
 _STOP, _STEP = 0, 1
 
 
@@ -106,7 +108,7 @@ class TPGroup:
     def recv_step(self) -> tuple[StepShape, np.ndarray, np.ndarray, int | None] | None:
         """A worker waits for rank 0's next step; None when rank 0 stops the workers."""
         header = torch.zeros(8, dtype=torch.int64)
-        _wait(self.control_pg.broadcast(header, 0))
+        _wait(self.control_pg.broadcast(header, 0, IDLE_TIMEOUT))    # an idle engine sends nothing for hours
         kind, b, n, cols, layers = header[:5].tolist()
         if kind == _STOP:
             return None

@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from conftest import make_tiny_checkpoint, wait_for
 from engine.config import EngineConfig
@@ -104,10 +105,15 @@ def test_smollm2_tp2_equals_tp1(smol_path):
 
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
                                   {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 2,
-                                   "adaptive": False}], ids=["ngram", "layer_skip"])
+                                   "adaptive": False},
+                                  {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}],
+                         ids=["ngram", "layer_skip", "draft_model"])
 def test_speculation_with_tp2_keeps_greedy_output(tiny_paths, spec):
-    """ngram drafts without a model; layer_skip drafts with the sharded target's first layers."""
+    """ngram drafts without a model; layer_skip with the sharded target's first layers; a draft model runs
+    unsharded on rank 0 (vLLM's draft_tensor_parallel_size=1)."""
     path = tiny_paths["qwen2-tied"]
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": path}
     ref = generate(engine(path, 1), PROMPTS)
     eng = engine(path, 2, speculative_config=spec)
     try:
@@ -152,7 +158,6 @@ class CountingHandle:
 
 def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
     import safetensors
-    import torch
 
     from engine.loader import iter_weights, load_config
     from engine.model import LlamaForCausalLM
@@ -182,6 +187,35 @@ def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
 
 
 # -- failures and shutdown ------------------------------------------------------------------------------
+def test_an_idle_worker_outwaits_the_collective_timeout():
+    """A worker waits for the next step without a deadline (an engine may idle for hours); steps still flow."""
+    import threading
+
+    import numpy as np
+
+    from engine.input_batch import StepShape
+    from engine.parallel import join_group, new_rendezvous
+    rdv, store = new_rendezvous(2, timeout_s=4.0)
+    groups = {}
+    cpu = torch.device("cpu")
+    threads = [threading.Thread(target=lambda r=r: groups.update({r: join_group(rdv, r, cpu, None if r else store)}))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = []
+    worker = threading.Thread(target=lambda: got.append(groups[1].recv_step()))
+    worker.start()
+    time.sleep(5.0)                                       # idle for longer than the collective timeout
+    shape = StepShape(np.array([0, 3]), np.array([3, 1]), np.array([1, 1]))
+    groups[0].send_step(shape, np.arange(4), np.array([[5, 6], [7, 8]], np.int32), 2)
+    worker.join(timeout=10)
+    got_shape, ids, tables, layers = got[0]
+    assert got_shape.query_lens.tolist() == [3, 1] and ids.tolist() == [0, 1, 2, 3]
+    assert tables.tolist() == [[5, 6], [7, 8]] and layers == 2
+
+
 def test_tensor_parallel_size_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
