@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.input_batch import StepShape
 from engine.loader import load_config
 from engine.model_runner import ModelRunner, allocate_kv_caches, plan_kv_blocks
@@ -70,17 +71,28 @@ class TPWorker:
             with self.lock:
                 self.runner.forward_step(*step)
 
+    def start_serving(self) -> None:
+        """A worker's process (or actor) runs the step loop on a thread and exits with it: rank 0 stopped
+        it or is gone (a collective failed), so no worker outlives its engine."""
+        threading.Thread(target=_serve_then_exit, args=(self,), daemon=True, name="baton-tp-steps").start()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(self, *args) between steps (a WorkerHandle.call arriving in the worker)."""
+        with self.lock:
+            return fn(self, *args)
+
 
 class WorkerHandle(Protocol):
     """How rank 0 reaches one TP worker (rank >= 1), wherever it runs.
 
-    `start(spec)` begins building TPWorker.build(spec) remotely and returns at once (rank 0 must join the
-    group too before any worker can finish); the worker then runs TPWorker.serve_steps() on a thread
-    and serves call()s. `ready` is a Future that resolves once the worker's shard is loaded (or fails
-    with its error). `call(fn, *args)` runs fn(worker, *args) there under worker.lock and returns a
-    Future of the result (fn must be picklable: a module-level function). `alive()` is cheap (rank 0
-    asks it before every step); `kill()` ends the worker now and is idempotent. Implementations:
-    MPWorkerHandle (spawned processes, the default) and a Ray actor one (cluster).
+    `start(spec)` begins, remotely, `w = TPWorker.build(spec); w.start_serving()` and returns at once
+    (rank 0 must join the group too before any worker can finish building). `ready` is a Future that
+    resolves once the worker's shard is loaded (or fails with its error). `call(fn, *args)` runs
+    `w.call(fn, *args)` there and returns a Future of the result (fn must be picklable: a module-level
+    function). `alive()` is cheap (rank 0 asks it before every step); `kill()` ends the worker now and
+    is idempotent. A worker given its own single device (a Ray actor's GPU is its cuda:0) replaces
+    spec.device. Implementations: MPWorkerHandle (spawned processes, EngineConfig
+    distributed_executor_backend="mp", the default) and a Ray actor one ("ray", see WORKER_HANDLES).
     """
     rank: int
     ready: Future
@@ -105,15 +117,14 @@ def _worker_main(spec: WorkerSpec, conn) -> None:
         conn.send((False, e))
         return
     conn.send((True, None))
-    threading.Thread(target=_serve_then_exit, args=(worker,), daemon=True).start()
+    worker.start_serving()
     while True:
         try:
             fn, args = conn.recv()
         except (EOFError, OSError):
             os._exit(0)
         try:
-            with worker.lock:
-                reply = (True, fn(worker, *args))
+            reply = (True, worker.call(fn, *args))
         except BaseException as e:                       # noqa: BLE001 - re-raised by rank 0
             reply = (False, e)
         conn.send(reply)
@@ -183,6 +194,18 @@ class MPWorkerHandle:
 
 
 # -- the executor -------------------------------------------------------------------------------------
+# distributed_executor_backend -> "module:WorkerHandle class", imported when a TP engine starts
+WORKER_HANDLES = {"mp": "engine.executor:MPWorkerHandle"}
+
+
+def worker_handle_class(backend: str) -> type:
+    import importlib
+    if backend not in WORKER_HANDLES:
+        raise ConfigError(f"distributed_executor_backend must be one of {sorted(WORKER_HANDLES)}, got {backend!r}")
+    module, name = WORKER_HANDLES[backend].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def device_of(config: EngineConfig, rank: int) -> str:
     """cpu, or cuda:<base + rank>: one device per rank, counted from the configured one."""
     d = config.torch_device
@@ -193,7 +216,7 @@ class Executor:
     """Rank 0's runner (`runner`) and the TP workers. At TP 1 it is the runner alone: no group, no hook."""
 
     def __init__(self, config: EngineConfig, model_path: str, hf_config, max_model_len: int,
-                 handle_cls: type = MPWorkerHandle):
+                 handle_cls: type | None = None):
         self.config, self.workers = config, []
         self.failure: TPWorkerError | None = None
         tp = config.tensor_parallel_size
@@ -203,6 +226,7 @@ class Executor:
             return
         check_heads(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
                     or hf_config.num_attention_heads, tp)      # a clear error before any process starts
+        handle_cls = handle_cls or worker_handle_class(config.distributed_executor_backend)
         rdv, store = new_rendezvous(tp)
         spec = WorkerSpec(config, model_path, max_model_len, 0, rdv, device_of(config, 0))
         self.workers = [handle_cls.start(WorkerSpec(config, model_path, max_model_len, r, rdv, device_of(config, r)))
