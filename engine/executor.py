@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
@@ -240,7 +241,7 @@ class Executor:
             self.shutdown()
             raise
         self.runner = self.driver.runner
-        self.runner.on_step = self._send_step
+        self.runner.on_step = self._step
 
     def _build_driver(self, spec: WorkerSpec, store) -> TPWorker:
         """Rank 0 joins the group on a thread, so a worker that fails before joining (a bad model path,
@@ -286,8 +287,22 @@ class Executor:
         if draft is not None:
             draft.allocate_kv(draft_blocks)
 
+    @contextmanager
+    def _step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None):
+        """Rank 0's on_step, around its forward: send the step's inputs to the workers first. A step that
+        fails halfway leaves the ranks out of step (workers wait in a collective rank 0 left), so
+        every later step fails too: the replica must be replaced."""
+        self._send_step(shape, ids, tables, num_layers)
+        try:
+            yield
+        except BaseException as e:
+            if self.failure is None:
+                self.failure = TPWorkerError(f"a tensor-parallel step failed on rank 0 ({e!r}); the ranks are "
+                                             f"out of step: replace the replica")
+            raise
+
     def _send_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None) -> None:
-        """Rank 0's on_step: fail fast on a dead worker, else send the step's inputs."""
+        """Fail fast on a dead worker, else send the step's inputs."""
         if self.failure is None:
             dead = [h.rank for h in self.workers if not h.alive()]
             if dead:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ class ModelRunner:
         self.device, self.dtype = device or config.torch_device, config.torch_dtype
         self.hf_config = hf_config
         self.tp = tp
-        self.on_step: Callable[[StepShape, np.ndarray, np.ndarray, int | None], None] | None = None
+        self.on_step: Callable[[StepShape, np.ndarray, np.ndarray, int | None], ContextManager] | None = None
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len, tp=tp)
@@ -161,8 +161,13 @@ class ModelRunner:
                      num_layers: int | None = None) -> torch.Tensor | None:
         """A uniform step of the whole model replays a graph (padded); anything else runs eagerly.
         Returns the logits rows (None on TP ranks other than 0)."""
-        if self.on_step is not None:
-            self.on_step(shape, ids, tables, num_layers)
+        if self.on_step is None:
+            return self._forward(shape, ids, tables, num_layers)
+        with self.on_step(shape, ids, tables, num_layers):     # TP rank 0: the workers run this step too
+            return self._forward(shape, ids, tables, num_layers)
+
+    def _forward(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
+                 num_layers: int | None) -> torch.Tensor | None:
         width = shape.uniform_width() if num_layers is None and self.graph_keys else None
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
         if size is not None and tables.shape[1] <= self.inputs.max_blocks:
