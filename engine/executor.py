@@ -153,6 +153,7 @@ class MPWorkerHandle:
         self.ready: Future = Future()
         self._pending: deque[Future] = deque([self.ready])
         self._send_lock = threading.Lock()
+        self._closed = False                      # the pipe is gone: calls fail at once
         threading.Thread(target=self._read_replies, daemon=True).start()
 
     @classmethod
@@ -166,11 +167,15 @@ class MPWorkerHandle:
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         fut: Future = Future()
         with self._send_lock:
-            if not self.alive():
+            if self._closed or not self.alive():
                 fut.set_exception(TPWorkerError(f"TP worker rank {self.rank} is not running"))
                 return fut
             self._pending.append(fut)
-            self._conn.send((fn, args))
+            try:
+                self._conn.send((fn, args))
+            except OSError as e:                  # it died since: the reader fails what is pending
+                self._pending.remove(fut)
+                fut.set_exception(TPWorkerError(f"TP worker rank {self.rank} is not running: {e}"))
         return fut
 
     def alive(self) -> bool:
@@ -190,6 +195,8 @@ class MPWorkerHandle:
                 break
             fut = self._pending.popleft()
             fut.set_result(value) if ok else fut.set_exception(value)
+        with self._send_lock:
+            self._closed = True
         while self._pending:
             self._pending.popleft().set_exception(TPWorkerError(f"TP worker rank {self.rank} exited"))
 
