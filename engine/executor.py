@@ -28,7 +28,8 @@ from engine.errors import ConfigError
 from engine.input_batch import StepShape
 from engine.loader import load_config
 from engine.model_runner import ModelRunner, allocate_kv_caches, plan_kv_blocks
-from engine.parallel import DEFAULT_TIMEOUT_S, Rendezvous, TPGroup, TPWorkerError, check_heads, join_group, new_rendezvous
+from engine.parallel import (DEFAULT_TIMEOUT_S, Rendezvous, TPGroup, TPWorkerError, check_heads, join_group,
+                             new_rendezvous)
 
 log = logging.getLogger(__name__)
 

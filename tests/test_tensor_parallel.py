@@ -23,7 +23,7 @@ from greedy import TOP_K, baton_greedy, check_greedy_close
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
 PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 100] + [4] * 30 + [250], list(range(40, 90))]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # prefill chunks: steps with no logits rows
+TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # chunked prefills: steps with no logits
 
 # (model type, config overrides): MQA (1 KV head on 2 ranks: replicated) with uneven intermediate and vocab
 # splits; Qwen2 with q/k/v biases and tied embeddings (the LM head shares the embedding's vocab shard)
