@@ -12,6 +12,7 @@ from engine.block_pool import blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, pad_step, padding_step, verify_widths
 from engine.errors import ConfigError
+from engine.kv_layout import kv_cache_shape
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
 from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
 from engine.model import LlamaForCausalLM, can_prepack
@@ -63,7 +64,7 @@ class ModelRunner:
     # -- KV cache ---------------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model
-        return (num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        return kv_cache_shape(num_blocks, m.num_kv_heads, m.num_layers, self.block_size, m.head_dim)
 
     @property
     def block_bytes(self) -> int:
