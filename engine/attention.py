@@ -11,6 +11,7 @@ The new tokens' K/V are written to the cache (write_kv) before attention reads i
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,23 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots."""
-    heads = torch.arange(k_cache.shape[2], device=slot_mapping.device)
+    bs, heads, d = k_cache.shape[1:]
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches must have the same strides")
+    idx = None
     for cache, x in ((k_cache, k), (v_cache, v)):
-        rows, base, block_stride, head_stride = _row_view(cache, cache.shape[3])
-        bs, slot_stride = cache.shape[1], cache.stride(1) // cache.shape[3]   # whole rows in any layout
-        tok = base + (slot_mapping // bs) * block_stride + (slot_mapping % bs) * slot_stride
-        idx = (tok.unsqueeze(1) + heads * head_stride).flatten()          # [num_tokens * kv_heads]
-        rows.index_copy_(0, idx, x.reshape(idx.shape[0], -1).to(rows.dtype))
+        rows, base, block_stride, head_stride = _row_view(cache, d)
+        if idx is None:                   # each (token, head)'s row, relative to base: one index for K and V
+            slot_stride = cache.stride(1) // d                             # whole rows in any layout
+            tok = (slot_mapping // bs) * block_stride + (slot_mapping % bs) * slot_stride
+            idx = (tok.unsqueeze(1) + _head_offsets(heads, head_stride, tok.device)).flatten()
+        rows.index_copy_(0, idx + base, x.reshape(idx.shape[0], d).to(rows.dtype))
+
+
+@functools.cache
+def _head_offsets(heads: int, head_stride: int, device: torch.device) -> torch.Tensor:
+    """[heads] row offsets of a token's heads (cached: it is asked on every layer of every step)."""
+    return torch.arange(heads, device=device) * head_stride
 
 
 def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, int]:

@@ -37,6 +37,30 @@ def kv_cache_shape(num_blocks: int, num_kv_heads: int, num_layers: int, block_si
     return (num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)
 
 
+def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache. On CPU it asks for transparent huge pages: a decode step reads every head's
+    span of every block cold, and with 4 KiB pages each span costs a page walk of its own
+    (SmolLM2 batch 32, one layer, cold: 2.3 ms with 4 KiB pages, 1.7-2.0 ms with huge pages)."""
+    kv = torch.empty(shape, dtype=dtype, device=device)
+    if kv.device.type == "cpu":
+        _advise_huge_pages(kv)
+    return kv.zero_()
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned inside of t's memory, before anything touches it;
+    a no-op where the kernel or libc says no."""
+    import ctypes
+    huge, start = 2 << 20, t.data_ptr()
+    first, end = -(-start // huge) * huge, start + t.numel() * t.element_size()
+    if end - first >= huge:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t((end - first) // huge * huge), 14)  # MADV_HUGEPAGE
+        except (OSError, AttributeError):
+            pass
+
+
 def layer_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s K and V, each a strided view [num_blocks, block_size, kv_heads, head_dim]
     (the attention contract of engine/attention.py)."""
