@@ -13,6 +13,11 @@ A pull's time is the producer's export (the fallback copies the blocks out and i
 there; NIXL only pins) plus the consumer's pull, one hand-off at a time.
 Every pull is checked byte-exact afterwards. Goals: NIXL >= 30% of the contiguous copy bound,
 >= 3x the fallback, and NIXL's pull < 10% of the prefill time.
+
+--producer-tp P --consumer-tp C: each actor stands for a pool of that TP size, its ranks' cache shards
+and transports in the one process; every consumer rank pulls its heads from the producer ranks that hold
+them (kvtransfer/tp_plan.py), the pull's time is until all are done. `descriptors_per_block` counts the
+READ descriptors of one block over all consumer ranks (1 for TP 1 -> 1).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import datetime as dt
 import gc
 import hashlib
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -39,42 +45,71 @@ BLOCK_SIZE = 16
 
 
 class Endpoint:
-    """One engine's KV cache (random bytes, the engine's layout) and its transport, in its own process."""
+    """One engine's KV cache (random bytes, the engine's layout [blocks, heads, ...]) and its transport, in its
+    own process; with tp > 1, its ranks' shards of that cache and one transport each."""
 
-    def __init__(self, kind: str, prefix: str, shape: tuple[int, ...], seed: int):
+    def __init__(self, kind: str, prefix: str, shape: tuple[int, ...], seed: int, tp: int = 1):
+        from engine.kv_layout import KVHeadLayout
         from kvtransfer import make_transport
         torch.manual_seed(seed)
-        self.kv = torch.randn(shape)
-        self.t = make_transport(self.kv, prefix, "bench:" + "x".join(map(str, shape[1:])), kind=kind,
-                                peer_metadata=_peer_metadata)
+        kv = torch.randn(shape)
+        self.layout = KVHeadLayout(shape[1], tp)
+        shards = [kv] if tp == 1 else [kv[:, list(self.layout.heads_of(r))].clone() for r in range(tp)]
+        self.ts = [make_transport(shard, prefix, "bench:" + "x".join(map(str, shape[1:])), kind=kind,
+                                  peer_metadata=_peer_metadata, layout=self.layout, rank=r)
+                   for r, shard in enumerate(shards)]
+        self.t = self.ts[0]                       # rank 0 exports and holds the leases
 
-    def metadata(self) -> bytes:
-        return self.t.metadata()
+    def metadata(self, agent: str | None = None) -> bytes:
+        return next(t for t in self.ts if agent in (None, t.name)).metadata()
 
     def export(self, request_id: str, block_ids: list[int]) -> tuple[Any, float]:
         """A hand-off of the blocks and the seconds its export took."""
         t = time.perf_counter()
-        handoff = self.t.export(request_id, block_ids, [], BLOCK_SIZE * len(block_ids), 600)
+        payloads = [r.shard_payload(block_ids) for r in self.ts] if self.t.kind == "ray" and len(self.ts) > 1 else None
+        handoff = self.t.export(request_id, block_ids, [], BLOCK_SIZE * len(block_ids), 600,
+                                agents=[r.name for r in self.ts], payloads=payloads)
         return handoff, time.perf_counter() - t
 
     def pull_time(self, handoff, dst: list[int]) -> float:
         t = time.perf_counter()
-        self.t.pull(handoff, dst, timeout_s=120)
+        if len(self.ts) == 1:
+            self.t.pull(handoff, dst, timeout_s=120)
+        else:                                     # every rank pulls its heads, then rank 0 tells the producer
+            for pull in [r.start_pull(handoff, dst, notify=False) for r in self.ts]:
+                pull.wait(120)
+            self.t.notify_pulled(handoff)
         return time.perf_counter() - t
 
     def released(self) -> int:
         return len(self.t.poll())
 
     def digest(self, block_ids: list[int]) -> str:
-        return hashlib.blake2b(self.kv[block_ids].numpy().tobytes(), digest_size=16).hexdigest()
+        """Of the unsharded blocks (each head once, from the first rank that holds it)."""
+        parts, seen = [], set()
+        for r, t in enumerate(self.ts):
+            if self.layout.heads_of(r)[0] not in seen:
+                parts.append(t.kv_cache[block_ids])
+                seen.update(self.layout.heads_of(r))
+        return hashlib.blake2b(torch.cat(parts, 1).numpy().tobytes(), digest_size=16).hexdigest()
 
     def env(self) -> dict:
         return {"UCX_TLS": os.environ.get("UCX_TLS"), "pid": os.getpid()}
 
 
 def _peer_metadata(agent: str) -> bytes:
+    """A rank's agent is `<actor>.r<rank>-<uuid>` (TP > 1), else `<actor>-<uuid>`."""
     import ray
-    return ray.get(ray.get_actor(agent.rsplit("-", 1)[0]).metadata.remote())
+    actor = re.sub(r"\.r\d+$", "", agent.rsplit("-", 1)[0])
+    return ray.get(ray.get_actor(actor).metadata.remote(agent))
+
+
+def descriptors_per_block(heads: int, producer_tp: int, consumer_tp: int) -> int:
+    """READ descriptors that move one block, over all consumer ranks: one per run of heads."""
+    from engine.kv_layout import KVHeadLayout
+    from kvtransfer.tp_plan import plan_runs
+    p, c = KVHeadLayout(heads, producer_tp), KVHeadLayout(heads, consumer_tp)
+    return sum(len(plan_runs(p, c, r)) for r in range(consumer_tp))
 
 
 # -- measurements -----------------------------------------------------------------------------------
@@ -120,14 +155,14 @@ def measure_copy_bound(num_blocks: int, block_shape: tuple[int, ...], repeats: i
 
 
 def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: tuple[int, ...],
-                      repeats: int) -> dict:
+                      repeats: int, tps: tuple[int, int] = (1, 1)) -> dict:
     import ray
     cache = 2 * num_blocks + 8
     rng = np.random.default_rng(2)
     src, dst = rng.permutation(cache)[:num_blocks].tolist(), rng.permutation(cache)[:num_blocks].tolist()
     actor = ray.remote(Endpoint)
     names = [f"{p}-{kind}-{shape_name}".replace("_", "") for p in ("producer", "consumer")]
-    producer, consumer = (actor.options(name=n, num_cpus=0).remote(kind, n, (cache, *block_shape), i)
+    producer, consumer = (actor.options(name=n, num_cpus=0).remote(kind, n, (cache, *block_shape), i, tps[i])
                           for i, n in enumerate(names))
     try:
         env = ray.get(consumer.env.remote())
@@ -145,10 +180,11 @@ def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: 
             ray.kill(a)
     return {"first_pull_s": times[0], "pull_s": statistics.median(times[1:]), "pull_s_min": min(times[1:]),
             "pull_s_all": times[1:], "byte_exact": exact, "producer_unpinned": released,
+            "descriptors_per_block": descriptors_per_block(block_shape[0], *tps),
             "ucx_tls": env["UCX_TLS"] if kind == "nixl" else None}
 
 
-def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
+def bench_shape(shape: str, tokens: int, repeats: int, tps: tuple[int, int] = (1, 1)) -> dict:
     log(f"{shape}: prefill of {tokens} tokens")
     pre = measure_prefill(shape, tokens)
     num_blocks, block_shape = -(-tokens // BLOCK_SIZE), tuple(pre["kv_block_shape"])
@@ -159,10 +195,10 @@ def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
                            "copy_bound_gbps": nbytes / bound["contiguous_s"] / 1e9,
                            "per_block_copy_gbps": nbytes / bound["per_block_s"] / 1e9, **bound}
     for kind in ("nixl", "ray"):
-        r = measure_transport(kind, shape, num_blocks, block_shape, repeats)
+        r = measure_transport(kind, shape, num_blocks, block_shape, repeats, tps)
         r["gbps"] = nbytes / r["pull_s"] / 1e9
-        log(f"{shape}: {kind} {r['gbps']:.2f} GB/s (median of {repeats}; first pull {r['first_pull_s'] * 1e3:.0f} ms), "
-            f"exact {r['byte_exact']}")
+        log(f"{shape}: {kind} TP {tps[0]} -> {tps[1]} {r['gbps']:.2f} GB/s (median of {repeats}; first pull "
+            f"{r['first_pull_s'] * 1e3:.0f} ms), {r['descriptors_per_block']} descriptors/block, exact {r['byte_exact']}")
         res[kind] = r
     n, bound_gbps = res["nixl"], res["copy_bound_gbps"]
     res["ratios"] = {"nixl_of_copy_bound": n["gbps"] / bound_gbps,
@@ -196,7 +232,9 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(np.arange(len(shapes)),
                   [f"{s}\n{result['shapes'][s]['bytes'] / 1e6:.0f} MB, {result['tokens']} tokens" for s in shapes])
     ax.set_ylabel("GB/s")
-    ax.set_title("KV of one request between two engines")
+    tps = f", TP {result['producer_tp']} -> {result['consumer_tp']}" if result.get("producer_tp", 1) * \
+        result.get("consumer_tp", 1) > 1 else ""
+    ax.set_title(f"KV of one request between two engines{tps}")
     ax.legend(fontsize=8)
     save(fig, path)
 
@@ -211,6 +249,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/transfer",
                    help="directory for transfer.json and transfer.png (default bench_out/transfer)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--producer-tp", type=int, default=1, help="the producer pool's TP size (default 1)")
+    p.add_argument("--consumer-tp", type=int, default=1, help="the consumer pool's TP size (default 1)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -224,12 +264,14 @@ def run(args: argparse.Namespace) -> dict:
     ray.init(namespace="baton-bench-transfer", include_dashboard=False, log_to_driver=False,
              logging_level="WARNING", runtime_env={"env_vars": env} if env else None)
     try:
-        per_shape = {s: bench_shape(s, tokens, repeats) for s in shapes}
+        tps = (args.producer_tp, args.consumer_tp)
+        per_shape = {s: bench_shape(s, tokens, repeats, tps) for s in shapes}
     finally:
         ray.shutdown()
     result: dict[str, Any] = {
         "benchmark": "transfer", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "tokens": tokens, "repeats": repeats, "quick": args.quick,
+        "producer_tp": args.producer_tp, "consumer_tp": args.consumer_tp,
         "method_notes": {
             "prefill_s": "TTFT of one cold max_tokens=1 request of `tokens` random ids, after a warm-up request",
             "copy_bound": "median of one contiguous torch copy_ of the same bytes in one process",

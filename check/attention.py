@@ -24,6 +24,7 @@ import torch
 from check.compare import Tolerance, error_stats
 from check.report import FAIL, PASS, Row, row_from_dict, row_to_dict
 from engine.attention import AttentionMetadata, paged_attention_torch
+from engine.kv_layout import kv_cache_shape, layer_views
 
 NUM_LAYERS = 2               # the cache is one tensor of all layers: a layer's K/V are strided views
 HEAD_SHAPES = {              # (query heads, KV heads, head dim)
@@ -66,7 +67,7 @@ def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_s
                  spare_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A random mixed batch on the CPU in fp32. seqs: (context_len, query_len) per sequence, query = last tokens.
 
-    Returns q, the full KV tensor [blocks, layers, 2, block_size, kv_heads, D] and the metadata; blocks are
+    Returns q, the full KV tensor (engine/kv_layout.py's layout) and the metadata; blocks are
     handed out in shuffled order so logical and physical order differ.
     """
     g = torch.Generator().manual_seed(seed)
@@ -100,7 +101,7 @@ def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_s
         seq_lens_list=seq_lens,
         query_lens_list=query_lens,
     )
-    kv = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=g)
+    kv = torch.randn(kv_cache_shape(num_blocks, num_kv_heads, NUM_LAYERS, block_size, head_dim), generator=g)
     q = torch.randn(qsl[-1], num_heads, head_dim, generator=g)
     return q, kv, md
 
@@ -134,10 +135,10 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     q, kv, md = random_batch(case.seqs, heads, kv_heads, head_dim, case.block_size)
     q, kv = q.to(case.dtype), kv.to(case.dtype)                  # round once; the reference sees the same values
     scale = head_dim ** -0.5
-    ref = paged_attention_torch(q.float(), kv[:, layer, 0].float(), kv[:, layer, 1].float(), md, scale)
+    ref = paged_attention_torch(q.float(), *layer_views(kv.float(), layer), md, scale)
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
     kv_dev = kv.to(device)
-    out = fn(q.to(device), kv_dev[:, layer, 0], kv_dev[:, layer, 1], metadata_to(md, device), scale)
+    out = fn(q.to(device), *layer_views(kv_dev, layer), metadata_to(md, device), scale)
     tol = TOLERANCES[case.dtype]
     stats = error_stats(out, ref, tol)
     data = {"model": case.model, "heads": [heads, kv_heads, head_dim], "dtype": str(case.dtype).removeprefix("torch."),

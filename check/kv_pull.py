@@ -23,9 +23,9 @@ import torch
 
 from check.report import FAIL, PASS, SKIP, Row
 
-# [layers, K and V, block size, KV heads, head dim] of one block, and how many blocks a pull moves
-GPU_LAYOUT, GPU_BLOCKS, GPU_PULL = (32, 2, 16, 8, 128), 1024, 512        # a pull of 1 GiB (8192 tokens)
-CPU_LAYOUT, CPU_BLOCKS, CPU_PULL = (2, 2, 16, 2, 16), 64, 24
+# [KV heads, layers, K and V, block size, head dim] of one block (engine/kv_layout.py), and how many blocks a pull moves
+GPU_LAYOUT, GPU_BLOCKS, GPU_PULL = (8, 32, 2, 16, 128), 1024, 512        # a pull of 1 GiB (8192 tokens)
+CPU_LAYOUT, CPU_BLOCKS, CPU_PULL = (2, 2, 2, 16, 16), 64, 24
 REPEATS = 5
 COMPAT_KEY = "check-gpu:kv-pull"
 

@@ -11,6 +11,7 @@ The new tokens' K/V are written to the cache (write_kv) before attention reads i
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,25 +44,39 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots."""
+    bs, heads, d = k_cache.shape[1:]
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("the K and V caches must have the same strides")
+    idx = None
     for cache, x in ((k_cache, k), (v_cache, v)):
-        rows, base, block_stride = _row_view(cache)
-        bs = cache.shape[1]
-        idx = base + (slot_mapping // bs) * block_stride + slot_mapping % bs
-        rows.index_copy_(0, idx, x.reshape(x.shape[0], -1).to(rows.dtype))
+        rows, base, block_stride, head_stride = _row_view(cache, d)
+        if idx is None:                   # each (token, head)'s row, relative to base: one index for K and V
+            slot_stride = cache.stride(1) // d                             # whole rows in any layout
+            tok = (slot_mapping // bs) * block_stride + (slot_mapping % bs) * slot_stride
+            idx = (tok.unsqueeze(1) + _head_offsets(heads, head_stride, tok.device)).flatten()
+        rows.index_copy_(0, idx + base, x.reshape(idx.shape[0], d).to(rows.dtype))
 
 
-def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """A 2-D view of the cache's whole storage, one token's [kv_heads * head_dim] per row.
+@functools.cache
+def _head_offsets(heads: int, head_stride: int, device: torch.device) -> torch.Tensor:
+    """[heads] row offsets of a token's heads (cached: it is asked on every layer of every step)."""
+    return torch.arange(heads, device=device) * head_stride
+
+
+def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, int]:
+    """A 2-D view of the cache's whole storage in rows of `row` elements (a layer view
+    [blocks, block_size, kv_heads, head_dim] whose block and head strides are whole rows).
 
     Row copies (index_copy_/index_select) are ~100x faster on CPU than advanced indexing into
-    the strided per-layer view. Returns (rows, row of block 0 slot 0, rows between blocks).
+    the strided per-layer view. Returns (rows, row of block 0 slot 0 head 0, rows between
+    blocks, rows between heads).
     """
-    hd = cache.shape[2] * cache.shape[3]
-    if cache.stride(3) != 1 or cache.stride(2) != cache.shape[3] or cache.stride(1) != hd:
-        raise ValueError("KV cache rows (kv_heads x head_dim) must be contiguous")
-    n_rows = cache.untyped_storage().nbytes() // cache.element_size() // hd
-    rows = cache.as_strided((n_rows, hd), (hd, 1), 0)
-    return rows, cache.storage_offset() // hd, cache.stride(0) // hd
+    offset, block_stride, head_stride = cache.storage_offset(), cache.stride(0), cache.stride(2)
+    if cache.stride(3) != 1 or offset % row or block_stride % row or head_stride % row:
+        raise ValueError(f"KV cache strides {cache.stride()} are not whole rows of {row}")
+    n_rows = cache.untyped_storage().nbytes() // cache.element_size() // row
+    rows = cache.as_strided((n_rows, row), (row, 1), 0)
+    return rows, offset // row, block_stride // row, head_stride // row
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
@@ -119,7 +134,7 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     for i in rest:
         n, ctx, s, e = md.query_lens_list[i], md.seq_lens_list[i], qsl[i], qsl[i + 1]
         if ctx == n and k_new is not None:
-            k, v = k_new[s:e], v_new[s:e]
+            k, v = k_new[s:e].transpose(0, 1), v_new[s:e].transpose(0, 1)
         else:
             bt = md.block_tables[i:i + 1]
             k, v = _gather(k_cache, bt, ctx)[0], _gather(v_cache, bt, ctx)[0]
@@ -128,19 +143,25 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """The first n_tokens of K (or V) of each sequence: [num_seqs, n_tokens, kv_heads, D]."""
-    rows, base, block_stride = _row_view(cache)
-    bs = cache.shape[1]
+    """The first n_tokens of K (or V) of each sequence, heads first: [num_seqs, kv_heads, n_tokens, D].
+
+    A block's tokens of one head and layer are contiguous (engine/kv_layout.py), so each
+    (block, head) is one row of block_size x D."""
+    bs, heads, d = cache.shape[1:]
+    if cache.stride(1) != d:
+        raise ValueError(f"KV cache strides {cache.stride()}: a block's tokens of a head must be contiguous")
+    rows, base, block_stride, head_stride = _row_view(cache, bs * d)
     nb = blocks_for(n_tokens, bs)
-    idx = base + block_tables[:, :nb].long().unsqueeze(-1) * block_stride + torch.arange(bs)
-    out = rows.index_select(0, idx.flatten()).view(block_tables.shape[0], nb * bs, *cache.shape[2:])
-    return out[:, :n_tokens]
+    blocks = block_tables[:, :nb].long().unsqueeze(1) * block_stride          # [S, 1, nb]
+    idx = base + blocks + (torch.arange(heads) * head_stride).unsqueeze(-1)  # [S, heads, nb]
+    out = rows.index_select(0, idx.flatten()).view(block_tables.shape[0], heads, nb * bs, d)
+    return out[:, :, :n_tokens]
 
 
 def _prefill_attention(q, k, v, scale):
-    """q [n, H, D] are the last n positions of a context k/v [ctx, Hkv, D]."""
-    n, ctx = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    """q [n, H, D] are the last n positions of a context k/v [Hkv, ctx, D]."""
+    n, ctx = q.shape[0], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]
     if n == ctx:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -154,8 +175,8 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor,
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
     lens = seq_lens.tolist()
     max_len = max(lens)
-    k = _gather(k_cache, block_tables, max_len).transpose(1, 2)        # [B, Hkv, max_len, D]
-    v = _gather(v_cache, block_tables, max_len).transpose(1, 2)
+    k = _gather(k_cache, block_tables, max_len)                        # [B, Hkv, max_len, D]
+    v = _gather(v_cache, block_tables, max_len)
     mask = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=True)

@@ -1,12 +1,8 @@
 """The paged KV block pool: fixed-size blocks with ref counts and an LRU prefix cache that reports KV events.
 
-Cache layout (one tensor, see ARCHITECTURE.md "KV layout for transfer"):
-
-    kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-
-Block b's K and V for every layer are one contiguous span of `block_bytes`, so moving n blocks
-between engines takes n descriptors. Attention reads layer l through the strided views
-`kv_cache[:, l, 0]` (K) and `kv_cache[:, l, 1]` (V), each [num_blocks, block_size, kv_heads, head_dim].
+The cache is one tensor whose first dimension is the block id (engine/kv_layout.py has its layout):
+block b's K and V for every layer and head are one contiguous span of `block_bytes`, so moving n
+blocks between engines of the same layout takes n descriptors.
 """
 from __future__ import annotations
 
@@ -15,9 +11,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-
-KV_LAYOUT_VERSION = 1
-
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks that hold `num_tokens` slots (ceiling division)."""

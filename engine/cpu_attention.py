@@ -6,8 +6,9 @@ even goes one sequence at a time. This kernel walks the block table instead. One
 (sequence, kv head) pair: it scores the sequence's n query tokens x G query heads of that kv head
 (GQA) against each cached K row, 16 rows at a time, takes a causal softmax per query row, then the
 weighted sum of the V rows, so each cached row is read once for all of them. A thread serves its
-range of pairs sequence by sequence, every head of the range in one sweep (whole token rows
-stream in at once), and a single sequence still spreads its kv heads over the threads.
+range of pairs sequence by sequence, every head of the range in one sweep where a token's heads are
+one row (whole token rows stream in at once), a head at a time in the heads-outer cache (a head's
+tokens are one span there), and a single sequence still spreads its kv heads over the threads.
 Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++ otherwise) with
 torch's cpp_extension from engine/cpu_attention.cpp, cached under $BATON_CACHE/torch_extensions keyed by
 the source's content and the CPU's feature flags; if no compiler is there, the torch reference is used and a warning says so.

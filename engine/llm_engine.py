@@ -15,10 +15,11 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.device_clock import device_clock
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
-from engine.block_pool import KV_LAYOUT_VERSION, BlockPool
+from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, RemotePrefill
 from engine.kv_events import KVEvent
+from engine.kv_layout import KV_LAYOUT_VERSION
 from engine.loader import load_config, load_tokenizer, resolve_model
 from engine.executor import Executor
 from engine.outputs import RequestMetrics, RequestOutput

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
+from engine.kv_layout import layer_views
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -144,7 +145,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(x.shape[0], -1, self.head_dim), *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]        # one rotation for q and k
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache[:, self.layer_idx, 0], kv_cache[:, self.layer_idx, 1]
+        k_cache, v_cache = layer_views(kv_cache, self.layer_idx)
         write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v)
         return self.o_proj(o.reshape(-1, self.q_size))

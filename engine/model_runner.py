@@ -13,6 +13,7 @@ from engine.block_pool import blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, pad_step, padding_step, verify_widths
 from engine.errors import ConfigError
+from engine.kv_layout import allocate_kv_cache, kv_cache_shape
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
 from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
 from engine.model import LlamaForCausalLM, can_prepack
@@ -60,7 +61,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # One block more than the pool's: the padding block of CUDA-graph padding rows. The model
         # gets all of them; the pool and the transports see only the first num_blocks (kv_cache).
-        self.kv_blocks = torch.zeros(self.kv_shape(num_blocks + 1), dtype=self.dtype, device=self.device)
+        self.kv_blocks = allocate_kv_cache(self.kv_shape(num_blocks + 1), self.dtype, self.device)
         self.kv_cache = self.kv_blocks[:num_blocks]
         self.padding_block = num_blocks
         c, max_blocks = self.config, blocks_for(self.max_model_len, self.block_size)
@@ -73,7 +74,7 @@ class ModelRunner:
     # -- KV cache ---------------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model
-        return (num_blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        return kv_cache_shape(num_blocks, m.num_kv_heads, m.num_layers, self.block_size, m.head_dim)
 
     @property
     def block_bytes(self) -> int:

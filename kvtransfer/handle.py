@@ -8,7 +8,7 @@ import msgpack
 
 from kvtransfer.errors import KVHandleError
 
-HANDLE_VERSION = 1
+HANDLE_VERSION = 2          # 2: the producer's TP size and one agent per producer rank
 KINDS = ("nixl", "ray")
 
 
@@ -27,6 +27,13 @@ class KVHandle:
     compat: str                 # compat_hash(producer's compat_key)
     expiry: float               # unix time at which the producer unpins, pulled or not
     kind: str = "nixl"          # the transport that can pull it
+    tp_size: int = 1            # the producer's: its ranks hold KVHeadLayout(global KV heads, tp_size)'s heads
+    agents: tuple[str, ...] = ()  # producer rank r's transport is agents[r]; () means (agent,) (TP 1)
+
+    @property
+    def rank_agents(self) -> list[str]:
+        """Each producer rank's transport name, rank 0 first (rank 0 holds the lease)."""
+        return list(self.agents) or [self.agent]
 
     def to_bytes(self) -> bytes:
         return msgpack.packb({"v": HANDLE_VERSION, **asdict(self)})
@@ -48,7 +55,7 @@ class KVHandle:
         if set(d) != names:
             raise KVHandleError(f"KVHandle fields differ: missing {sorted(names - set(d))}, "
                                 f"unknown {sorted(set(d) - names)}")
-        handle = cls(**d)
+        handle = cls(**{**d, "agents": tuple(d["agents"]) if isinstance(d["agents"], list) else d["agents"]})
         handle.validate()
         return handle
 
@@ -64,6 +71,11 @@ class KVHandle:
             not isinstance(self.compat, str) and "compat must be a string",
             not isinstance(self.expiry, (int, float)) and "expiry must be a unix time",
             self.kind not in KINDS and f"kind must be one of {KINDS}",
+            not (isinstance(self.tp_size, int) and self.tp_size >= 1) and "tp_size must be an int >= 1",
+            not (isinstance(self.agents, tuple) and all(isinstance(a, str) and a for a in self.agents))
+            and "agents must be non-empty strings",
+            len(self.rank_agents) != self.tp_size and "agents must name one transport per producer rank",
+            self.agents and self.agents[0] != self.agent and "agents[0] must be agent (rank 0)",
         ]
         problems = [p for p in problems if p]
         if problems:

@@ -17,6 +17,11 @@ stale: its handshake drops the old agent (same prefix), and a READ that fails fo
 retried once after a fresh handshake; a handle naming a dead agent fails with KVTransferError for
 that request only.
 
+Across TP sizes (kvtransfer/transport.py): a consumer rank READs each run of its heads from the
+producer rank that holds it, one descriptor per (block, run) (heads-outer caches make a run one span;
+unprepared descriptor lists, built per pull), one transfer per producer rank; READs across TP carry no
+notification, the producer's rank 0 is told by a separate message once the pull is done (notify).
+
 UCX settings (environment, read when the agent is made):
 - CPU (DRAM to DRAM): UCX_TLS defaults to CPU_UCX_TLS = "shm,tcp" unless already set: shm brings
   cma (process_vm_readv: a READ is one kernel copy, the producer's CPU is not involved) and
@@ -66,6 +71,10 @@ class Peer:
     prefix: str
     num_blocks: int
     blocks: object              # NIXL prepared descriptor list of its blocks, one per block
+    base: int                   # its cache's address, block geometry and memory: for runs of heads
+    block_bytes: int
+    mem: str
+    dev: int
 
 
 class NixlTransport(KVTransport):
@@ -73,8 +82,8 @@ class NixlTransport(KVTransport):
 
     def __init__(self, kv_cache: torch.Tensor, name_prefix: str, compat_key: str,
                  peer_metadata: Callable[[str], bytes] | None = None, num_threads: int = 0,
-                 clock: Callable[[], float] = time.time):
-        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata, clock)
+                 clock: Callable[[], float] = time.time, **tp):
+        super().__init__(kv_cache, name_prefix, compat_key, peer_metadata, clock, **tp)
         if kv_cache.device.type == "cpu":
             os.environ.setdefault("UCX_TLS", CPU_UCX_TLS)
         self.mem = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
@@ -82,15 +91,16 @@ class NixlTransport(KVTransport):
         self.agent = _make_agent(self.name, num_threads)
         self.registration = self.agent.register_memory(kv_cache)
         self.local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self._block_descs(kv_cache.data_ptr(), self.num_blocks, self.dev), self.mem)
+            "NIXL_INIT_AGENT", self._block_descs(kv_cache.data_ptr(), self.num_blocks, self.block_bytes, self.dev), self.mem)
         self.peers: dict[str, Peer] = {}
         self.by_prefix: dict[str, str] = {}                  # producer prefix -> its live agent
         self._metadata: bytes | None = None
 
-    def _block_descs(self, base: int, num_blocks: int, dev: int) -> np.ndarray:
+    @staticmethod
+    def _block_descs(base: int, num_blocks: int, block_bytes: int, dev: int) -> np.ndarray:
         d = np.empty((num_blocks, 3), dtype=np.uint64)
-        d[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * self.block_bytes
-        d[:, 1], d[:, 2] = self.block_bytes, dev
+        d[:, 0] = base + np.arange(num_blocks, dtype=np.uint64) * block_bytes
+        d[:, 1], d[:, 2] = block_bytes, dev
         return d
 
     # -- producer ---------------------------------------------------------------------------------
@@ -120,12 +130,13 @@ class NixlTransport(KVTransport):
             if not loopback:
                 self.agent.add_remote_agent(env["nixl_md"])
             blocks = self.agent.prep_xfer_dlist(
-                name, self._block_descs(env["base"], env["num_blocks"], env["dev"]), env["mem"])
+                name, self._block_descs(env["base"], env["num_blocks"], env["block_bytes"], env["dev"]), env["mem"])
         except Exception as e:
             if not loopback:
                 self._quietly(self.agent.remove_remote_agent, name)
             raise KVTransferError(f"{self.name}: handshake with {name} failed: {e!r}") from e
-        self.peers[name] = Peer(name, prefix, env["num_blocks"], blocks)
+        self.peers[name] = Peer(name, prefix, env["num_blocks"], blocks, env["base"], env["block_bytes"],
+                                env["mem"], env["dev"])
         self.by_prefix[prefix] = name
         return name
 
@@ -161,13 +172,40 @@ class NixlTransport(KVTransport):
             log.debug("%s: %s failed: %r", self.name, getattr(fn, "__name__", fn), e)
 
     # -- consumer ---------------------------------------------------------------------------------
-    def start_pull(self, handoff: KVHandoff, dst_block_ids: list[int], skip_blocks: int = 0) -> NixlPull:
+    def start_pull(self, handoff: KVHandoff, dst_block_ids: list[int], skip_blocks: int = 0,
+                   notify: bool = True) -> NixlPull:
         handle = handoff.handle
         self._check_pull(handle, dst_block_ids, skip_blocks)
         pull = NixlPull(self, handle, np.asarray(dst_block_ids[skip_blocks:], dtype=np.int32),
-                        np.asarray(handle.block_ids[skip_blocks:], dtype=np.int32))
+                        np.asarray(handle.block_ids[skip_blocks:], dtype=np.int32), self.runs(handle), notify)
         pull.start()
         return pull
+
+    def notify_pulled(self, handoff: KVHandoff) -> None:
+        self._notify(handoff.handle)
+
+    def _notify(self, handle: KVHandle) -> None:
+        try:
+            self.agent.send_notif(self.peer(handle.agent).name, handle.request_id.encode())
+        except Exception as e:
+            raise KVTransferError(f"{self.name}: cannot tell {handle.agent} that {handle.request_id} "
+                                  f"was pulled: {e!r}") from e
+
+    def read_runs(self, peer: Peer, runs, dst: np.ndarray, src: np.ndarray, notif: bytes = b""):
+        """One READ of the runs of heads `runs` (all from `peer`) of blocks src into dst: a descriptor
+        per (block, run), ordered block-major."""
+        hb = self.head_bytes
+        off = np.array([[r.src_head * hb, r.dst_head * hb, r.num_heads * hb] for r in runs], dtype=np.uint64)
+        n = len(src) * len(runs)
+
+        def descs(base: int, block_bytes: int, blocks: np.ndarray, col: int, dev: int) -> np.ndarray:
+            d = np.empty((n, 3), dtype=np.uint64)
+            d[:, 0] = (base + blocks.astype(np.uint64)[:, None] * block_bytes + off[None, :, col]).ravel()
+            d[:, 1], d[:, 2] = np.tile(off[:, 2], len(src)), dev
+            return d
+        local = self.agent.get_xfer_descs(descs(self.kv_cache.data_ptr(), self.block_bytes, dst, 1, self.dev), self.mem)
+        remote = self.agent.get_xfer_descs(descs(peer.base, peer.block_bytes, src, 0, peer.dev), peer.mem)
+        return self.agent.initialize_xfer("READ", local, remote, peer.name, notif)
 
     def close(self) -> None:
         for name in list(self.peers):
@@ -195,48 +233,76 @@ def _make_agent(name: str, num_threads: int):
 
 
 class NixlPull:
-    """One request's READ in flight. After a failure it handshakes again and retries once."""
+    """One request's READs in flight (one per producer rank it reads from). After a failure it handshakes
+    again and retries once."""
 
-    def __init__(self, transport: NixlTransport, handle: KVHandle, dst: np.ndarray, src: np.ndarray):
-        self.t, self.handle, self.dst, self.src = transport, handle, dst, src
+    def __init__(self, transport: NixlTransport, handle: KVHandle, dst: np.ndarray, src: np.ndarray,
+                 runs: list, notify: bool = True):
+        self.t, self.handle, self.dst, self.src, self.runs, self.notify = transport, handle, dst, src, runs, notify
         self.request_id = handle.request_id
-        self.xfer = None
+        self.xfers: list = []
+        self.notified = False                         # the producer was told by the READ itself
         self.finished = False
         self.retried = False
         self.stalled = False                          # fault injection: a READ that never completes
         self.cause: Exception | None = None          # why NIXL failed, for the error message
         self.error: KVTransferError | None = None
 
+    def _sources(self) -> dict[str, tuple[Peer, list]]:
+        """agent -> (its peer, the runs read from it), handshaking with producer ranks not met yet."""
+        agents = self.handle.rank_agents
+        by_rank: dict[int, list] = {}
+        for run in self.runs:
+            by_rank.setdefault(run.src_rank, []).append(run)
+        out = {}
+        for rank, runs in by_rank.items():
+            peer = self.t.peer(agents[rank])
+            if len(self.src) and int(self.src.max()) >= peer.num_blocks:
+                raise KVTransferError(f"handle {self.request_id} names blocks past {peer.name}'s {peer.num_blocks}")
+            out[peer.name] = (peer, runs)
+        return out
+
     def start(self) -> None:
         t, msg = self.t, self.request_id.encode()
         try:
-            peer = t.peer(self.handle.agent)
-            if len(self.src) and int(self.src.max()) >= peer.num_blocks:
-                raise KVTransferError(f"handle {self.request_id} names blocks past {peer.name}'s {peer.num_blocks}")
+            sources = self._sources()
         except KVTransferError as e:
             self._fail(e)
         try:
             if not len(self.src):                     # every block was local: only unpin the producer
-                t.agent.send_notif(peer.name, msg)
                 state = "DONE"
             elif faults.fire("kv_pull_fail"):
                 raise RuntimeError("injected fault kv_pull_fail")
             elif faults.fire("kv_pull_stall"):
                 self.stalled, state = True, "PROC"
-            else:                                     # NIXL notifies the producer after the data is read
-                self.xfer = t.agent.make_prepped_xfer("READ", t.local, self.dst, peer.blocks, self.src,
-                                                      notif_msg=msg)
-                state = t.agent.transfer(self.xfer)
+            else:
+                # A single READ from producer rank 0 notifies it once the data is read (TP 1, as ever);
+                # reads from several ranks are followed by one message (_settle)
+                one = self.notify and list(sources) == [self.handle.agent]
+                self.notified = one
+                for peer, runs in sources.values():
+                    note = msg if one else b""
+                    if t.whole_blocks(self.handle, runs):
+                        xfer = t.agent.make_prepped_xfer("READ", t.local, self.dst, peer.blocks, self.src,
+                                                         notif_msg=note)
+                    else:
+                        xfer = t.read_runs(peer, runs, self.dst, self.src, note)
+                    self.xfers.append(xfer)
+                state = self._merge([t.agent.transfer(x) for x in self.xfers])
         except Exception as e:
             state, self.cause = "ERR", e
         self._settle(state)
+
+    @staticmethod
+    def _merge(states: list[str]) -> str:
+        return "ERR" if "ERR" in states else "PROC" if "PROC" in states else "DONE"
 
     def done(self) -> bool:
         if self.error is not None:
             raise self.error
         if not self.finished:
             try:
-                state = "PROC" if self.stalled else self.t.agent.check_xfer_state(self.xfer)
+                state = "PROC" if self.stalled else self._merge([self.t.agent.check_xfer_state(x) for x in self.xfers])
             except Exception as e:
                 state, self.cause = "ERR", e
             self._settle(state)
@@ -251,15 +317,22 @@ class NixlPull:
         if state == "DONE":
             if self.t.clock() > self.handle.expiry:     # the producer may have reused the blocks meanwhile
                 self._fail(KVTransferError(f"pull of {self.request_id} finished after the handle's expiry"))
+            if self.notify and not self.notified:
+                try:
+                    self.t._notify(self.handle)
+                except KVTransferError as e:
+                    self._fail(e)
             self.finished = True
         elif not self.retried:
             log.warning("%s: READ of %s from %s failed (%r); handshaking again", self.t.name, self.request_id,
-                        self.handle.agent, self.cause)
+                        self.handle.rank_agents, self.cause)
             self.retried = True
-            self.t.forget_peer(self.handle.agent)
+            for agent in self.handle.rank_agents:
+                self.t.forget_peer(agent)
             self.start()
         else:                                         # gone for good, most likely: forget it (its name never returns)
-            self.t.forget_peer(self.handle.agent)
+            for agent in self.handle.rank_agents:
+                self.t.forget_peer(agent)
             self._fail(KVTransferError(f"pull of {self.request_id} from {self.handle.agent} failed: {self.cause!r}"))
 
     def wait(self, timeout_s: float | None = None) -> None:
@@ -270,9 +343,9 @@ class NixlPull:
             time.sleep(WAIT_POLL_S)
 
     def _release(self) -> None:
-        """Free NIXL's request; NIXL cancels one still in flight (where the backend can)."""
-        if self.xfer is not None:
-            xfer, self.xfer = self.xfer, None
+        """Free NIXL's requests; NIXL cancels one still in flight (where the backend can)."""
+        xfers, self.xfers = self.xfers, []
+        for xfer in xfers:
             self.t._quietly(xfer.release)
 
     def _fail(self, error: KVTransferError):

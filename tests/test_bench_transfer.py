@@ -31,6 +31,7 @@ def test_bench_transfer_quick(tmp_path):
         assert r["byte_exact"], kind
         assert r["producer_unpinned"] == result["repeats"] + 1, kind  # every pull released its pin
         assert r["gbps"] > 0 and len(r["pull_s_all"]) == result["repeats"], kind
+        assert r["descriptors_per_block"] == 1, kind                   # same layout: one descriptor per block
     assert shape["nixl"]["ucx_tls"] == os.environ.get("UCX_TLS", "shm,tcp")      # kvtransfer's CPU default
     assert set(shape["ratios"]) == {"nixl_of_copy_bound", "nixl_of_per_block_copy", "nixl_vs_fallback",
                                     "nixl_pull_of_prefill"}

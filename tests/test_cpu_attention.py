@@ -10,17 +10,18 @@ import torch
 
 from engine import cpu_attention
 from engine.attention import SHORT_QUERY, AttentionMetadata, paged_attention_torch
+from engine.kv_layout import kv_cache_shape, layer_views
 
 
 def _batch(lens, heads, kv_heads, head_dim, block_size=16, num_blocks=128, layers=3, layer=1, seed=0,
            qlens=None):
     """Sequences with contexts `lens`, each ending in its `qlens` (default 1) query tokens; K/V as a
-    layer slice of the real [blocks, layers, 2, block_size, kv_heads, head_dim] tensor."""
+    layer's strided views of the real cache tensor (engine/kv_layout.py)."""
     qlens = list(qlens or [1] * len(lens))
     g = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-n // block_size) for n in lens)
     num_blocks = max(num_blocks, len(lens) * max_blocks)
-    kv = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g)
+    kv = torch.randn(kv_cache_shape(num_blocks, kv_heads, layers, block_size, head_dim), generator=g)
     perm = torch.randperm(num_blocks, generator=g)
     tables = perm[:len(lens) * max_blocks].view(len(lens), max_blocks).int()
     q = torch.randn(sum(qlens), heads, head_dim, generator=g)
@@ -32,7 +33,7 @@ def _batch(lens, heads, kv_heads, head_dim, block_size=16, num_blocks=128, layer
                            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                            max_query_len=max(qlens), max_seq_len=max(lens), seq_lens_list=list(lens),
                            query_lens_list=qlens)
-    return q, kv[:, layer, 0], kv[:, layer, 1], md
+    return q, *layer_views(kv, layer), md
 
 
 @pytest.fixture(scope="module", autouse=True)

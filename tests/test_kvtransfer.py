@@ -19,8 +19,8 @@ from tests.conftest import wait_for
 pytestmark = pytest.mark.timeout(300)
 
 NUM_BLOCKS = 256
-LAYOUT = (4, 2, 16, 2, 16)      # layers, K/V, block size, kv heads, head dim: 16 KiB fp32 blocks
-COMPAT = "llama:test:torch.float32:bs16:L4:kv2x16:v1"
+LAYOUT = (2, 4, 2, 16, 16)      # kv heads, layers, K/V, block size, head dim (engine/kv_layout.py): 16 KiB fp32 blocks
+COMPAT = "llama:test:torch.float32:bs16:L4:kv2x16:v2"
 
 
 def _actor(agent: str):
@@ -130,7 +130,9 @@ def test_handle_round_trips_and_rejects_malformed_bytes():
     for bad in (b"\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({**d, "v": 99}),
                 msgpack.packb({k: v for k, v in d.items() if k != "expiry"}),
                 msgpack.packb({**d, "block_ids": [1, "x"]}), msgpack.packb({**d, "kind": "carrier-pigeon"}),
-                msgpack.packb({**d, "extra": 1})):
+                msgpack.packb({**d, "extra": 1}), msgpack.packb({**d, "tp_size": 0}),
+                msgpack.packb({**d, "tp_size": 2}),                   # two producer ranks, one agent
+                msgpack.packb({**d, "tp_size": 2, "agents": ["other-0", "prefill-1-cd34"]})):
         with pytest.raises(KVHandleError):
             KVHandle.from_bytes(bad)
 

@@ -8,13 +8,14 @@ import torch
 
 from check.attention import random_batch
 from engine.attention import paged_attention_torch
+from engine.kv_layout import layer_views
 from engine.triton_attention import triton_paged_attention
 
 pytestmark = pytest.mark.triton
 
 
 def _check(q, kv, md, layer=0):
-    k_cache, v_cache = kv[:, layer, 0], kv[:, layer, 1]      # strided views, as in the engine
+    k_cache, v_cache = layer_views(kv, layer)                # strided views, as in the engine
     assert not k_cache.is_contiguous()
     scale = q.shape[-1] ** -0.5
     out = triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
@@ -56,5 +57,5 @@ def test_layer1_strided_cache_and_q():
     assert not q_view.is_contiguous()
     out1 = _check(q_view, kv, md, layer=1)
     # Layer 0 holds different values, so reading the wrong layer could not pass above.
-    ref0 = paged_attention_torch(q, kv[:, 0, 0], kv[:, 0, 1], md, head_dim ** -0.5)
+    ref0 = paged_attention_torch(q, *layer_views(kv, 0), md, head_dim ** -0.5)
     assert not torch.allclose(out1, ref0, atol=1e-2)
