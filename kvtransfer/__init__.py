@@ -4,7 +4,8 @@
 transport per engine; NIXL (one-sided READs over UCX) is the default, the Ray object store the fallback.
 A producer's export gives a `KVHandoff`, all a consumer needs to pull; nothing outside this package knows
 which transport runs. See kvtransfer/transport.py for the flow; `KVLink` (engine_link.py) ties a
-transport to an LLMEngine.
+transport to an LLMEngine. Across TP sizes each rank has its own transport (`layout`, `rank` options;
+kvtransfer/transport.py says how), a TP engine's workers hold `RankPulls` (kvtransfer/rank_pulls.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def make_transport(kv_cache: torch.Tensor, name_prefix: str, compat_key: str, ki
 
 
 from kvtransfer.engine_link import KVLink  # noqa: E402  (needs make_transport)
+from kvtransfer.rank_pulls import PullTally, RankPulls  # noqa: E402
 
-__all__ = ["KVHandle", "KVHandoff", "KVLink", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
+__all__ = ["KVHandle", "KVHandoff", "KVLink", "RankPulls", "PullTally", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
            "KVTransferError", "KVCompatibilityError", "KVHandleError", "TRANSPORTS"]

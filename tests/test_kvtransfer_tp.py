@@ -8,6 +8,7 @@ import torch
 
 from engine.kv_layout import KVHeadLayout, kv_cache_shape
 from kvtransfer import KVHandle, make_transport
+from kvtransfer.rank_pulls import PullTally, RankPulls
 from kvtransfer.tp_plan import HeadRun, plan_runs
 from tests.conftest import wait_for
 
@@ -65,6 +66,7 @@ class Pool:
                                layout=self.layout, rank=r)
             peers[t.name] = t
             self.transports.append(t)
+        self.ranks = [RankPulls(t) for t in self.transports]        # what each TP worker would hold
 
     def export(self, rid: str, blocks: list[int]):
         """What a TP engine's rank 0 does, after asking every rank (collective_rpc) for its part."""
@@ -74,11 +76,21 @@ class Pool:
         return rank0.export(rid, blocks, [], len(blocks) * BLOCK, ttl_s=60,
                             agents=[t.name for t in self.transports], payloads=payloads)
 
-    def pull(self, handoff, dst: list[int], skip: int = 0) -> None:
-        """Every rank pulls its heads; rank 0 tells the producer once all are done."""
-        pulls = [t.start_pull(handoff, dst, skip, notify=False) for t in self.transports]
-        wait_for(lambda: all(p.done() for p in pulls), 30, "every rank's pull")
-        self.transports[0].notify_pulled(handoff)
+    def pull(self, handoff, dst: list[int], skip: int = 0) -> list[str]:
+        """What a TP engine does through collective_rpc: every rank starts its pull, rank 0 merges every
+        rank's polls and, once all are done, tells the producer. Returns the ids that failed."""
+        for r in self.ranks:
+            r.start(handoff, dst, skip)
+        tally, failed = PullTally(len(self.ranks)), []
+
+        def ended() -> bool:
+            done, bad = tally.merge([r.poll() for r in self.ranks])
+            failed.extend(bad)
+            for rid in done:
+                self.ranks[0].notify(handoff)
+            return bool(done or failed)
+        wait_for(ended, 30, "every rank's pull")
+        return failed
 
     def close(self) -> None:
         for t in self.transports:
@@ -98,7 +110,7 @@ def test_every_consumer_rank_gets_exactly_its_heads(kind, heads, producer_tp, co
         handoff = producer.export("req-1", src)
         assert handoff.handle.tp_size == producer_tp and len(handoff.handle.rank_agents) == producer_tp
         handoff = type(handoff)(KVHandle.from_bytes(handoff.handle.to_bytes()), handoff.payload)  # as it travels
-        consumer.pull(handoff, dst, skip=1)                       # block 3 -> 10 is "cached" at the consumer
+        assert consumer.pull(handoff, dst, skip=1) == []          # block 3 -> 10 is "cached" at the consumer
         for r, t in enumerate(consumer.transports):
             want = reference[:, list(consumer.layout.heads_of(r))]
             assert torch.equal(t.kv_cache[dst[1:]], want[src[1:]])
@@ -118,3 +130,19 @@ def test_only_rank_0_exports():
         pool.transports[1].export("r", [0], [], 4, ttl_s=10)
     with pytest.raises(ValueError, match="agents"):
         pool.transports[0].export("r", [0], [], 4, ttl_s=10)      # a TP-2 export must name both ranks
+
+
+def test_a_rank_that_cannot_reach_its_producer_rank_fails_the_pull_and_nothing_is_unpinned():
+    heads = 4
+    reference = torch.randn(kv_cache_shape(NUM_BLOCKS, heads, LAYERS, BLOCK, DIM))
+    peers: dict = {}
+    producer = Pool("nixl", "prefill", heads, 2, reference, peers)
+    consumer = Pool("nixl", "decode", heads, 2, None, peers, peer_metadata=lambda a: peers[a].metadata())
+    try:
+        handoff = producer.export("req-2", [1, 2])
+        del peers[producer.transports[1].name]                    # producer rank 1's metadata is gone
+        assert consumer.pull(handoff, [4, 5]) == ["req-2"]
+        assert producer.transports[0].poll() == [] and "req-2" in producer.transports[0].leases
+    finally:
+        consumer.close()
+        producer.close()
