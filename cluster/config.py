@@ -5,7 +5,7 @@
     prefill, decode: num_replicas | autoscaling {bounds, delays, cooldown, hysteresis, targets, SLOs
                      (cluster/autoscaling.py)}, num_cpus, num_gpus, memory, max_ongoing_requests,
                      graceful_shutdown_timeout_s, health_check_period_s, health_check_timeout_s, access_log,
-                     engine {EngineConfig knobs}
+                     engine {EngineConfig knobs, tensor_parallel_size among them}
     coupling:        mode (measured | fixed | off), ratio, smoothing
     router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
     disaggregation:  min_remote_prefill_tokens
@@ -17,6 +17,11 @@ composes them into the one schema. Every field has a description; a bad file rai
 each problem with its path, unknown keys with a suggestion. `baton serve` flags override a few fields
 (with_overrides); build_app (cluster/app.py) hands each deployment its sections as they are (the pydantic
 objects, a pool's EngineConfig) and passes deployment_options on to Ray Serve unchanged.
+
+GPUs per replica are its TP size: num_gpus is 0 (no GPU) or engine.tensor_parallel_size (a fraction at TP 1),
+anything else is refused. A TP replica asks Serve for a placement group, one bundle per rank packed on one
+node (STRICT_PACK), as Ray Serve LLM does: the replica actor is rank 0 in bundle 0, and its worker actors
+(replica/tp_workers.py) take bundles 1..TP-1.
 """
 from __future__ import annotations
 
@@ -80,6 +85,9 @@ class EngineKnobs(_Schema):
     seed: int | None = _knob("seed", "Seed of dummy weights and of requests that give none")
     enforce_eager: bool | None = _knob("enforce_eager", "On CUDA, run every step eagerly: no CUDA graphs for "
                                                         "decode and verify steps (they are captured at start-up)")
+    tensor_parallel_size: int | None = _knob(
+        "tensor_parallel_size", "Ranks one replica's model is sharded over, one device each, packed on one node; "
+                                "a pool with GPUs gives each replica this many (num_gpus)", ge=1)
     speculative_config: dict[str, Any] | None = _knob(
         "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
                               "num_speculative_tokens, ...} (off when unset)")
@@ -117,8 +125,9 @@ class PoolConfig(_Schema):
     autoscaling: Autoscaling | None = Field(None, description="Scale between min_replicas and max_replicas "
                                                               "on the pool's load signals (cluster/autoscaling.py)")
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves for each replica")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica: 1 for a CUDA engine; "
-                                                   "0 runs it without a GPU of its own")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica: its "
+                                                   "engine.tensor_parallel_size (one per rank; at TP 1 a fraction "
+                                                   "shares a GPU); 0 runs it without a GPU of its own")
     memory: int | None = Field(None, gt=0, description="Bytes of memory Ray reserves for each replica "
                                                       "(default: none reserved)")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each replica "
@@ -163,12 +172,40 @@ class PoolConfig(_Schema):
             kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
         return EngineConfig(**kw)
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.tensor_parallel_size or _ENGINE_DEFAULTS["tensor_parallel_size"]
+
+    def tp_problems(self, name: str) -> list[str]:
+        """What in this pool (named `name`) disagrees with its TP size, each with its key's path: a replica with
+        GPUs has one per rank; a TP replica without GPUs still reserves something for rank 0's bundle."""
+        tp, gpus = self.tensor_parallel_size, self.num_gpus
+        if gpus and gpus != tp and not (tp == 1 and gpus < 1):          # at TP 1 a fraction shares a GPU
+            return [f"{name}.num_gpus: {gpus:g} but {name}.engine.tensor_parallel_size is {tp}: a replica takes "
+                    f"one GPU per rank (set both to the GPUs it should use, or num_gpus 0 for none)"]
+        if tp > 1 and not any(self.placement_group_bundles()[0].values()):   # Ray refuses an empty bundle
+            return [f"{name}.num_cpus: 0 but {name}.engine.tensor_parallel_size is {tp} without GPUs: rank 0's "
+                    f"placement-group bundle must reserve something (a CPU)"]
+        return []
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """One bundle per TP rank, as Ray Serve LLM asks for them: rank 0's holds the replica actor (its CPUs,
+        memory, custom resources and GPU); each further rank's worker actor takes {GPU: 1, CPU: 1}, or
+        {CPU: 1} on a pool without GPUs."""
+        gpu = {"GPU": 1.0} if self.num_gpus else {}
+        first = {"CPU": self.num_cpus, **gpu, **self._actor_extras(), **self.resources}
+        return [first] + [{"CPU": 1.0, **gpu} for _ in range(self.tensor_parallel_size - 1)]
+
+    def _actor_extras(self) -> dict[str, Any]:
+        return {"memory": self.memory} if self.memory is not None else {}
+
     def deployment_options(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Ray Serve deployment options: the replica count (or autoscaling_config with Baton's policy and
-        `policy` as its kwargs), resources, concurrency."""
-        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.memory is not None:
-            actor["memory"] = self.memory
+        `policy` as its kwargs), resources, concurrency; with TP > 1 a placement group per replica, packed on one
+        node, whose bundle 0 the replica actor (rank 0) takes."""
+        tp = self.tensor_parallel_size
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": min(self.num_gpus, 1.0) if tp > 1
+                                 else self.num_gpus, **self._actor_extras()}
         if self.resources:
             actor["resources"] = dict(self.resources)
         opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
@@ -176,6 +213,9 @@ class PoolConfig(_Schema):
                                 "health_check_period_s": self.health_check_period_s,
                                 "health_check_timeout_s": self.health_check_timeout_s,
                                 "logging_config": {"enable_access_log": self.access_log}}
+        if tp > 1:
+            opts |= {"placement_group_bundles": self.placement_group_bundles(),
+                     "placement_group_strategy": "STRICT_PACK"}        # NCCL between ranks wants one node
         if self.autoscaling is None:
             opts["num_replicas"] = self.num_replicas
         else:
@@ -253,6 +293,14 @@ class ClusterConfig(_Schema):
                                  "remove the prefill section or set mode: disaggregated")
             d = {**d, "prefill": None}
         return d
+
+    @model_validator(mode="after")
+    def _gpus_are_the_tp_size(self) -> ClusterConfig:
+        pools = [(name, getattr(self, name)) for name in POOLS if getattr(self, name) is not None]
+        problems = [p for name, pool in pools for p in pool.tp_problems(name)]
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _pools_fit_together(self) -> ClusterConfig:

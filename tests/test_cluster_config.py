@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import BaseModel
+from ray.serve._private.config import ReplicaConfig
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema
 
@@ -138,6 +139,17 @@ def test_every_problem_is_listed_at_once():
      "decode.engine.speculative_config: method must be one of ngram, draft_model, layer_skip, got 'magic'"),
     ({"prefill": {"engine": {"block_size": 32}}},
      "prefill.engine.block_size (32) and decode.engine.block_size (16) must match"),
+    ({"decode": {"num_gpus": 4, "engine": {"tensor_parallel_size": 2}}},
+     "decode.num_gpus: 4 but decode.engine.tensor_parallel_size is 2"),
+    ({"prefill": {"num_gpus": 1, "engine": {"tensor_parallel_size": 4}}},
+     "prefill.num_gpus: 1 but prefill.engine.tensor_parallel_size is 4"),
+    ({"decode": {"num_gpus": 8}}, "decode.num_gpus: 8 but decode.engine.tensor_parallel_size is 1"),
+    ({"decode": {"num_gpus": 1.5, "engine": {"tensor_parallel_size": 2}}},
+     "decode.num_gpus: 1.5 but decode.engine.tensor_parallel_size is 2"),
+    ({"decode": {"num_cpus": 0, "engine": {"tensor_parallel_size": 2}}},
+     "decode.num_cpus: 0 but decode.engine.tensor_parallel_size is 2 without GPUs"),
+    ({"decode": {"engine": {"tensor_parallel_size": 0}}},
+     "decode.engine.tensor_parallel_size: Input should be greater than or equal to 1"),
 ])
 def test_bad_values_say_what_and_where(doc, says):
     with pytest.raises(ConfigError) as e:
@@ -211,6 +223,33 @@ def test_deployment_options_are_accepted_by_ray_serve():
                        "runtime_env": {"env_vars": {"UCX_TLS": "shm,tcp"}}}
     as_ray = ClusterConfig.from_dict({"transfer": {"backend": "ray", "ucx_tls": "shm,tcp"}})
     assert "runtime_env" not in as_ray.deployment_options("decode")["ray_actor_options"]
+
+
+def test_a_tp_replica_asks_serve_for_one_packed_bundle_per_rank():
+    cfg = ClusterConfig.from_dict({
+        "prefill": {"num_gpus": 4, "num_cpus": 8, "memory": 64 << 30, "resources": {"baton_prefill": 1},
+                    "engine": {"tensor_parallel_size": 4}},
+        "decode": {"num_cpus": 1, "engine": {"tensor_parallel_size": 2}}})     # no GPUs: ranks on CPUs
+    prefill = cfg.deployment_options("prefill")
+    assert prefill["placement_group_strategy"] == "STRICT_PACK"             # NCCL ranks on one node
+    assert prefill["placement_group_bundles"] == [
+        {"CPU": 8.0, "GPU": 1.0, "memory": 64 << 30, "baton_prefill": 1.0}] + [{"CPU": 1.0, "GPU": 1.0}] * 3
+    assert prefill["ray_actor_options"] == {"num_cpus": 8.0, "num_gpus": 1.0, "memory": 64 << 30,
+                                            "resources": {"baton_prefill": 1.0}}    # rank 0, in bundle 0
+    assert cfg.engine_config("prefill").tensor_parallel_size == 4
+    decode = cfg.deployment_options("decode")
+    assert decode["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert decode["ray_actor_options"]["num_gpus"] == 0
+    for name in ("prefill", "decode"):          # Serve's own checks, the replica actor fitting bundle 0 among them
+        opts = cfg.deployment_options(name)
+        DeploymentSchema(name=name, **opts)
+        ReplicaConfig.create(object, ray_actor_options=opts["ray_actor_options"],
+                             placement_group_bundles=opts["placement_group_bundles"],
+                             placement_group_strategy=opts["placement_group_strategy"])
+    one = ClusterConfig.from_dict({"decode": {"num_gpus": 1}, "prefill": {"num_gpus": 0.5}})
+    for name in ("prefill", "decode"):                                      # TP 1: no placement group, as before
+        assert "placement_group_bundles" not in one.deployment_options(name)
+    assert one.deployment_options("prefill")["ray_actor_options"]["num_gpus"] == 0.5   # a shared GPU
 
 
 def test_autoscaling_knobs_shared_with_ray_serve_have_its_names_and_defaults():
