@@ -49,6 +49,11 @@ POOL_KV_CACHE_BYTES_WITHOUT_GPU = 512 << 20
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
+def worker_bundle(with_gpu: bool) -> dict[str, float]:
+    """The placement-group bundle of one tensor-parallel worker (rank >= 1; replica/tp_workers.py takes it)."""
+    return {"CPU": 1.0, "GPU": 1.0} if with_gpu else {"CPU": 1.0}
+
+
 class _Schema(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -194,7 +199,11 @@ class PoolConfig(_Schema):
         {CPU: 1} on a pool without GPUs."""
         gpu = {"GPU": 1.0} if self.num_gpus else {}
         first = {"CPU": self.num_cpus, **gpu, **self._actor_extras(), **self.resources}
-        return [first] + [{"CPU": 1.0, **gpu} for _ in range(self.tensor_parallel_size - 1)]
+        return [first] + [worker_bundle(bool(gpu)) for _ in range(self.tensor_parallel_size - 1)]
+
+    def cpus_per_replica(self) -> float:
+        """Logical CPUs one replica takes: its own and, with TP > 1, its workers'."""
+        return sum(b.get("CPU", 0.0) for b in self.placement_group_bundles())
 
     def _actor_extras(self) -> dict[str, Any]:
         return {"memory": self.memory} if self.memory is not None else {}
