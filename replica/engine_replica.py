@@ -57,7 +57,7 @@ class EngineReplica:
         self._events_lock = threading.Lock()
         self._seq = 0
         eng = LLMEngine(engine, on_kv_event=self._on_event, worker_handle=tp_worker_handle(engine))
-        self.llm = ReplicaLLM(engine=eng)
+        self.llm = (ReplicaLLM if engine.tensor_parallel_size > 1 else AsyncLLM)(engine=eng)
         self.engine = eng
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
                            peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
@@ -216,7 +216,7 @@ class ReplicaLLM(AsyncLLM):
         try:
             async for out in super().generate(*args, **kwargs):
                 yield out
-        except (InvalidRequestError, asyncio.CancelledError):
+        except InvalidRequestError:                    # the request's own fault, refused before any step
             raise
         except Exception as e:
             failure = await self._tp_failure_after(e)
@@ -227,8 +227,6 @@ class ReplicaLLM(AsyncLLM):
     async def _tp_failure_after(self, e: Exception) -> TPWorkerError | None:
         if isinstance(e, TPWorkerError):
             return e
-        if self.engine.executor.tp_size == 1:
-            return None
         deadline = time.monotonic() + TP_FAILURE_GRACE_S
         while (failure := tp_failure(self.engine)) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

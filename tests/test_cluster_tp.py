@@ -29,7 +29,7 @@ MAX_TOKENS = 12
 @pytest.fixture
 def client(shared_cluster):
     shared_cluster.up(COLOCATED_TP2, num_cpus=2)
-    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_killing_a_tp_worker_fails_its_streams_cleanly_and_the_replica_comes_bac
         assert isinstance(e, openai.APIError) and (e.type, e.code) == ("ServiceUnavailableError", "replica_failed"), out
     # the replica's health check fails; Serve replaces it with its placement group and a new worker
     wait_for(lambda: tp_workers() and tp_workers() != [victim], 120, "Serve to replace the TP replica")
-    wait_for(lambda: _serves(client), 60, "the new TP replica to serve")
+    wait_for(lambda: _serves(client), 120, "the new TP replica to serve")   # its first step warms up (~30 s here)
     assert greedy_texts(client) == single_engine_texts
 
 
