@@ -398,6 +398,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"short prompts/outputs and a small prefix for a smoke run: {QUICK}")
     p.add_argument("--out-dir", default="bench_out/engine")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--tp", type=int, default=1,
+                   help="compare tensor_parallel_size 1 and this size: tokens/s and the time in collectives per "
+                        "step, to engine_tp.json (on CPU: gloo, one process per rank)")
     p.add_argument("--step-only", action="store_true",
                    help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
@@ -413,6 +416,8 @@ def _phase(name: str, fn: Callable, *args) -> Any:
 def run(args: argparse.Namespace) -> dict:
     from engine import LLM, SamplingParams
     from engine.loader import resolve_model
+    if args.tp > 1:
+        return run_tp(args)
     cfg = QUICK if args.quick else FULL
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -495,3 +500,89 @@ def _ratios(t: dict) -> None:
     for key, name in (("hf_static", "baton_vs_static"), ("hf_continuous", "baton_vs_hf_continuous")):
         peer = t.get(key)
         t[name] = b / peer["output_tokens_per_s"] if peer and peer.get("available", True) else None
+
+
+# -- --tp: tensor parallelism -------------------------------------------------------------------------
+def bench_tp_size(model_path: str, tp: int, args, workload: list[WorkloadRequest], allowed: np.ndarray,
+                  decode_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Throughput of one TP size on the workload, then batch-1 decode steps: wall time per step and, at
+    TP > 1, rank 0's time in all-reduces, the logits gather and the step-input broadcast per step."""
+    from engine import LLM, SamplingParams
+    from engine.parallel import CollectiveTimes
+    llm = LLM(model_path, tensor_parallel_size=tp, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    try:
+        group = llm.engine.runner.tp
+        llm.generate([workload[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0))
+        res, tokens = bench_baton(llm, workload)
+        params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True, temperature=0.0)
+        prompt = np.random.default_rng(args.seed + 5).choice(allowed, size=32).tolist()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))     # prefill outside the timing
+        times = CollectiveTimes()
+        if group is not None:
+            group.times = times
+        t = time.perf_counter()
+        out = llm.generate([prompt], params)[0]
+        wall = time.perf_counter() - t
+        steps = len(out.token_ids)
+        res["decode_batch1"] = {"steps": steps, "step_ms": wall / steps * 1e3}
+        if group is not None:
+            per = {k: getattr(times, k) / times.steps * 1e3 for k in ("all_reduce_s", "gather_s", "broadcast_s")}
+            res["decode_batch1"].update({f"{k[:-2]}_ms_per_step": v for k, v in per.items()})
+            res["decode_batch1"]["collectives_ms_per_step"] = sum(per.values())
+            res["decode_batch1"]["all_reduces_per_step"] = 2 * llm.engine.runner.model.num_layers + 1
+        return res, tokens
+    finally:
+        llm.engine.shutdown()
+
+
+def plot_tp(result: dict, path: Path) -> None:
+    plt = pyplot()
+    sizes = sorted(result["tp"], key=int)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    bars = a.bar([f"TP {s}" for s in sizes], [result["tp"][s]["output_tokens_per_s"] for s in sizes],
+                 color=["tab:blue", "tab:orange"])
+    a.bar_label(bars, fmt="%.1f")
+    a.set_ylabel("output tokens / s")
+    a.set_title(f"{result['workload']['num_requests']} requests, {Path(result['model']).name}", fontsize=9)
+    bottom = np.zeros(len(sizes))
+    for key, label in (("all_reduce_ms_per_step", "all-reduce"), ("gather_ms_per_step", "logits gather"),
+                       ("broadcast_ms_per_step", "step-input broadcast")):
+        vals = np.array([result["tp"][s]["decode_batch1"].get(key, 0.0) for s in sizes])
+        b.bar([f"TP {s}" for s in sizes], vals, bottom=bottom, label=label)
+        bottom += vals
+    rest = np.array([result["tp"][s]["decode_batch1"]["step_ms"] for s in sizes]) - bottom
+    b.bar([f"TP {s}" for s in sizes], rest, bottom=bottom, label="compute and host", color="lightgray")
+    b.set_ylabel("ms per batch-1 decode step")
+    b.legend(fontsize=8)
+    save(fig, path)
+
+
+def run_tp(args: argparse.Namespace) -> dict:
+    from engine.loader import load_config, load_tokenizer, resolve_model
+    cfg = QUICK if args.quick else FULL
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model(args.model)
+    vocab = load_config(model_path).vocab_size
+    allowed = allowed_token_ids(load_tokenizer(model_path), vocab)
+    n = min(args.num_requests, 16) if args.quick else args.num_requests
+    workload = make_workload(allowed, n, args.seed, cfg["prompt_len"], cfg["output_len"])
+    result: dict[str, Any] = {
+        "benchmark": "engine_tp", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "model": model_path, "tp": {},
+        "workload": {"num_requests": n, "seed": args.seed, "quick": args.quick,
+                     "prompt_len_range": list(cfg["prompt_len"]), "output_len_range": list(cfg["output_len"])},
+        "note": "CPU: every rank shares the same cores, so TP does not speed up here; the figure is the "
+                "collectives' cost per step",
+    }
+    tokens = {}
+    for tp in (1, args.tp):
+        result["tp"][str(tp)], tokens[tp] = _phase(f"TP {tp}", bench_tp_size, model_path, tp, args, workload,
+                                                   allowed, cfg["decode_tokens"] + 16)
+    result["exact_match_tp_vs_tp1"] = _exact_match(tokens[1], tokens[args.tp])
+    write_result(result, out_dir / "engine_tp.json", {"tp": ("engine_tp.png", plot_tp)})
+    d = result["tp"][str(args.tp)]["decode_batch1"]
+    log(f"TP {args.tp}: {d['collectives_ms_per_step']:.2f} ms of collectives in a {d['step_ms']:.2f} ms decode "
+        f"step; wrote {result['json_path']}")
+    return result

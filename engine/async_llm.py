@@ -85,6 +85,7 @@ class AsyncLLM:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()                   # tensor-parallel workers go with the engine
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:

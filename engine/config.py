@@ -32,6 +32,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
     seed: int = 0                             # for dummy weights and unseeded sampling
     enforce_eager: bool = False               # CUDA: no CUDA graphs for decode and verify steps
+    tensor_parallel_size: int = 1             # ranks one replica's model is sharded over (KV heads: engine/kv_layout.py)
+    distributed_executor_backend: str = "mp"  # TP workers: "mp" (spawned processes) or "ray" (actors; engine/executor.py)
     speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
 
     def __post_init__(self) -> None:
@@ -40,6 +42,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:

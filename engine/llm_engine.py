@@ -20,7 +20,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, RemotePrefill
 from engine.kv_events import KVEvent
 from engine.loader import load_config, load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner, allocate_kv_caches
+from engine.executor import Executor
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -46,14 +46,15 @@ class LLMEngine:
         if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                               f"must be >= max_model_len ({self.max_model_len}): a prompt must fit one step")
-        self.runner = ModelRunner(config, self.model_path, hf, self.max_model_len)
+        self.executor = Executor(config, self.model_path, hf, self.max_model_len)
+        self.runner = self.executor.runner                  # rank 0's: the one that samples
         self.hf_config = hf
         # a draft model's weights load first, so the KV budget leaves them room (model_runner.plan_kv_blocks)
         self.draft_runner = None
         if config.speculative_config is not None and config.speculative_config.method == "draft_model":
             from engine.spec.decoder import load_draft_runner
             self.draft_runner = load_draft_runner(config, hf, self.max_model_len)
-        allocate_kv_caches(self.runner, self.draft_runner)
+        self.executor.allocate_kv(self.draft_runner)
         self.block_size = config.block_size
         if self.runner.num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache holds {self.runner.num_blocks * self.block_size} tokens, "
@@ -86,11 +87,16 @@ class LLMEngine:
         return out
 
     def compat_key(self) -> str:
-        """Model, dtype, block size, layer/head shapes, layout version: equal keys share KV blocks."""
+        """Model, dtype, block size, layer/head shapes, layout version: equal keys share KV blocks. The
+        model's KV heads, not this rank's: engines of any tensor_parallel_size can share blocks."""
         m = self.runner.model
         return (f"{self.hf_config.model_type}:{self.hf_config.vocab_size}:{self.hf_config.hidden_size}:"
-                f"{self.runner.dtype}:bs{self.block_size}:L{m.num_layers}:kv{m.num_kv_heads}x{m.head_dim}:"
+                f"{self.runner.dtype}:bs{self.block_size}:L{m.num_layers}:kv{m.total_kv_heads}x{m.head_dim}:"
                 f"v{KV_LAYOUT_VERSION}:{self.runner.weight_fingerprint()}")
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at TP 1)."""
+        self.executor.shutdown()
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -131,8 +131,13 @@ def load_tokenizer(model: str):
         raise ModelLoadError(f"cannot load the tokenizer of {model}: {e}") from e
 
 
-def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) from every *.safetensors file, with a clear error for a bad file."""
+def iter_weights(model: str, shard_of: Callable[[str], tuple[int, int, int] | None] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from every *.safetensors file, with a clear error for a bad file.
+
+    `shard_of(name)` -> (dim, start, stop) reads only that slice of a tensor (a tensor-parallel rank's
+    part, through safetensors' get_slice: no rank ever holds a full copy); None reads all of it.
+    """
     from safetensors import safe_open
     files = sorted(Path(model).glob("*.safetensors"))
     if not files:
@@ -141,11 +146,18 @@ def iter_weights(model: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():
-                    yield name, fh.get_tensor(name)
+                    part = shard_of(name) if shard_of is not None else None
+                    yield name, fh.get_tensor(name) if part is None else read_slice(fh, name, *part)
         except ModelLoadError:
             raise
         except Exception as e:                             # noqa: BLE001 - truncated or corrupt file
             raise ModelLoadError(f"weights file {f} is truncated or corrupt: {e}") from e
+
+
+def read_slice(fh, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) start:stop of one tensor, read without the rest of it."""
+    sl = fh.get_slice(name)
+    return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:

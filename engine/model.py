@@ -3,6 +3,11 @@
 Tokens of all sequences in a step are packed into one [num_tokens] row; attention finds each
 sequence's context through the paged KV cache (engine/attention.py). Weight names follow Hugging
 Face so checkpoints load unchanged; q/k/v and gate/up are fused at load time (fewer matmuls).
+
+With tensor parallelism (a TPGroup given) each rank builds its shard (Megatron's split): q/k/v and
+gate/up column-parallel (its heads, its run of the intermediate), o and down row-parallel (one
+all-reduce each, bias added once after it), a vocab-parallel embedding and LM head (rank 0 gathers
+the logits). Without one, the layers are plain nn.Linear/nn.Embedding: TP 1 runs no extra op.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
+from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -74,17 +80,63 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
+class RowParallelLinear(nn.Module):
+    """A Linear whose input features are split over the ranks: the partial products are summed by one
+    all-reduce and the bias is added once, after it. Parameter names match nn.Linear's (HF's)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp, self.packed = tp, None
+
+    def prepack(self) -> None:
+        self.packed = PackedLinear(self.weight, None)
+        del self.weight                                   # the packed copy replaces it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(self.packed(x) if self.packed is not None else F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the vocabulary (padded to an even shard): ids outside them look up zeros,
+    and one all-reduce assembles every token's row."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.rows, per = vocab_range(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(per, hidden))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.rows.start) & (ids < self.rows.stop)
+        h = F.embedding((ids - self.rows.start) * mine, self.weight) * mine.unsqueeze(-1)
+        return self.tp.all_reduce(h)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, tp: TPGroup | None) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias) if tp is None else RowParallelLinear(
+        in_features, out_features, bias, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if tp is None:
+            self.q_heads, self.kv_heads = range(heads), range(kv_heads)
+        else:                                             # this rank's share (engine/kv_layout.py)
+            layout = check_heads(heads, kv_heads, tp.size)
+            self.q_heads, self.kv_heads = query_heads_of(layout, heads, tp.rank), layout.heads_of(tp.rank)
+        self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.o_proj = row_linear(self.q_size, config.hidden_size, bool(getattr(config, "attention_bias", False)), tp)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata):
@@ -99,12 +151,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup | None = None):
         super().__init__()
-        self.intermediate = config.intermediate_size
+        size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
+        self.run = split_range(config.intermediate_size, rank, size)     # this rank's intermediate units
+        self.intermediate = len(self.run)
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, tp)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -112,10 +166,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int):
+    def __init__(self, config, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_idx, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -125,10 +179,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPGroup | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -140,11 +195,10 @@ class PackedLinear(nn.Module):
     (measured on the 2-core EPYC, see docs/benchmarks.md).
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-        self.out_features = linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
@@ -157,22 +211,25 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(input_ids, positions, kv_cache, md, logits_indices) -> logits of the chosen rows."""
+    """forward(input_ids, positions, kv_cache, md, logits_indices) -> logits of the chosen rows
+    (None on TP ranks other than 0)."""
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(f"model_type {config.model_type!r} is not supported "
                                  f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
-        self.config = config
-        self.model = LlamaModel(config)
+        self.config, self.tp = config, tp
+        self.model = LlamaModel(config, tp)
         attn = self.model.layers[0].self_attn
-        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim      # this rank's KV heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.num_layers = config.num_hidden_layers
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None       # built by materialize(), on the real device
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        vocab = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[1]
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -195,21 +252,45 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers[:num_layers]:
             h = layer(h, rope, kv_cache, md)
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
-        return self.lm_head(h).float()
+        if self.tp is None:
+            return self.lm_head(h).float()
+        logits = self.tp.gather_to_driver(self.lm_head(h))
+        return None if logits is None else logits[:, :self.config.vocab_size].float()
 
     def prepack_linears(self) -> int:
         """After loading: swap every Linear for a PackedLinear (CPU fp32). Returns how many."""
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                  if isinstance(child, nn.Linear)]
         for parent, name, child in swaps:
-            setattr(parent, name, PackedLinear(child))
-        return len(swaps)
+            setattr(parent, name, PackedLinear(child.weight, child.bias))
+        rows = [m for m in self.modules() if isinstance(m, RowParallelLinear)]
+        for m in rows:
+            m.prepack()
+        return len(swaps) + len(rows)
 
     # -- weights ---------------------------------------------------------------------------------
     _FUSED = {  # HF name piece -> (our fused param, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+
+    def weight_shard(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop): the part of checkpoint tensor `name` this rank holds; None: all of it."""
+        if self.tp is None:
+            return None
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        d = attn.head_dim
+        rows = {"q_proj": range(attn.q_heads.start * d, attn.q_heads.stop * d),
+                "k_proj": range(attn.kv_heads.start * d, attn.kv_heads.stop * d), "gate_proj": mlp.run,
+                "up_proj": mlp.run, "embed_tokens": self.model.embed_tokens.rows}
+        rows["v_proj"], rows["lm_head"] = rows["k_proj"], rows["embed_tokens"]
+        cols = {"o_proj": rows["q_proj"], "down_proj": mlp.run}
+        piece = name.split(".")[-2]
+        if piece in rows:
+            return 0, rows[piece].start, rows[piece].stop
+        if piece in cols and name.endswith(".weight"):
+            return 1, cols[piece].start, cols[piece].stop
+        return None                                       # norms, row-parallel biases: replicated
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
@@ -239,8 +320,11 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 attn = self.model.layers[0].self_attn
                 sizes = ([attn.q_size, attn.kv_size, attn.kv_size] if ".qkv_proj." in target
-                         else [self.config.intermediate_size] * 2)
+                         else [self.model.layers[0].mlp.intermediate] * 2)
                 dst = param.split(sizes, dim=0)[shard]
+            elif self.tp is not None and target in ("model.embed_tokens.weight", "lm_head.weight"):
+                dst.zero_()                               # the last shard's padding rows stay zero
+                dst = dst[:tensor.shape[0]]
             if dst.shape != tensor.shape:
                 raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
             dst.copy_(tensor)

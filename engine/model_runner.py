@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, ContextManager
 
 import numpy as np
 import torch
@@ -15,26 +16,35 @@ from engine.errors import ConfigError
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
 from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
 from engine.model import LlamaForCausalLM, can_prepack
+from engine.parallel import TPGroup
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Built with the weights only; allocate_kv() then sizes the cache (see allocate_kv_caches)."""
+    """Built with the weights only; allocate_kv() then sizes the cache (see allocate_kv_caches).
 
-    def __init__(self, config: EngineConfig, model_path: str, hf_config, max_model_len: int):
+    With tensor parallelism (`tp`) it holds one rank's shard of the model and of the KV cache (same
+    block ids on every rank); rank 0's `on_step` sends each forward's inputs to the other ranks
+    (engine/executor.py), which run the same forward_step so the model's collectives line up.
+    """
+
+    def __init__(self, config: EngineConfig, model_path: str, hf_config, max_model_len: int,
+                 tp: TPGroup | None = None, device: torch.device | None = None):
         self.config = config
-        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.device, self.dtype = device or config.torch_device, config.torch_dtype
         self.hf_config = hf_config
+        self.tp = tp
+        self.on_step: Callable[[StepShape, np.ndarray, np.ndarray, int | None], ContextManager] | None = None
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len)
+            model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len, tp=tp)
         self.model = model.materialize(self.device, self.dtype).eval()
         if config.load_format == "dummy" or model_path in DUMMY_SHAPES:
             init_dummy_weights(self.model, config.seed)
         else:
-            self.model.load_weights(iter_weights(model_path))
+            self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if can_prepack(self.device, self.dtype):
             self.model.prepack_linears()
@@ -56,7 +66,7 @@ class ModelRunner:
         c, max_blocks = self.config, blocks_for(self.max_model_len, self.block_size)
         self.inputs = InputBatch(c.max_num_batched_tokens, c.max_num_seqs, max_blocks, self.block_size, self.device)
         self.rows = SequenceRows(c.max_num_seqs, self.max_model_len, max_blocks)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.tp is None:   # TP > 1 runs eagerly (collectives not captured)
             self.graph_keys = self.graph_plan()
             self.capture_graphs()
 
@@ -132,7 +142,7 @@ class ModelRunner:
         The logits are valid until the next forward (a replayed graph rewrites its output).
         """
         shape, ids, tables, samplers = self.rows.prepare(scheduled)
-        return self._forward(shape, ids, tables), samplers
+        return self.forward_step(shape, ids, tables), samplers
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""
@@ -145,11 +155,19 @@ class ModelRunner:
         Writes the tokens' K/V to the cache at their slots and returns the requested logits rows
         [sum of rows, vocab] in order. `num_layers` runs only the first layers (layer-skip drafts).
         """
-        return self._forward(*items_shape(items, self.block_size), num_layers=num_layers)
+        return self.forward_step(*items_shape(items, self.block_size), num_layers=num_layers)
+
+    def forward_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
+                     num_layers: int | None = None) -> torch.Tensor | None:
+        """A uniform step of the whole model replays a graph (padded); anything else runs eagerly.
+        Returns the logits rows (None on TP ranks other than 0)."""
+        if self.on_step is None:
+            return self._forward(shape, ids, tables, num_layers)
+        with self.on_step(shape, ids, tables, num_layers):     # TP rank 0: the workers run this step too
+            return self._forward(shape, ids, tables, num_layers)
 
     def _forward(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
-                 num_layers: int | None = None) -> torch.Tensor:
-        """A uniform step of the whole model replays a graph (padded); anything else runs eagerly."""
+                 num_layers: int | None) -> torch.Tensor | None:
         width = shape.uniform_width() if num_layers is None and self.graph_keys else None
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
         if size is not None and tables.shape[1] <= self.inputs.max_blocks:

@@ -1,0 +1,283 @@
+"""Tensor parallelism on CPU (gloo): TP 2 gives TP 1's greedy tokens, prefix-cache hits and KV events; each
+rank reads only its slices of the weights; a dead worker fails the engine at once; no worker outlives it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint, wait_for
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.llm_engine import LLMEngine
+from engine.parallel import TPWorkerError
+from engine.sampling_params import SamplingParams
+from greedy import TOP_K, baton_greedy, check_greedy_close
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
+PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 100] + [4] * 30 + [250], list(range(40, 90))]
+TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # prefill chunks: steps with no logits rows
+
+# (model type, config overrides): MQA (1 KV head on 2 ranks: replicated) with uneven intermediate and vocab
+# splits; Qwen2 with q/k/v biases and tied embeddings (the LM head shares the embedding's vocab shard)
+TINY_MODELS = {
+    "llama-mqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=161, vocab_size=301)),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+def engine(path: str, tp: int = 1, events: list | None = None, **kw) -> LLMEngine:
+    cfg = EngineConfig(model=path, tensor_parallel_size=tp, **{**TINY, **kw})
+    return LLMEngine(cfg, on_kv_event=None if events is None else events.append)
+
+
+def generate(eng: LLMEngine, prompts, params=GREEDY) -> list:
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    return [done[i] for i in ids]
+
+
+def assert_same_greedy(ref: list, out: list) -> None:
+    """Equal tokens; an all-reduce sums in another order than one matmul, so a near-tie may part them
+    (check/compare.py's rule), never more."""
+    for r, o in zip(ref, out):
+        if o.token_ids != r.token_ids:
+            check_greedy_close(baton_greedy(o), baton_greedy(r))
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory) -> dict[str, str]:
+    return {name: make_tiny_checkpoint(tmp_path_factory.mktemp(name), kind, **overrides)
+            for name, (kind, overrides) in TINY_MODELS.items()}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny_pair(request, tiny_paths):
+    """(TP 1 engine, TP 2 engine, their KV events) of one tiny random checkpoint."""
+    path = tiny_paths[request.param]
+    ev1, ev2 = [], []
+    tp1, tp2 = engine(path, 1, ev1), engine(path, 2, ev2)
+    yield tp1, tp2, ev1, ev2
+    tp2.shutdown()
+
+
+def test_tp2_greedy_tokens_equal_tp1(tiny_pair):
+    tp1, tp2, _, _ = tiny_pair
+    assert_same_greedy(generate(tp1, PROMPTS), generate(tp2, PROMPTS))
+    assert tp1.compat_key() == tp2.compat_key()        # a TP 2 producer's KV fits a TP 1 consumer
+
+
+def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
+    tp1, tp2, ev1, ev2 = tiny_pair
+    shared = list(range(3, 3 + 40))                    # two full blocks of 16, shared by both requests
+    for eng in (tp1, tp2):
+        before = eng.stats()["prefix_cache_hit_tokens"]
+        generate(eng, [shared + [7, 8]])
+        out = generate(eng, [shared + [9, 10, 11]])[0]
+        eng.hits = eng.stats()["prefix_cache_hit_tokens"] - before
+        assert out.metrics.num_cached_tokens == 32
+    assert tp1.hits == tp2.hits == 32
+    assert ev1 and ev1 == ev2
+
+
+def test_smollm2_tp2_equals_tp1(smol_path):
+    """SmolLM2's 3 KV heads split unevenly (rank 0: 1, rank 1: 2), 9 query heads 3 and 6."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=TOP_K)
+    tp1 = engine(smol_path, 1, num_kv_blocks=32)
+    ref = generate(tp1, prompts, params)
+    tp2 = engine(smol_path, 2, num_kv_blocks=32)
+    try:
+        assert tp2.runner.model.num_kv_heads == 1 and tp2.runner.kv_cache.shape[-2] == 1
+        out = generate(tp2, prompts, params)
+        assert_same_greedy(ref, out)
+    finally:
+        tp2.shutdown()
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+                                  {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 2,
+                                   "adaptive": False},
+                                  {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}],
+                         ids=["ngram", "layer_skip", "draft_model"])
+def test_speculation_with_tp2_keeps_greedy_output(tiny_paths, spec):
+    """ngram drafts without a model; layer_skip with the sharded target's first layers; a draft model runs
+    unsharded on rank 0 (vLLM's draft_tensor_parallel_size=1)."""
+    path = tiny_paths["qwen2-tied"]
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": path}
+    ref = generate(engine(path, 1), PROMPTS)
+    eng = engine(path, 2, speculative_config=spec)
+    try:
+        assert_same_greedy(ref, generate(eng, PROMPTS))
+        assert eng.stats()["spec_num_draft_tokens"] > 0
+    finally:
+        eng.shutdown()
+
+
+# -- sharded loading ------------------------------------------------------------------------------------
+class CountingHandle:
+    """Wraps a safetensors handle: counts the bytes each read hands out, whole tensors and slices."""
+
+    def __init__(self, fh, log: dict):
+        self.fh, self.log = fh, log
+
+    def __enter__(self):
+        self.fh.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        return self.fh.__exit__(*a)
+
+    def keys(self):
+        return self.fh.keys()
+
+    def get_tensor(self, name):
+        t = self.fh.get_tensor(name)
+        self.log[name] = t.numel() * t.element_size()
+        return t
+
+    def get_slice(self, name):
+        sl, log = self.fh.get_slice(name), self.log
+
+        class Slice:
+            def __getitem__(self, idx):
+                t = sl[idx]
+                log[name] = t.numel() * t.element_size()
+                return t
+        return Slice()
+
+
+def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
+    import safetensors
+
+    from engine.loader import iter_weights, load_config
+    from engine.model import LlamaForCausalLM
+    from engine.parallel import TPGroup
+    path = make_tiny_checkpoint(tmp_path, "llama", num_key_value_heads=4, intermediate_size=256)
+    real = safetensors.safe_open
+    reads: dict[int, dict] = {}
+
+    def load(rank: int, size: int) -> LlamaForCausalLM:
+        reads[rank if size > 1 else -1] = log = {}
+        monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: CountingHandle(real(*a, **k), log))
+        with torch.device("meta"):
+            model = LlamaForCausalLM(load_config(path), 256, tp=TPGroup(rank, size) if size > 1 else None)
+        model.materialize(torch.device("cpu"), torch.float32).load_weights(iter_weights(path, model.weight_shard))
+        return model
+    full, r0, r1 = load(0, 1), load(0, 2), load(1, 2)
+    whole = sum(reads[-1].values())
+    replicated = sum(v for n, v in reads[-1].items() if "norm" in n)
+    for rank in (0, 1):
+        assert sum(reads[rank].values()) == (whole - replicated) // 2 + replicated   # half of every split tensor
+        params = sum(p.numel() for p in (r0, r1)[rank].parameters())
+        assert params * 4 < 0.55 * whole
+    # the shards are the full tensor's pieces: rank 0's q rows first, rank 1's next
+    q = full.model.layers[0].self_attn.qkv_proj.weight[:64]
+    assert torch.equal(torch.cat([r0.model.layers[0].self_attn.qkv_proj.weight[:32],
+                                  r1.model.layers[0].self_attn.qkv_proj.weight[:32]]), q)
+
+
+# -- failures and shutdown ------------------------------------------------------------------------------
+def test_an_idle_worker_outwaits_the_collective_timeout():
+    """A worker waits for the next step without a deadline (an engine may idle for hours); steps still flow."""
+    import threading
+
+    import numpy as np
+
+    from engine.input_batch import StepShape
+    from engine.parallel import join_group, new_rendezvous
+    rdv, store = new_rendezvous(2, timeout_s=4.0)
+    groups = {}
+    cpu = torch.device("cpu")
+    threads = [threading.Thread(target=lambda r=r: groups.update({r: join_group(rdv, r, cpu, None if r else store)}))
+               for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = []
+    worker = threading.Thread(target=lambda: got.append(groups[1].recv_step()))
+    worker.start()
+    time.sleep(5.0)                                       # idle for longer than the collective timeout
+    shape = StepShape(np.array([0, 3]), np.array([3, 1]), np.array([1, 1]))
+    groups[0].send_step(shape, np.arange(4), np.array([[5, 6], [7, 8]], np.int32), 2)
+    worker.join(timeout=10)
+    got_shape, ids, tables, layers = got[0]
+    assert got_shape.query_lens.tolist() == [3, 1] and ids.tolist() == [0, 1, 2, 3]
+    assert tables.tolist() == [[5, 6], [7, 8]] and layers == 2
+
+
+def test_tensor_parallel_size_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    path = make_tiny_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match="cannot be replicated evenly"):
+        engine(path, 3)                                   # 2 KV heads on 3 ranks: refused before any process starts
+
+
+def test_dead_worker_fails_the_next_step_fast_and_shutdown_leaves_no_process(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    eng = engine(path, 2)
+    worker = eng.executor.workers[0]
+    assert generate(eng, PROMPTS[:1])[0].finished
+    os.kill(worker.pid, signal.SIGKILL)
+    wait_for(lambda: not worker.alive(), 10, "the killed worker to exit")
+    t0 = time.monotonic()
+    with pytest.raises(TPWorkerError, match="rank"):
+        generate(eng, PROMPTS[:1])
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(TPWorkerError):                    # and every later step, not a hang
+        generate(eng, PROMPTS[:1])
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("end", ["shutdown", "kill"])
+def test_no_worker_outlives_the_engine(tmp_path, end):
+    """Shutdown stops the workers; if the engine's process is killed instead, they exit on their own."""
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    script = textwrap.dedent(f"""
+        import sys, time
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+        if __name__ == "__main__":
+            eng = LLMEngine(EngineConfig(model={path!r}, tensor_parallel_size=2, num_kv_blocks=48, max_model_len=256))
+            pids = [h.pid for h in eng.executor.workers]
+            print(*pids, flush=True)
+            if sys.argv[1] == "shutdown":
+                eng.shutdown()
+                print("done", flush=True)
+            time.sleep(60)
+    """)
+    (tmp_path / "run.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py"), end], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 1 and alive(pids[0])
+        if end == "shutdown":
+            assert proc.stdout.readline().strip() == "done"
+        else:
+            proc.kill()                                   # SIGKILL: no atexit, no finalizer runs
+        wait_for(lambda: not any(alive(p) for p in pids), 10, f"workers to stop after {end}")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:                  # a zombie has exited
+        return f.read().split(")")[-1].split()[0] != "Z"
