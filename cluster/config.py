@@ -42,6 +42,8 @@ from replica.names import INGRESS, POOLS
 from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
+# EngineConfig fields the cluster sets itself: a TP replica's workers are Ray actors in its placement group
+CLUSTER_SET_ENGINE_KEYS = ("distributed_executor_backend",)
 # A replica without a GPU of its own gets a fixed, small KV cache instead of the engine's 2 GiB CPU
 # default: 512 MiB is ~11k tokens of SmolLM2-135M in fp32 (46 KB a token), room for one full 8k
 # context or 64 sequences of ~180 tokens, and two pools then hold 1 GiB of RAM between them, not 4.
@@ -175,6 +177,8 @@ class PoolConfig(_Schema):
         kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs()}
         if self.num_gpus == 0 and "kv_cache_memory" not in kw and "num_kv_blocks" not in kw:
             kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
+        if self.tensor_parallel_size > 1:       # TP workers: Ray actors in the replica's placement group
+            kw["distributed_executor_backend"] = "ray"
         return EngineConfig(**kw)
 
     @property
@@ -417,6 +421,10 @@ def _explain(e: ValidationError) -> str:
         path = ".".join(str(p) for p in loc)
         if err["type"] == "extra_forbidden" and loc[-2:-1] == ("engine",) and loc[-1] in CLUSTER_LEVEL_ENGINE_KEYS:
             lines.append(f"  {path}: set once for the cluster (top-level `{loc[-1]}:`), not per pool")
+            continue
+        if err["type"] == "extra_forbidden" and loc[-2:-1] == ("engine",) and loc[-1] in CLUSTER_SET_ENGINE_KEYS:
+            lines.append(f"  {path}: set by the cluster (a TP replica's workers are Ray actors in its placement "
+                         f"group)")
             continue
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)

@@ -56,7 +56,7 @@ class EngineReplica:
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
         self._seq = 0
-        eng = LLMEngine(engine, on_kv_event=self._on_event, worker_handle=tp_worker_handle(engine))
+        eng = LLMEngine(engine, on_kv_event=self._on_event)
         self.llm = (ReplicaLLM if engine.tensor_parallel_size > 1 else AsyncLLM)(engine=eng)
         self.engine = eng
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
@@ -183,18 +183,6 @@ class EngineReplica:
 
     def __del__(self):
         self._closed = True
-
-
-def tp_worker_handle(config: EngineConfig) -> type | None:
-    """How this replica reaches its TP workers: Ray actors in its placement group inside Serve (cluster/config.py
-    asks for one bundle per rank), else spawned processes (the engine's default, None)."""
-    if config.tensor_parallel_size == 1:
-        return None
-    from ray.util import get_current_placement_group
-    if get_current_placement_group() is None:
-        return None
-    from replica.tp_workers import RayWorkerHandle
-    return RayWorkerHandle
 
 
 def tp_failure(engine: LLMEngine) -> TPWorkerError | None:

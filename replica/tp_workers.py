@@ -1,12 +1,13 @@
 """RayWorkerHandle: a tensor-parallel worker (rank >= 1) of a Serve replica, as a Ray actor in the replica's
-placement group (engine/executor.py's WorkerHandle protocol; MPWorkerHandle is the one outside Ray).
+placement group (engine/executor.py's WorkerHandle, distributed_executor_backend "ray"; "mp", spawned
+processes, is the one outside Ray).
 
 The replica actor is rank 0 in bundle 0 of the placement group Serve made for it (cluster/config.py asks for
 one bundle per rank, STRICT_PACK: one node, so the ranks rendezvous on localhost); rank r's actor takes
 bundle r. The actors are the replica's children: they die with it, and Serve replaces the replica, with a new
-placement group, as one. A worker that dies is seen at once (a thread waits on its run() call), so rank 0
-fails its next step instead of waiting in a collective, and the replica's health check fails
-(replica/engine_replica.py).
+placement group, as one. A worker that dies is seen at once (a thread waits on a call that returns only when
+the actor's process ends), so rank 0 fails its next step instead of waiting in a collective, and the
+replica's health check fails (replica/engine_replica.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.config import worker_bundle
 from engine.executor import TPWorker, WorkerSpec
@@ -27,37 +28,22 @@ log = logging.getLogger(__name__)
 WORKER_NAME_PREFIX = "baton-tp:"
 
 
-@ray.remote(max_restarts=0, concurrency_groups={"steps": 1, "calls": 1})
+@ray.remote(max_restarts=0, concurrency_groups={"watch": 1})
 class TPWorkerActor:
-    """One rank: run() builds its shard and serves rank 0's steps until told to stop; call() runs rank 0's
-    collective_rpc functions meanwhile (one at a time, in order: the `calls` group has one thread)."""
+    """One rank in its own process. build() joins the TP group and loads the shard, then the step loop runs on
+    a thread (TPWorker.start_serving: the process exits with it); call() runs rank 0's collective_rpc functions
+    in order (the default group has one thread); until_exit() never returns: the process ending answers it."""
 
-    def __init__(self) -> None:
-        self._built = threading.Event()
-        self._worker: TPWorker | None = None
-        self._error: BaseException | None = None
+    def build(self, spec: WorkerSpec) -> None:
+        self.worker = TPWorker.build(spec)
+        self.worker.start_serving()
 
-    @ray.method(concurrency_group="steps")
-    def run(self, spec: WorkerSpec) -> None:
-        try:
-            self._worker = TPWorker.build(spec)
-        except BaseException as e:                      # noqa: BLE001 - ready() re-raises it at rank 0
-            self._error = e
-            raise
-        finally:
-            self._built.set()
-        self._worker.serve_steps()
-
-    @ray.method(concurrency_group="calls")
-    def ready(self) -> None:
-        self._built.wait()
-        if self._error is not None:
-            raise self._error
-
-    @ray.method(concurrency_group="calls")
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        with self._worker.lock:
-            return fn(self._worker, *args)
+        return self.worker.call(fn, *args)
+
+    @ray.method(concurrency_group="watch")
+    def until_exit(self) -> None:
+        threading.Event().wait()
 
 
 def worker_name(rank: int) -> str | None:
@@ -71,6 +57,15 @@ def worker_name(rank: int) -> str | None:
     return f"{WORKER_NAME_PREFIX}{ctx.deployment}#{ctx.replica_id.unique_id}#rank{rank}"
 
 
+def _placement(rank: int):
+    """Bundle `rank` of the caller's placement group; without one (Ray outside Serve), this node: the ranks
+    rendezvous on localhost."""
+    pg = ray.util.get_current_placement_group()
+    if pg is not None:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 class RayWorkerHandle:
     """Rank 0's end of one TPWorkerActor (WorkerHandle): calls come back as concurrent Futures."""
 
@@ -80,12 +75,10 @@ class RayWorkerHandle:
         if on_gpu:                      # Ray shows the actor its own GPU only, as cuda:0
             spec = dataclasses.replace(spec, device="cuda:0")
         bundle = worker_bundle(on_gpu)
-        self._actor = TPWorkerActor.options(
-            name=worker_name(spec.rank), num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                ray.util.get_current_placement_group(), placement_group_bundle_index=spec.rank)).remote()
-        self._run = self._actor.run.remote(spec)
-        self.ready: Future = _as_future(self._actor.ready.remote(), self.rank)
+        self._actor = TPWorkerActor.options(name=worker_name(spec.rank), num_cpus=bundle["CPU"],
+                                            num_gpus=bundle.get("GPU", 0),
+                                            scheduling_strategy=_placement(spec.rank)).remote()
+        self.ready: Future = _as_future(self._actor.build.remote(spec), self.rank)
         self._stopped = threading.Event()
         threading.Thread(target=self._watch, name=f"baton-tp-watch-rank{self.rank}", daemon=True).start()
 
@@ -111,12 +104,11 @@ class RayWorkerHandle:
             pass
 
     def _watch(self) -> None:
-        """run() returns only when rank 0 stops the worker; an error here is the actor dying."""
         try:
-            ray.get(self._run)
-        except Exception as e:                          # noqa: BLE001 - logged; alive() now says False
+            ray.get(self._actor.until_exit.remote())
+        except Exception as e:                          # noqa: BLE001 - the actor's process ended
             if not self._stopped.is_set():
-                log.error("TP worker rank %d died: %s", self.rank, str(e).splitlines()[0] if str(e) else e)
+                log.error("TP worker rank %d died: %s", self.rank, type(e).__name__)
         self._stopped.set()
 
 

@@ -96,6 +96,8 @@ def test_a_full_config_round_trips_through_yaml(tmp_path):
     ({"qwerty": 1}, "  qwerty: unknown key\n"),
     ({"decode": {"engine": {"model": "x"}}}, "  decode.engine.model: set once for the cluster (top-level `model:`)"),
     ({"prefill": {"engine": {"dtype": "fp16"}}}, "  prefill.engine.dtype: set once for the cluster"),
+    ({"decode": {"engine": {"distributed_executor_backend": "mp"}}},
+     "  decode.engine.distributed_executor_backend: set by the cluster"),
 ])
 def test_unknown_keys_are_named_with_their_path_and_a_suggestion(doc, says):
     with pytest.raises(ConfigError) as e:
@@ -278,8 +280,11 @@ def test_engine_config_merges_cluster_fields_with_pool_knobs():
 
 def test_engine_knobs_are_exactly_the_engine_config_fields_but_the_cluster_level_ones():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(EngineKnobs.model_fields) == engine_fields - {"model", "dtype", "device"}
+    assert set(EngineKnobs.model_fields) == engine_fields - {"model", "dtype", "device", "distributed_executor_backend"}
     assert {"model", "dtype", "device"} <= set(ClusterConfig.model_fields)
+    cfg = ClusterConfig.from_dict({"decode": {"engine": {"tensor_parallel_size": 2}}})   # the cluster picks it
+    assert (cfg.engine_config("decode").distributed_executor_backend, cfg.engine_config("prefill")
+            .distributed_executor_backend) == ("ray", "mp")
 
 
 def test_every_field_is_documented():

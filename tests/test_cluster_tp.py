@@ -18,9 +18,11 @@ PORT = 8739
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
 TP_ENGINE = {**CLUSTER_ENGINE, "tensor_parallel_size": 2}
-# one decode replica that prefills too, sharded over 2 ranks on CPUs (gloo): bundles [{CPU: 1}, {CPU: 1}]
+# one decode replica that prefills too, sharded over 2 ranks on CPUs (gloo): bundles [{CPU: 1}, {CPU: 1}];
+# no admission control: on a shared 2-core machine its TTFT forecast would refuse the concurrent streams
 COLOCATED_TP2 = {"mode": "colocated", "port": PORT, "device": "cpu", "ingress": {"num_cpus": 0},
-                 "decode": {"num_cpus": 1, "health_check_period_s": 1.0, "engine": TP_ENGINE}}
+                 "decode": {"num_cpus": 1, "health_check_period_s": 1.0, "engine": TP_ENGINE},
+                 "admission": {"enabled": False}}
 MESSAGES = [[{"role": "user", "content": "Why do relay runners practise the baton exchange?"}],
             [{"role": "user", "content": "Name three colours of the rainbow."}]]
 MAX_TOKENS = 12
