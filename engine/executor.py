@@ -234,18 +234,17 @@ class Executor:
                         for r in range(1, tp)]
         self._finalizer = weakref.finalize(self, _kill_all, list(self.workers))
         try:
-            self.driver = self._build_driver(spec, store)
-            for h in self.workers:
-                h.ready.result(timeout=rdv.timeout_s)
+            self.driver = self._build_driver(spec, store, rdv.timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self.runner = self.driver.runner
         self.runner.on_step = self._step
 
-    def _build_driver(self, spec: WorkerSpec, store) -> TPWorker:
-        """Rank 0 joins the group on a thread, so a worker that fails before joining (a bad model path,
-        no device) is reported at once with its own error, not after the rendezvous timeout."""
+    def _build_driver(self, spec: WorkerSpec, store, timeout_s: float) -> TPWorker:
+        """Rank 0 joins the group and loads its shard on a thread while the workers load theirs; a worker
+        that fails (a bad model path, no device) is reported at once with its own error, not after
+        the rendezvous timeout."""
         built: Future = Future()
 
         def build() -> None:
@@ -253,12 +252,14 @@ class Executor:
                 built.set_result(TPWorker.build(spec, store))
             except BaseException as e:                   # noqa: BLE001 - re-raised below
                 built.set_exception(e)
-        threading.Thread(target=build, daemon=True, name="baton-tp-rank0-join").start()
-        while not built.done():
-            for h in self.workers:
-                if h.ready.done() and h.ready.exception() is not None:
-                    raise TPWorkerError(f"TP worker rank {h.rank} failed to start: {h.ready.exception()!r}")
-            wait([built, *(h.ready for h in self.workers)], timeout=0.5, return_when=FIRST_EXCEPTION)
+        threading.Thread(target=build, daemon=True, name="baton-tp-rank0-build").start()
+        wait([built, *(h.ready for h in self.workers)], timeout=timeout_s, return_when=FIRST_EXCEPTION)
+        failed = [h for h in self.workers if h.ready.done() and h.ready.exception() is not None]
+        if failed:
+            raise TPWorkerError(f"TP worker rank {failed[0].rank} failed to start: {failed[0].ready.exception()!r}")
+        late = [h.rank for h in self.workers if not h.ready.done()] + ([] if built.done() else [0])
+        if late and (not built.done() or built.exception() is None):
+            raise TPWorkerError(f"TP rank(s) {late} not ready in {timeout_s} s")
         return built.result()
 
     @property
@@ -282,7 +283,7 @@ class Executor:
             return
         blocks, draft_blocks = plan_kv_blocks(self.config, self.runner.kv_budget(), self.runner.block_bytes,
                                               draft.block_bytes if draft is not None else None)
-        blocks = min([blocks] + [n for n in self.collective_rpc(_plan_blocks)[1:]])
+        blocks = min(blocks, *self.collective_rpc(_plan_blocks)[1:])
         self.collective_rpc(_allocate_kv, blocks)
         if draft is not None:
             draft.allocate_kv(draft_blocks)

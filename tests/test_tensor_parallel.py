@@ -281,3 +281,21 @@ def alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:                  # a zombie has exited
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_bench_engine_tp_quick(tmp_path):
+    """`baton bench engine --tp 2 --quick`: both sizes' tokens/s and TP 2's time in collectives per step."""
+    import json
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "engine", "--tp", "2", "--quick", "--json",
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads(res.stdout)
+    assert set(result["tp"]) == {"1", "2"} and all(r["output_tokens_per_s"] > 0 for r in result["tp"].values())
+    step = result["tp"]["2"]["decode_batch1"]
+    assert 0 < step["collectives_ms_per_step"] < step["step_ms"] and step["all_reduce_ms_per_step"] > 0
+    assert result["exact_match_tp_vs_tp1"] == 1.0          # greedy: the same tokens at both sizes
+    assert (tmp_path / "engine_tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
