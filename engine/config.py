@@ -32,8 +32,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
     seed: int = 0                             # for dummy weights and unseeded sampling
     enforce_eager: bool = False               # CUDA: no CUDA graphs for decode and verify steps
-    tensor_parallel_size: int = 1             # ranks one replica's model is sharded over (KV heads: engine/kv_layout.py)
-    distributed_executor_backend: str = "mp"  # TP workers: "mp" (spawned processes) or "ray" (actors; engine/executor.py)
+    tensor_parallel_size: int = 1             # ranks one model is sharded over (KV heads: engine/kv_layout.py)
+    distributed_executor_backend: str = "mp"  # TP workers: "mp" (processes) or "ray" (actors): engine/executor.py
     speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
 
     def __post_init__(self) -> None:

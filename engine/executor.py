@@ -28,7 +28,8 @@ from engine.errors import ConfigError
 from engine.input_batch import StepShape
 from engine.loader import load_config
 from engine.model_runner import ModelRunner, allocate_kv_caches, plan_kv_blocks
-from engine.parallel import DEFAULT_TIMEOUT_S, Rendezvous, TPGroup, TPWorkerError, check_heads, join_group, new_rendezvous
+from engine.parallel import (DEFAULT_TIMEOUT_S, Rendezvous, TPGroup, TPWorkerError, check_heads, join_group,
+                             new_rendezvous)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class MPWorkerHandle:
         self.ready: Future = Future()
         self._pending: deque[Future] = deque([self.ready])
         self._send_lock = threading.Lock()
+        self._closed = False                      # the pipe is gone: calls fail at once
         threading.Thread(target=self._read_replies, daemon=True).start()
 
     @classmethod
@@ -166,11 +168,15 @@ class MPWorkerHandle:
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         fut: Future = Future()
         with self._send_lock:
-            if not self.alive():
+            if self._closed or not self.alive():
                 fut.set_exception(TPWorkerError(f"TP worker rank {self.rank} is not running"))
                 return fut
             self._pending.append(fut)
-            self._conn.send((fn, args))
+            try:
+                self._conn.send((fn, args))
+            except OSError as e:                  # it died since: the reader fails what is pending
+                self._pending.remove(fut)
+                fut.set_exception(TPWorkerError(f"TP worker rank {self.rank} is not running: {e}"))
         return fut
 
     def alive(self) -> bool:
@@ -190,6 +196,8 @@ class MPWorkerHandle:
                 break
             fut = self._pending.popleft()
             fut.set_result(value) if ok else fut.set_exception(value)
+        with self._send_lock:
+            self._closed = True
         while self._pending:
             self._pending.popleft().set_exception(TPWorkerError(f"TP worker rank {self.rank} exited"))
 

@@ -52,7 +52,7 @@ class CollectiveTimes:
 
 @dataclass
 class TPGroup:
-    """One rank's view of its TP group: rank, size, and the two process groups (None at TP 1)."""
+    """One rank's view of its TP group: rank, size and its two process groups (a TP 1 engine has none)."""
     rank: int = 0
     size: int = 1
     model_pg: object = None           # the model's all-reduces and the logits gather

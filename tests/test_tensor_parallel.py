@@ -22,7 +22,8 @@ from greedy import TOP_K, baton_greedy, check_greedy_close
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
 PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 100] + [4] * 30 + [250], list(range(40, 90))]
-TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # prefill chunks: steps with no logits rows
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # chunked prefills: steps with no logits
 
 # (model type, config overrides): MQA (1 KV head on 2 ranks: replicated) with uneven intermediate and vocab
 # splits; Qwen2 with q/k/v biases and tied embeddings (the LM head shares the embedding's vocab shard)
@@ -240,35 +241,31 @@ def test_dead_worker_fails_the_next_step_fast_and_shutdown_leaves_no_process(tmp
     eng.shutdown()
 
 
-@pytest.mark.parametrize("end", ["shutdown", "kill"])
-def test_no_worker_outlives_the_engine(tmp_path, end):
-    """Shutdown stops the workers; if the engine's process is killed instead, they exit on their own."""
+def test_no_worker_outlives_the_engine(tmp_path):
+    """Shutdown stops an engine's workers; if the engine's process is killed instead, they exit on their own."""
     path = make_tiny_checkpoint(tmp_path, "llama")
     script = textwrap.dedent(f"""
-        import sys, time
+        import time
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         if __name__ == "__main__":
-            eng = LLMEngine(EngineConfig(model={path!r}, tensor_parallel_size=2, num_kv_blocks=48, max_model_len=256))
-            pids = [h.pid for h in eng.executor.workers]
-            print(*pids, flush=True)
-            if sys.argv[1] == "shutdown":
-                eng.shutdown()
-                print("done", flush=True)
+            cfg = EngineConfig(model={path!r}, tensor_parallel_size=2, num_kv_blocks=48, max_model_len=256)
+            stopped, killed = LLMEngine(cfg), LLMEngine(cfg)
+            print(stopped.executor.workers[0].pid, killed.executor.workers[0].pid, flush=True)
+            stopped.shutdown()
+            print("shut down", flush=True)
             time.sleep(60)
     """)
     (tmp_path / "run.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py"), end], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "run.py")], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert len(pids) == 1 and alive(pids[0])
-        if end == "shutdown":
-            assert proc.stdout.readline().strip() == "done"
-        else:
-            proc.kill()                                   # SIGKILL: no atexit, no finalizer runs
-        wait_for(lambda: not any(alive(p) for p in pids), 10, f"workers to stop after {end}")
+        stopped, killed = (int(p) for p in proc.stdout.readline().split())
+        assert proc.stdout.readline().strip() == "shut down"
+        wait_for(lambda: not alive(stopped), 10, "the worker to stop after shutdown")
+        assert alive(killed)
+        proc.kill()                                       # SIGKILL: no atexit, no finalizer runs
+        wait_for(lambda: not alive(killed), 10, "the worker to stop after its engine's process was killed")
     finally:
         proc.kill()
         proc.wait()
@@ -288,10 +285,9 @@ def alive(pid: int) -> bool:
 def test_bench_engine_tp_quick(tmp_path):
     """`baton bench engine --tp 2 --quick`: both sizes' tokens/s and TP 2's time in collectives per step."""
     import json
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "engine", "--tp", "2", "--quick", "--json",
-                          "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=root, timeout=600,
-                         env={**os.environ, "PYTHONPATH": root})
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT})
     assert res.returncode == 0, res.stderr[-4000:]
     result = json.loads(res.stdout)
     assert set(result["tp"]) == {"1", "2"} and all(r["output_tokens_per_s"] > 0 for r in result["tp"].values())
