@@ -5,7 +5,7 @@
     prefill, decode: num_replicas | autoscaling {bounds, delays, cooldown, hysteresis, targets, SLOs
                      (cluster/autoscaling.py)}, num_cpus, num_gpus, memory, max_ongoing_requests,
                      graceful_shutdown_timeout_s, health_check_period_s, health_check_timeout_s, access_log,
-                     engine {EngineConfig knobs}
+                     engine {EngineConfig knobs, tensor_parallel_size among them}
     coupling:        mode (measured | fixed | off), ratio, smoothing
     router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
     disaggregation:  min_remote_prefill_tokens
@@ -17,6 +17,11 @@ composes them into the one schema. Every field has a description; a bad file rai
 each problem with its path, unknown keys with a suggestion. `baton serve` flags override a few fields
 (with_overrides); build_app (cluster/app.py) hands each deployment its sections as they are (the pydantic
 objects, a pool's EngineConfig) and passes deployment_options on to Ray Serve unchanged.
+
+GPUs per replica are its TP size: num_gpus is 0 (no GPU) or engine.tensor_parallel_size (a fraction at TP 1),
+anything else is refused. A TP replica asks Serve for a placement group, one bundle per rank packed on one
+node (STRICT_PACK), as Ray Serve LLM does: the replica actor is rank 0 in bundle 0, and its worker actors
+(replica/tp_workers.py) take bundles 1..TP-1.
 """
 from __future__ import annotations
 
@@ -37,11 +42,18 @@ from replica.names import INGRESS, POOLS
 from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
+# EngineConfig fields the cluster sets itself: a TP replica's workers are Ray actors in its placement group
+CLUSTER_SET_ENGINE_KEYS = ("distributed_executor_backend",)
 # A replica without a GPU of its own gets a fixed, small KV cache instead of the engine's 2 GiB CPU
 # default: 512 MiB is ~11k tokens of SmolLM2-135M in fp32 (46 KB a token), room for one full 8k
 # context or 64 sequences of ~180 tokens, and two pools then hold 1 GiB of RAM between them, not 4.
 POOL_KV_CACHE_BYTES_WITHOUT_GPU = 512 << 20
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def worker_bundle(with_gpu: bool) -> dict[str, float]:
+    """The placement-group bundle of one tensor-parallel worker (rank >= 1; replica/tp_workers.py takes it)."""
+    return {"CPU": 1.0, "GPU": 1.0} if with_gpu else {"CPU": 1.0}
 
 
 class _Schema(BaseModel):
@@ -80,6 +92,9 @@ class EngineKnobs(_Schema):
     seed: int | None = _knob("seed", "Seed of dummy weights and of requests that give none")
     enforce_eager: bool | None = _knob("enforce_eager", "On CUDA, run every step eagerly: no CUDA graphs for "
                                                         "decode and verify steps (they are captured at start-up)")
+    tensor_parallel_size: int | None = _knob(
+        "tensor_parallel_size", "Ranks one replica's model is sharded over, one device each, packed on one node; "
+                                "a pool with GPUs gives each replica this many (num_gpus)", ge=1)
     speculative_config: dict[str, Any] | None = _knob(
         "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
                               "num_speculative_tokens, ...} (off when unset)")
@@ -117,8 +132,9 @@ class PoolConfig(_Schema):
     autoscaling: Autoscaling | None = Field(None, description="Scale between min_replicas and max_replicas "
                                                               "on the pool's load signals (cluster/autoscaling.py)")
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves for each replica")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica: 1 for a CUDA engine; "
-                                                   "0 runs it without a GPU of its own")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each replica: its "
+                                                   "engine.tensor_parallel_size (one per rank; at TP 1 a fraction "
+                                                   "shares a GPU); 0 runs it without a GPU of its own")
     memory: int | None = Field(None, gt=0, description="Bytes of memory Ray reserves for each replica "
                                                       "(default: none reserved)")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each replica "
@@ -161,14 +177,48 @@ class PoolConfig(_Schema):
         kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs()}
         if self.num_gpus == 0 and "kv_cache_memory" not in kw and "num_kv_blocks" not in kw:
             kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
+        if self.tensor_parallel_size > 1:       # TP workers: Ray actors in the replica's placement group
+            kw["distributed_executor_backend"] = "ray"
         return EngineConfig(**kw)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.tensor_parallel_size or _ENGINE_DEFAULTS["tensor_parallel_size"]
+
+    def tp_problems(self, name: str) -> list[str]:
+        """What in this pool (named `name`) disagrees with its TP size, each with its key's path: a replica with
+        GPUs has one per rank; a TP replica without GPUs still reserves something for rank 0's bundle."""
+        tp, gpus = self.tensor_parallel_size, self.num_gpus
+        if gpus and gpus != tp and not (tp == 1 and gpus < 1):          # at TP 1 a fraction shares a GPU
+            return [f"{name}.num_gpus: {gpus:g} but {name}.engine.tensor_parallel_size is {tp}: a replica takes "
+                    f"one GPU per rank (set both to the GPUs it should use, or num_gpus 0 for none)"]
+        if tp > 1 and not any(self.placement_group_bundles()[0].values()):   # Ray refuses an empty bundle
+            return [f"{name}.num_cpus: 0 but {name}.engine.tensor_parallel_size is {tp} without GPUs: rank 0's "
+                    f"placement-group bundle must reserve something (a CPU)"]
+        return []
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """One bundle per TP rank, as Ray Serve LLM asks for them: rank 0's holds the replica actor (its CPUs,
+        memory, custom resources and GPU); each further rank's worker actor takes {GPU: 1, CPU: 1}, or
+        {CPU: 1} on a pool without GPUs."""
+        gpu = {"GPU": 1.0} if self.num_gpus else {}
+        first = {"CPU": self.num_cpus, **gpu, **self._actor_extras(), **self.resources}
+        return [first] + [worker_bundle(bool(gpu)) for _ in range(self.tensor_parallel_size - 1)]
+
+    def cpus_per_replica(self) -> float:
+        """Logical CPUs one replica takes: its own and, with TP > 1, its workers'."""
+        return sum(b.get("CPU", 0.0) for b in self.placement_group_bundles())
+
+    def _actor_extras(self) -> dict[str, Any]:
+        return {"memory": self.memory} if self.memory is not None else {}
 
     def deployment_options(self, policy: dict[str, Any] | None = None) -> dict[str, Any]:
         """Ray Serve deployment options: the replica count (or autoscaling_config with Baton's policy and
-        `policy` as its kwargs), resources, concurrency."""
-        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.memory is not None:
-            actor["memory"] = self.memory
+        `policy` as its kwargs), resources, concurrency; with TP > 1 a placement group per replica, packed on one
+        node, whose bundle 0 the replica actor (rank 0) takes."""
+        tp = self.tensor_parallel_size
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": min(self.num_gpus, 1.0) if tp > 1
+                                 else self.num_gpus, **self._actor_extras()}
         if self.resources:
             actor["resources"] = dict(self.resources)
         opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": self.max_ongoing_requests,
@@ -176,6 +226,9 @@ class PoolConfig(_Schema):
                                 "health_check_period_s": self.health_check_period_s,
                                 "health_check_timeout_s": self.health_check_timeout_s,
                                 "logging_config": {"enable_access_log": self.access_log}}
+        if tp > 1:
+            opts |= {"placement_group_bundles": self.placement_group_bundles(),
+                     "placement_group_strategy": "STRICT_PACK"}        # NCCL between ranks wants one node
         if self.autoscaling is None:
             opts["num_replicas"] = self.num_replicas
         else:
@@ -253,6 +306,14 @@ class ClusterConfig(_Schema):
                                  "remove the prefill section or set mode: disaggregated")
             d = {**d, "prefill": None}
         return d
+
+    @model_validator(mode="after")
+    def _gpus_are_the_tp_size(self) -> ClusterConfig:
+        pools = [(name, getattr(self, name)) for name in POOLS if getattr(self, name) is not None]
+        problems = [p for name, pool in pools for p in pool.tp_problems(name)]
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _pools_fit_together(self) -> ClusterConfig:
@@ -360,6 +421,10 @@ def _explain(e: ValidationError) -> str:
         path = ".".join(str(p) for p in loc)
         if err["type"] == "extra_forbidden" and loc[-2:-1] == ("engine",) and loc[-1] in CLUSTER_LEVEL_ENGINE_KEYS:
             lines.append(f"  {path}: set once for the cluster (top-level `{loc[-1]}:`), not per pool")
+            continue
+        if err["type"] == "extra_forbidden" and loc[-2:-1] == ("engine",) and loc[-1] in CLUSTER_SET_ENGINE_KEYS:
+            lines.append(f"  {path}: set by the cluster (a TP replica's workers are Ray actors in its placement "
+                         f"group)")
             continue
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)

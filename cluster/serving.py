@@ -72,7 +72,7 @@ def _cpus_needed(config: ClusterConfig) -> float:
         pool = getattr(config, name)
         if pool is not None:
             n = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
-            total += n * pool.num_cpus
+            total += n * pool.cpus_per_replica()
     return total
 
 

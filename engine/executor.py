@@ -204,7 +204,7 @@ class MPWorkerHandle:
 
 # -- the executor -------------------------------------------------------------------------------------
 # distributed_executor_backend -> "module:WorkerHandle class", imported when a TP engine starts
-WORKER_HANDLES = {"mp": "engine.executor:MPWorkerHandle"}
+WORKER_HANDLES = {"mp": "engine.executor:MPWorkerHandle", "ray": "replica.tp_workers:RayWorkerHandle"}
 
 
 def worker_handle_class(backend: str) -> type:

@@ -1,6 +1,10 @@
 """EngineReplica: what a replica of either pool is: one engine (AsyncLLM), its KVLink, KV events shipped
 to the cluster state actor, load stats for the request routers, and its Prometheus metrics.
 
+With tensor_parallel_size > 1 the replica is rank 0 and its TP workers are Ray actors in its placement group
+(replica/tp_workers.py); a worker that dies fails the replica: its health check raises and its requests fail
+as TPWorkerError, which the ingress treats as the replica dying.
+
 The prefill pool's PrefillServer and the decode pool's DecodeServer subclass it. Requests and answers
 are the typed messages of replica/messages.py; KV events cross as msgpack. The cluster state actor
 (router/cluster_state.py) is reached by name, never imported: a replica registers there once, with its
@@ -17,7 +21,9 @@ from typing import Any
 
 from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
+from engine.errors import InvalidRequestError
 from engine.kv_events import AllBlocksCleared, BlockStored, KVEvent, encode_events
+from engine.parallel import TPWorkerError
 from kvtransfer import KVLink
 from kvtransfer.config import TransferConfig
 from replica.metrics import LatencyWindow, ReplicaMetrics
@@ -29,6 +35,7 @@ PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags 
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
 PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
+TP_FAILURE_GRACE_S = 3.0        # a failed step waits this long for Ray to report a dead TP worker (about 1 s)
 
 
 def replica_id() -> str:
@@ -50,7 +57,7 @@ class EngineReplica:
         self._events_lock = threading.Lock()
         self._seq = 0
         eng = LLMEngine(engine, on_kv_event=self._on_event)
-        self.llm = AsyncLLM(engine=eng)
+        self.llm = (ReplicaLLM if engine.tensor_parallel_size > 1 else AsyncLLM)(engine=eng)
         self.engine = eng
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
                            peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
@@ -167,11 +174,51 @@ class EngineReplica:
         return {**self.llm.stats(), **self.link.stats(), **self.metrics.transfer_stats()}
 
     def check_health(self) -> None:
+        """Serve calls this every health_check_period_s; raising gets the replica replaced, with its placement
+        group and TP workers (they are its children)."""
         if not self.llm._thread.is_alive():
             raise RuntimeError("the engine thread died")
+        if (failure := tp_failure(self.engine)) is not None:
+            raise failure
 
     def __del__(self):
         self._closed = True
+
+
+def tp_failure(engine: LLMEngine) -> TPWorkerError | None:
+    """Why this engine's TP group cannot run steps (a worker died, or a step failed), or None."""
+    executor = engine.executor
+    dead = [h.rank for h in executor.workers if not h.alive()]
+    if dead:
+        return TPWorkerError(f"tensor-parallel worker rank(s) {dead} died: the replica must be replaced")
+    return executor.failure
+
+
+class ReplicaLLM(AsyncLLM):
+    """AsyncLLM whose requests fail as TPWorkerError when the TP group breaks under them, which the ingress
+    treats as the replica dying (503; retried elsewhere before the first token, router/orchestrator.py). A
+    killed worker breaks rank 0's collective (gloo: at once) a moment before Ray reports the actor dead, so a
+    failed request waits up to TP_FAILURE_GRACE_S for that report before it counts as a plain error."""
+
+    async def generate(self, *args: Any, **kwargs: Any):
+        try:
+            async for out in super().generate(*args, **kwargs):
+                yield out
+        except InvalidRequestError:                    # the request's own fault, refused before any step
+            raise
+        except Exception as e:
+            failure = await self._tp_failure_after(e)
+            if failure is None:
+                raise
+            raise failure from e
+
+    async def _tp_failure_after(self, e: Exception) -> TPWorkerError | None:
+        if isinstance(e, TPWorkerError):
+            return e
+        deadline = time.monotonic() + TP_FAILURE_GRACE_S
+        while (failure := tp_failure(self.engine)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return failure
 
 
 def _load(engine: LLMEngine) -> dict[str, Any]:

@@ -139,8 +139,12 @@ class Orchestrator:
 
 
 def _replica_died(e: BaseException) -> bool:
+    """The replica's actor died, or its tensor-parallel group broke (replica/engine_replica.py ReplicaLLM)."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+    from engine.parallel import TPWorkerError
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, TPWorkerError)) \
+        or isinstance(getattr(e, "cause", None), TPWorkerError)
 
 
 def _short(e: BaseException) -> str:

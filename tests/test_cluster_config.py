@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import BaseModel
+from ray.serve._private.config import ReplicaConfig
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema
 
@@ -95,6 +96,8 @@ def test_a_full_config_round_trips_through_yaml(tmp_path):
     ({"qwerty": 1}, "  qwerty: unknown key\n"),
     ({"decode": {"engine": {"model": "x"}}}, "  decode.engine.model: set once for the cluster (top-level `model:`)"),
     ({"prefill": {"engine": {"dtype": "fp16"}}}, "  prefill.engine.dtype: set once for the cluster"),
+    ({"decode": {"engine": {"distributed_executor_backend": "mp"}}},
+     "  decode.engine.distributed_executor_backend: set by the cluster"),
 ])
 def test_unknown_keys_are_named_with_their_path_and_a_suggestion(doc, says):
     with pytest.raises(ConfigError) as e:
@@ -138,6 +141,17 @@ def test_every_problem_is_listed_at_once():
      "decode.engine.speculative_config: method must be one of ngram, draft_model, layer_skip, got 'magic'"),
     ({"prefill": {"engine": {"block_size": 32}}},
      "prefill.engine.block_size (32) and decode.engine.block_size (16) must match"),
+    ({"decode": {"num_gpus": 4, "engine": {"tensor_parallel_size": 2}}},
+     "decode.num_gpus: 4 but decode.engine.tensor_parallel_size is 2"),
+    ({"prefill": {"num_gpus": 1, "engine": {"tensor_parallel_size": 4}}},
+     "prefill.num_gpus: 1 but prefill.engine.tensor_parallel_size is 4"),
+    ({"decode": {"num_gpus": 8}}, "decode.num_gpus: 8 but decode.engine.tensor_parallel_size is 1"),
+    ({"decode": {"num_gpus": 1.5, "engine": {"tensor_parallel_size": 2}}},
+     "decode.num_gpus: 1.5 but decode.engine.tensor_parallel_size is 2"),
+    ({"decode": {"num_cpus": 0, "engine": {"tensor_parallel_size": 2}}},
+     "decode.num_cpus: 0 but decode.engine.tensor_parallel_size is 2 without GPUs"),
+    ({"decode": {"engine": {"tensor_parallel_size": 0}}},
+     "decode.engine.tensor_parallel_size: Input should be greater than or equal to 1"),
 ])
 def test_bad_values_say_what_and_where(doc, says):
     with pytest.raises(ConfigError) as e:
@@ -213,6 +227,42 @@ def test_deployment_options_are_accepted_by_ray_serve():
     assert "runtime_env" not in as_ray.deployment_options("decode")["ray_actor_options"]
 
 
+def test_a_tp_replica_asks_serve_for_one_packed_bundle_per_rank():
+    cfg = ClusterConfig.from_dict({
+        "prefill": {"num_gpus": 4, "num_cpus": 8, "memory": 64 << 30, "resources": {"baton_prefill": 1},
+                    "engine": {"tensor_parallel_size": 4}},
+        "decode": {"num_cpus": 1, "engine": {"tensor_parallel_size": 2}}})     # no GPUs: ranks on CPUs
+    prefill = cfg.deployment_options("prefill")
+    assert prefill["placement_group_strategy"] == "STRICT_PACK"             # NCCL ranks on one node
+    assert prefill["placement_group_bundles"] == [
+        {"CPU": 8.0, "GPU": 1.0, "memory": 64 << 30, "baton_prefill": 1.0}] + [{"CPU": 1.0, "GPU": 1.0}] * 3
+    assert prefill["ray_actor_options"] == {"num_cpus": 8.0, "num_gpus": 1.0, "memory": 64 << 30,
+                                            "resources": {"baton_prefill": 1.0}}    # rank 0, in bundle 0
+    assert cfg.engine_config("prefill").tensor_parallel_size == 4
+    decode = cfg.deployment_options("decode")
+    assert decode["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert decode["ray_actor_options"]["num_gpus"] == 0
+    for name in ("prefill", "decode"):          # Serve's own checks, the replica actor fitting bundle 0 among them
+        opts = cfg.deployment_options(name)
+        DeploymentSchema(name=name, **opts)
+        ReplicaConfig.create(object, ray_actor_options=opts["ray_actor_options"],
+                             placement_group_bundles=opts["placement_group_bundles"],
+                             placement_group_strategy=opts["placement_group_strategy"])
+    one = ClusterConfig.from_dict({"decode": {"num_gpus": 1}, "prefill": {"num_gpus": 0.5}})
+    for name in ("prefill", "decode"):                                      # TP 1: no placement group, as before
+        assert "placement_group_bundles" not in one.deployment_options(name)
+    assert one.deployment_options("prefill")["ray_actor_options"]["num_gpus"] == 0.5   # a shared GPU
+
+
+def test_tp_pools_are_refused_in_disaggregated_mode_until_the_hand_off_reshards():
+    from cluster.app import build_app
+    tp2 = {"engine": {"tensor_parallel_size": 2}}
+    for doc in ({"prefill": tp2}, {"decode": tp2}):
+        with pytest.raises(ConfigError, match="engine.tensor_parallel_size is 2: the KV hand-off between pools"):
+            build_app(ClusterConfig.from_dict(doc))
+    build_app(ClusterConfig.from_dict({"mode": "colocated", "decode": tp2}))     # no hand-off: served
+
+
 def test_autoscaling_knobs_shared_with_ray_serve_have_its_names_and_defaults():
     ray_defaults = AutoscalingConfig()
     shared = set(Autoscaling.model_fields) & set(AutoscalingConfig.model_fields)
@@ -239,8 +289,11 @@ def test_engine_config_merges_cluster_fields_with_pool_knobs():
 
 def test_engine_knobs_are_exactly_the_engine_config_fields_but_the_cluster_level_ones():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(EngineKnobs.model_fields) == engine_fields - {"model", "dtype", "device"}
+    assert set(EngineKnobs.model_fields) == engine_fields - {"model", "dtype", "device", "distributed_executor_backend"}
     assert {"model", "dtype", "device"} <= set(ClusterConfig.model_fields)
+    cfg = ClusterConfig.from_dict({"decode": {"engine": {"tensor_parallel_size": 2}}})   # the cluster picks it
+    assert (cfg.engine_config("decode").distributed_executor_backend, cfg.engine_config("prefill")
+            .distributed_executor_backend) == ("ray", "mp")
 
 
 def test_every_field_is_documented():

@@ -35,11 +35,12 @@ LARGE_GPU = {"model": {"source": "volume", "volume": {"claimName": "llama-70b", 
              "ray": {"workers": {"prefill": {"resources": {"cpu": "32", "memory": "512Gi"},
                                              "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
                                  "decode": {"resources": {"cpu": "32", "memory": "512Gi"}}}},
-             "cluster": {"prefill": {"num_gpus": 4, "autoscaling": {"min_replicas": 2, "max_replicas": 16,
-                                                                    "initial_replicas": 4, "ttft_slo_s": 1.0}},
+             "cluster": {"prefill": {"num_gpus": 4, "engine": {"tensor_parallel_size": 4},
+                                     "autoscaling": {"min_replicas": 2, "max_replicas": 16,
+                                                     "initial_replicas": 4, "ttft_slo_s": 1.0}},
                          "decode": {"num_gpus": 8, "autoscaling": {"min_replicas": 2, "max_replicas": 32,
                                                                    "target_kv_utilization": 0.7},
-                                    "engine": {"max_num_seqs": 256}},
+                                    "engine": {"max_num_seqs": 256, "tensor_parallel_size": 8}},
                          "coupling": {"mode": "fixed", "ratio": 0.5}},
              "apiKeys": {"secretName": "baton-keys"},
              "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -112,7 +113,7 @@ def test_each_value_set_renders_a_rayservice_valid_under_kuberays_crd(chart, crd
         assert g["rayStartParams"]["resources"] == f'"{{\\"baton_{pool}\\": 1}}"'
         (container,) = g["template"]["spec"]["containers"]
         gpus = container["resources"]["limits"].get("nvidia.com/gpu", 0)
-        assert gpus == p.num_gpus
+        assert gpus == p.num_gpus and gpus in (0, p.tensor_parallel_size)   # a pod holds one replica's ranks
         assert container["resources"]["limits"]["cpu"] == merged["ray"]["workers"][pool]["resources"]["cpu"]
     assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] == merged["ray"]["enableInTreeAutoscaling"]
     assert docs["Service"][0]["spec"]["ports"][0]["targetPort"] == 8000 == cfg.port
@@ -139,6 +140,11 @@ def test_value_sets_differ_where_they_should(chart):
         assert "nvidia.com/gpu" not in spec["containers"][0]["resources"]["limits"] and "tolerations" not in spec
 
     large = rendered(chart, LARGE_GPU)
+    config = ClusterConfig.from_dict(yaml.safe_load(large["RayService"][0]["spec"]["serveConfigV2"])
+                                     ["applications"][0]["args"]["config"])
+    for pool, tp in (("prefill", 4), ("decode", 8)):        # one GPU bundle per rank, on the pool's own pods
+        bundles = config.deployment_options(pool)["placement_group_bundles"]
+        assert [b.get("GPU") for b in bundles] == [1] * tp and bundles[0][f"baton_{pool}"] == 1
     ray = large["RayService"][0]["spec"]["rayClusterConfig"]
     prefill = next(g for g in ray["workerGroupSpecs"] if g["groupName"] == "prefill")
     assert prefill["replicas"] == 4 and prefill["template"]["spec"]["nodeSelector"] == {
@@ -173,6 +179,22 @@ def test_bad_values_are_refused_at_install_time_naming_the_key(chart, values, me
     with pytest.raises(helm.HelmError) as e:
         chart.render(values, name="baton", namespace="llm", is_install=True)
     assert "schema" in str(e.value).lower() and message in str(e.value)
+
+
+@pytest.mark.parametrize("pool, values, message", [
+    ("decode", {"num_gpus": 8}, "cluster.decode.num_gpus: 8 but cluster.decode.engine.tensor_parallel_size is 1"),
+    ("prefill", {"num_gpus": 4, "engine": {"tensor_parallel_size": 2}},
+     "cluster.prefill.num_gpus: 4 but cluster.prefill.engine.tensor_parallel_size is 2"),
+    ("decode", {"num_gpus": 1, "engine": {"tensor_parallel_size": 8}},
+     "cluster.decode.num_gpus: 1 but cluster.decode.engine.tensor_parallel_size is 8"),
+])
+def test_gpus_per_replica_other_than_the_tp_size_are_refused_at_install_time(chart, pool, values, message):
+    with pytest.raises(helm.HelmError) as e:
+        chart.render({"cluster": {pool: values}}, name="baton", namespace="llm", is_install=True)
+    assert message in str(e.value)
+    fine = {"cluster": {pool: {**values, "num_gpus": values.get("engine", {}).get("tensor_parallel_size", 1)}}}
+    assert rendered(chart, fine)["RayService"]                          # the same values with GPUs = TP render
+    assert rendered(chart, {"cluster": {"decode": {"num_gpus": 0.5}}})["RayService"]   # TP 1 may share a GPU
 
 
 def test_a_volume_model_without_a_claim_is_refused(chart):

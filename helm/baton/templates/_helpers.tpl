@@ -41,6 +41,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toJson $c }}
 {{- end }}
 
+{{/* GPUs per replica are its TP size (cluster/config.py PoolConfig.tp_problems): refuse a pool whose num_gpus
+     is neither 0 nor engine.tensor_parallel_size (a fraction is allowed at TP 1: replicas sharing a GPU).
+     Called with (list pool-name pool-config). */}}
+{{- define "baton.checkTensorParallel" -}}
+{{- $pool := index . 0 }}{{- $p := index . 1 }}
+{{- $gpus := float64 (get $p "num_gpus" | default 0) }}
+{{- $tp := int (dig "engine" "tensor_parallel_size" 1 $p | default 1) }}
+{{- if and (gt $gpus 0.0) (ne $gpus (float64 $tp)) (or (gt $tp 1) (gt $gpus 1.0)) }}
+{{- fail (printf "cluster.%s.num_gpus: %v but cluster.%s.engine.tensor_parallel_size is %d: a replica takes one GPU per rank (set both to the GPUs it should use, or num_gpus 0 for none)" $pool $gpus $pool $tp) }}
+{{- end }}
+{{- end }}
+
 {{/* The Serve config: what cluster.app.serve_config(config, proxy_location="EveryNode") returns. */}}
 {{- define "baton.serveConfig" -}}
 {{- $c := include "baton.clusterConfig" . | fromJson }}
