@@ -4,6 +4,8 @@ tokens equal one TP 1 engine doing it all, and no block stays pinned or reserved
 with 2 KV heads (split over TP 2) and 1 (replicated)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -20,6 +22,7 @@ TINY = dict(num_kv_blocks=48, max_model_len=256)
 MODELS = {"2 KV heads": {}, "1 KV head": dict(num_key_value_heads=1)}
 # (producer TP, consumer TP) -> the first token of its prompt (each pair its own prompt: no prefix cache hit)
 PAIRS = {(2, 1): 10, (1, 2): 70, (2, 2): 130}
+TTL_S, NOW = 60.0, [time.time()]         # rank 0's clock: the test moves it past a pin's expiry
 
 
 class TPHost(EngineHost):
@@ -27,7 +30,8 @@ class TPHost(EngineHost):
 
     def __init__(self, model: str, tp: int, prefix: str, registry: dict[str, bytes]):
         self.engine = LLMEngine(EngineConfig(model, tensor_parallel_size=tp, **TINY))
-        self.link = KVLink(self.engine, prefix, kind="nixl", peer_metadata=registry.__getitem__)
+        self.link = KVLink(self.engine, prefix, kind="nixl", peer_metadata=registry.__getitem__, ttl_s=TTL_S,
+                           clock=lambda: NOW[0])
         registry.update(self.link.rank_metadata())     # what a replica registers with the state actor
 
     def pinned(self) -> int:
@@ -83,6 +87,8 @@ def test_prefill_on_one_tp_size_decode_on_another_gives_one_engines_greedy_token
     got = consumer.decode(handoff, forged, None, 4)
     assert not got["transferred"] and "another prompt" in got["error"]
     assert got["tokens"] == greedy(reference, forged, 4) and consumer.used_blocks() == 0
+    NOW[0] += TTL_S                                                  # unpulled, its pin expires
+    assert producer.release() == [f"c{pair}"] and producer.used_blocks() == 0 and producer.pinned() == 0
 
 
 # -- rank 0's tally of every rank's pulls ------------------------------------------------------------
