@@ -1,7 +1,8 @@
 """The baton pass between engines of different TP sizes, in one process (a TP 2 engine spawns its worker):
-prefill on one, pull the KV through KVLink over NIXL (each rank its own heads), decode on the other; greedy
-tokens equal one TP 1 engine doing it all, and no block stays pinned or reserved. Tiny random Llamas
-with 2 KV heads (split over TP 2) and 1 (replicated)."""
+prefill on one, pull the KV through KVLink (each rank its own heads; NIXL, and the Ray fallback on a local
+Ray), decode on the other; greedy tokens equal one TP 1 engine doing it all, and no block stays pinned or
+reserved. Tiny random Llamas with 2 KV heads (split over TP 2) and 1 (replicated). Then rank 0's tally of
+its ranks' pulls, against scripted ranks."""
 from __future__ import annotations
 
 import time
@@ -14,7 +15,7 @@ from kvtransfer import KVLink
 from kvtransfer.engine_link import TPRanks
 from kvtransfer.rank_pulls import DONE, FAILED
 from tests.conftest import make_tiny_checkpoint
-from tests.test_kvtransfer_engines import EngineHost
+from tests.test_kvtransfer_engines import EngineHost, cluster  # noqa: F401 - cluster: its local Ray fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,9 +29,9 @@ TTL_S, NOW = 60.0, [time.time()]         # rank 0's clock: the test moves it pas
 class TPHost(EngineHost):
     """EngineHost's prefill / decode / release, on an engine of any TP size in this process."""
 
-    def __init__(self, model: str, tp: int, prefix: str, registry: dict[str, bytes]):
+    def __init__(self, model: str, tp: int, kind: str, prefix: str, registry: dict[str, bytes]):
         self.engine = LLMEngine(EngineConfig(model, tensor_parallel_size=tp, **TINY))
-        self.link = KVLink(self.engine, prefix, kind="nixl", peer_metadata=registry.__getitem__, ttl_s=TTL_S,
+        self.link = KVLink(self.engine, prefix, kind=kind, peer_metadata=registry.__getitem__, ttl_s=TTL_S,
                            clock=lambda: NOW[0])
         registry.update(self.link.rank_metadata())     # what a replica registers with the state actor
 
@@ -39,16 +40,30 @@ class TPHost(EngineHost):
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def hosts(request, tmp_path_factory):
+def model(request, tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("m"), "llama", **MODELS[request.param])
+
+
+def _hosts(model: str, kind: str):
     """A reference TP 1 engine, and hosts by TP size: {1: [one], 2: [two]} (TP 2 -> TP 2 needs two)."""
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("m"), "llama", **MODELS[request.param])
     registry: dict[str, bytes] = {}
-    made = {1: [TPHost(model, 1, "tp1", registry)], 2: [TPHost(model, 2, f"tp2-{i}", registry) for i in range(2)]}
-    reference = LLMEngine(EngineConfig(model, **TINY))
-    yield reference, made
+    made = {1: [TPHost(model, 1, kind, "tp1", registry)],
+            2: [TPHost(model, 2, kind, f"tp2-{i}", registry) for i in range(2)]}
+    yield LLMEngine(EngineConfig(model, **TINY)), made
     for host in made[1] + made[2]:
         host.link.close()
         host.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def nixl_hosts(model):
+    yield from _hosts(model, "nixl")
+
+
+@pytest.fixture(scope="module")
+def ray_hosts(cluster, model):
+    """The Ray fallback on a local Ray: rank 0's payload is in the object store, a spawned worker's is not."""
+    yield from _hosts(model, "ray")
 
 
 def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
@@ -60,8 +75,16 @@ def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS), ids=lambda p: f"tp{p[0]}-to-tp{p[1]}")
-def test_prefill_on_one_tp_size_decode_on_another_gives_one_engines_greedy_tokens(pair, hosts):
-    reference, made = hosts
+def test_prefill_on_one_tp_size_decode_on_another_gives_one_engines_greedy_tokens(pair, nixl_hosts):
+    _baton_pass(pair, *nixl_hosts)
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS), ids=lambda p: f"tp{p[0]}-to-tp{p[1]}")
+def test_the_ray_fallback_across_tp_sizes_gives_one_engines_greedy_tokens(pair, ray_hosts):
+    _baton_pass(pair, *ray_hosts)
+
+
+def _baton_pass(pair: tuple[int, int], reference: LLMEngine, made: dict[int, list[TPHost]]) -> None:
     producer, consumer = made[pair[0]][0], made[pair[1]][-1]
     prompt = list(range(PAIRS[pair], PAIRS[pair] + 50))             # 3 full blocks and a partial one
     want = greedy(reference, prompt, 8)
