@@ -205,6 +205,8 @@ class TPRanks:
         refused = [r for r, error in enumerate(started) if error is not None]
         if len(refused) == len(started):
             raise KVTransferError(started[0])
+        for r in refused:                  # the load fails once the other ranks' pulls have ended
+            log.warning("pull of %s: TP rank %d could not start: %s", handle.request_id, r, started[r])
         self.loads[handle.request_id] = TPLoad(request_id, source, set(range(len(started))) - set(refused), refused)
 
     def _fetched(self, source: KVHandoff) -> KVHandoff:
