@@ -5,7 +5,8 @@ transport per engine; NIXL (one-sided READs over UCX) is the default, the Ray ob
 A producer's export gives a `KVHandoff`, all a consumer needs to pull; nothing outside this package knows
 which transport runs. See kvtransfer/transport.py for the flow; `KVLink` (engine_link.py) ties a
 transport to an LLMEngine. Across TP sizes each rank has its own transport (`layout`, `rank` options;
-kvtransfer/transport.py says how), a TP engine's workers hold `RankPulls` (kvtransfer/rank_pulls.py).
+kvtransfer/transport.py says how), a TP engine's workers hold `RankPulls` (kvtransfer/rank_pulls.py), and
+its KVLink drives them from rank 0 (`TPRanks`, engine_link.py).
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ class EngineReplica:
         if state is None:
             return
         ray.get([state.register.remote(self.pool, self.replica, 0),
-                 state.register_transfer_metadata.remote(self.link.name, self.link.metadata())])
+                 *(state.register_transfer_metadata.remote(name, md) for name, md in self.link.rank_metadata())])
         self._state = state
 
     def _background(self) -> None:
