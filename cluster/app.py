@@ -21,7 +21,6 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig
 from decode_worker.server import DecodeServer
-from engine.errors import ConfigError
 from prefill_worker.server import PrefillServer
 from replica.names import DECODE, INGRESS, PREFILL, STATE, state_actor_name
 from router.cluster_state import ClusterStateOwner
@@ -37,21 +36,7 @@ def _router_config(cls: str, kwargs: dict[str, Any]) -> RequestRouterConfig:
                                request_routing_stats_timeout_s=5.0)
 
 
-def refuse_tp_hand_off(config: ClusterConfig) -> None:
-    """Until the KV hand-off moves every rank's KV heads (issue 17's cross-TP hand-off, kvtransfer/), a pool with
-    TP > 1 in disaggregated mode would decode from rank 0's heads alone: wrong text, no error (measured: TP 2 ->
-    TP 2 over the Ray transport). Refuse it at deploy time; delete this when that hand-off is in."""
-    if config.mode != "disaggregated":
-        return
-    wide = [f"{p}.engine.tensor_parallel_size is {config.pool(p).tensor_parallel_size}" for p in (PREFILL, DECODE)
-            if config.pool(p).tensor_parallel_size > 1]
-    if wide:
-        raise ConfigError(f"{', '.join(wide)}: the KV hand-off between pools does not re-shard across ranks yet; "
-                          f"use mode: colocated for a tensor-parallel pool")
-
-
 def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Application:
-    refuse_tp_hand_off(config)
     state = state_actor_name(app_name)
     # no access log: every /metrics scrape calls it, and Serve 2.60 keeps each access-log record alive
     owner = serve.deployment(ClusterStateOwner, name=STATE).options(

@@ -34,7 +34,7 @@ def make_transport(kv_cache: torch.Tensor, name_prefix: str, compat_key: str, ki
 
 
 from kvtransfer.engine_link import KVLink  # noqa: E402  (needs make_transport)
-from kvtransfer.rank_pulls import PullTally, RankPulls  # noqa: E402
+from kvtransfer.rank_pulls import RankPulls  # noqa: E402
 
-__all__ = ["KVHandle", "KVHandoff", "KVLink", "RankPulls", "PullTally", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
+__all__ = ["KVHandle", "KVHandoff", "KVLink", "RankPulls", "KVTransport", "NixlTransport", "RayTransport", "Pull", "make_transport", "compat_hash",
            "KVTransferError", "KVCompatibilityError", "KVHandleError", "TRANSPORTS"]

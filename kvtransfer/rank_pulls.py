@@ -58,26 +58,3 @@ class _Failed:
 
     def done(self) -> bool:
         raise self.error
-
-
-@dataclass
-class PullTally:
-    """Rank 0's merge of every rank's polls: a pull is done when all ranks are, failed when any failed."""
-    tp_size: int
-    done: dict[str, int] = field(default_factory=dict)        # request id -> ranks done so far
-    failed: set[str] = field(default_factory=set)             # reported failed: later ranks' news is moot
-
-    def merge(self, polls: list[dict[str, str]]) -> tuple[list[str], list[str]]:
-        """(ids now done on every rank, ids failed on some rank) after one poll of every rank."""
-        failed = sorted({rid for p in polls for rid, state in p.items() if state == FAILED} - self.failed)
-        self.failed.update(failed)
-        for p in polls:
-            for rid, state in p.items():
-                if state == DONE and rid not in self.failed:
-                    self.done[rid] = self.done.get(rid, 0) + 1
-        for rid in failed:
-            self.done.pop(rid, None)
-        finished = [rid for rid, n in self.done.items() if n == self.tp_size]
-        for rid in finished:
-            del self.done[rid]
-        return finished, failed

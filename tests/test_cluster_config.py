@@ -254,15 +254,6 @@ def test_a_tp_replica_asks_serve_for_one_packed_bundle_per_rank():
     assert one.deployment_options("prefill")["ray_actor_options"]["num_gpus"] == 0.5   # a shared GPU
 
 
-def test_tp_pools_are_refused_in_disaggregated_mode_until_the_hand_off_reshards():
-    from cluster.app import build_app
-    tp2 = {"engine": {"tensor_parallel_size": 2}}
-    for doc in ({"prefill": tp2}, {"decode": tp2}):
-        with pytest.raises(ConfigError, match="engine.tensor_parallel_size is 2: the KV hand-off between pools"):
-            build_app(ClusterConfig.from_dict(doc))
-    build_app(ClusterConfig.from_dict({"mode": "colocated", "decode": tp2}))     # no hand-off: served
-
-
 def test_autoscaling_knobs_shared_with_ray_serve_have_its_names_and_defaults():
     ray_defaults = AutoscalingConfig()
     shared = set(Autoscaling.model_fields) & set(AutoscalingConfig.model_fields)

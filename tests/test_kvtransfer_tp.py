@@ -8,7 +8,7 @@ import torch
 
 from engine.kv_layout import KVHeadLayout, kv_cache_shape
 from kvtransfer import KVHandle, make_transport
-from kvtransfer.rank_pulls import PullTally, RankPulls
+from kvtransfer.rank_pulls import FAILED, RankPulls
 from kvtransfer.tp_plan import HeadRun, plan_runs
 from tests.conftest import wait_for
 
@@ -81,16 +81,17 @@ class Pool:
         rank's polls and, once all are done, tells the producer. Returns the ids that failed."""
         for r in self.ranks:
             r.start(handoff, dst, skip)
-        tally, failed = PullTally(len(self.ranks)), []
+        states: dict[int, str] = {}                     # rank -> how its pull ended
 
-        def ended() -> bool:
-            done, bad = tally.merge([r.poll() for r in self.ranks])
-            failed.extend(bad)
-            for rid in done:
-                self.ranks[0].notify(handoff)
-            return bool(done or failed)
+        def ended() -> bool:                            # as kvtransfer/engine_link.py TPRanks.finished
+            for i, r in enumerate(self.ranks):
+                states.update({i: state for state in r.poll().values()})
+            return len(states) == len(self.ranks)
         wait_for(ended, 30, "every rank's pull")
-        return failed
+        if FAILED in states.values():
+            return [handoff.handle.request_id]
+        self.ranks[0].notify(handoff)
+        return []
 
     def close(self) -> None:
         for t in self.transports:
