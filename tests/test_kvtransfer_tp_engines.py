@@ -1,7 +1,8 @@
 """The baton pass between engines of different TP sizes, in one process (a TP 2 engine spawns its worker):
 prefill on one, pull the KV through KVLink (each rank its own heads; NIXL, and the Ray fallback on a local
 Ray), decode on the other; greedy tokens equal one TP 1 engine doing it all, and no block stays pinned or
-reserved. Tiny random Llamas with 2 KV heads (split over TP 2) and 1 (replicated). Then rank 0's tally of
+reserved: TP 2 -> 1, 1 -> 2, 2 -> 2 and (NIXL) 2 -> 4. Tiny random Llamas with 2 KV heads (split over TP 2,
+replicated over TP 4) and 1 (replicated). Then rank 0's tally of
 its ranks' pulls, against scripted ranks."""
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ TINY = dict(num_kv_blocks=48, max_model_len=256)
 MODELS = {"2 KV heads": {}, "1 KV head": dict(num_key_value_heads=1)}
 # (producer TP, consumer TP) -> the first token of its prompt (each pair its own prompt: no prefix cache hit)
 PAIRS = {(2, 1): 10, (1, 2): 70, (2, 2): 130}
+NIXL_PAIRS = {**PAIRS, (2, 4): 190}       # TP 4: both models' KV heads replicated over the ranks
 TTL_S, NOW = 60.0, [time.time()]         # rank 0's clock: the test moves it past a pin's expiry
 
 
@@ -44,26 +46,27 @@ def model(request, tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("m"), "llama", **MODELS[request.param])
 
 
-def _hosts(model: str, kind: str):
-    """A reference TP 1 engine, and hosts by TP size: {1: [one], 2: [two]} (TP 2 -> TP 2 needs two)."""
+def _hosts(model: str, kind: str, pairs: dict):
+    """A reference TP 1 engine, and hosts by TP size: {1: [one], 2: [two], ...} (TP 2 -> TP 2 needs two)."""
     registry: dict[str, bytes] = {}
-    made = {1: [TPHost(model, 1, kind, "tp1", registry)],
-            2: [TPHost(model, 2, kind, f"tp2-{i}", registry) for i in range(2)]}
+    sizes = sorted({tp for pair in pairs for tp in pair})
+    made = {tp: [TPHost(model, tp, kind, f"tp{tp}-{i}", registry) for i in range(2 if tp == 2 else 1)]
+            for tp in sizes}
     yield LLMEngine(EngineConfig(model, **TINY)), made
-    for host in made[1] + made[2]:
+    for host in [h for hosts in made.values() for h in hosts]:
         host.link.close()
         host.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def nixl_hosts(model):
-    yield from _hosts(model, "nixl")
+    yield from _hosts(model, "nixl", NIXL_PAIRS)
 
 
 @pytest.fixture(scope="module")
 def ray_hosts(cluster, model):
     """The Ray fallback on a local Ray: rank 0's payload is in the object store, a spawned worker's is not."""
-    yield from _hosts(model, "ray")
+    yield from _hosts(model, "ray", PAIRS)
 
 
 def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
@@ -74,19 +77,20 @@ def greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
     return outs[0].token_ids
 
 
-@pytest.mark.parametrize("pair", sorted(PAIRS), ids=lambda p: f"tp{p[0]}-to-tp{p[1]}")
+@pytest.mark.parametrize("pair", sorted(NIXL_PAIRS), ids=lambda p: f"tp{p[0]}-to-tp{p[1]}")
 def test_prefill_on_one_tp_size_decode_on_another_gives_one_engines_greedy_tokens(pair, nixl_hosts):
-    _baton_pass(pair, *nixl_hosts)
+    _baton_pass(pair, *nixl_hosts, NIXL_PAIRS[pair])
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS), ids=lambda p: f"tp{p[0]}-to-tp{p[1]}")
 def test_the_ray_fallback_across_tp_sizes_gives_one_engines_greedy_tokens(pair, ray_hosts):
-    _baton_pass(pair, *ray_hosts)
+    _baton_pass(pair, *ray_hosts, PAIRS[pair])
 
 
-def _baton_pass(pair: tuple[int, int], reference: LLMEngine, made: dict[int, list[TPHost]]) -> None:
+def _baton_pass(pair: tuple[int, int], reference: LLMEngine, made: dict[int, list[TPHost]], start: int) -> None:
     producer, consumer = made[pair[0]][0], made[pair[1]][-1]
-    prompt = list(range(PAIRS[pair], PAIRS[pair] + 50))             # 3 full blocks and a partial one
+    NOW[0] = max(NOW[0], time.time())     # never behind real time: the consumer's import deadline reads it
+    prompt = list(range(start, start + 50))                         # 3 full blocks and a partial one
     want = greedy(reference, prompt, 8)
     first, handoff = producer.prefill(prompt, f"a{pair}")
     assert first == want[0] and len(handoff.handle.rank_agents) == pair[0]
