@@ -26,12 +26,11 @@ serve: install
 	$(BIN)/baton serve
 
 # Test tiers (markers registered in pyproject.toml; tests/conftest.py marks every test that starts Ray):
-#   make test       the full suite, what CI runs (.ci/run): every test, Ray clusters and benchmarks included;
-#                   two pytest-xdist workers: one runs the Ray tests in order, the other the rest (conftest.py).
+#   make test       the full suite, what CI runs (.ci/run): every test, Ray clusters and benchmarks included.
 #   make test-fast  unit and engine tests: nothing that starts Ray (`cluster`), no `slow` test and no
 #                   benchmark run as a test (`bench`); under 3 minutes on a 2-core machine.
 test: install
-	$(BIN)/python -m pytest -q -ra -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -ra
 
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow and not bench"

@@ -91,16 +91,9 @@ RAY_FIXTURES = {"cluster", "shared_cluster"}
 
 
 def pytest_collection_modifyitems(items):
-    """Mark the tests that start Ray; under pytest-xdist (`make test` runs two workers) they form one group,
-    run in order on one worker (one Ray cluster and one Serve port at a time, shared clusters reused), and go
-    first, so the other worker runs everything else meanwhile: the Ray tests spend much of their time waiting
-    on replicas and controllers, which is when the unit and engine tests use the CPU."""
     for item in items:
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
-        if item.get_closest_marker("cluster"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    items.sort(key=lambda item: item.get_closest_marker("cluster") is None)     # stable: module order kept
 
 
 # -- the Ray clusters the cluster tests share -----------------------------------------------------------
