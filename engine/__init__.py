@@ -3,11 +3,11 @@ from engine.config import EngineConfig
 from engine.errors import BatonError, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from engine.async_llm import AsyncLLM
 from engine.llm import LLM
-from engine.kv_connector import RemotePrefill
+from engine.kv_connector import RemotePrefill, Resume
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
-           "RemotePrefill", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
+           "RemotePrefill", "Resume", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
            "PromptTooLongError"]

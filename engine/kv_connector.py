@@ -24,6 +24,14 @@ class RemotePrefill:
 
 
 @dataclass
+class Resume:
+    """A request started elsewhere (another replica died or drained): what its client already has. The
+    engine continues it from the next token without streaming any of this again."""
+    token_ids: list[int]              # output tokens already sent to the client, in order
+    text_chars: int                   # characters of output text already sent
+
+
+@dataclass
 class ImportStats:
     """How a request's import went (RequestMetrics' kv_transfer_* fields)."""
     transferred: bool = False

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.kv_connector import Resume
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import KVHandoff
@@ -44,6 +45,9 @@ class PoolRequest:
     block_hashes: list[int]                     # engine.block_hash.block_hashes of token_ids' full blocks
     sampling: SamplingParams
     prefill: PrefillResult | None = None        # None: the decode replica prefills the prompt itself
+    resume: Resume | None = None                # a continuation: the outputs its client already has
+    avoid: tuple[str, ...] = ()                 # decode replicas this request left: never routed back there
+    num_moves: int = 0                          # times it moved (replica died or drained): the retry budget
 
 
 @dataclass(slots=True)
@@ -60,6 +64,7 @@ class TokenDelta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     transferred: bool = False                   # the prompt's KV came from a prefill replica
+    migrate: PrefillResult | None = None        # a draining replica's last delta: continue from this hand-off
 
     @classmethod
     def of(cls, out: RequestOutput, replica: str | None = None, transferred: bool = False) -> TokenDelta:

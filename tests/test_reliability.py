@@ -397,14 +397,18 @@ def test_lost_kv_events_cost_cache_misses_not_failures_and_the_index_resyncs(clu
     inject()
     state = state_actor()
     complete(prompt(999, 40), 2)                                   # a batch after the gap: replicas learn it
-    wait_for(lambda: not any(ray.get(state.stale.remote()).values()), 20, "no replica's index to be stale")
-    info = ray.get(state.changes.remote(-10**9))[2]                # a snapshot of both pools' indexes
     from router.prefix_index import PrefixIndex
-    index = PrefixIndex.from_snapshot(info["prefill"])
     model_key = served_model_key()
-    for p in ps:                                                   # the resync brought the lost blocks back
-        hashes = block_hashes(p, 16, model_key)
-        assert max(index.match(hashes).values(), default=0) == len(p) // 16
+    wanted = [(block_hashes(p, 16, model_key), len(p) // 16) for p in ps]
+
+    def prefill_index_holds_every_prompt():
+        # a replica is marked stale only when its next batch or metrics report shows the gap, so "no replica
+        # stale" can be true before anyone noticed: wait for what the user gets, the lost blocks back
+        index = PrefixIndex.from_snapshot(ray.get(state.changes.remote(-10**9))[2]["prefill"])
+        return all(max(index.match(h).values(), default=0) == n for h, n in wanted)
+
+    wait_for(prefill_index_holds_every_prompt, 30, "the resync to bring the lost blocks back into the index")
+    wait_for(lambda: not any(ray.get(state.stale.remote()).values()), 20, "no replica's index to be stale")
 
 
 # -- the soak (CI version; `baton bench soak` runs longer) --------------------------------------------
