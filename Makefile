@@ -30,7 +30,7 @@ serve: install
 #   make test-fast  unit and engine tests: nothing that starts Ray (`cluster`), no `slow` test and no
 #                   benchmark run as a test (`bench`); under 3 minutes on a 2-core machine.
 test: install
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow and not bench"
