@@ -76,10 +76,8 @@ class AsyncLLM:
         generate() stream as the last, finished one. Unknown or finished ids are skipped."""
         with self._lock:
             outputs = [out for rid in request_ids if (out := self.engine.migrate_out(rid)) is not None]
-            deliveries = [(stream, out) for out in outputs
-                          if (stream := self._streams.pop(out.request_id, None)) is not None]
-        for (loop, queue), out in deliveries:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+            _deliver([(stream, out) for out in outputs
+                      if (stream := self._streams.pop(out.request_id, None)) is not None])
         return outputs
 
     def call(self, fn, *args, **kwargs):
@@ -120,11 +118,16 @@ class AsyncLLM:
                 if error is not None:
                     deliveries += [(s, error) for s in self._streams.values()]
                     self._streams.clear()
-            for (loop, queue), item in deliveries:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                _deliver(deliveries)                 # under the lock: a migrate_out's last output comes after
             if not busy or (not outputs and self.engine.is_waiting_for_kv()):
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
+
+
+def _deliver(deliveries: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:
+    """Hand outputs (or an error) to their streams' event loops, in order."""
+    for (loop, queue), item in deliveries:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
 
 
 __all__ = ["AsyncLLM"]
