@@ -175,11 +175,15 @@ def test_migrate_out_pins_a_running_requests_kv_and_replays_a_waiting_one(tiny):
 
 
 def test_async_migrate_out_ends_the_stream_with_the_migrated_output(tiny):
-    llm = AsyncLLM(engine=make_engine(tiny))
+    engine = make_engine(tiny)
+    step = engine.step
+    # the engine holds still once the client has 3 tokens, so the drain takes the request mid-stream
+    engine.step = lambda: [] if "r" in engine.requests and engine.requests["r"].num_output_tokens >= 3 else step()
+    llm = AsyncLLM(engine=engine)
 
     async def consume() -> list[RequestOutput]:
         outs = []
-        async for out in llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), "r"):
+        async for out in llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), "r"):
             outs.append(out)
             if len(outs) == 3:
                 (moved,) = await asyncio.to_thread(llm.migrate_out, ["r", "unknown"])
@@ -187,8 +191,8 @@ def test_async_migrate_out_ends_the_stream_with_the_migrated_output(tiny):
         return outs
     try:
         outs = asyncio.run(consume())
-        assert outs[-1].finished and outs[-1].finish_reason == "migrated"
-        assert outs[-1].token_ids == [t for o in outs for t in o.new_token_ids]
+        assert len(outs) == 4 and outs[-1].finished and outs[-1].finish_reason == "migrated"
+        assert outs[-1].token_ids == [t for o in outs for t in o.new_token_ids] and len(outs[-1].token_ids) == 3
         assert llm.stats()["num_open_streams"] == 0
         assert llm.call(lambda e: e.release_pinned("r"))
         assert llm.call(lambda e: e.pool.num_used_blocks) == 0
