@@ -38,11 +38,12 @@ def tiny(tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("resume"), "llama")
 
 
-def make_engine(model: str, clock: Callable[[], float] = time.time, **kw) -> LLMEngine:
+def make_engine(model: str, clock: Callable[[], float] = time.time, on_kv_event: Callable | None = None,
+                **kw) -> LLMEngine:
     """The tiny model with the default model's tokenizer: its first 300 ids decode to bytes and short
     pieces, some of them halves of UTF-8 characters (the detokenizer's held-back text is exercised)."""
     return LLMEngine(EngineConfig(model, tokenizer=resolve_model(None), num_kv_blocks=64, max_model_len=256, **kw),
-                     clock=clock)
+                     on_kv_event=on_kv_event, clock=clock)
 
 
 def run(engine: LLMEngine, rid: str, until: int | None = None) -> Stream:

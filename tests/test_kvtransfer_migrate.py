@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLMEngine, RemotePrefill, Resume, SamplingParams
 from engine.block_hash import block_hashes
+from engine.kv_events import BlockRemoved, BlockStored
 from kvtransfer import KVHandoff, KVLink
 from tests.test_engine_resume import (K, N, PROMPT, SAMPLED, Stream, assert_continues, assert_no_leak,
                                       make_engine, run)
@@ -20,12 +21,14 @@ TTL_S = 5
 def pair(tiny):
     """Engines A and B with a NIXL KVLink each, on one clock the tests may move past a hand-off's expiry."""
     now = [time.time()]
-    a, b = make_engine(tiny), make_engine(tiny, clock=lambda: now[0])
+    events: dict[str, list] = {"a": [], "b": []}
+    a = make_engine(tiny, on_kv_event=events["a"].append)
+    b = make_engine(tiny, clock=lambda: now[0], on_kv_event=events["b"].append)
     links: dict[str, KVLink] = {}
     peer = lambda agent: links["a"].metadata()                      # noqa: E731 - B only ever pulls from A
     links["a"] = KVLink(a, "source", kind="nixl", peer_metadata=peer, ttl_s=TTL_S, clock=lambda: now[0])
     links["b"] = KVLink(b, "dest", kind="nixl", peer_metadata=peer, clock=lambda: now[0])
-    yield a, b, links["a"], now
+    yield a, b, links["a"], now, events
     links["b"].close()
     links["a"].close()
 
@@ -34,6 +37,10 @@ def pair(tiny):
 def tiny(tmp_path_factory) -> str:
     from tests.conftest import make_tiny_checkpoint
     return make_tiny_checkpoint(tmp_path_factory.mktemp("migrate"), "llama")
+
+
+def stored(events: list) -> set[int]:
+    return {h for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
 
 
 def migrate(a: LLMEngine, link: KVLink, params: SamplingParams, rid: str) -> tuple[Stream, KVHandoff, list[int]]:
@@ -57,7 +64,7 @@ def resume_on(b: LLMEngine, params: SamplingParams, rid: str, part: Stream, hand
 
 @pytest.mark.parametrize("case", ["greedy", "sampled"])
 def test_a_drained_request_continues_on_another_engine_from_its_pulled_kv(pair, case):
-    a, b, link, _ = pair
+    a, b, link, _, events = pair
     b.pool.reset_prefix_cache()                  # B starts cold: it pulls every block
     params = (SamplingParams(temperature=0, max_tokens=N, ignore_eos=True) if case == "greedy"
               else SamplingParams(**SAMPLED, max_tokens=N, ignore_eos=True))
@@ -70,12 +77,15 @@ def test_a_drained_request_continues_on_another_engine_from_its_pulled_kv(pair, 
     m = rest.last.metrics
     assert m.kv_transferred and m.kv_transfer_error is None and m.kv_transfer_blocks == len(hashes) + 1
     assert f"moved-{case}" in link.release_finished()                    # B told A it pulled
+    # routers learn that B now holds the moved blocks, and A still caches them (nothing was removed)
+    assert set(hashes) <= stored(events["b"]) and set(hashes) <= stored(events["a"])
+    assert not set(hashes) & {h for e in events["a"] if isinstance(e, BlockRemoved) for h in e.block_hashes}
     assert_no_leak(a)
     assert_no_leak(b)
 
 
 def test_a_hand_off_past_its_deadline_is_prefilled_on_the_destination_and_continues_exactly(pair):
-    a, b, link, now = pair
+    a, b, link, now, _ = pair
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     a.add_request(PROMPT, params, "whole-late")
     whole = run(a, "whole-late")
