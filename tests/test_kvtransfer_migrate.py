@@ -97,3 +97,23 @@ def test_a_hand_off_past_its_deadline_is_prefilled_on_the_destination_and_contin
     assert "late" in link.release_finished()     # A unpins the expired hand-off
     assert_no_leak(a)
     assert_no_leak(b)
+
+
+def test_a_request_drained_while_its_kv_arrives_is_replayed_whole_and_leaks_nothing(pair):
+    """Drained again before its pull ended: no blocks go with it (its whole output is replayed elsewhere);
+    the reserved blocks are freed once the pull has ended."""
+    a, b, link, _, _ = pair
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    part, handoff, hashes = migrate(a, link, params, "twice")
+    remote = RemotePrefill(handoff, hashes, part.tokens[-1], None, deadline=handoff.handle.expiry - 2)
+    b.add_request(PROMPT, params, "twice", remote=remote, resume=Resume(part.tokens, len(part.text)))
+    b.step()                                               # blocks reserved, the pull started
+    assert b.scheduler.loading
+    out = b.migrate_out("twice")
+    assert out.finish_reason == "migrated" and out.kv_blocks == [] and out.token_ids == part.tokens
+    assert out.new_token_ids == [] and out.new_text == ""   # its client has all of it already
+    while b.has_unfinished_requests():
+        b.step()
+    assert "twice" in link.release_finished()
+    assert_no_leak(a)
+    assert_no_leak(b)
