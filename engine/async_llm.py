@@ -34,7 +34,7 @@ class AsyncLLM:
                        request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per new token (deltas in new_text/new_token_ids); the last has
         finished=True. Bad input raises InvalidRequestError before anything is queued. kwargs go to
-        LLMEngine.add_request (priority, prefill_only, remote)."""
+        LLMEngine.add_request (priority, prefill_only, remote, block_hashes, resume)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def add() -> str:
@@ -70,6 +70,15 @@ class AsyncLLM:
         with self._lock:
             self._streams.pop(request_id, None)
             return self.engine.abort_request(request_id) or self.engine.release_pinned(request_id)
+
+    def migrate_out(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Take these requests out between steps (LLMEngine.migrate_out); each output also ends its
+        generate() stream as the last, finished one. Unknown or finished ids are skipped."""
+        with self._lock:
+            outputs = [out for rid in request_ids if (out := self.engine.migrate_out(rid)) is not None]
+            _deliver([(stream, out) for out in outputs
+                      if (stream := self._streams.pop(out.request_id, None)) is not None])
+        return outputs
 
     def call(self, fn, *args, **kwargs):
         """Run fn(engine, ...) under the engine lock (release pinned blocks, stats)."""
@@ -109,11 +118,16 @@ class AsyncLLM:
                 if error is not None:
                     deliveries += [(s, error) for s in self._streams.values()]
                     self._streams.clear()
-            for (loop, queue), item in deliveries:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                _deliver(deliveries)                 # under the lock: a migrate_out's last output comes after
             if not busy or (not outputs and self.engine.is_waiting_for_kv()):
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
+
+
+def _deliver(deliveries: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:
+    """Hand outputs (or an error) to their streams' event loops, in order."""
+    for (loop, queue), item in deliveries:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
 
 
 __all__ = ["AsyncLLM"]

@@ -121,9 +121,11 @@ class KVCacheManager:
         return len(hit)
 
     # -- pins (prefill role) ----------------------------------------------------------------------
-    def pin(self, seq: Sequence) -> list[int]:
-        """Keep a finished prefill's blocks (its prompt's full and partial blocks) for export; the
-        sequence lets go of them."""
+    def pin(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+        """Keep a finished prefill's blocks (its prompt's full and partial blocks), or a migrated
+        sequence's blocks holding its first `num_tokens` tokens, for export; the sequence lets go of them."""
+        if num_tokens is not None:
+            self.shrink(seq.block_table, num_tokens)       # a rolled-back verify step may have left one more
         blocks, seq.block_table = seq.block_table, []
         _changed(seq)
         self.pinned[seq.request_id] = blocks

@@ -3,6 +3,8 @@
 Prefill role: a request added with prefill_only=True stops after its first token and keeps its
 prompt blocks pinned (ref-counted) until release_pinned(); decode role: add_request(remote=...) queues
 a request whose prompt K/V a KVConnector (attach_kv_connector) brings from another engine.
+Moving a running request: migrate_out() finishes it "migrated" with its blocks pinned like a prefill's;
+add_request(resume=...) continues one started elsewhere from its next token.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from engine.device_clock import device_clock
 from engine.errors import ConfigError, InvalidRequestError, PromptTooLongError
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnector, RemotePrefill
+from engine.kv_connector import KVConnector, RemotePrefill, Resume
 from engine.kv_events import KVEvent
 from engine.kv_layout import KV_LAYOUT_VERSION
 from engine.loader import load_config, load_tokenizer, resolve_model
@@ -109,11 +111,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
-                    remote: RemotePrefill | None = None, block_hashes: list[int] | None = None) -> str:
+                    remote: RemotePrefill | None = None, block_hashes: list[int] | None = None,
+                    resume: Resume | None = None) -> str:
         """Queue a request. `remote`: its prompt's K/V (and first token) come from another engine
         through the attached KVConnector; if they cannot, it is prefilled here. `block_hashes`: the
         prompt's full-block hashes when the caller has them (a pool request carries them from the
-        ingress; an import's are remote.block_hashes), so the prefix cache need not hash it again."""
+        ingress; an import's are remote.block_hashes), so the prefix cache need not hash it again.
+        `resume`: it was started elsewhere; it continues after resume.token_ids, streaming none of them
+        (with `remote`, the import covers prompt + resume.token_ids[:-1], see engine/kv_connector.py)."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -121,17 +126,47 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        hashes = remote.block_hashes if remote is not None else block_hashes
-        if remote is not None and len(hashes) != len(ids) // self.block_size:
-            raise InvalidRequestError(f"{len(hashes)} block hashes for a prompt of {len(ids) // self.block_size} full blocks")
+        if resume is not None and prefill_only:
+            raise InvalidRequestError("a resumed request cannot be prefill_only")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
-        seq.block_hashes = list(hashes or [])
-        seq.sampling_seed = self.sampler.request_seed(params.seed)
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        if resume is not None:
+            self._replay(seq, resume)
+        hashes = remote.block_hashes if remote is not None else block_hashes
+        if remote is not None and len(hashes) != seq.num_tokens // self.block_size:
+            raise InvalidRequestError(f"{len(hashes)} block hashes for {seq.num_tokens // self.block_size} full "
+                                      f"blocks to import")
+        seq.block_hashes = list(hashes or [])
+        seq.sampling_seed = self.sampler.request_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def _replay(self, seq: Sequence, resume: Resume) -> None:
+        """Give a new sequence the outputs its client already has, as they evolved where it started (the
+        detokenizer's held-back text included), and mark them streamed. Refused if they end it already."""
+        toks = resume.token_ids
+        if not toks:
+            raise InvalidRequestError("a resume needs the output tokens already sent")
+        if min(toks) < 0 or max(toks) >= self.hf_config.vocab_size:
+            raise InvalidRequestError(f"resumed token ids must be in [0, {self.hf_config.vocab_size})")
+        for token in toks:
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                raise InvalidRequestError(f"the {len(toks)} resumed output tokens already end the request "
+                                          f"({seq.finish_reason}): nothing is left to generate")
+        text = seq.detok.text if seq.detok is not None else ""
+        if not 0 <= resume.text_chars <= len(text):
+            raise InvalidRequestError(f"{resume.text_chars} characters were sent of a resumed text of {len(text)}")
+        if seq.detok is not None:
+            seq.detok.emitted = resume.text_chars
+        seq.num_streamed = len(toks)
+        if seq.remote is not None:
+            if seq.remote.first_token != toks[-1]:
+                raise InvalidRequestError("a resumed import's first token must be the last resumed output")
+            seq.pending_token = seq.token_ids.pop()
 
     def attach_kv_connector(self, connector: KVConnector) -> None:
         """Decode role: what fills the blocks of requests added with remote=."""
@@ -149,15 +184,37 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. False if it was not running."""
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.get(request_id)
         if seq is None:
             return False
-        if self.scheduler.remove(seq):             # else a transfer may still write into its blocks
-            self.kv.free(seq)
-        self._leave_batch(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
-        seq.finished_time = time.monotonic()
+        self._drop(seq, "abort")
         return True
+
+    def migrate_out(self, request_id: str) -> RequestOutput | None:
+        """Take a request out between steps to continue it elsewhere; it finishes "migrated". A running one
+        whose K/V cover all its tokens but the last keeps those blocks pinned for export (out.kv_blocks,
+        released like a prefill's); any other (waiting, preempted, loading, mid-prefill) holds none and is
+        replayed. None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        movable = (seq.status is Status.RUNNING and not seq.prefill_only and seq.num_output_tokens >= 1
+                   and seq.num_computed_tokens == seq.num_tokens - 1)
+        self._drop(seq, "migrated", pin=movable)
+        seq.restore_pending()                   # a resumed import cut short: the caller replays all outputs
+        return self._output(seq)
+
+    def _drop(self, seq: Sequence, reason: str, pin: bool = False) -> None:
+        """Finish a sequence now (abort, migration): its blocks are freed, or pinned for export."""
+        del self.requests[seq.request_id]
+        if self.scheduler.remove(seq):             # else a transfer may still write into its blocks
+            if pin:
+                self.kv.pin(seq, seq.num_tokens - 1)
+            else:
+                self.kv.free(seq)
+        self._leave_batch(seq)                     # speculative drafts go: the destination proposes anew
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.finished_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._early_outputs)
@@ -268,15 +325,17 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         finished = seq.is_finished
+        migrated = seq.finish_reason == "migrated"
         new_ids = seq.output_token_ids[seq.num_streamed:]
         seq.num_streamed = seq.num_output_tokens
-        new_text = seq.detok.take(finished) if seq.detok is not None else ""
+        # a migrated request keeps its held-back text: the destination decides whether a stop string ends it
+        new_text = seq.detok.take(finished and not migrated) if seq.detok is not None else ""
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
             text=seq.detok.text if seq.detok is not None else "", new_token_ids=new_ids,
             new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-            kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only else [])
+            kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only or migrated else [])
 
     @staticmethod
     def _metrics(seq: Sequence) -> RequestMetrics:
@@ -299,6 +358,9 @@ class LLMEngine:
         for seq in loaded:
             seq.first_scheduled_time = now
             remote, seq.remote = seq.remote, None
+            if seq.pending_token is not None:   # a resumed import: its first token was checked and sent
+                seq.restore_pending()
+                continue
             if remote.first_token is None:
                 seq.num_computed_tokens -= 1
                 continue

@@ -191,6 +191,7 @@ class Scheduler:
     def _fall_back(seq: Sequence, error: str) -> None:
         log.warning("request %s: KV import failed (%s); prefilling locally", seq.request_id, error)
         seq.remote, seq.kv_import.error = None, error
+        seq.restore_pending()                       # a local prefill computes it with the rest
 
     # -- blocks ----------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:

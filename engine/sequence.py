@@ -40,7 +40,7 @@ class Sequence:
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
-    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "migrated"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] = field(default_factory=list)
     sampling_seed: int = 0                # uint64 key of its random streams (engine.philox), set at add_request
@@ -50,6 +50,8 @@ class Sequence:
     spec_probs: torch.Tensor | None = None                    # their draft distributions q [k, V] (None: one-hot)
     spec: SpecStats = field(default_factory=SpecStats)
     remote: RemotePrefill | None = None   # decode role: prompt K/V to import (None once loaded or fallen back)
+    pending_token: int | None = None      # a resumed import's last output (sent already): its K/V come after
+                                          # the import's, so it joins token_ids once the load ends or fails
     kv_import: ImportStats = field(default_factory=ImportStats)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -76,6 +78,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def restore_pending(self) -> None:
+        """The import ended (or fell back): the resumed last output token rejoins the sequence."""
+        if self.pending_token is not None:
+            self.token_ids.append(self.pending_token)
+            self.pending_token = None
 
     @property
     def is_finished(self) -> bool:

@@ -83,12 +83,15 @@ class KVLink:
 
     # -- producer ---------------------------------------------------------------------------------
     def export(self, out: RequestOutput, hashes: list[int] | None = None) -> KVHandoff:
-        """The hand-off of a finished prefill_only request's pinned prompt blocks. `hashes`: the prompt's
-        full-block hashes as the request carries them (hashed here only when not given). The Ray fallback
-        copies the blocks out here: call it off the event loop."""
+        """The hand-off of a finished prefill_only request's pinned prompt blocks, or of a migrated one's
+        (prompt + outputs[:-1]). `hashes`: those tokens' full-block hashes as the request carries them
+        (hashed here only when not given). The Ray fallback copies the blocks out here: call it off the
+        event loop."""
         if not out.finished or not out.kv_blocks:
             raise KVTransferError(f"request {out.request_id} holds no pinned prompt blocks to export")
         ids, bs = out.prompt_token_ids, self.engine.block_size
+        if out.finish_reason == "migrated":
+            ids = ids + out.token_ids[:-1]
         hashes = hash_blocks(ids, bs, self.engine.model_key) if hashes is None else list(hashes)
         if len(hashes) != len(ids) // bs:
             raise KVTransferError(f"{len(hashes)} block hashes for a prompt of {len(ids) // bs} full blocks")
