@@ -63,7 +63,8 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
     ingress = serve.deployment(Ingress, name=INGRESS).options(**config.deployment_options(INGRESS))
     return ingress.bind(prefill=prefill, decode=decode, state=owner, state_actor=state,
                         num_replicas=config.ingress.num_replicas, limits=config.limits, auth=config.auth,
-                        admission=config.admission, disaggregation=config.disaggregation, router=r)
+                        admission=config.admission, disaggregation=config.disaggregation, router=r,
+                        migration=config.migration)
 
 
 COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"

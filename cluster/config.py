@@ -9,6 +9,7 @@
     coupling:        mode (measured | fixed | off), ratio, smoothing
     router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
     disaggregation:  min_remote_prefill_tokens
+    migration:       max_moves
     transfer:        backend, ttl_s, ucx_tls
     limits, admission, auth
 
@@ -39,7 +40,8 @@ from engine.errors import ConfigError
 from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
 from replica.names import INGRESS, POOLS
-from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
+from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, MigrationConfig,
+                           RouterConfig)
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
 # EngineConfig fields the cluster sets itself: a TP replica's workers are Ray actors in its placement group
@@ -290,6 +292,8 @@ class ClusterConfig(_Schema):
     router: RouterConfig = Field(default_factory=RouterConfig, description="Prefill routing")
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig,
                                                  description="When to prefill remotely (ignored when colocated)")
+    migration: MigrationConfig = Field(default_factory=MigrationConfig, description="Streams that continue on "
+                                                                                    "another decode replica")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits at the ingress")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission control (429 "

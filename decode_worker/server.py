@@ -25,7 +25,7 @@ class DecodeServer(EngineReplica):
         remote = _remote(req.prefill, req.block_hashes) if req.prefill is not None else None
         first, last = True, time.perf_counter()
         async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
-                                           block_hashes=req.block_hashes):
+                                           block_hashes=req.block_hashes, resume=req.resume):
             now = time.perf_counter()
             if first:
                 self.ttft.observe(now - last)

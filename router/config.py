@@ -32,6 +32,15 @@ class DisaggregationConfig(_Section):
                               "tokens is prefilled by the decode replica itself; longer ones go to the prefill pool")
 
 
+class MigrationConfig(_Section):
+    """Requests that outlive their decode replica: when it dies mid-stream, the ingress continues the stream
+    on another replica from the tokens already sent (prompt + those tokens recomputed, mostly from the prefix
+    cache); the client sees one unbroken stream."""
+    max_moves: int = Field(3, ge=0, description="Times one request may move to another decode replica; one "
+                                                "more failure ends its stream with the error event (0: never "
+                                                "move, as before)")
+
+
 class LimitsConfig(_Section):
     """What one request may ask for; beyond it the ingress answers 400 (413 for the body) and runs nothing."""
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body in bytes (413 beyond): 1 MiB "

@@ -22,7 +22,8 @@ from engine.loader import load_tokenizer
 from router import openai_protocol as oa
 from router.cluster_state import merge_expositions
 from router.admission import Admission
-from router.config import AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, RouterConfig
+from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, MigrationConfig,
+                           RouterConfig)
 from router.orchestrator import Orchestrator, as_openai_error
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,12 @@ def _no_constant(name: str):
 class Ingress:
     def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
-                 router: RouterConfig):
+                 router: RouterConfig, migration: MigrationConfig = MigrationConfig()):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; the rest are the cluster config's sections."""
         self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
+        self.migration = migration
         self.keys = oa.ApiKeys(auth.api_keys_env)
         self.protect_metrics = auth.protect_metrics
         if self.keys.enabled:
@@ -113,7 +115,8 @@ class Ingress:
                     self.info = info
                     self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
                                              self.disaggregation.min_remote_prefill_tokens,
-                                             self.router_config.index_sync_interval_s)
+                                             self.router_config.index_sync_interval_s,
+                                             self.migration.max_moves)
         return self.orchestrator
 
     # -- routes -----------------------------------------------------------------------------------

@@ -7,7 +7,9 @@
            no:  decode pool prefills itself (DecodeRouter prefers the replica that caches most)
       -> TokenDeltas streamed back from the decode replica (Serve streaming handle)
 A failed prefill call, or a decode replica that dies before its first delta, sends the request to the
-decode pool to prefill itself. Cancelling the iteration (client gone) cancels the Serve calls: each
+decode pool to prefill itself. A decode replica that dies mid-stream costs the client nothing either: the
+request continues on another decode replica (never the one it left) from the tokens already sent
+(`Resume`: prompt + those tokens recomputed, mostly from the prefix cache), up to `max_moves` times. Cancelling the iteration (client gone) cancels the Serve calls: each
 pool aborts its request and frees its blocks. Latency histograms are observed here, where the client
 sees them.
 """
@@ -22,7 +24,7 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import Counter, Histogram
 
-from engine import SamplingParams
+from engine import Resume, SamplingParams
 from engine.block_hash import block_hashes
 from replica.messages import PoolRequest, TokenDelta
 from replica.names import DECODE
@@ -39,15 +41,20 @@ E2E = Histogram("baton_e2e_request_latency_seconds", "Arrival to last token", ["
 REQUESTS = Counter("baton_requests", "Finished requests by status and finish reason",
                    ["status", "finish_reason"])
 PATHS = Counter("baton_disaggregation_decisions", "Where prompts were prefilled", ["path"])
+MOVES = Counter("baton_request_moves", "Requests continued on another decode replica mid-stream",
+                ["reason", "how"])
+MOVED_TOKENS = Counter("baton_request_moved_tokens", "Tokens of moved requests, by how their KV reached the "
+                       "new replica: recomputed by a replay, or pulled", ["how"])
 
 
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
-                 min_remote_prefill_tokens: int, sync_interval_s: float):
+                 min_remote_prefill_tokens: int, sync_interval_s: float, max_moves: int = 3):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
         self.model = model                        # DecodeServer.model_info(): key, block size, limits
         self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
         self.min_remote = min_remote_prefill_tokens
+        self.max_moves = max_moves
 
     def hashes(self, token_ids: list[int]) -> list[int]:
         """The prompt's full-block hashes: computed here once per prompt, then carried by its PoolRequests."""
@@ -119,23 +126,47 @@ class Orchestrator:
                 E2E.labels(pool, replica).observe(time.perf_counter() - t0)
 
     async def _decode(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
-        """The decode pool's deltas. A replica that dies before its first delta costs nothing the client
-        saw: the request goes once more, to a live replica (Serve routes around the dead one), which
-        prefills it itself. After the first delta the stream cannot be replayed: the error goes up."""
-        sent = False
-        try:
-            async for delta in self.decode.generate.remote(req):
-                yield delta
-                sent = True                              # something was sent: no retry from here on
-        except Exception as e:
-            if sent or not _replica_died(e):
-                raise
-            log.warning("request %s: decode replica failed before its first token (%s); retrying on another",
-                        req.request_id, _short(e))
-            PATHS.labels("decode_retry").inc()
-            _own_serve_request_ids(req.request_id)       # a new Serve call: its own internal id
-            async for delta in self.decode.generate.remote(replace(req, prefill=None)):
-                yield delta
+        """The decode pool's deltas, as one stream however often the request moves. A replica that dies
+        before its first delta costs nothing the client saw: the request goes once more to a live replica
+        (Serve routes around the dead one), which prefills it itself. One that dies later: the request
+        continues from what was sent (`_continuation`), while the move budget lasts."""
+        sent, chars, replica = [], 0, None        # everything the client has, across moves
+        while True:
+            try:
+                async for delta in self.decode.generate.remote(req):
+                    replica = delta.replica or replica
+                    sent += delta.token_ids
+                    chars += len(delta.text)
+                    yield delta
+                return
+            except Exception as e:
+                if not _replica_died(e):
+                    raise
+                if not sent and req.num_moves == 0:
+                    log.warning("request %s: decode replica failed before its first token (%s); retrying on "
+                                "another", req.request_id, _short(e))
+                    PATHS.labels("decode_retry").inc()
+                    req = replace(req, prefill=None, num_moves=1)
+                elif req.num_moves < self.max_moves and sent:
+                    log.warning("request %s: decode replica %s failed after %d tokens (%s); continuing on another",
+                                req.request_id, replica, len(sent), _short(e))
+                    req = self._continuation(req, sent, chars, replica)
+                    MOVES.labels("replica_died", "replay").inc()
+                    MOVED_TOKENS.labels("replay").inc(len(req.token_ids) + len(sent))
+                else:
+                    raise
+                _own_serve_request_ids(req.request_id)   # a new Serve call: its own internal id
+
+    def _continuation(self, req: PoolRequest, sent: list[int], chars: int, left: str | None) -> PoolRequest:
+        """The request again, to be continued after the `sent` tokens (`chars` characters of text) by a
+        decode replica other than the ones it left; it recomputes prompt + sent (the hashes of the blocks
+        that adds let the router find a replica caching them)."""
+        bs, n = self.model["block_size"], len(req.token_ids) // self.model["block_size"]
+        ids = req.token_ids + sent
+        hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.model["model_key"],
+                                                     req.block_hashes[n - 1] if n else None)
+        return replace(req, block_hashes=hashes, prefill=None, resume=Resume(list(sent), chars),
+                       avoid=req.avoid + ((left,) if left else ()), num_moves=req.num_moves + 1)
 
 
 def _replica_died(e: BaseException) -> bool:

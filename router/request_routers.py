@@ -103,7 +103,11 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
             return [candidate_replicas]
         self.mirror.start()
         t0 = time.perf_counter()
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        # a moved request never goes back to a replica it left (dead, or draining): with none other yet, the
+        # empty answer makes Serve ask again as its replica set changes (a successor starts)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas if r.replica_id.unique_id not in req.avoid}
+        if not by_id:
+            return []
         tiers, reason, load = self._rank(req, by_id)
         _observe(self.pool, reason, time.perf_counter() - t0)
         if load is not None:
@@ -158,13 +162,14 @@ class DecodeRouter(_PoolRouter):
     def _rank(self, req, by_id):
         """One replica per tier; the load is the request's KV blocks."""
         pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
+        n = len(req.token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)   # to compute
         if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
             hits = self.mirror.index[self.pool].match(req.block_hashes)
-            order = sorted(by_id, key=lambda rid: (len(req.token_ids) - hits.get(rid, 0) * self.block_size,
+            order = sorted(by_id, key=lambda rid: (n - hits.get(rid, 0) * self.block_size,
                                                     pressure[rid], rid))
             reason = "local_prefill_hit" if any(hits.get(rid, 0) for rid in by_id) else "local_prefill"
         else:
             order = sorted(by_id, key=lambda rid: (pressure[rid], rid))
             reason = "least_kv_pressure"
-        return [[rid] for rid in order], reason, blocks_for(len(req.token_ids), self.block_size) if order else None
+        return [[rid] for rid in order], reason, blocks_for(n, self.block_size) if order else None

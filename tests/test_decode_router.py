@@ -99,3 +99,14 @@ def test_a_request_without_routing_fields_may_go_to_any_replica():
     control = SimpleNamespace(args=[], metadata=SimpleNamespace(request_id="c"))
     assert asyncio.run(router().choose_replicas(replicas, control)) == [replicas]
     assert asyncio.run(router().choose_replicas(replicas, None)) == [replicas]
+
+
+def test_a_moved_request_never_goes_back_to_a_replica_it_left():
+    from dataclasses import replace
+    replicas = [FakeReplica("left", stats(used=0)), FakeReplica("other", stats(used=90, running=50))]
+    req = pending("r1")
+    req.args[0] = replace(req.args[0], avoid=("left",))
+    r = router(cached={"left": 8})                         # caching the whole prompt does not bring it back
+    assert choose(r, replicas, req) == ["other"]
+    # only replicas it left: no answer, and Serve asks again once its replica set changes
+    assert asyncio.run(r.choose_replicas([replicas[0]], req)) == []

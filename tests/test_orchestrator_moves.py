@@ -1,0 +1,104 @@
+"""The ingress's Orchestrator when a decode replica dies mid-stream (router/orchestrator.py): the request
+continues on another replica from what the client already has, as one stream, within the move budget, and
+never goes back to the replica it left. The decode pool is a fake Serve handle whose replicas "die" (raise
+Ray's ActorDiedError) after some deltas; the live cluster's version is in tests/test_reliability.py."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from engine import SamplingParams
+from engine.block_hash import block_hashes
+from replica.messages import PoolRequest, TokenDelta
+from router.openai_protocol import OpenAIError
+from router.orchestrator import Orchestrator
+
+BS, KEY = 4, "test-model"
+PROMPT = list(range(10, 20))                      # 2 full blocks and a partial one
+ANSWER = list(range(100, 112))                    # what an undisturbed run streams, one token per delta
+
+
+@dataclass
+class FakeDecodePool:
+    """decode.generate.remote(req): replica k of the calls streams ANSWER from where req.resume leaves off, and
+    dies after die_after[k] deltas (None: runs to the end)."""
+    die_after: list[int | None]
+    calls: list[PoolRequest] = field(default_factory=list)
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, req: PoolRequest):
+        k = len(self.calls)
+        self.calls.append(req)
+        return self._stream(req, f"d{k}", self.die_after[k])
+
+    async def _stream(self, req, name, die_after):
+        start = len(req.resume.token_ids) if req.resume is not None else 0
+        for i, tok in enumerate(ANSWER[start:]):
+            if die_after is not None and i == die_after:
+                raise ActorDiedError()
+            last = start + i == len(ANSWER) - 1
+            d = TokenDelta([tok], f"<{tok}>", last, replica=name if i == 0 else None)
+            if last:
+                d.finish_reason, d.prompt_tokens, d.completion_tokens = "length", len(PROMPT), len(ANSWER)
+            yield d
+
+
+def run(pool: FakeDecodePool, max_moves: int = 3) -> list[TokenDelta]:
+    o = Orchestrator(None, pool, {"block_size": BS, "model_key": KEY}, "", 0, 0.01, max_moves=max_moves)
+    req = PoolRequest("r1", PROMPT, block_hashes(PROMPT, BS, KEY), SamplingParams(max_tokens=len(ANSWER)))
+
+    async def collect():
+        return [d async for d in o._decode(req)]
+    return asyncio.run(collect())
+
+
+@pytest.fixture(autouse=True)
+def _no_serve_context(monkeypatch):
+    monkeypatch.setattr("router.orchestrator._own_serve_request_ids", lambda rid: None)
+
+
+def test_a_replica_dying_mid_stream_costs_the_client_nothing():
+    pool = FakeDecodePool([3, 4, None])                    # two deaths: 3 tokens, 4 more, then the rest
+    out = run(pool)
+    assert [t for d in out for t in d.token_ids] == ANSWER                 # no token repeated or skipped
+    assert "".join(d.text for d in out) == "".join(f"<{t}>" for t in ANSWER)
+    assert out[-1].finished and out[-1].completion_tokens == len(ANSWER)
+    first, second, third = pool.calls
+    assert first.resume is None and first.avoid == ()
+    assert second.resume.token_ids == ANSWER[:3] and second.resume.text_chars == len("".join(
+        f"<{t}>" for t in ANSWER[:3]))
+    assert second.avoid == ("d0",) and third.avoid == ("d0", "d1")        # never back to a replica it left
+    assert third.resume.token_ids == ANSWER[:7] and third.num_moves == 2
+    # the continuation's block hashes cover prompt + sent tokens, chained from the prompt's
+    assert third.block_hashes == block_hashes(PROMPT + ANSWER[:7], BS, KEY)
+    assert third.token_ids == PROMPT and third.prefill is None
+
+
+def test_past_the_move_budget_the_error_goes_up():
+    pool = FakeDecodePool([2, 2, None])
+    with pytest.raises(ActorDiedError):
+        run(pool, max_moves=1)
+    assert len(pool.calls) == 2
+
+
+def test_with_no_moves_allowed_a_death_after_the_first_token_fails_as_before_and_before_it_retries_once():
+    with pytest.raises(ActorDiedError):
+        run(FakeDecodePool([2, None]), max_moves=0)
+    pool = FakeDecodePool([0, None])                       # died before its first delta: one retry, from scratch
+    assert [t for d in run(pool, max_moves=0) for t in d.token_ids] == ANSWER
+    assert pool.calls[1].resume is None and pool.calls[1].num_moves == 1
+
+
+def test_the_client_sees_a_503_in_openai_shape_when_the_budget_is_spent():
+    from router.orchestrator import as_openai_error
+    err = as_openai_error(ActorDiedError(), "r1")
+    assert isinstance(err, OpenAIError) and err.status == 503
