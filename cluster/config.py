@@ -146,9 +146,12 @@ class PoolConfig(_Schema):
     max_ongoing_requests: int = Field(64, ge=1, description="Requests Serve sends one replica at once "
                                                             "(running plus queued in its engine)")
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0, description="Seconds a replica being removed (scale "
-                                                                       "down, redeploy) may finish its requests "
-                                                                       "before it is killed; Serve's default of "
-                                                                       "20 would cut long streams")
+                                                                       "down, redeploy, node drain) may take to "
+                                                                       "stop: a prefill replica finishes its "
+                                                                       "requests; a decode replica hands its "
+                                                                       "streams over (KV pull) and keeps its KV "
+                                                                       "until pulled (at most the transfer TTL). "
+                                                                       "The Helm chart gives pods 30 s more")
     health_check_period_s: float = Field(2.0, gt=0, description="Seconds between Serve's health checks of a "
                                                                 "replica (engine thread alive). A replica that "
                                                                 "died leaves routing and the prefix index when "

@@ -1,31 +1,53 @@
 """DecodeServer: a decode-pool replica. It hands its engine the prompt's KV named by a KVHandoff (the engine's
 scheduler pulls it into blocks once it has room, or prefills the prompt itself if it cannot), or prefills
 the prompt when told to, then streams TokenDeltas by continuous batching. In colocated mode it is the only
-pool and always prefills itself."""
+pool and always prefills itself.
+
+Drain: when Serve stops the replica (a scale-down, a new config rolling out, a node drain), it hands its
+running sequences over instead of finishing them: each leaves the engine with its blocks pinned
+(LLMEngine.migrate_out) and its stream ends with a TokenDelta whose `migrate` is the KV hand-off of
+prompt + outputs (the last output plays the first token); the ingress continues it on another replica,
+which pulls the KV. A sequence with no KV to give (still waiting, or arriving while draining) ends with
+finish_reason "migrated" and no hand-off: the ingress replays it there."""
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import AsyncIterator
 
 from engine import RemotePrefill
 from engine.outputs import RequestMetrics
-from replica.engine_replica import EngineReplica
+from replica.engine_replica import DRAIN_POLL_S, EngineReplica, run_blocking
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE
 
+log = logging.getLogger(__name__)
 RESERVE_MARGIN_S = 2.0          # start no pull this close to the producer's unpin: prefill locally instead
+MIGRATED = "migrated"
 
 
 class DecodeServer(EngineReplica):
     pool = DECODE
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draining = False
+        threading.Thread(target=self._watch_stop, name="baton-drain-watch", daemon=True).start()
+
     async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
         """The request's deltas: its KV pulled from req.prefill's hand-off, or prefilled here when that is
         None (or the pull fails). The last delta has finished=True and the usage."""
+        if self.draining:               # a router that has not heard yet: hand it back untouched
+            yield TokenDelta([], "", True, replica=self.replica, finish_reason=MIGRATED)
+            return
         remote = _remote(req.prefill, req.block_hashes) if req.prefill is not None else None
         first, last = True, time.perf_counter()
         async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
                                            block_hashes=req.block_hashes, resume=req.resume):
+            if out.finish_reason == MIGRATED:
+                yield await self._hand_over(out, first)
+                return
             now = time.perf_counter()
             if first:
                 self.ttft.observe(now - last)
@@ -36,6 +58,37 @@ class DecodeServer(EngineReplica):
                 self._observe_import(out.metrics)
             yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
             first = False
+
+    async def _hand_over(self, out, first: bool) -> TokenDelta:
+        """The last delta of a sequence drained out of the engine: its new tokens, and the hand-off of its
+        pinned blocks (None when it has none, or the export failed: the ingress replays it then)."""
+        delta = TokenDelta.of(out, self.replica if first else None)
+        if out.kv_blocks:
+            try:
+                handoff = await run_blocking(self.link.export, out)
+                delta.migrate = PrefillResult(self.replica, out.token_ids[-1],
+                                              out.logprobs[-1] if out.logprobs else None, 0, handoff)
+            except Exception as e:          # noqa: BLE001 - the ingress replays it instead
+                log.warning("decode replica %s: export of drained request %s failed (%s); it will be replayed",
+                            self.replica, out.request_id, e)
+                self.llm.call(lambda eng: eng.release_pinned(out.request_id))
+        return delta
+
+    def _watch_stop(self) -> None:
+        """Learn that Serve is stopping this replica, then hand over every sequence, now and any that slips in
+        (a request added as the drain began) until the process goes."""
+        while not self._closed:
+            time.sleep(DRAIN_POLL_S)
+            try:
+                if not self.draining and serve_is_stopping(self.replica):
+                    log.warning("decode replica %s: Serve is stopping it; handing over its requests", self.replica)
+                    self.draining = True
+                if self.draining:
+                    ids = self.llm.call(lambda eng: list(eng.requests))
+                    if ids:
+                        self.llm.migrate_out(ids)
+            except Exception:                           # noqa: BLE001 - keep watching, say why
+                log.exception("decode replica %s: drain watch", self.replica)
 
     def _observe_import(self, m: RequestMetrics) -> None:
         """The transfer metrics of an import: its bytes and seconds, or a failure and a local prefill."""
@@ -50,3 +103,24 @@ def _remote(p: PrefillResult, hashes: list[int]) -> RemotePrefill:
     """What the engine needs to import the prompt's KV: the producer's pin ends at the handle's expiry."""
     return RemotePrefill(p.handoff, hashes, p.first_token, p.first_logprobs,
                          deadline=p.handoff.handle.expiry - RESERVE_MARGIN_S)
+
+
+def serve_is_stopping(replica: str) -> bool:
+    """Whether Serve is stopping this replica (STOPPING, or PENDING_MIGRATION off a draining node). Serve runs
+    no user code when a graceful stop begins (it waits for ongoing requests, then calls __del__), so the
+    replica asks the controller. Private API, checked against Ray 2.60:
+    ServeController.get_deployment_details(app, deployment).replicas[].state; outside Serve: False."""
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:                                   # noqa: BLE001 - not a Serve replica (tests, bench)
+        return False
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        details = ray.get(controller.get_deployment_details.remote(ctx.app_name, ctx.deployment), timeout=5)
+    except Exception:       # noqa: BLE001 - the controller restarting, or the app mid-deploy (no details yet)
+        return False
+    return any(r.replica_id == replica and str(getattr(r.state, "value", r.state)) in ("STOPPING", "PENDING_MIGRATION")
+               for r in details.replicas)

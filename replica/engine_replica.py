@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
+DRAIN_POLL_S = 0.5              # a draining replica learns it is being stopped within about this long
 PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
 TP_FAILURE_GRACE_S = 3.0        # a failed step waits this long for Ray to report a dead TP worker (about 1 s)
 
@@ -182,6 +183,15 @@ class EngineReplica:
             raise failure
 
     def __del__(self):
+        """Serve calls this once the replica's requests have ended (a drain ends a decode replica's streams by
+        handing them over): keep the process, and its pinned blocks, until consumers have pulled them or
+        their lease has run out, so no hand-off in flight loses its source."""
+        if getattr(self, "link", None) is None:        # __init__ failed part-way: nothing was pinned
+            return
+        deadline = time.monotonic() + self.link.ttl_s + 1.0
+        while self.llm.call(lambda e: bool(e.kv.pinned)) and time.monotonic() < deadline:
+            self.llm.call(lambda _: self.link.release_finished())
+            time.sleep(0.05)
         self._closed = True
 
 

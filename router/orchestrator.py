@@ -26,7 +26,7 @@ from prometheus_client import Counter, Histogram
 
 from engine import Resume, SamplingParams
 from engine.block_hash import block_hashes
-from replica.messages import PoolRequest, TokenDelta
+from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE
 from router.cluster_state import IndexMirror
 
@@ -133,12 +133,20 @@ class Orchestrator:
         sent, chars, replica = [], 0, None        # everything the client has, across moves
         while True:
             try:
+                handed_over = None
                 async for delta in self.decode.generate.remote(req):
                     replica = delta.replica or replica
                     sent += delta.token_ids
                     chars += len(delta.text)
+                    if delta.finish_reason == "migrated":        # the replica is draining: it handed us over
+                        handed_over = delta
+                        if delta.token_ids or delta.text:
+                            yield TokenDelta(delta.token_ids, delta.text, False, delta.logprobs, delta.replica)
+                        break
                     yield delta
-                return
+                if handed_over is None:
+                    return
+                req = self._handed_over(req, sent, chars, replica, handed_over.migrate)
             except Exception as e:
                 if not _replica_died(e):
                     raise
@@ -157,15 +165,30 @@ class Orchestrator:
                     raise
                 _own_serve_request_ids(req.request_id)   # a new Serve call: its own internal id
 
-    def _continuation(self, req: PoolRequest, sent: list[int], chars: int, left: str | None) -> PoolRequest:
+    def _handed_over(self, req: PoolRequest, sent: list[int], chars: int, left: str | None,
+                     kv: PrefillResult | None) -> PoolRequest:
+        """A draining replica's request, to continue elsewhere: from its KV hand-off when it gave one (the
+        destination pulls prompt + sent[:-1]), else replayed. A planned move: it spends no move budget."""
+        how = "kv_pull" if kv is not None and sent else "replay"
+        log.warning("request %s: decode replica %s is draining; continuing on another by %s", req.request_id, left,
+                    how)
+        MOVES.labels("drain", how).inc()
+        MOVED_TOKENS.labels(how).inc(len(req.token_ids) + len(sent))
+        if not sent:                                    # nothing generated yet: start over elsewhere
+            return replace(req, prefill=None, avoid=req.avoid + ((left,) if left else ()))
+        return replace(self._continuation(req, sent, chars, left, kv), num_moves=req.num_moves)
+
+    def _continuation(self, req: PoolRequest, sent: list[int], chars: int, left: str | None,
+                      kv: PrefillResult | None = None) -> PoolRequest:
         """The request again, to be continued after the `sent` tokens (`chars` characters of text) by a
-        decode replica other than the ones it left; it recomputes prompt + sent (the hashes of the blocks
-        that adds let the router find a replica caching them)."""
+        decode replica other than the ones it left. It recomputes prompt + sent, or, given `kv`, pulls the K/V
+        of prompt + sent[:-1] (sent[-1] is the hand-off's first token); the block hashes cover what it
+        computes or pulls (they also let the router find a replica caching them)."""
         bs, n = self.model["block_size"], len(req.token_ids) // self.model["block_size"]
-        ids = req.token_ids + sent
+        ids = req.token_ids + (sent if kv is None else sent[:-1])
         hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.model["model_key"],
                                                      req.block_hashes[n - 1] if n else None)
-        return replace(req, block_hashes=hashes, prefill=None, resume=Resume(list(sent), chars),
+        return replace(req, block_hashes=hashes, prefill=kv, resume=Resume(list(sent), chars),
                        avoid=req.avoid + ((left,) if left else ()), num_moves=req.num_moves + 1)
 
 

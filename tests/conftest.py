@@ -46,9 +46,9 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     return str(tmp_dir)
 
 
-def assert_not_in_ray_logs(*secrets: str) -> None:
-    """No file of this process's Ray session (every replica, the proxy, the controller, the raylet) holds
-    any of the secrets (prompt text, completions, API keys)."""
+def ray_log_files() -> list[str]:
+    """The files of this process's Ray session (every replica, the proxy, the controller, the raylet; those of
+    processes that have gone stay), once what the replicas logged until now has reached them."""
     import glob
 
     import ray
@@ -62,11 +62,20 @@ def assert_not_in_ray_logs(*secrets: str) -> None:
     wait_for(lambda: any(mark.encode() in open(f, "rb").read() for f in log_files()), 10, "log lines to reach files")
     files = log_files()
     assert len(files) > 5
-    for f in files:
+    return files
+
+
+def assert_not_in_ray_logs(*secrets: str) -> None:
+    """No file of this process's Ray session holds any of the secrets (prompt text, completions, API keys)."""
+    for f in ray_log_files():
         data = open(f, "rb").read()
         for secret in secrets:
             assert secret.encode() not in data, (f, secret)
 
+
+def count_in_ray_logs(text: str) -> int:
+    """How often `text` appears in this Ray session's log files (processes that have gone included)."""
+    return sum(open(f, "rb").read().count(text.encode()) for f in ray_log_files())
 
 
 def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1) -> Any:

@@ -115,6 +115,8 @@ def test_each_value_set_renders_a_rayservice_valid_under_kuberays_crd(chart, crd
         gpus = container["resources"]["limits"].get("nvidia.com/gpu", 0)
         assert gpus == p.num_gpus and gpus in (0, p.tensor_parallel_size)   # a pod holds one replica's ranks
         assert container["resources"]["limits"]["cpu"] == merged["ray"]["workers"][pool]["resources"]["cpu"]
+        # Kubernetes waits longer than Serve's graceful stop (a decode replica hands its streams over first)
+        assert g["template"]["spec"]["terminationGracePeriodSeconds"] >= p.graceful_shutdown_timeout_s + 30
     assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] == merged["ray"]["enableInTreeAutoscaling"]
     assert docs["Service"][0]["spec"]["ports"][0]["targetPort"] == 8000 == cfg.port
     assert cfg.host == "0.0.0.0"

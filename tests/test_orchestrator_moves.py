@@ -12,7 +12,7 @@ from ray.exceptions import ActorDiedError
 
 from engine import SamplingParams
 from engine.block_hash import block_hashes
-from replica.messages import PoolRequest, TokenDelta
+from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from router.openai_protocol import OpenAIError
 from router.orchestrator import Orchestrator
 
@@ -26,6 +26,7 @@ class FakeDecodePool:
     """decode.generate.remote(req): replica k of the calls streams ANSWER from where req.resume leaves off, and
     dies after die_after[k] deltas (None: runs to the end)."""
     die_after: list[int | None]
+    drain_after: list[int | None] = field(default_factory=list)      # hand the request over after n deltas
     calls: list[PoolRequest] = field(default_factory=list)
 
     def options(self, **_):
@@ -38,13 +39,19 @@ class FakeDecodePool:
     def remote(self, req: PoolRequest):
         k = len(self.calls)
         self.calls.append(req)
-        return self._stream(req, f"d{k}", self.die_after[k])
+        drain = self.drain_after[k] if k < len(self.drain_after) else None
+        return self._stream(req, f"d{k}", self.die_after[k], drain)
 
-    async def _stream(self, req, name, die_after):
+    async def _stream(self, req, name, die_after, drain_after):
         start = len(req.resume.token_ids) if req.resume is not None else 0
         for i, tok in enumerate(ANSWER[start:]):
             if die_after is not None and i == die_after:
                 raise ActorDiedError()
+            if drain_after is not None and i == drain_after:      # this token comes with the hand-over
+                kv = PrefillResult(name, tok, None, 0, None) if drain_after else None
+                yield TokenDelta([tok] if drain_after else [], f"<{tok}>" if drain_after else "", True,
+                                 replica=name if i == 0 else None, finish_reason="migrated", migrate=kv)
+                return
             last = start + i == len(ANSWER) - 1
             d = TokenDelta([tok], f"<{tok}>", last, replica=name if i == 0 else None)
             if last:
@@ -102,3 +109,17 @@ def test_the_client_sees_a_503_in_openai_shape_when_the_budget_is_spent():
     from router.orchestrator import as_openai_error
     err = as_openai_error(ActorDiedError(), "r1")
     assert isinstance(err, OpenAIError) and err.status == 503
+
+
+def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
+    pool = FakeDecodePool([None, None, None], drain_after=[0, 4, None])   # handed back at once, then after 5 tokens
+    out = run(pool, max_moves=0)                           # planned moves spend no budget
+    assert [t for d in out for t in d.token_ids] == ANSWER
+    assert not any(d.finished for d in out[:-1]) and out[-1].finished and out[-1].finish_reason == "length"
+    assert all(d.finish_reason != "migrated" for d in out)                # the client never sees a hand-over
+    first, second, third = pool.calls
+    assert second.resume is None and second.avoid == ("d0",) and second.prefill is None     # nothing sent yet
+    assert third.prefill is not None and third.prefill.first_token == ANSWER[4]             # pulls the KV
+    assert third.resume.token_ids == ANSWER[:5] and third.avoid == ("d0", "d1")
+    # the KV it pulls is prompt + sent[:-1]: that is what the hashes cover
+    assert third.block_hashes == block_hashes(PROMPT + ANSWER[:4], BS, KEY)

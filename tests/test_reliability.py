@@ -502,6 +502,30 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream_and_no_token(cluster
     assert_no_leaks()
 
 
+def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_streams(cluster):
+    """`serve deploy` of a config with one decode replica instead of two while 16 streams run. Serve rolls every
+    replica (the config is the app's argument) and removes one decode replica: each replica it stops hands its
+    sequences over (KV pinned and pulled by another replica; a replay where that cannot be), so no stream fails
+    and each text is the undisturbed one. Then the pool grows back."""
+    from cluster.serving import redeploy
+    from tests.conftest import count_in_ray_logs
+    bodies = _bodies(16, 8000, 300, prompt_len=40)
+    undisturbed = load(bodies)
+    pulled_before = count_in_ray_logs("continuing on another by kv_pull")
+    one = cluster.model_copy(update={"decode": cluster.decode.model_copy(update={"num_replicas": 1})})
+    results = load(bodies, during=lambda: redeploy(one, "baton"), when=every_stream_has(5))
+    for r, u in zip(results, undisturbed):
+        assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 300, r
+        assert r["text"] == u["text"]
+    wait_for(lambda: len(replicas("decode")) == 1, 120, "the decode pool to shrink to one replica")
+    # the ingress that counted the moves (baton_request_moves_total) was rolled too: its log lines stay
+    assert count_in_ray_logs("continuing on another by kv_pull") > pulled_before
+    redeploy(cluster, "baton")
+    wait_for(lambda: len(replicas("decode")) == 2, 120, "the decode pool to grow back to two")
+    assert complete(prompt(8100), 4)["usage"]["completion_tokens"] == 4
+    assert_no_leaks()
+
+
 def test_a_serve_controller_restart_fails_no_in_flight_request(cluster):
     import ray
     from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
