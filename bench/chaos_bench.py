@@ -93,12 +93,21 @@ def kill(actor_name: str, namespace: str = "serve") -> None:
     ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
 
 
-def kill_busiest(target: Target, pool: str) -> str:
-    """Kill the pool's replica running the most requests (a kill that hits an idle replica measures nothing)."""
-    running = {r.split("/")[1]: v for r, v in replica_gauges(scrape(target.base), "baton_num_requests_running").items()
-               if r.startswith(pool + "/")}
+def running(target: Target, pool: str) -> dict[str, float]:
+    """Replica id -> requests it runs (its last report: every 0.5 s)."""
+    return {r.split("/")[1]: v for r, v in replica_gauges(scrape(target.base), "baton_num_requests_running").items()
+            if r.startswith(pool + "/")}
+
+
+def kill_busiest(target: Target, pool: str, wait_s: float = 5.0) -> str:
+    """Kill the pool's replica running the most requests (a kill that hits an idle replica measures nothing):
+    waits up to wait_s for one to run any."""
+    deadline = time.monotonic() + wait_s
+    while not any(running(target, pool).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    load = running(target, pool)
     actors = replicas(pool, target.app)
-    victim = max(actors, key=lambda a: running.get(a.rsplit("#", 1)[1], 0.0))
+    victim = max(actors, key=lambda a: load.get(a.rsplit("#", 1)[1], 0.0))
     kill(victim)
     return victim
 
