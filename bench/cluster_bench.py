@@ -38,10 +38,11 @@ BLOCK_BYTES = 737_280           # SmolLM2-135M fp32, block of 16 tokens
 
 @dataclass
 class Req:
-    prompt: list[int]
+    prompt: list[int] | str                          # a chat request's user message is text
     max_tokens: int
     at: float = 0.0                                  # arrival, seconds after the start
     tag: str = ""
+    chat: bool = False                               # /v1/chat/completions instead of /v1/completions
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Result:
     tokens: int = 0
     e2e: float | None = None
     error: str | None = None
+    usage_tokens: int | None = None                  # completion_tokens of the stream's usage chunk
 
 
 # -- workloads --------------------------------------------------------------------------------------
@@ -85,12 +87,16 @@ def poisson(reqs: list[Req], rate: float, rng: np.random.Generator) -> list[Req]
 # -- the client -------------------------------------------------------------------------------------
 async def one(session, base: str, model: str, r: Req, t0: float) -> Result:
     await asyncio.sleep(max(0.0, r.at - (time.perf_counter() - t0)))
-    body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {"model": model, "max_tokens": r.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if r.chat:
+        body["messages"] = [{"role": "user", "content": r.prompt}]
+    else:
+        body["prompt"] = r.prompt
     start = time.perf_counter()
     res, last = Result(r.tag, False), None
     try:
-        async with session.post(f"{base}/v1/completions", json=body) as resp:
+        async with session.post(f"{base}/v1/{'chat/' if r.chat else ''}completions", json=body) as resp:
             if resp.status != 200:
                 return Result(r.tag, False, status=resp.status, error=f"HTTP {resp.status}: {(await resp.text())[:200]}"
                               + (f" Retry-After {resp.headers['Retry-After']}" if "Retry-After" in resp.headers else ""))
@@ -101,8 +107,11 @@ async def one(session, base: str, model: str, r: Req, t0: float) -> Result:
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return Result(r.tag, False, error=str(chunk["error"]))
-                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    return Result(r.tag, False, status=200, ttft=res.ttft, tokens=res.tokens,
+                                  error=str(chunk["error"]))
+                if chunk.get("usage"):
+                    res.usage_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk_text(chunk["choices"][0]):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -115,6 +124,11 @@ async def one(session, base: str, model: str, r: Req, t0: float) -> Result:
     except Exception as e:                              # noqa: BLE001 - a failed request is a data point
         res.error = repr(e)
     return res
+
+
+def chunk_text(choice: dict) -> str:
+    """A stream chunk's text: a completion's `text`, a chat's `delta.content`."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def drive(base: str, model: str, reqs: list[Req]) -> tuple[list[Result], float]:

@@ -23,6 +23,7 @@ import urllib.request
 
 import pytest
 
+from bench.chaos_bench import Mix, Target, kill, replicas, run_chaos, tiny_model as make_tiny_model
 from bench.soak_bench import soak
 from cluster.live_metrics import leak_report, pool_total, replica_gauges, scrape
 from engine import faults
@@ -38,15 +39,8 @@ QUEUE_CAP = 6000
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smol_path):
-    from transformers import AutoTokenizer
-
-    from tests.conftest import make_tiny_checkpoint
-    d = tmp_path_factory.mktemp("tiny-smol")
-    make_tiny_checkpoint(d, "llama", vocab_size=49152, max_position_embeddings=1024, num_hidden_layers=2,
-                         bos_token_id=1, eos_token_id=2)
-    AutoTokenizer.from_pretrained(smol_path).save_pretrained(d)
-    return str(d)
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-smol"))
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +106,6 @@ def state_actor():
 
     from replica.names import STATE_NAMESPACE, state_actor_name
     return ray.get_actor(state_actor_name("baton"), namespace=STATE_NAMESPACE)
-
-
-def replicas(pool: str) -> list[str]:
-    """Serve's running replica actors of a pool (actor names)."""
-    import ray
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith(f"SERVE_REPLICA::baton#{pool}#"))
-
-
-def kill(actor_name: str, namespace: str = "serve") -> None:
-    import ray
-    ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
 
 
 async def stream(session, body: dict, out: dict | None = None) -> dict:
@@ -538,4 +520,33 @@ def test_a_serve_controller_restart_fails_no_in_flight_request(cluster):
     from ray import serve
     wait_for(lambda: serve.status().applications["baton"].status == "RUNNING", 120, "the app to run again")
     assert complete(prompt(7100), 4)["usage"]["completion_tokens"] == 4
+    assert_no_leaks()
+
+
+# -- the chaos benchmark, short (CI version; `baton bench chaos` runs every disruption) -----------------
+def test_a_short_chaos_run_reports_every_phase_and_only_the_decode_kill_fails_streams(cluster, fault_file):
+    before = {p: replicas(p) for p in ("prefill", "decode")}
+    result = run_chaos(Target(BASE, MODEL, fault_file), ["kill_decode", "pull_fail"], phase_s=6.0, rate=2.0,
+                       mix=Mix(chat_tokens=24, long_prompt_tokens=200, long_answer_tokens=8), seed=3)
+    print(json.dumps({k: result[k] for k in ("requests", "failed", "moves", "counters_absent")}))
+    phases = {p["name"]: p for p in result["phases"] if p["name"] != "calm"}
+    assert [p["name"] for p in result["phases"]] == ["calm", "kill_decode", "calm", "pull_fail", "calm"]
+    assert all(p["started"] > 0 and p["end"] > p["start"] for p in result["phases"]), result["phases"]
+    assert result["requests"] == sum(p["started"] for p in result["phases"]) == sum(p["ended"] for p in
+                                                                                 result["phases"])
+    assert phases["kill_decode"]["note"].startswith("killed SERVE_REPLICA::baton#decode#")
+    assert result["calm"]["ttft_ms"]["p99"] > 0 and result["calm"]["itl_ms"]["p50"] > 0
+    assert set(result["moves"]) == {"moves_replay", "moves_kv_pull", "tokens_recomputed_by_replay",
+                                    "tokens_moved_by_kv_pull"}
+    assert result["replica_samples"] and {"t", "phase", "prefill", "decode"} <= set(result["replica_samples"][0])
+    # today a killed decode replica's streams end with an error event (the lead sets this to 0 once replays land);
+    # a failed KV pull falls back to a local prefill, and nothing fails while the cluster is calm
+    assert set(phases["kill_decode"]["failures"]) <= {"error_event"}, phases["kill_decode"]
+    others = [p for p in result["phases"] if p["name"] != "kill_decode"]
+    assert all(p["failures"] in ({}, {"error_event": p["failed"]}) for p in others), others
+    assert sum(p["failed"] for p in others) <= phases["kill_decode"]["failed"] and result["failed"] > 0, \
+        result["phases"]
+    assert phases["pull_fail"]["failed"] == 0, phases["pull_fail"]
+    wait_for(lambda: len(replicas("decode")) == 2 and set(replicas("prefill")) == set(before["prefill"]), 120,
+             "Serve to replace the killed decode replica")
     assert_no_leaks()
