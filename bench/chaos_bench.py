@@ -10,8 +10,9 @@ Schedule (each phase --phase-s, or as long as its action takes; calm between dis
   scale_up (-> 2), calm, roll (a config update that replaces every prefill and decode replica), calm.
 Per phase: requests started (by start time) and failed (by end time: a kill fails the streams under way), p50/p99
 TTFT and ITL of the requests that ended in it against the calm phases', and request moves from the ingress
-/metrics (baton_request_moves_total by `how`, and any token counter of moves: recomputed by replays vs moved by
-KV pulls); a counter the cluster does not export counts as 0 and is listed under `counters_absent`.
+/metrics (baton_request_moves_total by `how`, and baton_request_moved_tokens_total: recomputed by replays vs moved
+by KV pulls); a counter the cluster does not export yet (no move so far) counts as 0 and is listed under
+`counters_absent`. A scale or roll replaces the ingress too, and its counters start again from 0.
 The schedule runs against a running cluster (`run_chaos(Target, ...)`): tests/test_reliability.py runs a short
 one on its module cluster.
 """
@@ -40,7 +41,8 @@ from engine import faults
 log = make_logger("chaos-bench")
 PORT = 8771
 DISRUPTIONS = ("kill_decode", "kill_prefill", "pull_fail", "scale_down", "scale_up", "roll")
-MOVES = "baton_request_moves_total"
+MOVES = "baton_request_moves_total"                  # router/orchestrator.py: by reason and how
+MOVED_TOKENS = "baton_request_moved_tokens_total"    # tokens of moved requests, by how
 
 
 @dataclass
@@ -148,17 +150,15 @@ def act(target: Target, name: str, decode_replicas: int) -> tuple[str, Callable[
 
 
 def move_counters(m: dict[str, float]) -> dict[str, float]:
-    """Moves by `how` (replay | kv_pull), and tokens of moves: recomputed by replays vs moved by KV pulls (any
-    baton_request_move*/*replay*/*migrat* counter with "token" in its name, split by its how label or name)."""
+    """Moves by `how` (replay | kv_pull), and tokens of moves: recomputed by replays vs moved by KV pulls."""
     out = {"moves_replay": 0.0, "moves_kv_pull": 0.0, "tokens_recomputed_by_replay": 0.0,
            "tokens_moved_by_kv_pull": 0.0}
     for k, v in m.items():
-        name = k.split("{", 1)[0]
+        name, pulled = k.split("{", 1)[0], 'how="kv_pull"' in k
         if name == MOVES:
-            out["moves_kv_pull" if 'how="kv_pull"' in k else "moves_replay"] += v
-        elif "token" in name and any(w in name for w in ("baton_request_move", "replay", "migrat", "recomput")):
-            replay = 'how="replay"' in k or "replay" in name or "recomput" in name
-            out["tokens_recomputed_by_replay" if replay else "tokens_moved_by_kv_pull"] += v
+            out["moves_kv_pull" if pulled else "moves_replay"] += v
+        elif name == MOVED_TOKENS:
+            out["tokens_moved_by_kv_pull" if pulled else "tokens_recomputed_by_replay"] += v
     return out
 
 

@@ -27,7 +27,7 @@ def test_the_schedule_puts_calm_between_disruptions_and_scales_down_then_up():
 def test_move_counters_split_replays_from_kv_pulls_and_name_the_absent_ones():
     m = {'baton_request_moves_total{reason="replica_died",how="replay"}': 3.0,
          'baton_request_moves_total{reason="drain",how="kv_pull"}': 2.0,
-         'baton_request_move_tokens_total{how="replay"}': 40.0, 'baton_request_move_tokens_total{how="kv_pull"}': 9.0,
+         'baton_request_moved_tokens_total{how="replay"}': 40.0, 'baton_request_moved_tokens_total{how="kv_pull"}': 9.0,
          'baton_requests_total{status="ok"}': 100.0}
     assert move_counters(m) == {"moves_replay": 3.0, "moves_kv_pull": 2.0, "tokens_recomputed_by_replay": 40.0,
                                 "tokens_moved_by_kv_pull": 9.0}

@@ -524,7 +524,7 @@ def test_a_serve_controller_restart_fails_no_in_flight_request(cluster):
 
 
 # -- the chaos benchmark, short (CI version; `baton bench chaos` runs every disruption) -----------------
-def test_a_short_chaos_run_reports_every_phase_and_only_the_decode_kill_fails_streams(cluster, fault_file):
+def test_a_short_chaos_run_reports_every_phase_and_fails_no_request(cluster, fault_file):
     before = {p: replicas(p) for p in ("prefill", "decode")}
     result = run_chaos(Target(BASE, MODEL, fault_file), ["kill_decode", "pull_fail"], phase_s=6.0, rate=2.0,
                        mix=Mix(chat_tokens=24, long_prompt_tokens=200, long_answer_tokens=8), seed=3)
@@ -539,14 +539,10 @@ def test_a_short_chaos_run_reports_every_phase_and_only_the_decode_kill_fails_st
     assert set(result["moves"]) == {"moves_replay", "moves_kv_pull", "tokens_recomputed_by_replay",
                                     "tokens_moved_by_kv_pull"}
     assert result["replica_samples"] and {"t", "phase", "prefill", "decode"} <= set(result["replica_samples"][0])
-    # today a killed decode replica's streams end with an error event (the lead sets this to 0 once replays land);
-    # a failed KV pull falls back to a local prefill, and nothing fails while the cluster is calm
-    assert set(phases["kill_decode"]["failures"]) <= {"error_event"}, phases["kill_decode"]
-    others = [p for p in result["phases"] if p["name"] != "kill_decode"]
-    assert all(p["failures"] in ({}, {"error_event": p["failed"]}) for p in others), others
-    assert sum(p["failed"] for p in others) <= phases["kill_decode"]["failed"] and result["failed"] > 0, \
-        result["phases"]
-    assert phases["pull_fail"]["failed"] == 0, phases["pull_fail"]
+    # the killed decode replica's streams moved (replayed elsewhere); a failed KV pull falls back to a local
+    # prefill: no phase fails a request
+    assert all(p["failed"] == 0 and p["failures"] == {} for p in result["phases"]), result["phases"]
+    assert result["failed"] == 0
     wait_for(lambda: len(replicas("decode")) == 2 and set(replicas("prefill")) == set(before["prefill"]), 120,
              "Serve to replace the killed decode replica")
     assert_no_leaks()
