@@ -13,6 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # no GPU in CI: Triton kernels 
 import pytest
 import torch
 
+from bench.models import make_tiny_checkpoint  # noqa: F401 - the tests' tiny checkpoints, shared with benches
+
 
 @pytest.fixture(scope="session")
 def smol_path() -> str:
@@ -30,20 +32,6 @@ def hf_smol(smol_path):
 def smol_llm(smol_path):
     from engine import LLM
     return LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048)
-
-
-def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
-    """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type]
-    cfg = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, initializer_range=0.2,
-               tie_word_embeddings=False)
-    cfg.update(overrides)
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cls(**cfg), dtype=torch.float32)
-    model.save_pretrained(tmp_dir)
-    return str(tmp_dir)
 
 
 def ray_log_files() -> list[str]:
