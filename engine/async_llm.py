@@ -24,6 +24,7 @@ class AsyncLLM:
     def __init__(self, model: str | None = None, engine: LLMEngine | None = None, **kwargs: Any):
         self.engine = engine or LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self._lock = threading.Lock()                 # guards the engine: steps vs add/abort
+        self._delivering = threading.Lock()           # outputs reach their streams in the order made
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = False
@@ -76,8 +77,9 @@ class AsyncLLM:
         generate() stream as the last, finished one. Unknown or finished ids are skipped."""
         with self._lock:
             outputs = [out for rid in request_ids if (out := self.engine.migrate_out(rid)) is not None]
-            _deliver([(stream, out) for out in outputs
-                      if (stream := self._streams.pop(out.request_id, None)) is not None])
+            with self._delivering:           # after any step output the engine thread is still handing out
+                _deliver([(stream, out) for out in outputs
+                          if (stream := self._streams.pop(out.request_id, None)) is not None])
         return outputs
 
     def call(self, fn, *args, **kwargs):
@@ -118,7 +120,14 @@ class AsyncLLM:
                 if error is not None:
                     deliveries += [(s, error) for s in self._streams.values()]
                     self._streams.clear()
-                _deliver(deliveries)                 # under the lock: a migrate_out's last output comes after
+                # hand out after releasing the engine lock (a request being added gets its turn), but before a
+                # migrate_out can hand out its last output for the same request: the lock order is _lock, then
+                # _delivering, in both places
+                self._delivering.acquire()
+            try:
+                _deliver(deliveries)
+            finally:
+                self._delivering.release()
             if not busy or (not outputs and self.engine.is_waiting_for_kv()):
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()

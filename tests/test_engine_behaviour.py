@@ -257,8 +257,10 @@ def test_async_engine_survives_a_failing_step(smol_path):
     real_execute, calls = runner.execute, []
 
     def flaky(scheduled):
-        calls.append(len(scheduled))
-        if len(calls) == 3:
+        # once, at the first step that runs both requests (the second may be added a few steps after the
+        # first on a loaded machine: a fixed step number would sometimes fail only one of them)
+        if len(scheduled) == 2 and not calls:
+            calls.append(len(scheduled))
             raise RuntimeError("injected fault")
         return real_execute(scheduled)
 
@@ -274,7 +276,7 @@ def test_async_engine_survives_a_failing_step(smol_path):
     try:
         runner.execute = flaky
         results = asyncio.run(main())
-        assert all(isinstance(r, RuntimeError) and "injected fault" in str(r) for r in results)
+        assert all(isinstance(r, RuntimeError) and "injected fault" in str(r) for r in results), results
         assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0
         after = asyncio.run(collect("Third request"))
         assert after[-1].finished and len(after[-1].token_ids) == 12
