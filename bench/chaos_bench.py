@@ -6,13 +6,16 @@ ignore_eos, so a stream's length is known. Failure = an HTTP error, an error eve
 whose usage says fewer tokens than asked for (or that has no usage chunk).
 Schedule (each phase --phase-s, or as long as its action takes; calm between disruptions):
   calm, kill_decode (ray.kill of the busiest decode replica), calm, kill_prefill (likewise), calm, pull_fail
-  (every KV pull fails, through the fault file: engine/faults.py), calm, scale_down (decode 2 -> 1, a redeploy),
+  (every KV pull fails, through the fault file: engine/faults.py), calm, scale_down (decode 2 -> 1, a redeploy
+  applied in place),
   scale_up (-> 2), calm, roll (a config update that replaces every prefill and decode replica), calm.
 Per phase: requests started (by start time) and failed (by end time: a kill fails the streams under way), p50/p99
 TTFT and ITL of the requests that ended in it against the calm phases', and request moves from the ingress
 /metrics (baton_request_moves_total by `how`, and baton_request_moved_tokens_total: recomputed by replays vs moved
 by KV pulls); a counter the cluster does not export yet (no move so far) counts as 0 and is listed under
-`counters_absent`. A scale or roll replaces the ingress too, and its counters start again from 0.
+`counters_absent`. A resize is applied in place (pool sizes are Serve deployment overrides: cluster/app.py), so
+the ingress keeps its counters; a roll replaces the ingress too, and a phase's moves then count from the new
+replica's 0 (`increase`: a lower bound).
 The schedule runs against a running cluster (`run_chaos(Target, ...)`): tests/test_reliability.py runs a short
 one on its module cluster.
 """
@@ -162,6 +165,13 @@ def move_counters(m: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each counter's increase between two scrapes. One that went down belongs to a new ingress replica (a
+    roll replaced it; resizes do not) and counts from 0, as Prometheus' increase() does: a lower bound, since
+    what the old replica counted after the first scrape went with it."""
+    return {k: after[k] - before.get(k, 0.0) if after[k] >= before.get(k, 0.0) else after[k] for k in after}
+
+
 def counters_absent(m: dict[str, float]) -> list[str]:
     """Which of move_counters' sums no exported counter feeds (each sample set to 1: a present one sums above 0)."""
     present = move_counters({k: 1.0 for k in m})
@@ -190,7 +200,7 @@ def run_phases(target: Target, names: list[str], phase_s: float, t0: float, samp
         box.get("undo", lambda: None)()
         after = move_counters(scrape(target.base))
         p.end, p.note = time.perf_counter() - t0, box.get("note", "action failed")
-        p.moves = {k: after[k] - before[k] for k in after}
+        p.moves = increase(before, after)
         before = after
         phases.append(p)
         progress(f"{name}: {p.start:.0f}-{p.end:.0f} s {p.note}")

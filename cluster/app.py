@@ -84,10 +84,33 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
 def serve_config(config: ClusterConfig, app_name: str = APP_NAME, proxy_location: str = "HeadOnly") -> dict[str, Any]:
     """The Serve config that deploys `config` (ServeDeploySchema): http options, one application built by
     app_builder from the inline cluster config, the coupled autoscaling policy when a pool autoscales.
-    The Helm chart's serveConfigV2 is this with proxy_location EveryNode (a proxy on every pod)."""
+    The Helm chart's serveConfigV2 is this with proxy_location EveryNode (a proxy on every pod).
+
+    A fixed pool's size rides outside the app's args, as a Serve deployment override: Serve rebuilds the app
+    and rolls every replica when the args change (they are the app's code version), but applies a changed
+    override in place. So resizing a pool (`serve deploy`, a RayService edit) starts or stops only the replicas
+    the new size needs; the others keep their streams, caches and counters. `cluster_config_of` reads it back."""
+    args = config.model_dump(mode="json", exclude_none=True)
+    deployments = []
+    for pool in (PREFILL, DECODE):
+        p = args.get(pool)
+        if p is not None and "autoscaling" not in p:        # an autoscaled pool's size is its policy's to set
+            deployments.append({"name": pool, "num_replicas": p.pop("num_replicas", 1)})
     app: dict[str, Any] = {"name": app_name, "route_prefix": "/", "import_path": "cluster.app:app_builder",
-                           "args": {"config": config.model_dump(mode="json", exclude_none=True), "app_name": app_name}}
+                           "args": {"config": args, "app_name": app_name}}
     if any(p is not None and p.autoscaling is not None for p in (config.prefill, config.decode)):
         app["autoscaling_policy"] = {"policy_function": COUPLED_POLICY}
+    if deployments:
+        app["deployments"] = deployments
     return {"proxy_location": proxy_location, "http_options": {"host": config.host, "port": config.port},
             "applications": [app]}
+
+
+def cluster_config_of(app: dict[str, Any]) -> ClusterConfig:
+    """The cluster config one application of a Serve config deploys: its args' config with the pool sizes
+    of its deployment overrides (the inverse of serve_config)."""
+    d = {k: (dict(v) if isinstance(v, dict) else v) for k, v in app["args"]["config"].items()}
+    for dep in app.get("deployments") or []:
+        if dep.get("name") in (PREFILL, DECODE) and "num_replicas" in dep:
+            d[dep["name"]] = {**d.get(dep["name"], {}), "num_replicas": dep["num_replicas"]}
+    return ClusterConfig.from_dict(d, source=f"Serve application {app.get('name')}")

@@ -320,3 +320,30 @@ def test_the_configuration_reference_is_generated_from_the_schema():
     assert text == render(), "stale: run python -m cluster.reference"
     for key in ("target_kv_utilization", "cooldown_s", "ratio_window_s", "graceful_shutdown_timeout_s"):
         assert f"| `{key}` |" in text
+
+
+def test_resizing_a_fixed_pool_keeps_the_apps_code_version_so_serve_updates_in_place():
+    """Serve rolls every replica when an app's code version (import path + args) changes and applies a changed
+    deployment override in place. A pool's size is an override: a resize keeps the version; an engine change
+    does not. serve_config and cluster_config_of round-trip."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import cluster_config_of, serve_config
+
+    def app(cfg: ClusterConfig):
+        (a,) = ServeDeploySchema.model_validate(serve_config(cfg)).applications
+        return a
+    base = ClusterConfig.from_dict({"prefill": {"num_replicas": 2}, "decode": {"num_replicas": 2}})
+    smaller = base.with_overrides(decode_replicas=1, prefill_replicas=3)
+    engine = ClusterConfig.from_dict({"prefill": {"num_replicas": 2},
+                                      "decode": {"num_replicas": 2, "engine": {"max_num_seqs": 7}}})
+    assert get_app_code_version(app(smaller)) == get_app_code_version(app(base))
+    assert get_app_code_version(app(engine)) != get_app_code_version(app(base))
+    assert {d.name: d.num_replicas for d in app(smaller).deployments} == {"prefill": 3, "decode": 1}
+    for cfg in (base, smaller, engine):
+        assert cluster_config_of(serve_config(cfg)["applications"][0]) == cfg
+    colocated = ClusterConfig.from_dict({"mode": "colocated", "decode": {"num_replicas": 3}})
+    assert cluster_config_of(serve_config(colocated)["applications"][0]) == colocated
+    scaled = ClusterConfig.from_dict({"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}}})
+    assert [d["name"] for d in serve_config(scaled)["applications"][0]["deployments"]] == ["prefill"]

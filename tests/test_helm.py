@@ -14,7 +14,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import serve_config
+from cluster.app import cluster_config_of, serve_config
 from cluster.config import ClusterConfig
 from cluster.helm_schema import SCHEMA_PATH, render
 
@@ -96,7 +96,7 @@ def test_each_value_set_renders_a_rayservice_valid_under_kuberays_crd(chart, crd
     serve = yaml.safe_load(svc["spec"]["serveConfigV2"])
     ServeDeploySchema.model_validate(serve)              # Serve's own schema
     (app,) = serve["applications"]
-    cfg = ClusterConfig.from_dict(app["args"]["config"])  # Baton's own schema
+    cfg = cluster_config_of(app)                         # Baton's own schema
     want = serve_config(cfg, proxy_location="EveryNode")
     want["applications"][0]["args"]["config"] = app["args"]["config"]
     assert serve == want                                 # the chart builds what Python builds

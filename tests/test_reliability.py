@@ -485,25 +485,37 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream_and_no_token(cluster
 
 
 def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_streams(cluster):
-    """`serve deploy` of a config with one decode replica instead of two while 16 streams run. Serve rolls every
-    replica (the config is the app's argument) and removes one decode replica: each replica it stops hands its
-    sequences over (KV pinned and pulled by another replica; a replay where that cannot be), so no stream fails
-    and each text is the undisturbed one. Then the pool grows back."""
+    """`serve deploy` of the config with one decode replica instead of two while 16 streams run on both. A pool's
+    size is a Serve deployment override, so the update is applied in place: Serve stops one decode replica and
+    nothing else (no replica rolls). The stopping replica hands its sequences over (KV pinned and pulled by the
+    other; a replay where that cannot be): no stream fails, each text is the undisturbed one, and the ingress
+    counts moves by KV pull. Then the pool grows back, again in place."""
     from cluster.serving import redeploy
-    from tests.conftest import count_in_ray_logs
     bodies = _bodies(16, 8000, 300, prompt_len=40)
     undisturbed = load(bodies)
-    pulled_before = count_in_ray_logs("continuing on another by kv_pull")
-    one = cluster.model_copy(update={"decode": cluster.decode.model_copy(update={"num_replicas": 1})})
-    results = load(bodies, during=lambda: redeploy(one, "baton"), when=every_stream_has(5))
-    for r, u in zip(results, undisturbed):
-        assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 300, r
-        assert r["text"] == u["text"]
-    wait_for(lambda: len(replicas("decode")) == 1, 120, "the decode pool to shrink to one replica")
-    # the ingress that counted the moves (baton_request_moves_total) was rolled too: its log lines stay
-    assert count_in_ray_logs("continuing on another by kv_pull") > pulled_before
-    redeploy(cluster, "baton")
-    wait_for(lambda: len(replicas("decode")) == 2, 120, "the decode pool to grow back to two")
+    before = {pool: replicas(pool) for pool in ("ingress", "prefill", "decode")}
+    assert len(before["decode"]) == 2
+    m0 = scrape(BASE)
+
+    def shrink() -> None:              # once both decode replicas run streams, whichever Serve stops has some
+        wait_for(lambda: sum(v > 0 for r, v in replica_gauges(scrape(BASE), "baton_num_requests_running").items()
+                             if r.startswith("decode/")) == 2, 10, "both decode replicas to run streams", 0.2)
+        redeploy(cluster.with_overrides(decode_replicas=1), "baton")
+    try:
+        results = load(bodies, during=shrink, when=every_stream_has(5))
+        for r, u in zip(results, undisturbed):
+            assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 300, r
+            assert r["text"] == u["text"]
+        wait_for(lambda: len(replicas("decode")) == 1, 120, "the decode pool to shrink to one replica")
+        assert set(replicas("decode")) < set(before["decode"])          # one stopped, the other untouched
+        assert replicas("ingress") == before["ingress"] and replicas("prefill") == before["prefill"]
+        pulled = counter(scrape(BASE), "baton_request_moves_total", reason="drain", how="kv_pull") - \
+            counter(m0, "baton_request_moves_total", reason="drain", how="kv_pull")
+        assert pulled >= 1
+    finally:                           # the module's later tests expect two decode replicas
+        redeploy(cluster, "baton")
+        wait_for(lambda: len(replicas("decode")) == 2, 120, "the decode pool to grow back to two")
+    assert replicas("ingress") == before["ingress"] and replicas("prefill") == before["prefill"]
     assert complete(prompt(8100), 4)["usage"]["completion_tokens"] == 4
     assert_no_leaks()
 

@@ -56,6 +56,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* The Serve config: what cluster.app.serve_config(config, proxy_location="EveryNode") returns. */}}
 {{- define "baton.serveConfig" -}}
 {{- $c := include "baton.clusterConfig" . | fromJson }}
+{{- /* a fixed pool's size goes to a deployment override, so resizing it is an in-place update, not a roll */}}
+{{- $deployments := list }}
+{{- range $pool := include "baton.pools" . | fromJsonArray }}
+{{- $p := get $c $pool }}
+{{- if not (get $p "autoscaling") }}
+{{- $deployments = append $deployments (dict "name" $pool "num_replicas" (get $p "num_replicas" | default 1 | int)) }}
+{{- $_ := unset $p "num_replicas" }}
+{{- end }}
+{{- end }}
 proxy_location: EveryNode
 http_options:
   host: 0.0.0.0
@@ -70,6 +79,9 @@ applications:
     {{- if or (dig "prefill" "autoscaling" nil $c) (dig "decode" "autoscaling" nil $c) }}
     autoscaling_policy:
       policy_function: cluster.autoscaling:CoupledPolicy
+    {{- end }}
+    {{- with $deployments }}
+    deployments: {{ toJson . }}
     {{- end }}
 {{- end }}
 
