@@ -69,9 +69,9 @@ class Phase:
 
 @dataclass
 class Mix:
-    chat_tokens: int = 32
-    long_prompt_tokens: int = 320
-    long_answer_tokens: int = 16
+    chat_tokens: int = 256                      # a chat answer's length: streams long enough to be under way
+    long_prompt_tokens: int = 320               # when a disruption lands (moves are what the bench measures)
+    long_answer_tokens: int = 64
     long_fraction: float = 0.3
 
 
@@ -146,6 +146,10 @@ def act(target: Target, name: str, decode_replicas: int) -> tuple[str, Callable[
         return "every KV pull fails", lambda: faults.write(target.fault_file, {})
     if name in ("scale_down", "scale_up"):
         n = max(decode_replicas - 1, 1) if name == "scale_down" else decode_replicas
+        if name == "scale_down":        # Serve picks the replica to stop: wait (briefly) until each runs streams
+            deadline = time.monotonic() + 5.0
+            while not all(running(target, "decode").values()) and time.monotonic() < deadline:
+                time.sleep(0.1)
         return redeploy_edit(target, lambda c: c["decode"].update(num_replicas=n)), lambda: None
     if name == "roll":
         return redeploy_edit(target, roll), lambda: None
@@ -247,7 +251,6 @@ def run_chaos(target: Target, disruptions=DISRUPTIONS, phase_s: float = 20.0, ra
     """Load the running cluster `target` through the schedule of `disruptions`; the per-phase report."""
     names, samples = schedule(list(disruptions)), []
     stopped, t0 = threading.Event(), time.perf_counter()
-    m0 = scrape(target.base)
 
     async def main():
         loop = asyncio.create_task(open_loop(target, rate, mix or Mix(), seed, t0, stopped))
@@ -257,7 +260,7 @@ def run_chaos(target: Target, disruptions=DISRUPTIONS, phase_s: float = 20.0, ra
             stopped.set()                       # arrivals stop; the requests under way run to their end
         return phases, await loop
     phases, requests = asyncio.run(main())
-    return report(phases, requests, samples, counters_absent(m0))
+    return report(phases, requests, samples, counters_absent(scrape(target.base)))   # not exported by the end
 
 
 def report(phases: list[Phase], requests: list[tuple[Req, Result, float]], samples: list[dict],
@@ -327,6 +330,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals, requests/s (default 2)")
     p.add_argument("--disruptions", default=",".join(DISRUPTIONS),
                    help=f"comma-separated, in order (default {','.join(DISRUPTIONS)})")
+    p.add_argument("--chat-tokens", type=int, default=Mix.chat_tokens, help="tokens per chat answer")
+    p.add_argument("--long-prompt-tokens", type=int, default=Mix.long_prompt_tokens,
+                   help="prompt tokens of a long-prompt request")
+    p.add_argument("--long-answer-tokens", type=int, default=Mix.long_answer_tokens,
+                   help="tokens per long-prompt answer")
     p.add_argument("--model", default=None, help="model (default: a tiny random Llama with SmolLM2's tokenizer; "
                                                  "e.g. SmolLM2-135M-Instruct's directory)")
     p.add_argument("--prefill-replicas", type=int, default=2)
@@ -368,6 +376,8 @@ def run(args: argparse.Namespace) -> dict:
     from cluster.serving import start, stop
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    mix = Mix(chat_tokens=args.chat_tokens, long_prompt_tokens=args.long_prompt_tokens,
+              long_answer_tokens=args.long_answer_tokens)
     with tempfile.TemporaryDirectory(prefix="baton-chaos-") as tmp:
         model = args.model or tiny_model(os.path.join(tmp, "tiny"))
         fault_file = os.path.join(tmp, "faults.json")
@@ -384,13 +394,13 @@ def run(args: argparse.Namespace) -> dict:
                 f"{args.decode_replicas} decode, {cfg.model_name()}")
             target = Target(f"http://127.0.0.1:{PORT}", cfg.model_name(), fault_file, config)
             result = run_chaos(target, [d for d in args.disruptions.split(",") if d], args.phase_s, args.rate,
-                               seed=args.seed)
+                               mix=mix, seed=args.seed)
         finally:
             stop()
             ray.shutdown()
     result = {"benchmark": "chaos", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "model": args.model or "tiny random Llama (SmolLM2 tokenizer)",
-              "rate_rps": args.rate, "phase_s": args.phase_s, **result,
+              "rate_rps": args.rate, "phase_s": args.phase_s, "mix": asdict(mix), **result,
               "method_notes": {
                   "failure": "HTTP error, error event in the stream, or fewer completion tokens than max_tokens "
                              "(every request is ignore_eos)",
