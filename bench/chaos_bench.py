@@ -352,7 +352,7 @@ def tiny_model(directory: str) -> str:
 
     from engine.loader import resolve_model
     from bench.models import make_tiny_checkpoint
-    make_tiny_checkpoint(directory, "llama", vocab_size=49152, max_position_embeddings=1024, num_hidden_layers=2,
+    make_tiny_checkpoint(directory, "llama", vocab_size=49152, max_position_embeddings=2048, num_hidden_layers=2,
                          bos_token_id=1, eos_token_id=2)
     AutoTokenizer.from_pretrained(resolve_model(None)).save_pretrained(directory)
     return str(directory)

@@ -33,7 +33,18 @@ from cluster.live_metrics import pool_total, scrape
 log = make_logger("cluster-bench")
 PORT = 8741
 VOCAB = (200, 40000)            # random prompt ids: clear of SmolLM2's special tokens
-BLOCK_BYTES = 737_280           # SmolLM2-135M fp32, block of 16 tokens
+BLOCK = 16                      # tokens per KV block (the engine's default)
+
+
+def block_bytes(model: str | None = None) -> int:
+    """fp32 K and V bytes of one block of `model` (a directory; None: the default, SmolLM2-135M: 737,280)."""
+    from transformers import AutoConfig
+
+    from engine.loader import resolve_model
+    c = AutoConfig.from_pretrained(resolve_model(model))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * BLOCK * 4
 
 
 @dataclass
@@ -156,10 +167,10 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: floa
 
 # -- one cluster at a time ----------------------------------------------------------------------------
 def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64,
-                 decode_kv_bytes: int | None = None, admission: dict | None = None) -> Any:
+                 decode_kv_bytes: int | None = None, admission: dict | None = None, model: str | None = None) -> Any:
     from cluster.config import ClusterConfig
     engine = {"kv_cache_memory": kv_bytes, "max_model_len": 2048}
-    d: dict[str, Any] = {"port": PORT, "mode": mode, "ingress": {"num_cpus": 0},
+    d: dict[str, Any] = {"port": PORT, **({"model": model} if model else {}), "mode": mode, "ingress": {"num_cpus": 0},
                          "decode": {"num_replicas": decode, "num_cpus": 0,
                                     "engine": {**engine, "kv_cache_memory": decode_kv_bytes or kv_bytes}},
                          "router": {"policy": policy}, "disaggregation": {"min_remote_prefill_tokens": min_remote},
@@ -191,13 +202,14 @@ def with_cluster(cfgs, fn):
 
 
 def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
-                 slo: tuple[float, float]) -> dict[str, dict]:
+                 slo: tuple[float, float], model: str | None = None) -> dict[str, dict]:
     """The same tenants' workload under each prefill routing policy, on one Serve start: each policy after the
-    first redeploys the app in place (Serve replaces the prefill replicas, so every policy starts cold)."""
+    first redeploys the app (Serve replaces the prefill replicas, so every policy starts cold). Each prefill
+    replica's KV holds 2.5 tenants' prefixes, whatever the model (`model`: default SmolLM2-135M)."""
     rng = np.random.default_rng(1)
     warm, reqs = tenants(n, prefix_tokens, rng)
     poisson(reqs, rate, rng)
-    kv = int(2.5 * prefix_tokens / 16 * BLOCK_BYTES)
+    kv = int(2.5 * prefix_tokens / BLOCK * block_bytes(model))
 
     def work(base, model):
         for w in warm:                                          # one request per tenant, one at a time
@@ -215,7 +227,8 @@ def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
                 "prefill_query_tokens": q, "prefill_hit_tokens": h}
     # every prompt goes through the prefill pool (the decode replica would otherwise prefill a tenant's
     # prompt itself once it caches the prefix: conditional disaggregation, but not what is measured here)
-    cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20) for p in policies]
+    cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20, model=model)
+            for p in policies]
     return dict(zip(policies, with_cluster(cfgs, work)))
 
 

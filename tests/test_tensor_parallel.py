@@ -89,6 +89,7 @@ def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
     assert ev1 and ev1 == ev2
 
 
+@pytest.mark.slow                # the real model at TP 1 and 2 (the tiny shapes above run in the fast tier)
 def test_smollm2_tp2_equals_tp1(smol_path):
     """SmolLM2's 3 KV heads split unevenly (rank 0: 1, rank 1: 2), 9 query heads 3 and 6."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -196,7 +197,7 @@ def test_an_idle_worker_outwaits_the_collective_timeout():
 
     from engine.input_batch import StepShape
     from engine.parallel import join_group, new_rendezvous
-    rdv, store = new_rendezvous(2, timeout_s=4.0)
+    rdv, store = new_rendezvous(2, timeout_s=2.0)
     groups = {}
     cpu = torch.device("cpu")
     threads = [threading.Thread(target=lambda r=r: groups.update({r: join_group(rdv, r, cpu, None if r else store)}))
@@ -208,7 +209,7 @@ def test_an_idle_worker_outwaits_the_collective_timeout():
     got = []
     worker = threading.Thread(target=lambda: got.append(groups[1].recv_step()))
     worker.start()
-    time.sleep(5.0)                                       # idle for longer than the collective timeout
+    time.sleep(2.5)                                       # idle for longer than the collective timeout
     shape = StepShape(np.array([0, 3]), np.array([3, 1]), np.array([1, 1]))
     groups[0].send_step(shape, np.arange(4), np.array([[5, 6], [7, 8]], np.int32), 2)
     worker.join(timeout=10)
@@ -241,6 +242,7 @@ def test_dead_worker_fails_the_next_step_fast_and_shutdown_leaves_no_process(tmp
     eng.shutdown()
 
 
+@pytest.mark.slow                # two TP engines' worker processes in a child process
 def test_no_worker_outlives_the_engine(tmp_path):
     """Shutdown stops an engine's workers; if the engine's process is killed instead, they exit on their own."""
     path = make_tiny_checkpoint(tmp_path, "llama")
