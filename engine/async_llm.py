@@ -39,6 +39,8 @@ class AsyncLLM:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def add() -> str:
+            if params is not None and params.structured is not None:
+                self.engine.grammars().compile(params.structured)     # cached for add_request; no lock held
             with self._lock:
                 if self._closed:
                     raise RuntimeError("engine is shut down")

@@ -9,6 +9,7 @@ add_request(resume=...) continues one started elsewhere from its next token.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from typing import Callable
@@ -72,6 +73,8 @@ class LLMEngine:
             from engine.spec.decoder import SpecDecoder
             self.spec = SpecDecoder(self)
         self.eos_ids = self._eos_ids()
+        self._grammars = None                       # engine.structured.GrammarCompiler, made on first use
+        self._grammars_lock = threading.Lock()
         self.requests: dict[str, Sequence] = {}
         self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
@@ -99,7 +102,23 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP 1)."""
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()
+
+    def grammars(self):
+        """The structured-output compiler for this model's tokenizer (thread-safe: callers compile a request's
+        grammar before taking the engine's lock, so the step loop never waits for a compile)."""
+        with self._grammars_lock:
+            if self._grammars is not None:
+                return self._grammars
+            if self.tokenizer is None:
+                raise InvalidRequestError("structured output needs the model's tokenizer")
+            from engine.structured import GrammarCompiler
+            self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, sorted(self.eos_ids),
+                                             max_bytes=self.config.max_grammar_bytes,
+                                             timeout_s=self.config.grammar_compile_timeout_s)
+        return self._grammars
 
     # -- requests ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -131,6 +150,8 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        if params.structured is not None:
+            seq.guide = self.grammars().matcher(params.structured)
         if resume is not None:
             self._replay(seq, resume)
         hashes = remote.block_hashes if remote is not None else block_hashes
@@ -152,8 +173,10 @@ class LLMEngine:
         if min(toks) < 0 or max(toks) >= self.hf_config.vocab_size:
             raise InvalidRequestError(f"resumed token ids must be in [0, {self.hf_config.vocab_size})")
         for token in toks:
+            if seq.guide is not None and not seq.guide.accept(token):
+                raise InvalidRequestError(f"resumed token {token} breaks the request's structured output grammar")
             seq.token_ids.append(token)
-            self._check_stop(seq, token)
+            self._check_stop(seq, token, guided=True)
             if seq.finish_reason is not None:
                 raise InvalidRequestError(f"the {len(toks)} resumed output tokens already end the request "
                                           f"({seq.finish_reason}): nothing is left to generate")
@@ -297,15 +320,24 @@ class LLMEngine:
             self.spec.release(seq)
         self.runner.release(seq.request_id)
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, guided: bool = False) -> None:
+        """`token` was just appended: feed it to the detokenizer and the grammar (unless `guided`: the caller
+        did) and finish the sequence where it ends it."""
         p = seq.params
         stop_str = seq.detok.add(token) if seq.detok is not None else None
-        if token in p.stop_token_ids:
+        if seq.guide is not None and not guided and not seq.guide.accept(token):
+            # sampling is masked, so only a token from elsewhere (a prefill replica without the grammar) can
+            # land here: end the request rather than stream output its grammar forbids
+            log.warning("request %s: token %d breaks its grammar; ending it", seq.request_id, token)
+            seq.finish_reason, seq.stop_reason = "abort", None
+        elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif token in self.eos_ids and not p.ignore_eos:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif seq.guide is not None and seq.guide.terminated:      # the grammar is complete (its end token came)
+            seq.finish_reason, seq.stop_reason = "stop", None
         elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 

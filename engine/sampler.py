@@ -331,7 +331,11 @@ class Sampler:
         raw = logits.float()
         params = [s.params for s in seqs]
         u = None if all(p.greedy for p in params) else row_uniforms(seqs, None, SAMPLE, raw.device)
-        tokens = sample(penalize(raw, seqs), params, u)
+        logits = penalize(raw, seqs)
+        if any(s.guide is not None for s in seqs):
+            from engine.structured import mask_logits
+            logits = mask_logits(logits, [s.guide for s in seqs])
+        tokens = sample(logits, params, u)
         lps = LogprobRows.of(params)
         host = to_host(tokens, *lps.on_device(raw, tokens))
         token_list = host[0].astype(np.int64).tolist()

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None       # top-n logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None    # a grammar the output must follow (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +33,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured, dict):
+            self.structured = StructuredOutput(**self.structured)
         self.validate()
 
     def validate(self) -> None:
@@ -63,6 +67,10 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative integers")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
             bad(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                bad("structured must be a StructuredOutput")
+            self.structured.validate()
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,7 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     sampling_seed: int = 0                # uint64 key of its random streams (engine.philox), set at add_request
     detok: object = None                  # engine.detokenizer.Detokenizer
+    guide: object = None                  # engine.structured.Guide: its grammar state (structured output)
     num_streamed: int = 0                 # output tokens already reported in a RequestOutput
     spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step
     spec_probs: torch.Tensor | None = None                    # their draft distributions q [k, V] (None: one-hot)

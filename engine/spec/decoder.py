@@ -103,6 +103,8 @@ class SpecDecoder:
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1 or seq.prefill_only:
                 continue                                     # still in prefill
             room = min(self.max_k, e.max_model_len - seq.num_tokens - 1)
+            if seq.guide is not None:       # structured output: no drafts (verification does not mask yet)
+                room = 0
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             cands.append(seq)

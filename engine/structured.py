@@ -1,0 +1,178 @@
+"""Structured output: a grammar constrains which tokens a request may sample. A JSON schema, any JSON
+object, a regex, a choice among strings or an EBNF grammar (vLLM's `structured_outputs` kinds) is compiled
+once per distinct spec with xgrammar (what vLLM and SGLang use: docs/architecture.md says why) into a
+token-level automaton; each sequence holds a matcher over it, fed every token the sequence gets (sampled,
+imported from a prefill replica, or replayed after a move), so its state is rebuilt from tokens, never shipped.
+Before each sampling step the engine fills a bitmask row per constrained sequence and the sampler sets the
+logits of every token the grammar forbids to -inf.
+
+Compilation is bounded: a spec over `max_bytes` is refused, and one whose compilation outlasts `timeout_s`
+is refused while the compile finishes in the background (a pathological schema cannot stall a replica).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutput:
+    """One of: json (a JSON schema, as a mapping or its text), json_object (any JSON object), regex,
+    choice (the output is one of these strings), grammar (EBNF, xgrammar's GBNF dialect)."""
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError(f"structured output takes exactly one of {', '.join(_KINDS)}; got "
+                                      f"{', '.join(set_) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError("a JSON schema must be an object (or its text)")
+        if self.json_object is not False and self.json_object is not True:
+            raise InvalidRequestError("json_object must be true or false")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidRequestError(f"{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    def source(self) -> str:
+        """The spec as text: what is compiled, size-checked and hashed."""
+        if self.json is not None:
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)   # property order matters
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.regex or self.grammar or ""
+
+    def key(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.source()}".encode()).hexdigest()
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer, each distinct spec once (an LRU of `capacity` compiled grammars keyed
+    by the spec's hash). Thread-safe: the engine's callers compile before a request enters the step loop."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_bytes: int = 64 << 10,
+                 timeout_s: float = 10.0, capacity: int = 256):
+        import xgrammar as xgr
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.vocab_size, self.max_bytes, self.timeout_s, self.capacity = vocab_size, max_bytes, timeout_s, capacity
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.num_compiled = 0
+
+    def compile(self, spec: StructuredOutput):
+        """The spec's compiled grammar; InvalidRequestError if it is too large, malformed or too slow."""
+        src = spec.source()
+        if len(src.encode()) > self.max_bytes:
+            raise InvalidRequestError(f"the {spec.kind} spec is {len(src.encode())} bytes, over the limit of "
+                                      f"{self.max_bytes}")
+        key = spec.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pending[key] = self._pool.submit(self._compile, spec)
+        try:
+            compiled = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(f"the {spec.kind} spec did not compile within {self.timeout_s:g} s") from None
+        except InvalidRequestError:
+            with self._lock:
+                self._pending.pop(key, None)
+            raise
+        with self._lock:
+            self._pending.pop(key, None)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self.num_compiled += 1
+                while len(self._cache) > self.capacity:
+                    self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput):
+        c = self._compiler
+        try:
+            if spec.json is not None:
+                return c.compile_json_schema(spec.source(), any_whitespace=False)
+            if spec.json_object:
+                return c.compile_builtin_json_grammar()
+            if spec.regex is not None:
+                return c.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            return c.compile_grammar(spec.grammar)
+        except Exception as e:                       # xgrammar reports bad input as RuntimeError/ValueError
+            msg = str(e).strip().splitlines()
+            detail = next((line for line in msg if "error" in line.lower() or "failed" in line.lower()),
+                          msg[0] if msg else type(e).__name__)
+            raise InvalidRequestError(f"invalid {spec.kind} for structured output: {detail[:300]}") from None
+
+    def matcher(self, spec: StructuredOutput) -> "Guide":
+        return Guide(self._xgr.GrammarMatcher(self.compile(spec)))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Guide:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        """Advance over `token`; False (state unchanged) if the grammar forbids it."""
+        return bool(self._m.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self._m.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+
+def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tensor:
+    """logits [R, V] with, in each row that has a guide, every token its grammar forbids at -inf (in place
+    on a float copy's rows; rows without a guide are untouched)."""
+    import xgrammar as xgr
+    rows = [i for i, g in enumerate(guides) if g is not None]
+    if not rows:
+        return logits
+    bitmask = xgr.allocate_token_bitmask(len(guides), logits.shape[-1])
+    for i in rows:
+        guides[i].fill(bitmask, i)
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=rows)
+    return out

@@ -1,0 +1,123 @@
+"""Structured output in the engine (engine/structured.py): SmolLM2 under a grammar. Every JSON-schema output
+parses and validates against its schema, greedy and sampled, batched with unconstrained requests; regex,
+choice and EBNF outputs match; a request resumed elsewhere rebuilds its grammar state from its tokens and
+continues exactly; n-gram speculation leaves constrained requests' output unchanged; bad specs are refused."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import LLM, InvalidRequestError, LLMEngine, Resume, SamplingParams
+from engine.structured import StructuredOutput
+
+# SmolLM2 runs every test but the last: the slow tier (CI runs it; `make test-fast` keeps under 3 minutes)
+slow = pytest.mark.slow
+
+SCHEMAS = {
+    "profile": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["runner", "coach", "fan"]},
+        "splits": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+                   "maxItems": 4},
+        "team": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                 "required": ["city"]}},
+        "required": ["name", "age", "role", "splits", "team"]},
+    "list": {"type": "array", "items": {"type": "object", "properties": {
+        "leg": {"type": "integer", "minimum": 1, "maximum": 4}, "done": {"type": "boolean"}},
+        "required": ["leg", "done"]}, "minItems": 2, "maxItems": 3},
+}
+PROMPTS = ["Describe a relay runner as JSON.", "Give me the legs of a 4x100 relay as JSON."]
+
+
+def structured(spec: StructuredOutput, temperature: float = 0.0, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=11, max_tokens=160, structured=spec, **kw)
+
+
+@slow
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_json_schema_outputs_parse_and_validate_batched_with_free_requests(smol_llm, temperature):
+    free = SamplingParams(temperature=temperature, seed=5, max_tokens=24)
+    cases = [(p, name) for p in PROMPTS for name in SCHEMAS]
+    outs = smol_llm.generate([p for p, _ in cases] + PROMPTS,
+                             [structured(StructuredOutput(json=SCHEMAS[n]), temperature) for _, n in cases]
+                             + [free] * len(PROMPTS))
+    for (_, name), out in zip(cases, outs):
+        assert out.finish_reason == "stop", (name, out.text)
+        jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+    alone = smol_llm.generate(PROMPTS, free)                     # the free rows are not masked
+    assert [o.token_ids for o in outs[len(cases):]] == [o.token_ids for o in alone]
+
+
+@slow
+def test_json_object_regex_choice_and_grammar_outputs_match(smol_llm):
+    specs = [StructuredOutput(json_object=True), StructuredOutput(regex=r"[0-9]{3}-[0-9]{4}"),
+             StructuredOutput(choice=["yes", "no", "maybe"]), StructuredOutput(grammar='root ::= ("a" | "b"){3,6} "!"')]
+    outs = smol_llm.generate(["Reply with a JSON object about relays."] + ["Answer:"] * 3,
+                             [structured(s, 0.8) for s in specs])
+    obj, phone, choice, gram = (o.text for o in outs)
+    assert outs[1].finish_reason == outs[2].finish_reason == outs[3].finish_reason == "stop"
+    if outs[0].finish_reason == "stop":                         # any JSON object may run past max_tokens
+        assert isinstance(json.loads(obj), dict)
+    else:
+        assert obj.lstrip().startswith("{")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone), phone
+    assert choice in ("yes", "no", "maybe")
+    assert re.fullmatch(r"[ab]{3,6}!", gram), gram
+
+
+@slow
+def test_a_resumed_request_rebuilds_its_grammar_state_and_continues_exactly(smol_llm):
+    engine: LLMEngine = smol_llm.engine
+    params = structured(StructuredOutput(json=SCHEMAS["profile"]))
+    whole = smol_llm.generate([PROMPTS[0]], params)[0]
+    cut = len(whole.token_ids) // 2
+    rid = engine.add_request(PROMPTS[0], params, "resumed", resume=Resume(whole.token_ids[:cut], 0))
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                tokens = out.token_ids
+    assert tokens == whole.token_ids
+    with pytest.raises(InvalidRequestError, match="grammar"):   # outputs its grammar forbids are refused
+        engine.add_request(PROMPTS[0], params, "bad", resume=Resume(engine.tokenize("hello")[-1:], 0))
+    assert "bad" not in engine.requests
+
+
+@slow
+def test_ngram_speculation_leaves_constrained_output_unchanged(smol_llm):
+    spec = LLM(None, kv_cache_memory=256 << 20, max_model_len=2048,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    params = [structured(StructuredOutput(json=SCHEMAS[n])) for n in SCHEMAS]
+    want = smol_llm.generate(PROMPTS, params)
+    got = spec.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for o, name in zip(got, SCHEMAS):
+        jsonschema.validate(json.loads(o.text), SCHEMAS[name])
+
+
+@slow
+@pytest.mark.parametrize("spec, match", [
+    (dict(json='{"type": "object"'), "invalid json"),
+    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/missing"}}}), "invalid json"),
+    (dict(regex="(unclosed"), "invalid regex"),
+    (dict(grammar="root ::= undefined_rule"), "invalid grammar"),
+    (dict(json={"type": "string", "enum": ["x" * 70000]}), "over the limit"),
+], ids=["truncated-schema", "dangling-ref", "bad-regex", "bad-grammar", "too-large"])
+def test_bad_specs_are_refused_and_the_engine_keeps_serving(smol_llm, spec, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        smol_llm.generate(["x"], structured(StructuredOutput(**spec)))
+    assert not smol_llm.engine.has_unfinished_requests()
+    assert smol_llm.engine.pool.num_used_blocks == 0
+    out = smol_llm.generate(["Answer:"], structured(StructuredOutput(choice=["yes", "no"])))[0]
+    assert out.text in ("yes", "no")
+
+
+@pytest.mark.parametrize("kw", [{}, dict(regex="a", choice=["a"]), dict(choice=[]), dict(regex=""),
+                                dict(json=3)], ids=["none", "two", "empty-choice", "empty-regex", "bad-json-type"])
+def test_a_spec_must_name_exactly_one_well_formed_kind(kw):
+    with pytest.raises(InvalidRequestError):
+        StructuredOutput(**kw)
