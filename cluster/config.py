@@ -179,7 +179,9 @@ class PoolConfig(_Schema):
 
     def engine_config(self, cluster: ClusterConfig) -> EngineConfig:
         """The EngineConfig of this pool's replicas: the cluster's model/dtype/device + its knobs."""
-        kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs()}
+        kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs(),
+              "max_grammar_bytes": cluster.limits.max_grammar_bytes,           # one limit for ingress and pools
+              "grammar_compile_timeout_s": cluster.limits.grammar_compile_timeout_s}
         if self.num_gpus == 0 and "kv_cache_memory" not in kw and "num_kv_blocks" not in kw:
             kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
         if self.tensor_parallel_size > 1:       # TP workers: Ray actors in the replica's placement group

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
+from engine.structured import GRAMMAR_COMPILE_TIMEOUT_S, MAX_GRAMMAR_BYTES
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -35,8 +36,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks one model is sharded over (KV heads: engine/kv_layout.py)
     distributed_executor_backend: str = "mp"  # TP workers: "mp" (processes) or "ray" (actors): engine/executor.py
     speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
-    max_grammar_bytes: int = 64 << 10         # structured output: the largest schema/regex/grammar accepted
-    grammar_compile_timeout_s: float = 10.0   # structured output: a spec compiling longer is refused
+    max_grammar_bytes: int = MAX_GRAMMAR_BYTES                   # structured output: the largest spec accepted
+    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # structured output: a slower compile is refused
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

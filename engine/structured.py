@@ -6,6 +6,10 @@ imported from a prefill replica, or replayed after a move), so its state is rebu
 Before each sampling step the engine fills a bitmask row per constrained sequence and the sampler sets the
 logits of every token the grammar forbids to -inf.
 
+With speculative decoding, a constrained request's drafts are cut at the first token its grammar refuses,
+and each verify row is masked by the grammar's state after the drafts before it (mask_verify_rows), so the
+output has the distribution of constrained decoding without speculation.
+
 Compilation is bounded: a spec over `max_bytes` is refused, and one whose compilation outlasts `timeout_s`
 is refused while the compile finishes in the background (a pathological schema cannot stall a replica).
 """
@@ -24,6 +28,8 @@ import torch
 from engine.errors import InvalidRequestError
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_BYTES = 64 << 10           # defaults of EngineConfig and of the cluster's limits section
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)
@@ -76,8 +82,8 @@ class GrammarCompiler:
     """Compiles specs for one tokenizer, each distinct spec once (an LRU of `capacity` compiled grammars keyed
     by the spec's hash). Thread-safe: the engine's callers compile before a request enters the step loop."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_bytes: int = 64 << 10,
-                 timeout_s: float = 10.0, capacity: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_bytes: int = MAX_GRAMMAR_BYTES,
+                 timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S, capacity: int = 256):
         import xgrammar as xgr
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
@@ -161,6 +167,45 @@ class Guide:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (drafts) the grammar accepts in a row from here; the state is left as it was."""
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+
+def mask_verify_rows(logits: torch.Tensor, seqs: list, row_seq: list[int], row_offset: list[int]) -> torch.Tensor:
+    """A verify step's target logits [rows, V] masked row by row: the row at draft offset o of a constrained
+    sequence by its grammar's state after the drafts before it, so rejection sampling draws from the masked
+    target distribution, as constrained decoding without speculation does. Grammar states end as they began."""
+    import xgrammar as xgr
+    if all(s.guide is None for s in seqs):
+        return logits
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    filled, walked = [], {}                       # sequence index -> drafts accepted into its grammar so far
+    for r, (i, o) in enumerate(zip(row_seq, row_offset)):
+        guide = seqs[i].guide
+        if guide is None or walked.get(i, 0) != o or (o and guide.terminated):
+            continue                                 # a draft before this row broke or ended the grammar
+        guide.fill(bitmask, r)
+        filled.append(r)
+        drafts = seqs[i].spec_tokens
+        if o < len(drafts) and guide.accept(drafts[o]):
+            walked[i] = o + 1
+    for i, n in walked.items():
+        seqs[i].guide.rollback(n)
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=filled)
+    return out
 
 
 def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tensor:

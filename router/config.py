@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.structured import GRAMMAR_COMPILE_TIMEOUT_S, MAX_GRAMMAR_BYTES
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -52,6 +54,11 @@ class LimitsConfig(_Section):
     max_stop_sequences: int = Field(4, ge=0, le=64, description="Most stop strings per request (OpenAI allows 4; "
                                                                 "each is checked after every token)")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")
+    max_grammar_bytes: int = Field(MAX_GRAMMAR_BYTES, ge=16, description="Largest structured-output spec (JSON "
+                                   "schema, regex, choice list, grammar or forced tool call) in bytes; the ingress "
+                                   "and both pools' engines enforce it")
+    grammar_compile_timeout_s: float = Field(GRAMMAR_COMPILE_TIMEOUT_S, gt=0, description="A structured-output "
+                                             "spec that takes longer to compile is refused (400)")
 
 
 class AdmissionConfig(_Section):

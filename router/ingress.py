@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import prometheus_client
 from ray import serve
 
+from engine.errors import InvalidRequestError
 from engine.llm import chat_token_ids
 from engine.loader import load_tokenizer
 from router import openai_protocol as oa
@@ -99,6 +100,7 @@ class Ingress:
         self._prefill, self._state_name = prefill, state_actor
         self.served_name = None
         self.tokenizer = None
+        self._grammars = None               # engine.structured.GrammarCompiler over the tokenizer, on first use
         self.orchestrator = None
         # asked only once a request is admitted, after _setup made the orchestrator; each replica's share
         self.admission = Admission(admission, lambda: self.orchestrator.kv_capacity_tokens() // num_replicas)
@@ -162,12 +164,15 @@ class Ingress:
             orchestrator = await self._setup()
             req = oa.parse_request(body, chat, self.limits)
             oa.check_model(req.model, [self.served_name])
-            prompts = self._prompts(req, chat)
+            tools = oa.tool_plan(req)
+            prompts = self._prompts(req, chat, tools)
             for ids in prompts:
                 oa.check_prompt_length(len(ids), self.limits)
                 oa.check_token_ids(ids, self.info["vocab_size"])
+            structured = await self._structured(req, tools)
             hashes = [orchestrator.hashes(ids) for ids in prompts]
-            jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i))
+            jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i,
+                                                   structured=structured))
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
             ticket = self.admission.admit([len(ids) - orchestrator.cached_tokens(h) for ids, h in zip(prompts, hashes)],
                                           [len(ids) for ids in prompts], req.n)
@@ -175,7 +180,7 @@ class Ingress:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, model = int(time.time()), self.served_name
-        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer)
+        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools)
         if req.stream:
             body = self._stream(orchestrator, jobs, builder, ticket)
             ticket.release_with(body)
@@ -185,9 +190,34 @@ class Ingress:
         finally:                    # choices cancelled before they ran never reach their own `finally`
             ticket.release_all()
 
-    def _prompts(self, req, chat: bool) -> list[list[int]]:
+    async def _structured(self, req, tools):
+        """The request's structured-output spec (response_format, or the grammar of a forced tool call),
+        compiled here first (in a thread, bounded in size and time): a spec the grammar engine refuses is a 400
+        before any pool sees it, and a streamed request never starts (200) only to fail. The replicas compile
+        it again from their own cache."""
+        spec, param = oa.structured_spec(req)
+        forced = tools.structured() if tools is not None else None
+        if forced is not None:
+            if spec is not None:
+                raise oa.OpenAIError(400, f"give {param} or a forced tool_choice, not both", param=param)
+            spec, param = forced, "tools"
+        if spec is None:
+            return None
+        if self._grammars is None:
+            from engine.structured import GrammarCompiler
+            eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            self._grammars = GrammarCompiler(self.tokenizer, self.info["vocab_size"], eos,
+                                             max_bytes=self.limits.max_grammar_bytes,
+                                             timeout_s=self.limits.grammar_compile_timeout_s)
+        try:
+            await asyncio.to_thread(self._grammars.compile, spec)
+        except InvalidRequestError as e:
+            raise oa.OpenAIError(400, f"{param}: {e}", param=param) from e
+        return spec
+
+    def _prompts(self, req, chat: bool, tools=None) -> list[list[int]]:
         if chat:
-            return [chat_token_ids(self.tokenizer, oa.chat_messages(req))]
+            return [chat_token_ids(self.tokenizer, oa.chat_messages(req, tools))]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
 
     async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:

@@ -2,7 +2,9 @@
 SSE chunk builders. No server here (router/ingress.py serves it).
 
 Decisions: unknown request fields are ignored, as OpenAI and vLLM do; features the engine lacks
-(echo, best_of, tools) are refused with a 400 naming the field rather than silently dropped.
+(echo) are refused with a 400 naming the field rather than silently dropped. Structured output comes as
+OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs` (json, regex, choice,
+grammar; its older `guided_*` fields too), one of them per request.
 presence_penalty and frequency_penalty take OpenAI's range [-2, 2]; repetition_penalty (> 0) is vLLM's.
 """
 from __future__ import annotations
@@ -12,13 +14,16 @@ import hmac
 import json
 import os
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutput
 from router.config import LimitsConfig
+from router.tools import ToolError, ToolPlan, plan as _tool_plan, render as _render_tools
 
 if TYPE_CHECKING:
     from replica.messages import TokenDelta
@@ -58,6 +63,12 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     user: str | None = None
+    response_format: dict[str, Any] | None = None          # OpenAI: {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None       # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
+    guided_json: dict[str, Any] | str | None = None        # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -71,8 +82,10 @@ class ContentPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None          # assistant: the calls it made
+    tool_call_id: str | None = None                          # tool: the call this result answers
 
 
 class ChatCompletionRequest(_Request):
@@ -80,6 +93,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Request):
@@ -105,6 +121,18 @@ def parse_request(body: Any, chat: bool, limits: LimitsConfig = LimitsConfig()) 
 def _check(req, chat: bool, limits: LimitsConfig) -> None:
     if chat and not req.messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
+    for i, m in enumerate(req.messages if chat else []):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise OpenAIError(400, f"messages[{i}].content is required", param=f"messages.{i}.content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise OpenAIError(400, f"messages[{i}]: a tool message needs tool_call_id", param=f"messages.{i}.tool_call_id")
+        for j, c in enumerate(m.tool_calls or []):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if m.role != "assistant" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments"), (str, dict)):
+                raise OpenAIError(400, f"messages[{i}].tool_calls[{j}] must be an assistant's "
+                                       f'{{"type": "function", "function": {{"name", "arguments"}}}}',
+                                  param=f"messages.{i}.tool_calls.{j}")
     if not chat and (req.prompt == [] or req.prompt == ""):
         raise OpenAIError(400, "prompt must not be empty", param="prompt")
     if not 1 <= req.n <= limits.max_n:
@@ -118,6 +146,44 @@ def _check(req, chat: bool, limits: LimitsConfig) -> None:
                           param="stop")
     if not chat and req.echo:
         raise OpenAIError(400, "echo is not supported", param="echo")
+
+
+def structured_spec(req) -> tuple[StructuredOutput | None, str | None]:
+    """The request's structured-output spec and the field it came in (None, None: free text)."""
+    legacy = {k[len("guided_"):]: v for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+              if (v := getattr(req, k)) is not None}
+    given = [name for name, v in (("response_format", req.response_format), ("structured_outputs",
+                                                                           req.structured_outputs),
+                                  ("guided_" + next(iter(legacy), ""), legacy)) if v]
+    if len(given) > 1:
+        raise OpenAIError(400, f"give one of {' and '.join(given)}, not both", param=given[1])
+    if not given:
+        return None, None
+    param = given[0]
+    try:
+        if req.response_format:
+            kind = req.response_format.get("type")
+            if kind == "text":
+                return None, None
+            if kind == "json_object":
+                return StructuredOutput(json_object=True), param
+            if kind == "json_schema":
+                js = req.response_format.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise OpenAIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                                      param="response_format.json_schema.schema")
+                return StructuredOutput(json=schema), param
+            raise OpenAIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                              param="response_format.type")
+        spec = req.structured_outputs or legacy
+        unknown = sorted(set(spec) - {"json", "json_object", "regex", "choice", "grammar"})
+        if unknown:
+            raise OpenAIError(400, f"{param}: unknown key(s) {', '.join(unknown)}; one of json, json_object, "
+                                   f"regex, choice, grammar", param=param)
+        return StructuredOutput(**spec), param
+    except InvalidRequestError as e:
+        raise OpenAIError(400, f"{param}: {e}", param=param) from e
 
 
 def check_prompt_length(num_tokens: int, limits: LimitsConfig) -> None:
@@ -166,11 +232,22 @@ def check_model(requested: str, served: list[str]) -> None:
                           "model", "model_not_found")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def tool_plan(req) -> ToolPlan | None:
+    """A chat request's tools and tool_choice, checked (router/tools.py); None when it calls no tools."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    try:
+        return _tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolError as e:
+        raise OpenAIError(400, str(e), param=e.param) from e
+
+
+def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[dict[str, str]]:
+    """The conversation as plain role/content turns (tools, tool calls and results written in, router/tools.py)."""
     def text(c) -> str:
-        return c if isinstance(c, str) else "".join(p.text for p in c)
-    return [{"role": "system" if m.role == "developer" else m.role, "content": text(m.content)}
-            for m in req.messages]
+        return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+    return _render_tools([{"role": "system" if m.role == "developer" else m.role, "content": text(m.content),
+                           "tool_calls": m.tool_calls} for m in req.messages], tools)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -182,8 +259,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0) -> SamplingParams:
-    """The engine's parameters for choice `index` (seeded choices get seed + index), with OpenAI's checks."""
+def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
+                       structured: StructuredOutput | None = None) -> SamplingParams:
+    """The engine's parameters for choice `index` (seeded choices get seed + index), with OpenAI's checks;
+    `structured`: the request's checked spec (structured_spec, compiled once by the ingress)."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -208,7 +287,7 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0)
                               repetition_penalty=req.repetition_penalty,
                               seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens or room,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
-                              ignore_eos=req.ignore_eos, logprobs=logprobs)
+                              ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured)
     except InvalidRequestError as e:
         param = str(e).split(" ", 1)[0]
         raise OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e
@@ -227,8 +306,11 @@ def models_body(names: list[str], max_model_len: int) -> dict:
 class ResponseBuilder:
     """Collects one request's choices from the orchestrator's token deltas; emits OpenAI bodies or chunks."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer):
+    def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer, tools: ToolPlan | None = None):
         self.id, self.created, self.model, self.chat, self.req, self.tok = rid, created, model, chat, req, tokenizer
+        self.tools = tools if chat else None     # tool calls are parsed out of each choice's text
+        self.streamed: dict[int, int] = {}       # tools, streaming: characters of content sent per choice
+        self.held: dict[int, list] = {}          # tools, streaming: logprob items not sent yet
         self.text: dict[int, list[str]] = {}
         self.lps: dict[int, list] = {}
         self.finish: dict[int, str] = {}
@@ -293,8 +375,14 @@ class ResponseBuilder:
             text = "".join(self.text[i])
             lp = self._lp_body(self.lps.get(i, []))
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": self.finish.get(i, "stop")})
+                message, finish = {"role": "assistant", "content": text}, self.finish.get(i, "stop")
+                if self.tools is not None:
+                    content, calls = self.tools.parse(text)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [c.as_dict() for c in calls]}
+                        finish = "tool_calls" if finish != "length" else finish
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish.get(i, "stop")})
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
@@ -319,6 +407,8 @@ class ResponseBuilder:
 
     def chunks(self, i: int, d: TokenDelta) -> list[dict]:
         items = self.add(i, d)
+        if self.tools is not None:
+            return self._tool_chunks(i, d, items)
         lp = self._lp_body(items)
         finish = self.finish.get(i) if d.finished else None
         if not d.text and finish is None and not items:
@@ -329,6 +419,49 @@ class ResponseBuilder:
         else:
             choice = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish}
         return [self._chunk([choice])]
+
+    def _tool_chunks(self, i: int, d: TokenDelta, items: list) -> list[dict]:
+        """A chat choice under tools: a named call streams its arguments as they come; under auto, content
+        streams up to what may open a tool call; the calls themselves go out once the choice ends, as
+        OpenAI's deltas (id, type and name, then the arguments)."""
+        t, text = self.tools, "".join(self.text[i])
+        self.held.setdefault(i, []).extend(items)
+        finish = self.finish.get(i) if d.finished else None
+        out = []
+
+        def chunk(delta: dict, reason: str | None = None) -> dict:
+            lp, self.held[i] = self._lp_body(self.held[i]), []
+            return self._chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}])
+        if t.mode == "named":
+            if i not in self.streamed:
+                self.streamed[i] = 0
+                call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                        "function": {"name": t.name, "arguments": ""}}
+                out.append(chunk({"tool_calls": [call]}))
+            if d.text:
+                out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}))
+            if finish is not None:
+                out.append(chunk({}, "tool_calls" if finish != "length" else finish))
+            return out
+        sent = self.streamed.get(i, 0)
+        if t.mode == "auto" and finish is None:
+            upto = t.holdback(text)
+            if upto > sent:
+                out.append(chunk({"content": text[sent:upto]}))
+                self.streamed[i] = upto
+            return out
+        if finish is None:
+            return out
+        content, calls = t.parse(text)
+        if not calls:                                   # no call after all: the rest of the text is content
+            if len(text) > sent:
+                out.append(chunk({"content": text[sent:]}))
+            return out + [chunk({}, finish)]
+        for j, c in enumerate(calls):
+            out.append(chunk({"tool_calls": [{"index": j, "id": c.id, "type": "function",
+                                              "function": {"name": c.name, "arguments": ""}}]}))
+            out.append(chunk({"tool_calls": [{"index": j, "function": {"arguments": c.arguments}}]}))
+        return out + [chunk({}, "tool_calls" if finish != "length" else finish)]
 
     def usage_chunk(self) -> dict | None:
         return self._chunk([], self.usage()) if self.req.include_usage else None

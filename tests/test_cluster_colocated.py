@@ -44,3 +44,10 @@ def test_colocated_serves_greedy_n_and_logprobs(client, smol_path):
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
     assert 'baton_kv_blocks_free{pool="decode"' in text and 'pool="prefill"' not in text
+
+
+def test_colocated_structured_outputs_and_tool_calls_validate_and_bad_specs_get_400(client):
+    from tests.structured_checks import check_bad_specs_get_400, check_structured_outputs, check_tool_calls
+    check_structured_outputs(client, MODEL, quick=True)      # the whole set runs disaggregated (test_cluster_e2e)
+    check_bad_specs_get_400(client, MODEL)
+    check_tool_calls(client, MODEL, quick=True)

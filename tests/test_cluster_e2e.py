@@ -198,3 +198,16 @@ def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offl
     assert mid["remote"] == before["remote"] + 1 and mid["local"] == before["local"]
     assert after["local"] == mid["local"] + 1 and after["remote"] == mid["remote"]
     assert second.choices[0].text == first.choices[0].text
+
+
+def test_structured_outputs_and_tool_calls_hold_across_the_prefill_decode_hand_off(client):
+    """The prefill replica samples the first token under the grammar; the decode replica rebuilds the grammar
+    state from the tokens it receives (tests/structured_checks.py)."""
+    from tests.structured_checks import check_bad_specs_get_400, check_structured_outputs, check_tool_calls
+    before = _metrics()
+    check_structured_outputs(client, MODEL)
+    check_bad_specs_get_400(client, MODEL)
+    check_tool_calls(client, MODEL)
+    after = _metrics()        # constrained prompts went through the prefill pool and its KV hand-off
+    remote = 'baton_disaggregation_decisions_total{path="remote"}'
+    assert after.get(remote, 0.0) > before.get(remote, 0.0)

@@ -126,3 +126,42 @@ def test_out_of_range_seeds_are_refused_before_they_reach_an_engine():
             SamplingParams(seed=seed)
     assert parse_request({**body, "seed": 2**63 - 1}, chat=True).seed == 2**63 - 1
     SamplingParams(seed=2**63 + 7)            # seed + choice index stays inside torch's range
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, ("json_object", True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     ("json", SCHEMA)),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, ("regex", "[0-9]+")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, ("choice", ["a", "b"])),
+    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, ("grammar", 'root ::= "x"')),
+    ({"guided_json": SCHEMA}, ("json", SCHEMA)),
+    ({"guided_choice": ["y", "n"]}, ("choice", ["y", "n"])),
+])
+def test_response_format_and_vllms_structured_outputs_become_one_spec(extra, want):
+    spec, _ = oa.structured_spec(_chat(**extra))
+    if want is None:
+        assert spec is None
+    else:
+        assert spec.kind == want[0] and getattr(spec, want[0]) == want[1]
+        params = oa.to_sampling_params(_chat(**extra), 100, 10, structured=spec)
+        assert params.structured is spec
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+])
+def test_bad_structured_output_requests_get_400_naming_the_field(extra, param):
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.structured_spec(_chat(**extra))
+    assert e.value.status == 400 and e.value.param == param

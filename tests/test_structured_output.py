@@ -1,7 +1,8 @@
 """Structured output in the engine (engine/structured.py): SmolLM2 under a grammar. Every JSON-schema output
 parses and validates against its schema, greedy and sampled, batched with unconstrained requests; regex,
 choice and EBNF outputs match; a request resumed elsewhere rebuilds its grammar state from its tokens and
-continues exactly; n-gram speculation leaves constrained requests' output unchanged; bad specs are refused."""
+continues exactly; speculation (prompt lookup, layer skip) leaves constrained output unchanged; bad specs are
+refused."""
 from __future__ import annotations
 
 import json
@@ -88,15 +89,27 @@ def test_a_resumed_request_rebuilds_its_grammar_state_and_continues_exactly(smol
 
 
 @slow
-def test_ngram_speculation_leaves_constrained_output_unchanged(smol_llm):
-    spec = LLM(None, kv_cache_memory=256 << 20, max_model_len=2048,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    params = [structured(StructuredOutput(json=SCHEMAS[n])) for n in SCHEMAS]
-    want = smol_llm.generate(PROMPTS, params)
-    got = spec.generate(PROMPTS, params)
+@pytest.mark.parametrize("method, temperature", [("ngram", 0.8), ("layer_skip", 0.0)],
+                         ids=["ngram-seeded", "layer_skip-greedy"])
+def test_speculation_keeps_constrained_output_token_for_token(smol_llm, method, temperature):
+    """Drafts the grammar refuses are cut, and each verify row is masked by the grammar state after the drafts
+    before it: a seeded sampled request's output with prompt lookup equals plain constrained decoding's
+    (verification takes each position's plain sample), and greedy output does with layer-skip drafts (which
+    carry their distributions). Drafts were proposed and accepted."""
+    cfg = ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if method == "ngram" else
+           {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3, "adaptive": False})
+    spec = LLM(None, kv_cache_memory=256 << 20, max_model_len=2048, speculative_config=cfg)
+    params = [structured(StructuredOutput(json=SCHEMAS[n]), temperature) for n in SCHEMAS] + \
+        [structured(StructuredOutput(regex=r"(ab|cd){4,8}"), temperature)]
+    prompts = PROMPTS + ["Repeat: abababab"]
+    want = smol_llm.generate(prompts, params)
+    got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for o, name in zip(got, SCHEMAS):
         jsonschema.validate(json.loads(o.text), SCHEMAS[name])
+    assert re.fullmatch(r"(ab|cd){4,8}", got[-1].text)
+    stats = spec.engine.stats()
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
 
 
 @slow

@@ -103,8 +103,6 @@ class SpecDecoder:
             if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < 1 or seq.prefill_only:
                 continue                                     # still in prefill
             room = min(self.max_k, e.max_model_len - seq.num_tokens - 1)
-            if seq.guide is not None:       # structured output: no drafts (verification does not mask yet)
-                room = 0
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             cands.append(seq)
@@ -137,8 +135,12 @@ class SpecDecoder:
             self.controller.draft.observe(n, secs)
         out = []
         for (seq, _), d in zip(chosen, drafts):
-            if d.tokens:
-                seq.spec_tokens, seq.spec_probs = d.tokens, d.probs
+            tokens, probs = d.tokens, d.probs
+            if seq.guide is not None and tokens:        # structured output: drafts its grammar refuses go
+                n = seq.guide.valid_prefix(tokens)
+                tokens, probs = tokens[:n], (probs[:n] if probs is not None and n else None)
+            if tokens:
+                seq.spec_tokens, seq.spec_probs = tokens, probs
                 seq.spec.draft_time += elapsed
                 out.append(seq)
         self.metrics.draft_time += elapsed
@@ -153,7 +155,11 @@ class SpecDecoder:
         first = np.fromiter((r for _, r in entries), dtype=np.int64, count=len(entries))
         rows = VerifyRows.of(seqs)
         raw = logits.index_select(0, to_device(first[rows.seq] + rows.offset, logits.device)).float()
-        res = rejection_sample(penalize(raw, [seqs[s] for s in rows.seq.tolist()], rows.ahead(seqs)), seqs)
+        target = penalize(raw, [seqs[s] for s in rows.seq.tolist()], rows.ahead(seqs))
+        if any(s.guide is not None for s in seqs):      # structured output: the masked target distribution
+            from engine.structured import mask_verify_rows
+            target = mask_verify_rows(target, seqs, rows.seq.tolist(), rows.offset.tolist())
+        res = rejection_sample(target, seqs)
         lps = LogprobRows.of([seqs[s].params for s in rows.seq.tolist()])
         row_tokens = res.tokens[to_device(rows.seq, raw.device), to_device(rows.offset, raw.device)]
         tokens, counts, *lp_arrays = to_host(res.tokens, res.counts, *lps.on_device(raw, row_tokens))

@@ -1,0 +1,208 @@
+"""Tool calling on chat completions (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`).
+
+Rendering: the tools and the conversation's tool turns are written into the prompt the way Hermes-style
+models (Qwen2.5, SmolLM2, NousHermes) are trained to read them, whatever the model's chat template: the
+function signatures in a system block inside <tools></tools>, an assistant's calls as
+<tool_call>{"name": ..., "arguments": {...}}</tool_call>, a tool's result as a user turn inside
+<tool_response></tool_response>. (SmolLM2's own template has no tool support, and one rendering for every
+model keeps the parser below right for all of them.)
+
+Choice: `required` and a named function are enforced with a grammar (engine/structured.py), as vLLM does: a
+named call's output is its arguments, a JSON object valid under the function's parameters schema; a
+required call's output is a JSON array of {"name", "arguments"} objects, one item per call (one at most
+without parallel_tool_calls). `auto` leaves the model free and parses <tool_call> blocks out of its text
+(`parse_hermes`); `none` renders no tools. Streaming holds back only what may be the start of a tool call.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured import StructuredOutput
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+          "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+          "For each function call, return a json object with function name and arguments within "
+          "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+          "<args-json-object>}}\n</tool_call>")
+
+
+class ToolError(ValueError):
+    """A malformed tools / tool_choice / tool message; the message names the field (`param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str                         # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools ask of the engine and of the response."""
+    tools: list[dict]                      # [{"name", "description"?, "parameters"?}]
+    mode: str                              # auto | required | named
+    name: str | None = None                # the named function
+    parallel: bool = True
+
+    def parameters(self, name: str) -> dict:
+        fn = next(t for t in self.tools if t["name"] == name)
+        return fn.get("parameters") or {"type": "object"}
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar of a forced call (None for auto)."""
+        if self.mode == "named":
+            return StructuredOutput(json=self.parameters(self.name))
+        if self.mode == "required":
+            items = {"anyOf": [{"type": "object", "properties": {"name": {"enum": [t["name"]]},
+                                                                 "arguments": self.parameters(t["name"])},
+                                "required": ["name", "arguments"], "additionalProperties": False}
+                               for t in self.tools]}
+            schema = {"type": "array", "items": items, "minItems": 1}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutput(json=schema)
+        return None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The message's content and tool calls from a choice's whole text."""
+        if self.mode == "named":
+            return None, [ToolCall(self.name, text.strip())]
+        if self.mode == "required":
+            calls = _complete_items(text)      # cut off by max_tokens: the calls that came whole
+            if not calls:
+                return text, []
+            return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls]
+        return parse_hermes(text, {t["name"] for t in self.tools})
+
+    def holdback(self, text: str) -> int:
+        """auto, streaming: how much of `text` (all the choice's text so far) may go out as content: up to a
+        tool call's opening tag, or to a tail that may begin one."""
+        at = text.find(_OPEN)
+        if at >= 0:
+            return at
+        for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):
+            if _OPEN.startswith(text[-n:]):
+                return len(text) - n
+        return len(text)
+
+
+def _complete_items(text: str) -> list[dict]:
+    """The whole items of a JSON array of objects, even when the array was cut off (a model that keeps
+    calling until max_tokens)."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    if at == 0:
+        return []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return items
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        if not isinstance(obj, dict) or "name" not in obj or "arguments" not in obj:
+            return items
+        items.append(obj)
+
+
+def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """<tool_call>{"name": ..., "arguments": ...}</tool_call> blocks (the last one may lack its closing tag:
+    the model stopped there) become tool calls; the text before the first is the content. A block that is not
+    a JSON call of a known function leaves the whole text as content."""
+    at = text.find(_OPEN)
+    if at < 0:
+        return text, []
+    calls = []
+    for block in _BLOCK.findall(text[at:]):
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
+    content = text[:at].strip()
+    return content or None, calls
+
+
+def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool) -> ToolPlan | None:
+    """The request's plan, or None when it has no tools (or tool_choice none). Raises ToolError."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools", "tool_choice")
+        return None
+    fns = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise ToolError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools.{i}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}", f"tools.{i}.function.name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object",
+                            f"tools.{i}.function.parameters")
+        if any(f["name"] == name for f in fns):
+            raise ToolError(f"tools[{i}]: function {name!r} is defined twice", f"tools.{i}.function.name")
+        fns.append({k: v for k, v in (("name", name), ("description", fn.get("description")),
+                                      ("parameters", params)) if v is not None})
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return None
+    if choice in ("auto", "required"):
+        return ToolPlan(fns, choice, parallel=parallel)
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                        '{"name": ...}}', "tool_choice")
+    if not any(f["name"] == named for f in fns):
+        raise ToolError(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
+    return ToolPlan(fns, "named", named, parallel)
+
+
+def render(messages: list[dict[str, Any]], plan_: ToolPlan | None) -> list[dict[str, str]]:
+    """Plain role/content messages for any chat template: the tools in the system turn, assistant tool calls
+    and tool results written as Hermes-style models read them."""
+    out: list[dict[str, str]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = c["function"]
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
+                except ValueError:
+                    args = fn["arguments"]
+                calls.append(f"{_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args})}\n{_CLOSE}")
+            content = "\n".join(([content] if content else []) + calls)
+        elif role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        out.append({"role": role, "content": content})
+    if plan_ is not None:
+        block = SYSTEM.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in plan_.tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out

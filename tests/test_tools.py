@@ -1,0 +1,160 @@
+"""Tool calling without a server (router/tools.py, the chat response builder): tools and tool_choice are
+checked with OpenAI's 400s, forced calls become grammars, Hermes-style <tool_call> blocks parse, the
+conversation's tool turns render for any chat template, and responses and stream chunks parse as the
+official client's types with tool_calls and finish_reason tool_calls."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from replica.messages import TokenDelta
+from router import openai_protocol as oa
+from router.tools import parse_hermes
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+                                                "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}}, "required": ["zone"]}}}
+
+
+def chat(**kw):
+    return oa.parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}, chat=True)
+
+
+class Tok:
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0"),
+    ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools.0.function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tools_and_tool_choice_get_400_naming_the_field(kw, param):
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.tool_plan(chat(**kw))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_bad_tool_messages_get_400():
+    for messages, param in [([{"role": "tool", "content": "22C"}], "messages.0.tool_call_id"),
+                            ([{"role": "user"}], "messages.0.content"),
+                            ([{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
+                             "messages.0.tool_calls.0")]:
+        with pytest.raises(oa.OpenAIError) as e:
+            oa.parse_request({"model": "m", "messages": messages}, chat=True)
+        assert e.value.param == param
+
+
+def test_forced_choices_become_grammars_and_none_or_no_tools_none():
+    named = oa.tool_plan(chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert named.structured().json == TIME["function"]["parameters"]
+    required = oa.tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
+    schema = required.structured().json
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Oslo"}}], schema)
+    for bad in ([], [{"name": "get_time", "arguments": {"city": "Oslo"}}],
+                [{"name": "get_time", "arguments": {"zone": "a"}}] * 2):       # one call at most here
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert oa.tool_plan(chat(tools=[WEATHER])).structured() is None           # auto: free text, parsed
+    assert oa.tool_plan(chat(tools=[WEATHER], tool_choice="none")) is None
+    assert oa.tool_plan(chat()) is None
+
+
+def test_hermes_blocks_parse_into_calls_and_anything_else_stays_content():
+    names = {"get_weather", "get_time"}
+    content, calls = parse_hermes('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                  '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}', names)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo"} and calls[0].id != calls[1].id
+    for text in ("It is sunny.", '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
+                 "<tool_call>{not json</tool_call>"):
+        assert parse_hermes(text, names) == (text, [])
+
+
+def test_required_calls_cut_off_by_max_tokens_keep_the_whole_ones():
+    plan = oa.tool_plan(chat(tools=[WEATHER, TIME], tool_choice="required"))
+    content, calls = plan.parse('[{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": "get_weather", "argu')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "CET"})]
+    assert plan.parse('[{"name": "get_ti') == ('[{"name": "get_ti', [])
+
+
+def test_tool_turns_render_for_templates_without_tool_support():
+    req = oa.parse_request({"model": "m", "tools": [WEATHER], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]}, chat=True)
+    msgs = oa.chat_messages(req, oa.tool_plan(req))
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in msgs[0]["content"]
+    assert msgs[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert msgs[3]["content"] == "<tool_response>\n22C\n</tool_response>"
+    assert all(isinstance(m["content"], str) for m in msgs)
+
+
+def _delta(text: str, finished: bool = False, reason: str | None = None) -> TokenDelta:
+    return TokenDelta(token_ids=[1], text=text, finished=finished, finish_reason=reason, prompt_tokens=3,
+                      completion_tokens=4, cached_tokens=0)
+
+
+def _run(req, pieces: list[str]) -> tuple[dict, list[dict]]:
+    plan = oa.tool_plan(req)
+    whole = oa.ResponseBuilder("chatcmpl-1", 0, "m", True, req, Tok(), plan)
+    streamed = oa.ResponseBuilder("chatcmpl-1", 0, "m", True, req, Tok(), plan)
+    chunks = streamed.first_chunks()
+    for k, p in enumerate(pieces):
+        last = k == len(pieces) - 1
+        whole.add(0, _delta(p, last, "stop" if last else None))
+        chunks += streamed.chunks(0, _delta(p, last, "stop" if last else None))
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
+    return whole.final(), chunks
+
+
+def _calls_from(chunks: list[dict]) -> tuple[str, dict[int, dict]]:
+    content, calls = "", {}
+    for c in chunks:
+        for ch in c["choices"]:
+            content += ch["delta"].get("content") or ""
+            for t in ch["delta"].get("tool_calls") or []:
+                call = calls.setdefault(t["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = t.get("id") or call["id"]
+                call["name"] += t.get("function", {}).get("name", "")
+                call["arguments"] += t.get("function", {}).get("arguments", "")
+    return content, calls
+
+
+@pytest.mark.parametrize("case", ["named", "required", "auto-call", "auto-text"])
+def test_responses_and_stream_chunks_carry_tool_calls_in_openais_shape(case):
+    kw = {"named": dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+          "required": dict(tool_choice="required"), "auto-call": {}, "auto-text": {}}[case]
+    pieces = {"named": ['{"city": ', '"Oslo"}'],
+              "required": ['[{"name": "get_time", ', '"arguments": {"zone": "CET"}}]'],
+              "auto-call": ["Checking. <tool", '_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'],
+              "auto-text": ["It is <b>", "sunny</b>."]}[case]
+    final, chunks = _run(chat(tools=[WEATHER, TIME], **kw), pieces)
+    body = ChatCompletion.model_validate(final)
+    msg, content, calls = body.choices[0].message, *_calls_from(chunks)
+    if case == "auto-text":
+        assert msg.content == content == "It is <b>sunny</b>." and not msg.tool_calls
+        assert body.choices[0].finish_reason == "stop"
+        return
+    want = {"named": ("get_weather", {"city": "Oslo"}), "required": ("get_time", {"zone": "CET"}),
+            "auto-call": ("get_weather", {"city": "Oslo"})}[case]
+    assert body.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [want]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [want]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert content == ("Checking. " if case == "auto-call" else "")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
