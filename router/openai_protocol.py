@@ -15,9 +15,9 @@ import json
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
@@ -44,6 +44,58 @@ class OpenAIError(Exception):
 
 
 # -- requests ---------------------------------------------------------------------------------------
+# The JSON schemas the OpenAPI document publishes (/openapi.json) for the fields whose checks are code, not
+# pydantic types (their messages name the field as OpenAI's do): a body valid under the document passes the
+# checks below, save what only the served model or the limits decide (token ids past the vocabulary, n, a
+# tool_choice naming an undefined tool, two structured-output fields at once, a schema the grammar engine
+# refuses). tests/test_openai_protocol.py holds the document to the checks.
+_STR = {"type": "string"}
+_OBJ = {"type": "object"}
+_CONTENT = {"anyOf": [_STR, {"type": "array", "items": {  # ContentPart
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _STR}}}]}
+_NO_CALLS = {"tool_calls": {"type": "null"}}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": _STR, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": _STR, "arguments": {"anyOf": [_STR, _OBJ]}}}}}
+_CALLS = {"type": "array", "minItems": 1, "items": _TOOL_CALL}
+MESSAGE_SCHEMA = {"title": "Message", "anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "user", "developer"]}, "content": _CONTENT, **_NO_CALLS}},
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "assistant"}, "content": _CONTENT, "tool_calls": {"anyOf": [_CALLS, {"type": "null"}]}}},
+    {"type": "object", "required": ["role", "tool_calls"], "properties": {
+        "role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]}, "tool_calls": _CALLS}},
+    {"type": "object", "required": ["role", "content", "tool_call_id"], "properties": {
+        "role": {"const": "tool"}, "content": _CONTENT, "tool_call_id": {"type": "string", "minLength": 1},
+        **_NO_CALLS}}]}
+_TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+PROMPT_SCHEMA = {"title": "Prompt", "anyOf": [
+    {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _TOKENS, {"type": "array", "minItems": 1, "items": _TOKENS}]}
+TOOLS_SCHEMA = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": _STR,
+            "parameters": _OBJ, "strict": {"type": ["boolean", "null"]}}}}}}]}
+TOOL_CHOICE_SCHEMA = {"anyOf": [{"type": "null"}, {"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": _STR}}}}]}
+RESPONSE_FORMAT_SCHEMA = {"anyOf": [
+    {"type": "null"},
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"const": "json_schema"},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": _STR, "description": _STR, "schema": _OBJ, "strict": {"type": ["boolean", "null"]}}}}}]}
+STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [{"type": "null"}, {
+    "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
+        "json": {"anyOf": [_OBJ, _STR]}, "json_object": {"const": True}, "regex": _STR,
+        "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}, "grammar": _STR}}]}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)     # 1e999 parses as inf: refused too
     model: str
@@ -52,7 +104,7 @@ class _Request(BaseModel):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    n: int = 1
+    n: int = Field(default=1, json_schema_extra={"minimum": 1})      # the most: limits.max_n, checked below
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)      # int64, as OpenAI
@@ -63,11 +115,14 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     user: str | None = None
-    response_format: dict[str, Any] | None = None          # OpenAI: {"type": "text" | "json_object" | "json_schema"}
-    structured_outputs: dict[str, Any] | None = None       # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
+    # OpenAI: {"type": "text" | "json_object" | "json_schema"}
+    response_format: Annotated[dict[str, Any] | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
+    # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
+    structured_outputs: Annotated[dict[str, Any] | None, WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)] = None
     guided_json: dict[str, Any] | str | None = None        # vLLM's older names of the same
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, json_schema_extra={"minItems": 1, "items": {
+        "type": "string", "minLength": 1}})
     guided_grammar: str | None = None
 
     @property
@@ -81,7 +136,8 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One turn; its published schema (MESSAGE_SCHEMA) spells out what each role needs, which _check enforces."""
+    model_config = ConfigDict(extra="ignore", json_schema_extra=lambda s: (s.clear(), s.update(MESSAGE_SCHEMA)))
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None          # assistant: the calls it made
@@ -89,19 +145,19 @@ class Message(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[Message]
+    messages: list[Message] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, WithJsonSchema(TOOLS_SCHEMA)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: bool = True
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})     # refused (a 400) when true
 
 
 def parse_request(body: Any, chat: bool, limits: LimitsConfig = LimitsConfig()) -> ChatCompletionRequest | CompletionRequest:
