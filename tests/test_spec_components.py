@@ -151,3 +151,66 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert prop.propose([4, 4, 4, 4], k=2) == [4]
     with pytest.raises(ValueError):
         NgramLookup(prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+# -- with a grammar: drafts it refuses are cut, verify rows are masked, the output is the masked target's ---------
+TOY_VOCAB = ["a", "b", "c", "d", "e", "f", "g", "</s>"]      # ids 0..7, as V and TARGET/DRAFT above
+TOY_REGEX = "[a-c][d-g][d-g]"                               # after a first letter in a-c, two in d-g
+
+
+def _toy_guides(n: int) -> list:
+    import xgrammar as xgr
+    from engine.structured import Guide
+    info = xgr.TokenizerInfo(TOY_VOCAB, vocab_size=V, stop_token_ids=[7])
+    compiled = xgr.GrammarCompiler(info).compile_regex(TOY_REGEX)
+    return [Guide(xgr.GrammarMatcher(compiled)) for _ in range(n)]
+
+
+def _constrained_verify(drafts: list[list[int]], q: torch.Tensor | None, params: SamplingParams,
+                        seed: int) -> list[list[int]]:
+    """What the speculative decoder does with a constrained batch: cut each sequence's drafts by its grammar
+    (engine/structured.py: cut_drafts), mask the verify rows by the grammar state after the drafts before
+    them, rejection-sample. Every row's target logits are TARGET."""
+    from engine.structured import cut_drafts, mask_verify_rows
+    from engine.spec.rejection import VerifyRows
+    sampler = Sampler(seed)
+    seqs = []
+    for d, guide in zip(drafts, _toy_guides(len(drafts))):
+        tokens, probs = cut_drafts(guide, d, None if q is None else q.expand(len(d), V))
+        seq = verifying(tokens, params, probs if tokens else None, sampler.request_seed(None))
+        seq.guide = guide
+        seqs.append(seq)
+    rows = VerifyRows.of(seqs)
+    logits = mask_verify_rows(TARGET.expand(len(rows.seq), V).clone(), seqs, rows.seq.tolist(), rows.offset.tolist())
+    return rejection_sample(logits, seqs).to_lists()
+
+
+def _masked(allowed: list[int], params: SamplingParams) -> torch.Tensor:
+    x = torch.full((V,), float("-inf"))
+    x[allowed] = TARGET[allowed]
+    return target_probs(x[None], [params])[0]
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["model drafts", "prompt-lookup drafts"])
+def test_speculation_under_a_grammar_keeps_the_masked_target_distribution(one_hot):
+    """First token: the target masked to a-c; second, after an accepted 'b': masked to d-g. Drafts are drawn
+    over the whole vocabulary (q favours tokens the grammar refuses), so most are cut."""
+    params = SamplingParams(temperature=1.0)
+    q = None if one_hot else target_probs(DRAFT[None], [params])[0]
+    g = torch.Generator().manual_seed(7)
+    n = 6000
+
+    def draw(k: int) -> list[list[int]]:
+        if q is None:
+            return torch.randint(0, V, (n, k), generator=g).tolist()
+        return torch.multinomial(q, n * k, replacement=True, generator=g).view(n, k).tolist()
+    out = _constrained_verify(draw(3), q, params, seed=11)
+    assert all(o[0] in (0, 1, 2) and all(t in (3, 4, 5, 6) for t in o[1:3]) and o[3:] in ([], [7]) for o in out)
+    first = torch.bincount(torch.tensor([o[0] for o in out]), minlength=V).float() / n
+    tv_first = 0.5 * (first - _masked([0, 1, 2], params)).abs().sum()
+    out = _constrained_verify([[1] + d for d in draw(2)], q, params, seed=12)     # 'b' then drafts
+    second = [o[1] for o in out if len(o) > 1 and o[0] == 1]
+    freq = torch.bincount(torch.tensor(second), minlength=V).float() / len(second)
+    tv_second = 0.5 * (freq - _masked([3, 4, 5, 6], params)).abs().sum()
+    assert len(second) > 1500
+    assert tv_first < 0.03 and tv_second < 0.04, (tv_first, tv_second)

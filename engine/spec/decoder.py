@@ -28,6 +28,7 @@ from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
 from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramProposer
 from engine.spec.rejection import VerifyRows, rejection_sample
+from engine.structured import cut_drafts
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +137,8 @@ class SpecDecoder:
         out = []
         for (seq, _), d in zip(chosen, drafts):
             tokens, probs = d.tokens, d.probs
-            if seq.guide is not None and tokens:        # structured output: drafts its grammar refuses go
-                n = seq.guide.valid_prefix(tokens)
-                tokens, probs = tokens[:n], (probs[:n] if probs is not None and n else None)
+            if seq.guide is not None and tokens:        # structured output: cut where the grammar refuses
+                tokens, probs = cut_drafts(seq.guide, tokens, probs)
             if tokens:
                 seq.spec_tokens, seq.spec_probs = tokens, probs
                 seq.spec.draft_time += elapsed
