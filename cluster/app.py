@@ -64,7 +64,7 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
     return ingress.bind(prefill=prefill, decode=decode, state=owner, state_actor=state,
                         num_replicas=config.ingress.num_replicas, limits=config.limits, auth=config.auth,
                         admission=config.admission, disaggregation=config.disaggregation, router=r,
-                        migration=config.migration)
+                        migration=config.migration, tools=config.tools)
 
 
 COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"

@@ -11,7 +11,7 @@
     disaggregation:  min_remote_prefill_tokens
     migration:       max_moves
     transfer:        backend, ttl_s, ucx_tls
-    limits, admission, auth
+    limits, tools (parser), admission, auth
 
 The sections a lower package reads live next to it (router/config.py, kvtransfer/config.py); this module
 composes them into the one schema. Every field has a description; a bad file raises one ConfigError listing
@@ -41,7 +41,7 @@ from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
 from replica.names import INGRESS, POOLS
 from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, MigrationConfig,
-                           RouterConfig)
+                           RouterConfig, ToolsConfig)
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
 # EngineConfig fields the cluster sets itself: a TP replica's workers are Ray actors in its placement group
@@ -301,6 +301,7 @@ class ClusterConfig(_Schema):
                                                                                     "another decode replica")
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits at the ingress")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tool calling on chat completions")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission control (429 "
                                                                                      "beyond capacity) at the "
                                                                                      "ingress")

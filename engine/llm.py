@@ -61,12 +61,14 @@ class LLM:
         return chat_token_ids(self.tokenizer, messages)
 
 
-def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt's token ids under the model's chat template, ready for the assistant's turn."""
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt's token ids under the model's chat template, ready for the assistant's turn; `tools`
+    (OpenAI's function definitions) go to a template that takes them."""
     from engine.errors import InvalidRequestError
     if not messages:
         raise InvalidRequestError("messages must not be empty")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

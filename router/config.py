@@ -61,6 +61,14 @@ class LimitsConfig(_Section):
                                              "spec that takes longer to compile is refused (400)")
 
 
+class ToolsConfig(_Section):
+    """Tool calling on chat completions (router/tools.py)."""
+    parser: Literal["auto", "hermes", "llama3_json"] = Field(
+        "auto", description="How `auto` tool calls are read from the model's output: hermes (<tool_call> JSON "
+        "blocks: Qwen2.5, SmolLM2, Hermes), llama3_json (Llama 3.1's {\"name\", \"parameters\"} JSON); auto: "
+        "llama3_json for a chat template in Llama 3's JSON tool format, else hermes")
+
+
 class AdmissionConfig(_Section):
     """Admission control at the ingress (router/admission.py): beyond capacity a request is answered 429 with
     Retry-After at once instead of joining a queue that would miss its deadline anyway."""

@@ -24,8 +24,9 @@ from router import openai_protocol as oa
 from router.cluster_state import merge_expositions
 from router.admission import Admission
 from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, MigrationConfig,
-                           RouterConfig)
+                           RouterConfig, ToolsConfig)
 from router.orchestrator import Orchestrator, as_openai_error
+from router.tools import tool_format
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Baton", description="OpenAI-compatible API of a disaggregated Baton cluster")
@@ -84,12 +85,14 @@ def _no_constant(name: str):
 class Ingress:
     def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
-                 router: RouterConfig, migration: MigrationConfig = MigrationConfig()):
+                 router: RouterConfig, migration: MigrationConfig = MigrationConfig(),
+                 tools: ToolsConfig = ToolsConfig()):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; the rest are the cluster config's sections."""
         self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
-        self.migration = migration
+        self.migration, self.tools_config = migration, tools
+        self.tool_format = None             # router.tools.ToolFormat of the served model's chat template
         self.keys = oa.ApiKeys(auth.api_keys_env)
         self.protect_metrics = auth.protect_metrics
         if self.keys.enabled:
@@ -113,6 +116,7 @@ class Ingress:
                 if self.orchestrator is None:
                     info = await self.decode.model_info.remote()
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
+                    self.tool_format = tool_format(self.tokenizer, self.tools_config.parser)
                     self.served_name = info["served_model_name"]
                     self.info = info
                     self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
@@ -164,7 +168,7 @@ class Ingress:
             orchestrator = await self._setup()
             req = oa.parse_request(body, chat, self.limits)
             oa.check_model(req.model, [self.served_name])
-            tools = oa.tool_plan(req)
+            tools = oa.tool_plan(req, self.tool_format)
             prompts = self._prompts(req, chat, tools)
             for ids in prompts:
                 oa.check_prompt_length(len(ids), self.limits)
@@ -217,7 +221,8 @@ class Ingress:
 
     def _prompts(self, req, chat: bool, tools=None) -> list[list[int]]:
         if chat:
-            return [chat_token_ids(self.tokenizer, oa.chat_messages(req, tools))]
+            messages, template_tools = oa.chat_messages(req, tools, self.tool_format)
+            return [chat_token_ids(self.tokenizer, messages, template_tools)]
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
 
     async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:

@@ -23,7 +23,7 @@ from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutput
 from router.config import LimitsConfig
-from router.tools import ToolError, ToolPlan, plan as _tool_plan, render as _render_tools
+from router.tools import ToolError, ToolFormat, ToolPlan, plan as _tool_plan, render as _render_tools
 
 if TYPE_CHECKING:
     from replica.messages import TokenDelta
@@ -288,22 +288,25 @@ def check_model(requested: str, served: list[str]) -> None:
                           "model", "model_not_found")
 
 
-def tool_plan(req) -> ToolPlan | None:
+def tool_plan(req, fmt: ToolFormat = ToolFormat()) -> ToolPlan | None:
     """A chat request's tools and tool_choice, checked (router/tools.py); None when it calls no tools."""
     if not isinstance(req, ChatCompletionRequest):
         return None
     try:
-        return _tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        return _tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, fmt)
     except ToolError as e:
         raise OpenAIError(400, str(e), param=e.param) from e
 
 
-def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> list[dict[str, str]]:
-    """The conversation as plain role/content turns (tools, tool calls and results written in, router/tools.py)."""
+def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None,
+                  fmt: ToolFormat = ToolFormat()) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """The conversation's turns for the chat template, and the tools to hand the template (None: none, or
+    written into the turns): router/tools.py renders them for the model's format."""
     def text(c) -> str:
         return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
     return _render_tools([{"role": "system" if m.role == "developer" else m.role, "content": text(m.content),
-                           "tool_calls": m.tool_calls} for m in req.messages], tools)
+                           "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in req.messages],
+                         tools, fmt)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

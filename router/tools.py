@@ -1,11 +1,16 @@
 """Tool calling on chat completions (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`).
 
-Rendering: the tools and the conversation's tool turns are written into the prompt the way Hermes-style
-models (Qwen2.5, SmolLM2, NousHermes) are trained to read them, whatever the model's chat template: the
-function signatures in a system block inside <tools></tools>, an assistant's calls as
-<tool_call>{"name": ..., "arguments": {...}}</tool_call>, a tool's result as a user turn inside
-<tool_response></tool_response>. (SmolLM2's own template has no tool support, and one rendering for every
-model keeps the parser below right for all of them.)
+Rendering: a chat template that takes tools itself (transformers' `apply_chat_template(tools=...)`: Qwen2.5,
+Llama 3.1, Hermes) gets them, with the conversation's assistant tool_calls and tool messages, as OpenAI-shaped
+turns. A template without tool support (SmolLM2's) gets them written in the way Hermes-style models are
+trained to read them: the function signatures in a system block inside <tools></tools>, an assistant's calls
+as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, a tool's result as a user turn inside
+<tool_response></tool_response>.
+
+Parsing `auto` output (`ToolFormat.parser`, the cluster's `tools.parser`): `hermes` reads <tool_call> blocks
+(Qwen2.5, SmolLM2, NousHermes); `llama3_json` reads Llama 3.1's JSON calls, {"name": ..., "parameters": ...}
+(after an optional <|python_tag|>, several separated by `;`). `auto` picks llama3_json for a template that
+speaks Llama 3's JSON tool format and hermes for every other.
 
 Choice: `required` and a named function are enforced with a grammar (engine/structured.py), as vLLM does: a
 named call's output is its arguments, a JSON object valid under the function's parameters schema; a
@@ -25,12 +30,39 @@ from engine.structured import StructuredOutput
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+PARSERS = ("hermes", "llama3_json")
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
           "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
           "For each function call, return a json object with function name and arguments within "
           "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
           "<args-json-object>}}\n</tool_call>")
+SYSTEM_JSON = ("# Tools\n\nYou may call one or more functions to assist with the user query. Their signatures:\n"
+               "{tools}\n\nTo call functions, respond with only JSON objects separated by ';', each in the format "
+               "{{\"name\": <function-name>, \"parameters\": <args-json-object>}}, and nothing else.")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model reads tools and writes its calls: through its chat template's own tool support
+    (`native`) or in text written into the system turn, and which parser reads `auto` calls back."""
+    parser: str = "hermes"
+    native: bool = False
+
+
+def tool_format(tokenizer, parser: str = "auto") -> ToolFormat:
+    """The format for this tokenizer's chat template; `parser` (auto, hermes, llama3_json) as configured."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):                     # named templates: transformers takes tool_use for tools
+        template = template.get("tool_use") or template.get("default") or ""
+    native = "tools" in template
+    if parser == "auto":
+        llama = _PYTHON_TAG in template or '"parameters": ' in template
+        parser = "llama3_json" if native and llama and _OPEN not in template else "hermes"
+    if parser not in PARSERS:
+        raise ValueError(f"tool parser must be auto or one of {', '.join(PARSERS)}, got {parser!r}")
+    return ToolFormat(parser, native)
 
 
 class ToolError(ValueError):
@@ -58,6 +90,7 @@ class ToolPlan:
     mode: str                              # auto | required | named
     name: str | None = None                # the named function
     parallel: bool = True
+    format: ToolFormat = ToolFormat()
 
     def parameters(self, name: str) -> dict:
         fn = next(t for t in self.tools if t["name"] == name)
@@ -87,11 +120,19 @@ class ToolPlan:
             if not calls:
                 return text, []
             return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls]
-        return parse_hermes(text, {t["name"] for t in self.tools})
+        names = {t["name"] for t in self.tools}
+        if self.format.parser == "llama3_json":
+            return parse_llama3_json(text, names)
+        return parse_hermes(text, names)
 
     def holdback(self, text: str) -> int:
         """auto, streaming: how much of `text` (all the choice's text so far) may go out as content: up to a
-        tool call's opening tag, or to a tail that may begin one."""
+        tool call's opening tag, or to a tail that may begin one (llama3_json: a call is the whole output, so
+        nothing goes out while the text may begin with one)."""
+        if self.format.parser == "llama3_json":
+            head = text.lstrip()
+            maybe_call = not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head)
+            return 0 if maybe_call else len(text)
         at = text.find(_OPEN)
         if at >= 0:
             return at
@@ -143,7 +184,30 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
     return content or None, calls
 
 
-def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool) -> ToolPlan | None:
+def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3.1's JSON tool calls: the whole output is {"name": ..., "parameters": ...} objects (after an
+    optional <|python_tag|>, separated by ';' or whitespace). Anything else, or a call of an unknown function,
+    leaves the whole text as content."""
+    body = text.strip()
+    body = body[len(_PYTHON_TAG):].lstrip() if body.startswith(_PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return text, []
+    decoder, at, calls = json.JSONDecoder(), 0, []
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            return text, []
+        args = obj.get("parameters", obj.get("arguments", {}))
+        calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, fmt: ToolFormat = ToolFormat()) -> ToolPlan | None:
     """The request's plan, or None when it has no tools (or tool_choice none). Raises ToolError."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -169,7 +233,7 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool) -> ToolPlan
     if choice == "none":
         return None
     if choice in ("auto", "required"):
-        return ToolPlan(fns, choice, parallel=parallel)
+        return ToolPlan(fns, choice, parallel=parallel, format=fmt)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if named is None:
@@ -177,12 +241,28 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool) -> ToolPlan
                         '{"name": ...}}', "tool_choice")
     if not any(f["name"] == named for f in fns):
         raise ToolError(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
-    return ToolPlan(fns, "named", named, parallel)
+    return ToolPlan(fns, "named", named, parallel, fmt)
 
 
-def render(messages: list[dict[str, Any]], plan_: ToolPlan | None) -> list[dict[str, str]]:
-    """Plain role/content messages for any chat template: the tools in the system turn, assistant tool calls
-    and tool results written as Hermes-style models read them."""
+def render(messages: list[dict[str, Any]], plan_: ToolPlan | None,
+           fmt: ToolFormat = ToolFormat()) -> tuple[list[dict[str, Any]], list[dict] | None]:
+    """The turns for the chat template and the tools to pass it (None: none, or written into the turns).
+    A native template gets OpenAI-shaped turns (an assistant's calls with their arguments as objects, tool
+    results as `tool` turns); any other, plain role/content turns in Hermes' format (or Llama 3's JSON one)."""
+    if fmt.native:
+        out = []
+        for m in messages:
+            turn = {"role": m["role"], "content": m.get("content") or ""}
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                turn["tool_calls"] = [{"id": c.get("id") or "call_" + uuid.uuid4().hex[:24], "type": "function",
+                                       "function": {"name": c["function"]["name"],
+                                                    "arguments": _arguments(c["function"]["arguments"])}}
+                                      for c in m["tool_calls"]]
+            elif m["role"] == "tool":
+                turn["tool_call_id"] = m.get("tool_call_id")
+            out.append(turn)
+        tools = [{"type": "function", "function": t} for t in plan_.tools] if plan_ is not None else None
+        return out, tools
     out: list[dict[str, str]] = []
     for m in messages:
         role, content = m["role"], m.get("content") or ""
@@ -190,19 +270,30 @@ def render(messages: list[dict[str, Any]], plan_: ToolPlan | None) -> list[dict[
             calls = []
             for c in m["tool_calls"]:
                 fn = c["function"]
-                try:
-                    args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) else fn["arguments"]
-                except ValueError:
-                    args = fn["arguments"]
-                calls.append(f"{_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args})}\n{_CLOSE}")
-            content = "\n".join(([content] if content else []) + calls)
+                args = _arguments(fn["arguments"])
+                if fmt.parser == "llama3_json":
+                    calls.append(json.dumps({"name": fn["name"], "parameters": args}))
+                else:
+                    calls.append(f"{_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args})}\n{_CLOSE}")
+            content = ("; " if fmt.parser == "llama3_json" else "\n").join(([content] if content else []) + calls)
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": role, "content": content})
     if plan_ is not None:
-        block = SYSTEM.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in plan_.tools))
+        system = SYSTEM_JSON if fmt.parser == "llama3_json" else SYSTEM
+        block = system.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in plan_.tools))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
         else:
             out.insert(0, {"role": "system", "content": block})
-    return out
+    return out, None
+
+
+def _arguments(args: Any) -> Any:
+    """A call's arguments as an object where they are JSON text (OpenAI sends text; templates want objects)."""
+    if not isinstance(args, str):
+        return args
+    try:
+        return json.loads(args)
+    except ValueError:
+        return args

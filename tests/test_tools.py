@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from replica.messages import TokenDelta
 from router import openai_protocol as oa
-from router.tools import parse_hermes
+from router.tools import ToolFormat, parse_hermes, parse_llama3_json, tool_format
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {
@@ -95,7 +95,8 @@ def test_tool_turns_render_for_templates_without_tool_support():
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]}, chat=True)
-    msgs = oa.chat_messages(req, oa.tool_plan(req))
+    msgs, template_tools = oa.chat_messages(req, oa.tool_plan(req))
+    assert template_tools is None                               # written into the turns instead
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
     assert msgs[0]["content"].startswith("Be brief.") and '"name": "get_weather"' in msgs[0]["content"]
     assert msgs[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -108,8 +109,8 @@ def _delta(text: str, finished: bool = False, reason: str | None = None) -> Toke
                       completion_tokens=4, cached_tokens=0)
 
 
-def _run(req, pieces: list[str]) -> tuple[dict, list[dict]]:
-    plan = oa.tool_plan(req)
+def _run(req, pieces: list[str], fmt: ToolFormat = ToolFormat()) -> tuple[dict, list[dict]]:
+    plan = oa.tool_plan(req, fmt)
     whole = oa.ResponseBuilder("chatcmpl-1", 0, "m", True, req, Tok(), plan)
     streamed = oa.ResponseBuilder("chatcmpl-1", 0, "m", True, req, Tok(), plan)
     chunks = streamed.first_chunks()
@@ -158,3 +159,92 @@ def test_responses_and_stream_chunks_carry_tool_calls_in_openais_shape(case):
     assert all(c["id"].startswith("call_") for c in calls.values())
     assert content == ("Checking. " if case == "auto-call" else "")
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# -- chat templates with their own tool support, and Llama 3's JSON calls ----------------------------------
+# A template written here in Llama 3.1's JSON tool format (tools in the system turn, calls as
+# <|python_tag|>{"name", "parameters"}, results in an ipython turn); ChatML markers so SmolLM2's tokenizer has them.
+LLAMA_LIKE = (
+    '{%- if tools %}<|im_start|>system\nEnvironment: ipython\nTo call a function, respond with JSON '
+    '{"name": function name, "parameters": dictionary of argument name and its value}.\n'
+    '{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}'
+    '{%- for m in messages %}'
+    '{%- if m.role == "assistant" and m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}'
+    '<|python_tag|>{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    '{% endfor %}<|im_end|>\n'
+    '{%- elif m.role == "tool" %}<|im_start|>ipython\n{{ m.content }}<|im_end|>\n'
+    '{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}'
+    '{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}')
+HERMES_LIKE = ('{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>'
+               ' Call with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+               '{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}')
+PLAIN = '{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}'
+
+
+class Templated:
+    def __init__(self, template):
+        self.chat_template = template
+
+
+@pytest.mark.parametrize("template, configured, want", [
+    (PLAIN, "auto", ToolFormat("hermes", False)),            # SmolLM2's kind: tools written in, Hermes calls
+    (HERMES_LIKE, "auto", ToolFormat("hermes", True)),       # Qwen2.5's kind
+    (LLAMA_LIKE, "auto", ToolFormat("llama3_json", True)),
+    (LLAMA_LIKE, "hermes", ToolFormat("hermes", True)),      # the config wins
+    (PLAIN, "llama3_json", ToolFormat("llama3_json", False)),
+    ({"default": PLAIN, "tool_use": LLAMA_LIKE}, "auto", ToolFormat("llama3_json", True)),
+])
+def test_the_tool_format_follows_the_chat_template_and_the_config(template, configured, want):
+    assert tool_format(Templated(template), configured) == want
+
+
+def test_a_template_with_tool_support_gets_the_tools_and_openai_shaped_turns(smol_path):
+    from engine.llm import chat_token_ids
+    from engine.loader import load_tokenizer
+    tok = load_tokenizer(smol_path)
+    tok.chat_template = LLAMA_LIKE
+    fmt = tool_format(tok)
+    req = oa.parse_request({"model": "m", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]}, chat=True)
+    msgs, template_tools = oa.chat_messages(req, oa.tool_plan(req, fmt), fmt)
+    assert template_tools == [WEATHER]
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}     # an object, as templates want
+    assert msgs[2] == {"role": "tool", "content": "22C", "tool_call_id": "call_1"}
+    prompt = tok.decode(chat_token_ids(tok, msgs, template_tools))
+    assert "Environment: ipython" in prompt and json.dumps(WEATHER) in prompt
+    assert '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}' in prompt
+    assert "<|im_start|>ipython\n22C" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    # the same conversation without tools (tool_choice none) still renders its tool turns
+    none = oa.parse_request({**req.model_dump(exclude_none=True), "tool_choice": "none"}, chat=True)
+    msgs, template_tools = oa.chat_messages(none, oa.tool_plan(none, fmt), fmt)
+    assert template_tools is None and "Environment" not in tok.decode(chat_token_ids(tok, msgs, template_tools))
+
+
+def test_llama3_json_calls_parse():
+    names = {"get_weather", "get_time"}
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                                       '{"name": "get_time", "parameters": {"zone": "CET"}}', names)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+    assert parse_llama3_json(' {"name": "get_time", "arguments": {"zone": "UTC"}}', names)[1][0].name == "get_time"
+    for text in ("It is sunny.", '{"name": "launch", "parameters": {}}', '{"name": "get_time", "param',
+                 'Sure: {"name": "get_time", "parameters": {}}'):
+        assert parse_llama3_json(text, names) == (text, [])
+
+
+@pytest.mark.parametrize("case", ["call", "text"])
+def test_llama3_json_streams_hold_back_only_what_may_be_a_call(case):
+    pieces = {"call": ['{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}'],
+              "text": ["It is ", "sunny."]}[case]
+    final, chunks = _run(chat(tools=[WEATHER, TIME]), pieces, ToolFormat("llama3_json", True))
+    body = ChatCompletion.model_validate(final)
+    content, calls = _calls_from(chunks)
+    if case == "text":
+        assert chunks[1]["choices"][0]["delta"] == {"content": "It is "}     # not held: no call starts so
+        assert body.choices[0].message.content == content == "It is sunny." and not calls
+        return
+    assert not content and body.choices[0].finish_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Oslo"})]
