@@ -401,6 +401,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="compare tensor_parallel_size 1 and this size: tokens/s and the time in collectives per "
                         "step, to engine_tp.json (on CPU: gloo, one process per rank)")
+    p.add_argument("--structured", action="store_true",
+                   help="constrained (JSON schema, regex) vs free decoding at batch 32 and grammar compile times, "
+                        "to structured.json (bench/structured_bench.py)")
+    p.add_argument("--structured-max-tokens", type=int, default=None, help="per request, with --structured")
+    p.add_argument("--structured-repeats", type=int, default=None,
+                   help="interleaved runs per system, with --structured")
     p.add_argument("--step-only", action="store_true",
                    help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
@@ -418,6 +424,9 @@ def run(args: argparse.Namespace) -> dict:
     from engine.loader import resolve_model
     if args.tp > 1:
         return run_tp(args)
+    if args.structured:
+        from bench.structured_bench import run as run_structured
+        return run_structured(args)
     cfg = QUICK if args.quick else FULL
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
