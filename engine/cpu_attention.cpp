@@ -1,10 +1,12 @@
-// The CPU paged-attention kernel; engine/cpu_attention.py builds and loads it (its docstring says how it works).
+// The CPU paged-attention kernel, and the grammar-mask apply of structured output; engine/cpu_attention.py
+// builds and loads them (its docstring says how they work).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define BATON_SIMD 1
@@ -446,7 +448,40 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale);
 }
 
+// Structured output (engine/structured.py): logits[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is 0.
+// Writes only the forbidden tokens: a word of 32 allowed tokens is skipped, a word of none is 32 stores.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1, "fp32 logits, rows contiguous");
+  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous(), "int32 bitmask");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.is_contiguous(), "int64 rows");
+  float* L = logits.data_ptr<float>();
+  const int32_t* B = bitmask.data_ptr<int32_t>();
+  const int64_t* R = rows.data_ptr<int64_t>();
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), lstride = logits.stride(0), n = rows.size(0);
+  const float neg = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* l = L + R[i] * lstride;
+      const uint32_t* b = reinterpret_cast<const uint32_t*>(B + R[i] * words);
+      for (int64_t w = 0; w < words && w * 32 < vocab; ++w) {
+        uint32_t off = ~b[w];
+        const int64_t base = w * 32, lim = std::min<int64_t>(32, vocab - base);
+        if (lim < 32) off &= (1u << lim) - 1;
+        if (off == 0xFFFFFFFFu) {
+          std::fill(l + base, l + base + 32, neg);
+          continue;
+        }
+        while (off) {
+          l[base + __builtin_ctz(off)] = neg;
+          off &= off - 1;
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: -inf where a token's bit is 0");
   m.def("paged_attention_varlen", &paged_attention_varlen, "queries of any length over the paged cache");
   m.def("paged_decode", &paged_decode, "one query token per sequence over the paged cache");
 }

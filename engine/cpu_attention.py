@@ -12,6 +12,9 @@ tokens are one span there), and a single sequence still spreads its kv heads ove
 Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++ otherwise) with
 torch's cpp_extension from engine/cpu_attention.cpp, cached under $BATON_CACHE/torch_extensions keyed by
 the source's content and the CPU's feature flags; if no compiler is there, the torch reference is used and a warning says so.
+
+The same module holds structured output's mask apply (apply_token_bitmask): it writes -inf over only the
+tokens a grammar forbids, where xgrammar's CPU path and any torch expression touch the whole vocabulary.
 """
 from __future__ import annotations
 
@@ -82,3 +85,9 @@ def paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_st
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) -> [B, H, D]: the n = 1 case of the above."""
     return _load().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits [R, V] (fp32) at -inf wherever bit t of bitmask [R, ceil(V / 32)] (int32) is 0, in the
+    rows `rows` (int64)."""
+    _load().apply_token_bitmask(logits, bitmask, rows)

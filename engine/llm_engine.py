@@ -30,6 +30,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
+from engine.structured import StepMasks
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,8 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             seq.first_scheduled_time = seq.first_scheduled_time or now
         t0 = device_clock(self.runner.device)
+        masks = StepMasks.start([s for s, _ in sched.scheduled], self.hf_config.vocab_size) \
+            if self._grammars is not None and self.runner.device.type == "cuda" else None   # fill during the forward
         logits, samplers = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             if not seq.spec_tokens:                     # a verify step advances after acceptance
@@ -273,7 +276,7 @@ class LLMEngine:
         result = None
         if plain:
             rows = [r for _, r in plain] if verify else slice(None)
-            result = self.sampler(logits[rows], [s for s, _ in plain])
+            result = self.sampler(logits[rows], [s for s, _ in plain], masks)
         emitted = self.spec.verify(logits, verify) if verify else []
         seconds = device_clock(self.runner.device) - t0
         self.busy_seconds_total += seconds

@@ -326,13 +326,16 @@ class Sampler:
         """A request's 64-bit sampling seed: its own (as uint64), else one from the engine's seeded RNG."""
         return as_seed(seed) if seed is not None else int(self._rng.integers(0, 2**64, dtype=np.uint64))
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """Row i samples seqs[i]'s next token (at position seqs[i].num_tokens)."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], masks=None) -> SampleResult:
+        """Row i samples seqs[i]'s next token (at position seqs[i].num_tokens). `masks`: the step's grammar
+        bitmasks, filled while the model ran (engine.structured.StepMasks); else they are filled here."""
         raw = logits.float()
         params = [s.params for s in seqs]
         u = None if all(p.greedy for p in params) else row_uniforms(seqs, None, SAMPLE, raw.device)
         logits = penalize(raw, seqs)
-        if any(s.guide is not None for s in seqs):
+        if masks is not None:
+            logits = masks.apply(logits, seqs)
+        elif any(s.guide is not None for s in seqs):
             from engine.structured import mask_logits
             logits = mask_logits(logits, [s.guide for s in seqs])
         tokens = sample(logits, params, u)

@@ -214,3 +214,39 @@ def test_speculation_under_a_grammar_keeps_the_masked_target_distribution(one_ho
     tv_second = 0.5 * (freq - _masked([3, 4, 5, 6], params)).abs().sum()
     assert len(second) > 1500
     assert tv_first < 0.03 and tv_second < 0.04, (tv_first, tv_second)
+
+
+def test_masks_filled_while_the_model_runs_equal_masks_filled_at_sampling():
+    """engine.structured.StepMasks (filled on a thread during the forward) masks each constrained row as
+    mask_logits does, leaves free rows alone, and fills a row it was not started with on the spot."""
+    from engine.structured import StepMasks, mask_logits
+    guides = _toy_guides(3)
+    guides[1].accept(0)                                   # 'a': now d-g
+    seqs = [verifying([], SamplingParams(), None, 0) for _ in range(4)]
+    for s, g in zip(seqs, [guides[0], None, guides[1], guides[2]]):
+        s.guide = g
+    logits = torch.randn(4, V)
+    want = mask_logits(logits, [s.guide for s in seqs])
+    masks = StepMasks.start(seqs[:3], V)                  # the last was not scheduled with the others
+    got = masks.apply(logits[:3], seqs[:3])
+    assert torch.equal(got, want[:3]) and torch.equal(got[1], logits[1])
+    assert torch.equal(StepMasks.start(seqs[:3], V).apply(logits, seqs), want)
+    assert StepMasks.start([seqs[1]], V) is None          # nothing constrained: nothing to fill
+
+
+def test_the_cpu_bitmask_applies_equal_xgrammars():
+    """The C++ kernel (engine/cpu_attention.cpp) and the fallback without a compiler."""
+    import xgrammar as xgr
+    from engine import cpu_attention
+    from engine.structured import _apply_by_bytes, apply_bitmask
+    assert cpu_attention.available()
+    g = torch.Generator().manual_seed(3)
+    for vocab in (70, 4096):                                 # 70: the last word only partly used
+        logits = torch.randn(5, vocab, generator=g)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (5, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+        want = logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask, indices=[0, 2, 3])
+        for apply in (apply_bitmask, _apply_by_bytes):
+            got = apply(logits, bitmask, [0, 2, 3])
+            assert torch.equal(got, want) and torch.isinf(got).any()
+            assert torch.equal(got[[1, 4]], logits[[1, 4]])   # rows not named are untouched
