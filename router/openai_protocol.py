@@ -50,6 +50,7 @@ class OpenAIError(Exception):
 # tool_choice naming an undefined tool, two structured-output fields at once, a schema the grammar engine
 # refuses). tests/test_openai_protocol.py holds the document to the checks.
 _STR = {"type": "string"}
+_TEXT = {"type": "string", "minLength": 1}
 _OBJ = {"type": "object"}
 _CONTENT = {"anyOf": [_STR, {"type": "array", "items": {  # ContentPart
     "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _STR}}}]}
@@ -92,8 +93,8 @@ RESPONSE_FORMAT_SCHEMA = {"anyOf": [
             "name": _STR, "description": _STR, "schema": _OBJ, "strict": {"type": ["boolean", "null"]}}}}}]}
 STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [{"type": "null"}, {
     "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
-        "json": {"anyOf": [_OBJ, _STR]}, "json_object": {"const": True}, "regex": _STR,
-        "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}, "grammar": _STR}}]}
+        "json": {"anyOf": [_OBJ, _TEXT]}, "json_object": {"const": True}, "regex": _TEXT,
+        "choice": {"type": "array", "minItems": 1, "items": _TEXT}, "grammar": _TEXT}}]}
 
 
 class _Request(BaseModel):
@@ -120,10 +121,9 @@ class _Request(BaseModel):
     # vLLM: {"json" | "regex" | "choice" | "grammar": ...}
     structured_outputs: Annotated[dict[str, Any] | None, WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)] = None
     guided_json: dict[str, Any] | str | None = None        # vLLM's older names of the same
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(default=None, json_schema_extra={"minItems": 1, "items": {
-        "type": "string", "minLength": 1}})
-    guided_grammar: str | None = None
+    guided_regex: str | None = Field(default=None, json_schema_extra={"minLength": 1})
+    guided_choice: list[str] | None = Field(default=None, json_schema_extra={"minItems": 1, "items": _TEXT})
+    guided_grammar: str | None = Field(default=None, json_schema_extra={"minLength": 1})
 
     @property
     def include_usage(self) -> bool:

@@ -1,5 +1,6 @@
 """Scaled-out pools on the real app (conftest's SCALED_OUT): n-gram speculative decoding in the decode pool
-leaves greedy text as the pool without it (conftest's DISAGGREGATED) writes it; two ingress replicas, each
+leaves greedy text as the pool without it (conftest's DISAGGREGATED) writes it, and structured outputs and
+tool calls valid; two ingress replicas, each
 routing on its own mirror of one prefix index, send a repeated long prefix to the one prefill replica caching
 it. (The speculative test comes first: it starts from the app test_cluster_e2e.py leaves up.)"""
 from __future__ import annotations
@@ -62,6 +63,19 @@ def test_speculative_decoding_in_the_decode_pool_keeps_the_greedy_text(shared_cl
         return lambda: pool_total(scrape(BASE), metric, "decode") > pool_total(m0, metric, "decode")
     wait_for(grew("baton_spec_proposed_tokens_total"), 10, "the decode pool to report drafted tokens")
     wait_for(grew("baton_spec_accepted_tokens_total"), 10, "the decode pool to report accepted drafts")
+
+
+def test_structured_outputs_and_tool_calls_hold_with_ngram_speculation(shared_cluster):
+    """The same checks as without speculation (tests/structured_checks.py): drafts the grammar refuses are cut
+    and verify rows masked, so every schema-constrained answer still validates and forced calls parse."""
+    from tests.structured_checks import check_structured_outputs, check_tool_calls
+    shared_cluster.up(SCALED_OUT)
+    client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+    m0 = scrape(BASE)
+    check_structured_outputs(client, MODEL, quick=True)
+    check_tool_calls(client, MODEL, quick=True)
+    assert pool_total(scrape(BASE), "baton_spec_proposed_tokens_total", "decode") > \
+        pool_total(m0, "baton_spec_proposed_tokens_total", "decode")      # the drafter ran on these requests
 
 
 def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(shared_cluster):
