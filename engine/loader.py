@@ -113,9 +113,16 @@ def load_config(model: str):
     if model in DUMMY_SHAPES:
         return LlamaConfig(**DUMMY_SHAPES[model])
     try:
-        return AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model)
     except Exception as e:                                 # noqa: BLE001 - surface as our typed error
         raise ModelLoadError(f"cannot read the config of {model}: {e}") from e
+    quant = getattr(config, "quantization_config", None)
+    if quant:                                              # GPTQ/AWQ/FP8 tensors would load as garbage
+        method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None))
+        raise ModelLoadError(f"{model} holds {method or 'quantized'} weights (quantization_config in its "
+                             f"config.json), which this engine does not load: give the unquantized "
+                             f"checkpoint (fp32, fp16 or bf16) or a GGUF file")
+    return config
 
 
 def load_tokenizer(model: str):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -149,6 +150,16 @@ def test_bad_model_sources_raise_model_load_error(tmp_path, smol_path):
     (bad / "model.safetensors").write_bytes((Path(smol_path) / "model.safetensors").read_bytes()[:5_000_000])
     with pytest.raises(ModelLoadError, match="truncated or corrupt"):
         LLM(str(bad))
+    quantized = tmp_path / "gptq"
+    quantized.mkdir()
+    for f in Path(smol_path).iterdir():
+        (quantized / f.name).symlink_to(f)
+    (quantized / "config.json").unlink()
+    config = json.loads((Path(smol_path) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="holds gptq weights"):
+        LLM(str(quantized))
     with pytest.raises(ConfigError, match="unknown engine option"):
         LLM(smol_path, max_num_seq=4)
     with pytest.raises(ConfigError, match="less than max_model_len"):
