@@ -25,7 +25,8 @@ def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, BatonError, SamplingParams
     try:
         spec = json.loads(args.speculative_config) if args.speculative_config else None
-        llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=spec)
+        llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=spec,
+                  quantization=args.quantization)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -106,6 +107,9 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--quantization", default="auto",
+                   help="weights: auto (a GGUF, the default model included, runs packed on CPU), none (fp32), "
+                        "gguf, int8 (quantized at load), fp8")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM-style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.set_defaults(fn=_generate)

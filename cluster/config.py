@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.autoscaling import Autoscaling, Coupling, DecodeAutoscaling, PrefillAutoscaling, policy_kwargs
 from engine.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
+from engine.quant import QUANTIZATIONS
 from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
 from replica.names import INGRESS, POOLS
@@ -75,6 +76,10 @@ class EngineKnobs(_Schema):
     tokenizer: str | None = _knob("tokenizer", "Tokenizer directory (default: the model's own)")
     load_format: Literal["auto", "safetensors", "dummy"] | None = _knob(
         "load_format", "auto, safetensors, or dummy (random weights: benchmark a model without its checkpoint)")
+    quantization: Literal[QUANTIZATIONS] | None = _knob(
+        "quantization", "Weights: auto (a GGUF model, the default included, runs in its packed types on CPU), "
+                        "none (the model's dtype), gguf, int8 (weight-only, quantized at load), fp8 (refused: no "
+                        "FP8 kernels yet)")
     block_size: int | None = _knob("block_size", "Tokens per KV block, a power of two; the same in both pools "
                                                  "(blocks move between them whole)")
     max_num_seqs: int | None = _knob("max_num_seqs", "Most sequences in one running batch")

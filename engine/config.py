@@ -23,6 +23,7 @@ class EngineConfig:
     dtype: str = "auto"                       # auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"                      # auto = cuda if available else cpu
     load_format: str = "auto"                 # auto | safetensors | dummy
+    quantization: str = "auto"                # auto (a GGUF stays packed on CPU) | none | gguf | int8 | fp8: engine/quant.py
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048        # token budget of one step (prefill chunks + decodes)
@@ -54,6 +55,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        from engine.quant import QUANTIZATIONS
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
         from engine.spec.config import SpeculativeConfig

@@ -65,7 +65,10 @@ class LLMEngine:
             raise ConfigError(f"the KV cache holds {self.runner.num_blocks * self.block_size} tokens, "
                               f"less than max_model_len {self.max_model_len}: give it more memory")
         self.pool = BlockPool(self.runner.num_blocks, self.block_size, config.enable_prefix_caching, on_kv_event)
-        self.model_key = self.compat_key()
+        # the prefix cache's key: KV computed with other weights (packed or not) is other KV; the hand-off's
+        # compat_key stays the same (the layout is)
+        quant = self.runner.quantization
+        self.model_key = self.compat_key() + ("" if quant == "none" else f":q={quant}")
         self.kv = KVCacheManager(self.pool, self.model_key)
         self.scheduler = Scheduler(config, self.kv, clock)
         self.sampler = Sampler(config.seed)
@@ -80,8 +83,9 @@ class LLMEngine:
         self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
         self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
-        log.info("engine ready: %s, %s on %s, %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
-                 "max_model_len %d, weights loaded in %.1f s", self.model_path, self.runner.dtype,
+        log.info("engine ready: %s (weights %s, %.0f MiB), %s on %s, %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
+                 "max_model_len %d, weights loaded in %.1f s", self.model_path, quant,
+                 self.runner.weight_bytes / 2**20, self.runner.dtype,
                  self.runner.device, self.pool.num_blocks, self.block_size,
                  self.pool.num_blocks * self.runner.block_bytes / 2**20, self.pool.num_blocks * self.block_size,
                  self.max_model_len, self.runner.load_seconds)

@@ -15,15 +15,19 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from engine.errors import ModelLoadError
 
+if TYPE_CHECKING:
+    from engine.quant import QuantWeight
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+SOURCE_FILE = "baton_source.json"      # in a converted directory: the GGUF it came from
 
 # Shapes for load_format="dummy" when no config is at hand: benchmark a 1B or 8B model without weights.
 DUMMY_SHAPES: dict[str, dict] = {
@@ -76,6 +80,7 @@ def convert_gguf(gguf: Path) -> Path:
     key = hashlib.blake2b(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode(), digest_size=6).hexdigest()
     out = cache_dir() / "models" / f"{gguf.stem}-{key}"
     if (out / "model.safetensors").is_file():
+        (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))   # caches made before it was kept
         return out
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -98,6 +103,7 @@ def convert_gguf(gguf: Path) -> Path:
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
     if hf.generation_config is not None:
         hf.generation_config.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
@@ -106,6 +112,20 @@ def convert_gguf(gguf: Path) -> Path:
     steps.close()
     log.info("converted %s to %s in %.1f s", gguf, out, time.time() - t0)
     return out
+
+
+def names_gguf(model: str | None) -> bool:
+    """Whether the user named a GGUF: a .gguf file, or the default model (which ships as one)."""
+    return model is None or model == DEFAULT_MODEL or str(model).endswith(".gguf")
+
+
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file a converted directory came from (its packed weights load from there), if any."""
+    try:
+        path = Path(json.loads((Path(model) / SOURCE_FILE).read_text())["gguf"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return path if path.is_file() else None
 
 
 def load_config(model: str):
@@ -159,6 +179,67 @@ def iter_weights(model: str, shard_of: Callable[[str], tuple[int, int, int] | No
             raise
         except Exception as e:                             # noqa: BLE001 - truncated or corrupt file
             raise ModelLoadError(f"weights file {f} is truncated or corrupt: {e}") from e
+
+
+# GGUF tensor names -> Hugging Face names (llama.cpp's convert_hf_to_gguf, reversed)
+_GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+_GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
+
+
+def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
+    """Yield (HF name, tensor) straight from a GGUF: the packed types (engine/quant.py) as QuantWeights,
+    float tensors as fp32, any other type dequantized to fp32 (with a warning naming it). A llama GGUF
+    stores q and k rows in llama.cpp's rotary order; they come back in HF's."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from engine.quant import PACKED_GGUF_TYPES, from_gguf
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:                                 # noqa: BLE001
+        raise ModelLoadError(f"cannot read GGUF {path}: {e}") from e
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    unpacked: set[str] = set()
+    for t in reader.tensors:
+        base, _, suffix = t.name.rpartition(".")
+        parts = base.split(".")
+        if parts[0] in _GGUF_SKIP:
+            continue
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
+            name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{suffix}"
+        elif len(parts) == 1 and parts[0] in _GGUF_TOP:
+            name = f"{_GGUF_TOP[parts[0]]}.{suffix}"
+        else:
+            raise ModelLoadError(f"GGUF {path.name}: tensor {t.name!r} has no place in a {arch} model")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))       # ggml lists the fastest dim first
+        kind = t.tensor_type.name
+        if kind in PACKED_GGUF_TYPES and len(shape) == 2:
+            w = from_gguf(t.data, kind, shape)
+        else:
+            if kind not in ("F32", "F16", "BF16"):
+                unpacked.add(kind)
+            data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))   # a copy: the reader maps the file
+        if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
+            n = heads if parts[-1] == "attn_q" else kv_heads
+            w = w.rows(_unrotate(shape[0], n)) if not isinstance(w, torch.Tensor) else w[_unrotate(shape[0], n)]
+        yield name, w
+    if unpacked:
+        log.warning("GGUF %s: tensors of type %s are not kept packed; they run dequantized to fp32",
+                    path.name, ", ".join(sorted(unpacked)))
+
+
+def _unrotate(rows: int, n_head: int) -> "torch.Tensor":
+    """The row order that undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
+    return torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)
 
 
 def read_slice(fh, name: str, dim: int, start: int, stop: int) -> torch.Tensor:

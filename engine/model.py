@@ -21,6 +21,7 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import layer_views
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
+from engine.quant import QuantWeight, quantize_int8
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -205,6 +206,64 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
+def _quant_kernels():
+    """engine/quant_kernels.py when its C++ kernel built on this machine, else None."""
+    try:
+        from engine import quant_kernels
+    except ImportError:
+        return None
+    return quant_kernels if quant_kernels.available() else None
+
+
+class QuantLinear(nn.Module):
+    """A Linear over packed quantized weights (engine/quant.py), which the C++ kernel reads once per call
+    (engine/quant_kernels.py). Parts of different kinds (a Q4_K_M GGUF's Q6_K v beside its Q4_K q and k)
+    run one call each. Without a compiler the weight is dequantized once and runs as an fp32 Linear."""
+
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None):
+        super().__init__()
+        same = all((p.kind, p.group) == (parts[0].kind, parts[0].group) for p in parts)
+        self.weights = [QuantWeight.cat(parts)] if same and len(parts) > 1 else list(parts)
+        self.bias = None if bias is None else bias.detach()
+        self.kernels = _quant_kernels()
+        self.packed, self.fallback = [], None
+        if self.kernels is not None:
+            self.packed = [self.kernels.prepare(w.kind, w.qs, w.scales, w.mins, w.group) for w in self.weights]
+        else:
+            dense = torch.cat([w.dequantize() for w in self.weights])
+            self.fallback = (PackedLinear(dense, self.bias) if can_prepack(dense.device, dense.dtype)
+                             else nn.Linear(dense.shape[1], dense.shape[0], bias=self.bias is not None))
+            if isinstance(self.fallback, nn.Linear):
+                self.fallback.weight.data, self.fallback.bias = dense, self.bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds in memory (weight_bytes)."""
+        held = [t for w in self.weights for t in (w.qs, w.scales, w.mins) if t is not None]
+        return held + [t for p in self.packed for t in p] + ([] if self.bias is None else [self.bias])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fallback is not None:
+            return self.fallback(x.float()).to(x.dtype)
+        x32 = x.float().contiguous()
+        ys = [self.kernels.matmul(x32, p, w.kind, w.group, *w.shape) for w, p in zip(self.weights, self.packed)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings kept packed: a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: QuantWeight):
+        super().__init__()
+        self.qweight = weight
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.qweight.qs, self.qweight.scales, self.qweight.mins) if t is not None]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.dequantize(ids)
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     import os
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -258,6 +317,28 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.gather_to_driver(self.lm_head(h))
         return None if logits is None else logits[:, :self.config.vocab_size].float()
 
+    def embedding_rows(self, n: int) -> torch.Tensor:
+        """The first n rows of the token embedding, as numbers (packed or not): the weights' fingerprint."""
+        emb = self.model.embed_tokens
+        return emb.qweight.dequantize(slice(0, n)) if isinstance(emb, QuantEmbedding) else emb.weight[:n]
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight held, packed ones included, each shared tensor once."""
+        held = list(self.parameters()) + [t for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
+                                         for t in m.tensors()]
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in held}.values())
+
+    def quantize_linears(self) -> int:
+        """quantization="int8": every Linear (the head too; a tied embedding stays as it is for lookups)
+        becomes int8 with one scale per output row. Returns how many."""
+        if self.tp is not None:
+            raise ModelLoadError("quantization='int8' runs at tensor_parallel_size 1 only")
+        swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
+                 if isinstance(child, nn.Linear)]
+        for parent, name, child in swaps:
+            setattr(parent, name, QuantLinear([quantize_int8(child.weight)], child.bias))
+        return len(swaps)
+
     def prepack_linears(self) -> int:
         """After loading: swap every Linear for a PackedLinear (CPU fp32). Returns how many."""
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
@@ -293,10 +374,12 @@ class LlamaForCausalLM(nn.Module):
             return 1, cols[piece].start, cols[piece].stop
         return None                                       # norms, row-parallel biases: replicated
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled. Packed
+        weights (engine/quant.py, from a GGUF) replace their Linear or Embedding once all parts are in."""
         params = dict(self.named_parameters())
         filled: set[str] = set()
+        packed: dict[str, dict[int, tuple[QuantWeight, str, str]]] = {}
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -309,11 +392,37 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
-            self._copy_in(params[target], tensor, target, shard, name)
+            if isinstance(tensor, QuantWeight):
+                if self.tp is not None:
+                    raise ModelLoadError("packed (quantized) weights load at tensor_parallel_size 1 only")
+                packed.setdefault(target.rpartition(".")[0], {})[shard or 0] = (tensor, target, name)
+            else:
+                self._copy_in(params[target], tensor, target, shard, name)
             filled.add(name)
+        self._install_packed(packed, params)
         missing = self._expected_names() - filled
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _install_packed(self, packed: dict[str, dict[int, tuple[QuantWeight, str, str]]], params) -> None:
+        """Each module whose weight came packed becomes a QuantLinear / QuantEmbedding (a tied head shares
+        the embedding's packed rows). A fused module with a part that came as floats stays float."""
+        for module, parts in packed.items():
+            if module == "model.embed_tokens":
+                self.model.embed_tokens = QuantEmbedding(parts[0][0])
+                if self.tie_word_embeddings:
+                    self.lm_head = QuantLinear([parts[0][0]], None)
+                continue
+            whole = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+            old = self.get_submodule(module)
+            if not isinstance(old, nn.Linear):
+                raise ModelLoadError(f"{module} cannot hold packed weights")
+            if len(parts) < whole:
+                for shard, (qw, target, name) in parts.items():
+                    self._copy_in(params[target], qw.dequantize(), target, shard if whole > 1 else None, name)
+                continue
+            parent, _, attr = module.rpartition(".")
+            setattr(self.get_submodule(parent), attr, QuantLinear([parts[i][0] for i in range(whole)], old.bias))
 
     def _copy_in(self, param, tensor, target: str, shard: int | None, name: str) -> None:
         with torch.no_grad():

@@ -15,9 +15,10 @@ from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, p
 from engine.errors import ConfigError
 from engine.kv_layout import allocate_kv_cache, kv_cache_shape
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
-from engine.loader import DUMMY_SHAPES, init_dummy_weights, iter_weights
+from engine.loader import DUMMY_SHAPES, gguf_source, names_gguf, init_dummy_weights, iter_gguf_weights, iter_weights
 from engine.model import LlamaForCausalLM, can_prepack
 from engine.parallel import TPGroup
+from engine.quant import resolve_quantization
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -39,14 +40,22 @@ class ModelRunner:
         self.tp = tp
         self.on_step: Callable[[StepShape, np.ndarray, np.ndarray, int | None], ContextManager] | None = None
         t0 = time.perf_counter()
+        dummy = config.load_format == "dummy" or model_path in DUMMY_SHAPES
+        gguf = None if dummy else gguf_source(model_path)
+        self.quantization = resolve_quantization(config.quantization, gguf, names_gguf(config.model), self.device,
+                                                 1 if tp is None else tp.size)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len, tp=tp)
         self.model = model.materialize(self.device, self.dtype).eval()
-        if config.load_format == "dummy" or model_path in DUMMY_SHAPES:
+        if dummy:
             init_dummy_weights(self.model, config.seed)
+        elif self.quantization == "gguf":
+            self.model.load_weights(iter_gguf_weights(gguf, hf_config))
         else:
             self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.quantization == "int8":
+            self.model.quantize_linears()
+        self.weight_bytes = self.model.weight_bytes()
         if can_prepack(self.device, self.dtype):
             self.model.prepack_linears()
         self.load_seconds = time.perf_counter() - t0
@@ -88,7 +97,7 @@ class ModelRunner:
         """A cheap content hash of the weights (a few embedding rows): same checkpoint, same key,
         wherever it was loaded from."""
         import hashlib
-        rows = self.model.model.embed_tokens.weight[:8].detach().float().cpu().numpy().tobytes()
+        rows = self.model.embedding_rows(8).detach().float().cpu().numpy().tobytes()
         return hashlib.blake2b(rows, digest_size=8).hexdigest()
 
     def kv_budget(self) -> int:

@@ -226,5 +226,6 @@ def load_draft_runner(config, target_hf, max_model_len: int):
     c = config
     dcfg = EngineConfig(model=cfg.model, dtype=c.dtype, device=c.device, block_size=c.block_size, seed=c.seed,
                         max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                        enforce_eager=c.enforce_eager, load_format="dummy" if c.load_format == "dummy" else "auto")
+                        enforce_eager=c.enforce_eager, load_format="dummy" if c.load_format == "dummy" else "auto",
+                        quantization="auto" if c.quantization == "gguf" else c.quantization)
     return ModelRunner(dcfg, path, hf, max_model_len)

@@ -1,0 +1,157 @@
+"""Quantized weights kept packed: the formats the CPU kernels read, and how checkpoints become them.
+
+Two packed kinds cover every format we load, each re-expressed without loss:
+- "q4": 4-bit codes q in 0..15, w = scale * q + min per group of columns. GGUF Q4_0 (min = -8 scale),
+  Q4_1 and Q4_K (each 32-column sub-block's 6-bit scale and min folded into fp32) land here.
+- "q8": int8 codes, w = scale * q per group. GGUF Q8_0 (group 32), Q6_K (6-bit codes - 32, group 16) and
+  `quantization="int8"` (an fp16/bf16/fp32 checkpoint quantized at load, one scale per output row).
+
+`qs` holds the codes row by row: q8 as int8 [N, K]; q4 as uint8 [N, K / 2] where each 32-column block is
+16 bytes, the low nibbles its columns 0..15 and the high nibbles 16..31 (GGUF's Q4_0/Q4_1 order).
+`scales` (and q4's `mins`) are fp32 [N, K / group]. The kernels (engine/quant_kernels.py) take these
+tensors; `dequantize` is the reference every format is checked against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.errors import ConfigError, ModelLoadError
+
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")   # EngineConfig.quantization
+
+# GGUF types kept packed (the rest of a GGUF's tensors are dequantized to fp32 on load, with a warning).
+PACKED_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+@dataclass
+class QuantWeight:
+    kind: str                     # "q4" | "q8"
+    qs: torch.Tensor              # q4: uint8 [N, K // 2]; q8: int8 [N, K]
+    scales: torch.Tensor          # fp32 [N, K // group]
+    mins: torch.Tensor | None     # q4: fp32 [N, K // group]; q8: None
+    group: int                    # columns per scale: 16, 32, ..., K
+    source: str                   # what it was: "Q4_1", "Q8_0", "int8", ...
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * self.group
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+    def rows(self, index) -> "QuantWeight":
+        """The rows `index` (a slice, a permutation): a head's share, or q/k rows in HF order."""
+        pick = (lambda t: None if t is None else t[index].contiguous())
+        return QuantWeight(self.kind, pick(self.qs), pick(self.scales), pick(self.mins), self.group, self.source)
+
+    @staticmethod
+    def cat(parts: list["QuantWeight"]) -> "QuantWeight":
+        """Rows of several weights of one kind and group stacked (q, k, v into qkv)."""
+        a = parts[0]
+        if any((p.kind, p.group, p.shape[1]) != (a.kind, a.group, a.shape[1]) for p in parts):
+            raise ValueError("only weights of one kind, group and width stack")
+        cat = (lambda ts: None if ts[0] is None else torch.cat(ts))
+        return QuantWeight(a.kind, cat([p.qs for p in parts]), cat([p.scales for p in parts]),
+                           cat([p.mins for p in parts]), a.group, "+".join(sorted({p.source for p in parts})))
+
+    def codes(self, index=slice(None)) -> torch.Tensor:
+        """The integer codes of rows `index` as [n, K] (q4 unpacked to 0..15)."""
+        qs = self.qs[index]
+        if self.kind == "q8":
+            return qs
+        blocks = qs.view(qs.shape[0], -1, 16)
+        return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(qs.shape[0], -1)
+
+    def dequantize(self, index=slice(None)) -> torch.Tensor:
+        """fp32 [n, K] of rows `index` (all by default): the embedding lookup and every test's reference."""
+        q = self.codes(index).float()
+        n, k = q.shape
+        w = q.view(n, -1, self.group) * self.scales[index].unsqueeze(-1)
+        if self.mins is not None:
+            w = w + self.mins[index].unsqueeze(-1)
+        return w.view(n, k)
+
+
+def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device, tp_size: int) -> str:
+    """What the weights run as. "auto": a model named as a GGUF (the default model included) stays in its
+    packed types on CPU, as llama.cpp runs it; anything else runs in the model's dtype ("none"). `gguf` is
+    the GGUF the weights can load from (None for a dummy or a Hugging Face checkpoint)."""
+    if requested == "fp8":
+        raise ConfigError("quantization='fp8' needs FP8 GEMMs on a CUDA GPU, which this build does not have "
+                          "yet; on CPU use quantization='int8' or a GGUF model")
+    if requested == "auto":
+        return "gguf" if gguf is not None and named_gguf and device.type == "cpu" and tp_size == 1 else "none"
+    if requested == "gguf" and gguf is None:
+        raise ConfigError("quantization='gguf' needs a GGUF model (a .gguf file or the default model)")
+    if requested in ("gguf", "int8") and device.type != "cpu":
+        raise ConfigError(f"quantization={requested!r} has CPU kernels only so far; on {device.type} use "
+                          f"quantization='none'")
+    if requested in ("gguf", "int8") and tp_size > 1:
+        raise ConfigError(f"quantization={requested!r} runs at tensor_parallel_size 1 only so far")
+    return requested
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Weight-only int8 with one scale per output row (vLLM's `quantization="int8"` on a float checkpoint)."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+    qs = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight("q8", qs.contiguous(), scales.contiguous(), None, w.shape[1], "int8")
+
+
+# -- GGUF blocks -> packed ---------------------------------------------------------------------------
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 fields (the last axis holds their 2 bytes) as fp32."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes 0..15 [N, K] -> [N, K / 2] in the q4 layout (per 32 columns: low nibbles 0..15, high 16..31)."""
+    b = q.reshape(q.shape[0], -1, 2, 16).astype(np.uint8)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(q.shape[0], -1)
+
+
+def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantWeight:
+    """A GGUF tensor's bytes (uint8 [N, bytes per row], as gguf's reader gives them) of logical shape
+    [N, K], re-expressed exactly as a QuantWeight."""
+    n, k = shape
+    raw = np.asarray(raw, dtype=np.uint8).reshape(n, -1)
+    t = torch.from_numpy
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        head = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}[type_name]
+        blocks = raw.reshape(n, k // 32, -1)
+        d = _f16(blocks[:, :, 0:2])
+        if type_name == "Q8_0":
+            qs = blocks[:, :, 2:].view(np.int8).reshape(n, k)
+            return QuantWeight("q8", t(qs.copy()), t(d), None, 32, type_name)
+        m = -8.0 * d if type_name == "Q4_0" else _f16(blocks[:, :, 2:4])
+        qs = blocks[:, :, head:].reshape(n, k // 2)
+        return QuantWeight("q4", t(qs.copy()), t(d), t(np.ascontiguousarray(m, dtype=np.float32)), 32, type_name)
+    if type_name == "Q4_K":                # 144 bytes / 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of codes
+        blocks = raw.reshape(n, k // 256, 144)
+        d, dmin = _f16(blocks[:, :, 0:2]), _f16(blocks[:, :, 2:4])
+        s = blocks[:, :, 4:16].astype(np.uint8)
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+        codes = blocks[:, :, 16:].reshape(n, k // 256, 4, 32)     # 4 chunks of 64 columns: low, then high nibbles
+        q = np.stack([codes & 0xF, codes >> 4], axis=3).reshape(n, k)
+        scales = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
+        mins = (-(dmin[..., None] * mn.astype(np.float32))).reshape(n, k // 32)
+        return QuantWeight("q4", t(_pack_nibbles(q)), t(scales), t(mins), 32, type_name)
+    if type_name == "Q6_K":                # 210 bytes / 256: 128 low nibbles, 64 of 2-bit highs, 16 int8 scales, d
+        blocks = raw.reshape(n, k // 256, 210)
+        ql = blocks[:, :, 0:128].reshape(n, -1, 2, 64)            # two halves of 128 columns
+        qh = blocks[:, :, 128:192].reshape(n, -1, 2, 1, 32)
+        sc = blocks[:, :, 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blocks[:, :, 208:210])
+        low = np.concatenate([ql & 0xF, ql >> 4], axis=3).reshape(n, -1, 2, 4, 32)   # column groups of 32
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3
+        q = (low | (high << 4)).astype(np.int16) - 32
+        scales = (d[..., None] * sc).reshape(n, k // 16)
+        return QuantWeight("q8", t(q.astype(np.int8).reshape(n, k)), t(np.ascontiguousarray(scales)), None, 16,
+                           type_name)
+    raise ModelLoadError(f"GGUF type {type_name} is not kept packed (packed: {', '.join(PACKED_GGUF_TYPES)})")

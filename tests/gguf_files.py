@@ -1,0 +1,86 @@
+"""Small GGUF checkpoints the tests write with the `gguf` package: a tiny llama or qwen2 with random
+weights in the quantized types we ask for, and SmolLM2's tokenizer (copied from the default GGUF, so
+transformers can read the file for the dequantized reference)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _raw_kquant(rng, rows: int, cols: int, type_name: str) -> np.ndarray:
+    """Random blocks of a K-quant (the gguf package cannot quantize to them): random codes and
+    sub-block scales, and super-block scales small enough that weights stay near 0.02."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    halfs = {"Q4_K": [(0, 2e-4), (2, 1e-4)], "Q6_K": [(208, 2e-5)]}[type_name]
+    for offset, scale in halfs:           # d (and Q4_K's dmin): fp16, positive
+        d = rng.uniform(0.5, 1.0, raw.shape[:2]).astype(np.float16) * np.float16(scale)
+        raw[:, :, offset:offset + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden: int = 256,
+               intermediate: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    """`types` maps a GGUF tensor role ("token_embd", "attn_q", ..., "ffn_down", "output") to a type name
+    (F32, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, or any other the gguf package can quantize to); roles not named
+    are F32. K-quants need widths that are multiples of 256. An "output" entry writes an untied head."""
+    import gguf
+    from gguf.quants import quantize
+
+    from engine.loader import default_gguf
+    rng = np.random.default_rng(seed)
+    src = gguf.GGUFReader(str(default_gguf()))
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(hidden // heads)
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[-1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+
+    def add(name: str, role: str, rows: int, cols: int) -> None:
+        kind = types.get(role, "F32")
+        if kind in ("Q4_K", "Q6_K"):
+            w.add_tensor(name, _raw_kquant(rng, rows, cols, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+            return
+        x = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        if kind == "F32":
+            w.add_tensor(name, x)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+
+    head_dim = hidden // heads
+    add("token_embd.weight", "token_embd", vocab, hidden)
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        w.add_tensor(p + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        add(p + "attn_q.weight", "attn_q", heads * head_dim, hidden)
+        add(p + "attn_k.weight", "attn_k", kv_heads * head_dim, hidden)
+        add(p + "attn_v.weight", "attn_v", kv_heads * head_dim, hidden)
+        if arch == "qwen2":
+            for role, n in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
+                w.add_tensor(p + role + ".bias", (0.02 * rng.standard_normal(n * head_dim)).astype(np.float32))
+        add(p + "attn_output.weight", "attn_output", hidden, heads * head_dim)
+        add(p + "ffn_gate.weight", "ffn_gate", intermediate, hidden)
+        add(p + "ffn_up.weight", "ffn_up", intermediate, hidden)
+        add(p + "ffn_down.weight", "ffn_down", hidden, intermediate)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    if "output" in types:
+        add("output.weight", "output", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
