@@ -7,6 +7,7 @@ its request, which frees its blocks before the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from typing import Any, AsyncIterator
@@ -33,8 +34,9 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
-        """Yield one RequestOutput per new token (deltas in new_text/new_token_ids); the last has
-        finished=True. Bad input raises InvalidRequestError before anything is queued. kwargs go to
+        """Yield RequestOutputs as tokens come (deltas in new_text/new_token_ids); the last has finished=True.
+        A caller that falls behind the engine gets the outputs that piled up as one (vLLM does the same), so a
+        slow consumer costs one hop per wake-up, not one per token. Bad input raises InvalidRequestError before anything is queued. kwargs go to
         LLMEngine.add_request (priority, prefill_only, remote, block_hashes, resume)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -59,6 +61,9 @@ class AsyncLLM:
         try:
             while not finished:
                 item = await queue.get()
+                while not queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+                    nxt = queue.get_nowait()     # the caller fell behind: one output carries every delta since
+                    item = nxt if isinstance(nxt, BaseException) else coalesce(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -133,6 +138,11 @@ class AsyncLLM:
             if not busy or (not outputs and self.engine.is_waiting_for_kv()):
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
+
+
+def coalesce(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """b, the later output, carrying a's deltas too (the other fields are cumulative)."""
+    return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text)
 
 
 def _deliver(deliveries: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:

@@ -224,18 +224,30 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
     async def abort_midway():
         agen = llm.generate("Write a long poem.", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
         async for out in agen:
-            if len(out.token_ids) == 3:
+            if len(out.token_ids) >= 3:
                 break
         await agen.aclose()                                   # the client went away
         return llm.stats()
 
+    async def slow_consumer(prompt, n):                       # falls behind: outputs that piled up come as one
+        pieces, ids, outputs = [], [], 0
+        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):
+            pieces.append(out.new_text)
+            ids += out.new_token_ids
+            outputs += 1
+            if outputs == 1:
+                await asyncio.sleep(1.0)                      # the engine makes several tokens meanwhile
+        return "".join(pieces), ids, outputs, out
+
     async def main():
         return await asyncio.gather(consume("Hello, my name is", 20), consume("héllo 🌍 世界, say", 20),
-                                    abort_midway())
+                                    abort_midway(), slow_consumer("Hello, my name is", 20))
 
     try:
-        (t1, o1), (t2, o2), stats = asyncio.run(main())
+        (t1, o1), (t2, o2), stats, (t3, ids3, outputs3, o3) = asyncio.run(main())
         assert t1 == o1.text and len(o1.token_ids) == 20 and o1.finished
+        assert t3 == o3.text and ids3 == o3.token_ids == o1.token_ids, (ids3, o3.token_ids, o1.token_ids)
+        assert outputs3 < 20, outputs3
         assert t2 == o2.text and "\ufffd" not in t2
         sync = LLM(smol_path, kv_cache_memory=64 << 20, max_model_len=512)
         assert sync.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=20,
