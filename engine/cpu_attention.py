@@ -10,8 +10,8 @@ range of pairs sequence by sequence, every head of the range in one sweep where 
 one row (whole token rows stream in at once), a head at a time in the heads-outer cache (a head's
 tokens are one span there), and a single sequence still spreads its kv heads over the threads.
 Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++ otherwise) with
-torch's cpp_extension from engine/cpu_attention.cpp, cached under $BATON_CACHE/torch_extensions keyed by
-the source's content and the CPU's feature flags; if no compiler is there, the torch reference is used and a warning says so.
+engine/cpp_build.py from engine/cpu_attention.cpp (cached per source and CPU); if no compiler is there, the torch
+reference is used and a warning says so.
 
 The same module holds structured output's mask apply (apply_token_bitmask): it writes -inf over only the
 tokens a grammar forbids, where xgrammar's CPU path and any torch expression touch the whole vocabulary.
@@ -19,52 +19,18 @@ tokens a grammar forbids, where xgrammar's CPU path and any torch expression tou
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_suffix(".cpp")          # engine/cpu_attention.cpp, shipped as package data
+from engine.cpp_build import load_extension
 
-_lock = threading.Lock()
-_module = None
-_failed = False
+SOURCE = Path(__file__).with_suffix(".cpp")          # engine/cpu_attention.cpp, shipped as package data
 
 
 def _load():
-    global _module, _failed
-    with _lock:
-        if _module is None and not _failed:
-            try:
-                from torch.utils.cpp_extension import load
-                from engine.loader import cache_dir
-                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{_build_key()}"
-                build.mkdir(parents=True, exist_ok=True)
-                log.info("loading the CPU paged-attention kernel (compiled on first use per machine, ~30 s)")
-                _module = load("baton_cpu_attention", sources=[str(SOURCE)],
-                               extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
-                               extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-            except Exception as e:                       # noqa: BLE001 - no compiler: keep serving
-                _failed = True
-                log.warning("CPU attention kernel unavailable (%s); using the torch reference", e)
-    return _module
-
-
-def _build_key() -> str:
-    """The build directory's key: the source's content (an edited kernel builds afresh) and, since builds use
-    -march=native, the CPU's feature flags (none runs on another CPU)."""
-    import hashlib
-    import platform
-    flags = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.blake2b(SOURCE.read_bytes() + flags.encode(), digest_size=6).hexdigest()
+    return load_extension("baton_cpu_attention", SOURCE, "CPU paged-attention kernel")
 
 
 @functools.cache

@@ -1,0 +1,55 @@
+"""The one way Baton builds native code: a C++ source next to its loader, compiled on first use per machine.
+
+torch's cpp_extension compiles it with -O3 -march=native -fopenmp into $BATON_CACHE/torch_extensions, in a
+directory keyed by the source's content (an edited kernel builds afresh) and, since -march=native builds run
+only on the CPU they were built for, the CPU's feature flags. Each extension is built once per process; with no
+compiler the loader gets None (and a warning) and keeps serving with its torch fallback.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def load_extension(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
+    """The compiled module `name` from `source`, or None when it cannot be built (logged once as a warning
+    naming `what`, the kernel the caller falls back from)."""
+    with _lock:
+        if name not in _loaded:
+            try:
+                from torch.utils.cpp_extension import load
+                from engine.loader import cache_dir
+                cflags = CFLAGS + list(extra_cflags)
+                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{build_key(source, cflags)}"
+                build.mkdir(parents=True, exist_ok=True)
+                log.info("loading the %s (compiled on first use per machine, ~30 s)", what)
+                _loaded[name] = load(name, sources=[str(source)], extra_cflags=cflags,
+                                     extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            except Exception as e:                       # noqa: BLE001 - no compiler: keep serving
+                _loaded[name] = None
+                log.warning("%s unavailable (%s); using the torch reference", what, e)
+        return _loaded[name]
+
+
+def build_key(source: Path, cflags: list[str]) -> str:
+    """The build directory's key: the source's content, the flags and the CPU's feature flags."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.blake2b(source.read_bytes() + " ".join(cflags).encode() + flags.encode(),
+                           digest_size=6).hexdigest()

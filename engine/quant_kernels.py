@@ -1,0 +1,112 @@
+"""Weight-only quantized matmul on CPU: y = x @ W.T with W held as packed 4-bit or 8-bit integers.
+
+Decode reads every weight once per token, so on CPU its speed is the weights' bytes: SmolLM2-135M is 538 MB
+of fp32 per token, ~6x fewer as 4-bit. The C++ kernel (engine/quant_cpu.cpp, built by engine/cpp_build.py)
+quantizes the activations to int8 per 32-element block and takes each block's dot product in integers
+(AVX-512 VNNI, AVX2 or plain C++), so it also keeps up with fp32 oneDNN on prefill-sized M.
+
+Formats (what the caller builds, one row per output feature, K % 32 == 0):
+  "q4": qs uint8 [N, K/2], a 32-element block b of a row in qs[n, 16b:16b+16], element j < 16 the low nibble of
+        byte j, 16 + j its high nibble (GGUF order); w = scales[n, k // group] * q + mins[n, k // group], q 0..15.
+  "q8": qs int8 [N, K]; w = scales[n, k // group] * q. group 16 (GGUF Q6_K) or a multiple of 32 dividing K.
+Numerics: a row's block of x is s = max|x| / 127, q_a = round_half_even(x / s) (s = 0: zeros), and
+y[m, n] = sum over blocks b, in order, of s_a[b] * (d * dot(q_w, q_a) [+ min * sum(q_a)]) (two half-block dots with
+their scales for group 16), in fp32 with the same ops for every element, so a row's output is bitwise the same
+whichever rows share the call and however many threads run it. `emulate` is that math in torch (float64).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.cpp_build import load_extension
+
+SOURCE = Path(__file__).with_name("quant_cpu.cpp")
+TILE = 16                              # output rows per packed weight tile
+
+
+def _load():
+    return load_extension("baton_quant_cpu", SOURCE, "CPU quantized matmul kernel", ("-ffp-contract=off",))
+
+
+@functools.cache
+def available() -> bool:
+    return os.environ.get("BATON_CPU_KERNEL", "1") != "0" and _load() is not None
+
+
+def _unpack_q4(qs: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> q uint8 [N, K] in k order."""
+    n = qs.shape[0]
+    b = qs.view(n, -1, 16)
+    return torch.stack([b & 15, b >> 4], dim=2).view(n, -1)
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / 16), 16, ...], zero rows at the end."""
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, TILE, *t.shape[1:])
+
+
+def _lanes(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, G] -> [T, G, 16]: one 16-lane vector per tile and group."""
+    return _tiles(t.contiguous()).transpose(1, 2).contiguous()
+
+
+def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]:
+    """The kernel's layout (engine/quant_cpu.cpp): rows in tiles of 16, each block's bytes so that one 4-byte lane
+    per row holds 4 consecutive k; scales (and mins, or the q8 weights' int16 sums per 16 or 32) as 16-lane vectors."""
+    n, k = qs.shape[0], qs.shape[1] * (2 if kind == "q4" else 1)
+    nb = k // 32
+    if kind == "q4":
+        q = _tiles(_unpack_q4(qs)).view(-1, TILE, nb, 2, 4, 4)             # [T, row, block, half, v, i]
+        packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [T, block, v, row, i]
+        return packed.contiguous(), _lanes(scales.float()), _lanes(mins.float())
+    if kind == "q8":
+        packed = _tiles(qs).view(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)    # [T, block, c, row, i]
+        wg = 16 if group == 16 else 32
+        wsum = qs.view(n, k // wg, wg).sum(-1, dtype=torch.int32).to(torch.int16)
+        return packed.contiguous().view(torch.uint8), _lanes(scales.float()), _lanes(wsum)
+    raise ValueError(f"unknown quantized kind {kind!r}")
+
+
+def matmul(x: torch.Tensor, packed: tuple, kind: str, group: int, n: int, k: int) -> torch.Tensor:
+    """x fp32 [M, K] -> y fp32 [M, N] for weights packed by prepare()."""
+    qs, scales, extra = packed
+    return _load().matmul(x.float().contiguous().view(-1, k), qs, scales, extra, kind == "q4", group, n)
+
+
+def _quantize_acts(x: torch.Tensor):
+    """x [M, K] -> q [M, K/32, 32] (integers as float64), s [M, K/32] (float64 of the fp32 scale)."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    s = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(s > 0, torch.round((xb / s).clamp(-127, 127)), 0)
+    return q.double(), s.squeeze(-1).double()
+
+
+def emulate(x: torch.Tensor, kind: str, qs, scales, mins, group: int) -> torch.Tensor:
+    """The kernel's math in torch: exact integer block dots, the per-block scaling summed in float64."""
+    qa, sa = _quantize_acts(x)
+    m, nb = sa.shape
+    n = qs.shape[0]
+    qw = (_unpack_q4(qs) if kind == "q4" else qs).double()
+    u = 16 if group == 16 else 32                                          # elements per weight scale within a block
+    dots = torch.einsum("mbj,nbj->mnb", qa.reshape(m, -1, u), qw.view(n, -1, u))
+    d = scales.double().repeat_interleave(group // u, dim=1)                # [N, K/u]
+    y = torch.einsum("mnu,nu,mu->mn", dots, d, sa.repeat_interleave(32 // u, dim=1))
+    if kind == "q4":
+        mn = mins.double().repeat_interleave(group // 32, dim=1)            # [N, K/32]
+        y += torch.einsum("nb,mb->mn", mn, sa * qa.sum(-1))
+    return y.float()
+
+
+def dequantize(kind: str, qs, scales, mins, group: int) -> torch.Tensor:
+    """fp32 [N, K]."""
+    q = (_unpack_q4(qs) if kind == "q4" else qs).float()
+    w = q * scales.float().repeat_interleave(group, dim=1)
+    return w + mins.float().repeat_interleave(group, dim=1) if kind == "q4" else w
