@@ -223,29 +223,30 @@ class QuantLinear(nn.Module):
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None):
         super().__init__()
         same = all((p.kind, p.group) == (parts[0].kind, parts[0].group) for p in parts)
-        self.weights = [QuantWeight.cat(parts)] if same and len(parts) > 1 else list(parts)
+        weights = [QuantWeight.cat(parts)] if same and len(parts) > 1 else list(parts)
+        self.sources = [p.source for p in parts]
+        self.calls = [(w.kind, w.group, *w.shape) for w in weights]      # what each kernel call computes
         self.bias = None if bias is None else bias.detach()
         self.kernels = _quant_kernels()
         self.packed, self.fallback = [], None
-        if self.kernels is not None:
-            self.packed = [self.kernels.prepare(w.kind, w.qs, w.scales, w.mins, w.group) for w in self.weights]
+        if self.kernels is not None:         # the kernel's own layout replaces the loader's
+            self.packed = [self.kernels.prepare(w.kind, w.qs, w.scales, w.mins, w.group) for w in weights]
         else:
-            dense = torch.cat([w.dequantize() for w in self.weights])
+            dense = torch.cat([w.dequantize() for w in weights])
             self.fallback = (PackedLinear(dense, self.bias) if can_prepack(dense.device, dense.dtype)
                              else nn.Linear(dense.shape[1], dense.shape[0], bias=self.bias is not None))
             if isinstance(self.fallback, nn.Linear):
                 self.fallback.weight.data, self.fallback.bias = dense, self.bias
 
     def tensors(self) -> list[torch.Tensor]:
-        """What it holds in memory (weight_bytes)."""
-        held = [t for w in self.weights for t in (w.qs, w.scales, w.mins) if t is not None]
-        return held + [t for p in self.packed for t in p] + ([] if self.bias is None else [self.bias])
+        """What it holds in memory (weight_bytes; the no-compiler fallback's fp32 copy is not counted)."""
+        return [t for p in self.packed for t in p] + ([] if self.bias is None else [self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fallback is not None:
             return self.fallback(x.float()).to(x.dtype)
         x32 = x.float().contiguous()
-        ys = [self.kernels.matmul(x32, p, w.kind, w.group, *w.shape) for w, p in zip(self.weights, self.packed)]
+        ys = [self.kernels.matmul(x32, p, *call) for call, p in zip(self.calls, self.packed)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 

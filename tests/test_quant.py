@@ -20,6 +20,7 @@ from engine.model import QuantEmbedding, QuantLinear
 from engine.quant import PACKED_GGUF_TYPES, from_gguf, quantize_int8
 from tests.conftest import make_tiny_checkpoint
 from tests.gguf_files import _raw_kquant, write_gguf
+from tests.greedy import TOP_K, baton_greedy, check_greedy_close
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -52,9 +53,15 @@ def test_int8_quantization_error_is_bounded():
 
 
 @pytest.fixture(scope="module")
-def mixed_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gguf")
-    return {arch: str(write_gguf(d / f"{arch}.gguf", MIXED, arch=arch)) for arch in ("llama", "qwen2")}
+def mixed_file(tmp_path_factory):
+    """mixed_file(arch): the path of a GGUF holding MIXED, written on first use."""
+    d, made = tmp_path_factory.mktemp("gguf"), {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = str(write_gguf(d / f"{arch}.gguf", MIXED, arch=arch))
+        return made[arch]
+    return get
 
 
 def _prompts(n=3):
@@ -62,9 +69,9 @@ def _prompts(n=3):
     return [torch.randint(3, 40000, (k,), generator=g).tolist() for k in (9, 23, 40)[:n]]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_files, arch, caplog):
-    path = mixed_files[arch]
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])   # qwen2: q/k/v bias
+def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_file, arch, caplog):
+    path = mixed_file(arch)
     ref = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)       # transformers' dequantization
     with caplog.at_level(logging.WARNING, logger="engine.loader"):
         q = LLM(path, num_kv_blocks=64, max_model_len=512)                           # auto: a GGUF stays packed
@@ -73,7 +80,8 @@ def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_fil
     model = q.engine.runner.model
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QuantLinear) and [w.source for w in qkv.weights] == ["Q4_K", "Q4_0", "Q6_K"]
+    assert isinstance(qkv, QuantLinear) and qkv.sources == ["Q4_K", "Q4_0", "Q6_K"]
+    assert len(qkv.calls) == 3                                   # three kinds: one kernel call each
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantLinear)
     assert not isinstance(model.lm_head, QuantLinear)            # Q5_0: dequantized to fp32
     assert q.engine.runner.weight_bytes < 0.7 * ref.engine.runner.weight_bytes
@@ -102,7 +110,7 @@ def test_int8_runs_a_float_checkpoint_close_to_itself(tmp_path):
     assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone
 
 
-def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_files):
+def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_file):
     path = make_tiny_checkpoint(tmp_path, "llama")
     with pytest.raises(ConfigError, match="must be one of"):
         LLM(path, quantization="q3", num_kv_blocks=16)
@@ -111,9 +119,12 @@ def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_files):
     with pytest.raises(ConfigError, match="needs a GGUF"):
         LLM(path, quantization="gguf", num_kv_blocks=16)
     with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
-        LLM(mixed_files["llama"], quantization="gguf", tensor_parallel_size=2, num_kv_blocks=16)
-    assert LLM(mixed_files["llama"], tensor_parallel_size=2, num_kv_blocks=16,  # auto: unpacked at TP 2
-               max_model_len=256).engine.runner.quantization == "none"
+        LLM(mixed_file("llama"), quantization="gguf", tensor_parallel_size=2, num_kv_blocks=16)
+    tp2 = LLM(mixed_file("llama"), tensor_parallel_size=2, num_kv_blocks=16, max_model_len=256)
+    try:
+        assert tp2.engine.runner.quantization == "none"           # auto: a GGUF runs dequantized at TP 2
+    finally:
+        tp2.engine.shutdown()
 
 
 def test_gguf_tensor_without_a_place_is_refused(tmp_path):
@@ -139,28 +150,30 @@ def smol_formats():
     return {q: LLM(None, quantization=q, **kw) for q in ("none", "gguf", "int8")}
 
 
-def _perplexity(llm, ids: list[int]) -> float:
-    lp = engine_logprobs(llm, [ids])[0]
+def _perplexity(lp: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
 
 
+# measured (docs/benchmarks.md): perplexity 10.78 fp32, 10.87 gguf, 11.09 int8; top-1 agreement 0.95 / 0.92;
+# mean KL 0.011 / 0.030; the greedy continuations part at near-ties of at most 0.5 nats
+BOUNDS = {"gguf": dict(ppl=1.02, agree=0.92, kl=0.02), "int8": dict(ppl=1.05, agree=0.88, kl=0.05)}
+QUANT_GAP = 0.5     # nats: a greedy near-tie under quantized weights (fp32 order changes stay under 0.01)
+
+
 @pytest.mark.slow
-def test_smollm2_formats_stay_close_to_fp32(smol_formats):
-    fp32 = smol_formats["none"]
+@pytest.mark.parametrize("fmt", ["gguf", "int8"])
+def test_smollm2_formats_stay_close_to_fp32(smol_formats, fmt):
+    """"gguf" runs the checkpoint's own 4-bit weights, of which fp32 here is the exact dequantization: the gap is
+    what int8 activations cost. "int8" re-quantizes that fp32 copy, one scale per row, and pays twice."""
+    fp32, llm = smol_formats["none"], smol_formats[fmt]
+    assert llm.engine.runner.quantization == fmt and fp32.engine.runner.quantization == "none"
     ids = fp32.engine.tokenize(TEXT)[:400]
-    assert fp32.engine.runner.quantization == "none" and smol_formats["gguf"].engine.runner.quantization == "gguf"
-    base = _perplexity(fp32, ids)
-    ref_lp = engine_logprobs(fp32, [ids])[0]
-    prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
-    want = [o.token_ids for o in fp32.generate(prompts, GREEDY)]
-    for q in ("gguf", "int8"):
-        llm = smol_formats[q]
-        lp = engine_logprobs(llm, [ids])[0]
-        ppl = _perplexity(llm, ids)
-        # "gguf" holds the checkpoint's own 4-bit weights: fp32 here is their exact dequantization, so the gap
-        # is only what int8 activations cost; "int8" also re-quantizes the weights
-        assert ppl < base * 1.05, (q, ppl, base)
-        top_agree = (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean().item()
-        assert top_agree > 0.9, (q, top_agree)
-        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-        assert sum(g[:8] == w[:8] for g, w in zip(got, want)) >= 2, (q, got, want)
+    ref, lp = engine_logprobs(fp32, [ids])[0], engine_logprobs(llm, [ids])[0]
+    bound = BOUNDS[fmt]
+    assert _perplexity(lp, ids) < bound["ppl"] * _perplexity(ref, ids)
+    assert (lp.argmax(-1) == ref.argmax(-1)).float().mean() > bound["agree"]
+    assert (ref.exp() * (ref - lp)).sum(-1).mean() < bound["kl"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K)
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time,"]
+    for ours, want in zip(llm.generate(prompts, params), fp32.generate(prompts, params)):
+        check_greedy_close(baton_greedy(ours), baton_greedy(want), max_gap=QUANT_GAP)
