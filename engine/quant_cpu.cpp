@@ -52,20 +52,22 @@ void quantize_block(const float* x, uint8_t* q, float* s, float* ssum, bool offs
   *ssum = d * (float)sum;
 }
 
-struct Acts {                  // a quantized [M, K] activation
-  torch::Tensor q, s, ssum;    // uint8 [M, K], fp32 [M, K / 32] twice
+struct Acts {                  // a quantized [M, K] activation: q uint8 [M, K], s and ssum fp32 [M, K / 32]
+  torch::Tensor buf;           // all three in one allocation
+  const uint8_t* q; const float* s; const float* ssum;
 };
 
 Acts quantize(const torch::Tensor& x, bool offset) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  Acts a{torch::empty({M, K}, torch::kUInt8), torch::empty({M, nb}), torch::empty({M, nb})};
+  torch::Tensor buf = torch::empty({M * K + 8 * M * nb}, torch::kUInt8);
+  uint8_t* qp = buf.data_ptr<uint8_t>();
+  float* sp = (float*)(qp + M * K);            // K % 32 == 0: aligned as the allocation
+  float* ssp = sp + M * nb;
   const float* xp = x.data_ptr<float>();
-  uint8_t* qp = a.q.data_ptr<uint8_t>();
-  float *sp = a.s.data_ptr<float>(), *ssp = a.ssum.data_ptr<float>();
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_block(xp + i * QK, qp + i * QK, sp + i, ssp + i, offset);
   });
-  return a;
+  return Acts{buf, qp, sp, ssp};
 }
 
 // The weights of one call, in the layouts engine/quant_kernels.py's prepare() writes (T = ceil(N / 16) tiles):
@@ -89,9 +91,8 @@ template <int MT, int NV, bool Q4, bool G16>
 void tile_avx512(const Weights& w, const Acts& a, int64_t t0, int64_t m0, float* y) {
   const int64_t K = w.K, nb = w.nb, gpb = G16 ? 1 : w.group / QK;
   const int64_t bytes = Q4 ? 256 : 512;                      // of one tile's block
-  const uint8_t* aq = a.q.data_ptr<uint8_t>() + m0 * K;
-  const float* as = a.s.data_ptr<float>() + m0 * nb;
-  const float* ass = a.ssum.data_ptr<float>() + m0 * nb;
+  const uint8_t* aq = a.q + m0 * K;
+  const float *as = a.s + m0 * nb, *ass = a.ssum + m0 * nb;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
@@ -234,8 +235,8 @@ template <bool Q4, bool G16>
 void run(const Weights& w, const Acts& a, int64_t M, float* y) {
   const int64_t T = (w.N + NT - 1) / NT, K = w.K, nb = w.nb, gpb = G16 ? 1 : w.group / QK;
   const int64_t bytes = Q4 ? 256 : 512;
-  const uint8_t* aq = a.q.data_ptr<uint8_t>();
-  const float *as = a.s.data_ptr<float>(), *ass = a.ssum.data_ptr<float>();
+  const uint8_t *aq = a.q;
+  const float *as = a.s, *ass = a.ssum;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m = 0; m < M; ++m) {

@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("quant_cpu.cpp")
 TILE = 16                              # output rows per packed weight tile
 
 
+@functools.cache
 def _load():
     return load_extension("baton_quant_cpu", SOURCE, "CPU quantized matmul kernel", ("-ffp-contract=off",))
 
@@ -77,8 +78,7 @@ def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]
 
 def matmul(x: torch.Tensor, packed: tuple, kind: str, group: int, n: int, k: int) -> torch.Tensor:
     """x fp32 [M, K] -> y fp32 [M, N] for weights packed by prepare()."""
-    qs, scales, extra = packed
-    return _load().matmul(x.float().contiguous().view(-1, k), qs, scales, extra, kind == "q4", group, n)
+    return _load().matmul(x.float().contiguous(), *packed, kind == "q4", group, n)
 
 
 def _quantize_acts(x: torch.Tensor):
