@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.cpp_build import load_extension
 
