@@ -32,7 +32,7 @@ def load_extension(name: str, source: Path, what: str, extra_cflags: tuple[str, 
                 from torch.utils.cpp_extension import load
                 from engine.loader import cache_dir
                 cflags = CFLAGS + list(extra_cflags)
-                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{build_key(source, cflags)}"
+                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{build_key(name, source, cflags)}"
                 build.mkdir(parents=True, exist_ok=True)
                 log.info("loading the %s (compiled on first use per machine, ~30 s)", what)
                 _loaded[name] = load(name, sources=[str(source)], extra_cflags=cflags,
@@ -43,13 +43,13 @@ def load_extension(name: str, source: Path, what: str, extra_cflags: tuple[str, 
         return _loaded[name]
 
 
-def build_key(source: Path, cflags: list[str]) -> str:
-    """The build directory's key: the source's content, the flags and the CPU's feature flags."""
+def build_key(name: str, source: Path, cflags: list[str]) -> str:
+    """The build directory's key: the module's name, the source's content, the flags and the CPU's feature flags."""
     flags = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return hashlib.blake2b(source.read_bytes() + " ".join(cflags).encode() + flags.encode(),
+    return hashlib.blake2b(name.encode() + source.read_bytes() + " ".join(cflags).encode() + flags.encode(),
                            digest_size=6).hexdigest()

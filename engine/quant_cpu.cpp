@@ -52,31 +52,40 @@ void quantize_block(const float* x, uint8_t* q, float* s, float* ssum, bool offs
   *ssum = d * (float)sum;
 }
 
-struct Acts {                  // a quantized [M, K] activation
-  torch::Tensor q, s, ssum;    // uint8 [M, K], fp32 [M, K / 32] twice
+struct Acts {                  // a quantized [M, K] activation: q uint8 [M, K], s and ssum fp32 [M, K / 32]
+  torch::Tensor buf;           // all three in one allocation
+  const uint8_t* q; const float* s; const float* ssum;
 };
 
 Acts quantize(const torch::Tensor& x, bool offset) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  Acts a{torch::empty({M, K}, torch::kUInt8), torch::empty({M, nb}), torch::empty({M, nb})};
+  torch::Tensor buf = torch::empty({M * K + 8 * M * nb}, torch::kUInt8);
+  uint8_t* qp = buf.data_ptr<uint8_t>();
+  float* sp = (float*)(qp + M * K);            // K % 32 == 0: aligned as the allocation
+  float* ssp = sp + M * nb;
   const float* xp = x.data_ptr<float>();
-  uint8_t* qp = a.q.data_ptr<uint8_t>();
-  float *sp = a.s.data_ptr<float>(), *ssp = a.ssum.data_ptr<float>();
   at::parallel_for(0, M * nb, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) quantize_block(xp + i * QK, qp + i * QK, sp + i, ssp + i, offset);
   });
-  return a;
+  return Acts{buf, qp, sp, ssp};
 }
 
-// The weights of one call, in the layouts engine/quant_kernels.py's prepare() writes (T = ceil(N / 16) tiles):
-//   q4: qs uint8 [T, K/32, 4, 16, 4], byte (v, j, i) of a block = q[k = 4v + i] | q[k = 16 + 4v + i] << 4 of row j
-//   q8: qs int8 [T, K/32, 8, 16, 4], byte (c, j, i) = q[k = 4c + i] of row j; wsum int16 [T, K/wg, 16], the sum of
-//       each wg-element run (wg = 16 for group 16, else 32)
-//   scales, mins: fp32 [T, K/group, 16]
+// The weights of one call as engine/quant_kernels.py's prepare() lays them out: T = ceil(N / 16) tiles of 16 rows,
+// each one stream of spans of S = max(group, 32) k that share their scales: S / 32 blocks, then the span's scales
+// (16 fp32, two such for group 16), then for q4 its mins (16 fp32), for q8 its blocks' weight sums (16 int16 per
+// block, per half-block for group 16). A block holds
+//   q4: 256 bytes [4][16][4], byte (v, j, i) = q[k = 4v + i] | q[k = 16 + 4v + i] << 4 of row j
+//   q8: 512 bytes [8][16][4], byte (c, j, i) = q[k = 4c + i] of row j
 struct Weights {
-  const uint8_t* qs; const float* d; const float* mn; const int16_t* wsum;
-  int64_t N, K, nb, ng, group;
-  bool q4;
+  const uint8_t* buf;
+  int64_t N, K, nb, group, bps, bytes, span;        // blocks per span, bytes per block, bytes per span
+  const uint8_t* at(int64_t t, int64_t b) const { return buf + (t * (nb / bps) + b / bps) * span; }
+  const uint8_t* q(int64_t t, int64_t b) const { return at(t, b) + b % bps * bytes; }
+  const float* d(int64_t t, int64_t b) const { return (const float*)(at(t, b) + bps * bytes); }
+  const float* mn(int64_t t, int64_t b) const { return d(t, b) + NT; }
+  const int16_t* wsum(int64_t t, int64_t b) const {
+    return (const int16_t*)(d(t, b) + (group == 16 ? 2 : 1) * NT) + b % bps * NT;
+  }
 };
 
 inline void store_row(float* y, const float* acc, int64_t n0, int64_t N) {
@@ -87,11 +96,9 @@ inline void store_row(float* y, const float* acc, int64_t n0, int64_t N) {
 // MT activation rows x NV weight tiles, all K blocks, registers only.
 template <int MT, int NV, bool Q4, bool G16>
 void tile_avx512(const Weights& w, const Acts& a, int64_t t0, int64_t m0, float* y) {
-  const int64_t K = w.K, nb = w.nb, gpb = G16 ? 1 : w.group / QK;
-  const int64_t bytes = Q4 ? 256 : 512;                      // of one tile's block
-  const uint8_t* aq = a.q.data_ptr<uint8_t>() + m0 * K;
-  const float* as = a.s.data_ptr<float>() + m0 * nb;
-  const float* ass = a.ssum.data_ptr<float>() + m0 * nb;
+  const int64_t K = w.K, nb = w.nb;
+  const uint8_t* aq = a.q + m0 * K;
+  const float *as = a.s + m0 * nb, *ass = a.ssum + m0 * nb;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
@@ -103,7 +110,7 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t t0, int64_t m0, float*
       for (int v = 0; v < NV; ++v) {
         __m512i init = _mm512_setzero_si512();
         if (!Q4) {                                              // (q + 128) . w = q . w + 128 * sum(w)
-          const int16_t* ws = w.wsum + ((t0 + v) * (K / (G16 ? 16 : 32)) + b * H + h) * NT;
+          const int16_t* ws = w.wsum(t0 + v, b) + h * NT;
           init = _mm512_sub_epi32(init, _mm512_slli_epi32(
               _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)ws)), 7));
         }
@@ -114,7 +121,7 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t t0, int64_t m0, float*
       for (int c = 0; c < 4; ++c) {
         __m512i lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
-          __m512i x = _mm512_loadu_si512(w.qs + ((t0 + v) * nb + b) * bytes + c * 64);
+          __m512i x = _mm512_loadu_si512(w.q(t0 + v, b) + c * 64);
           lo[v] = _mm512_and_si512(x, low);
           hi[v] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
         }
@@ -128,7 +135,7 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t t0, int64_t m0, float*
     } else {
       for (int c = 0; c < 8; ++c) {
         __m512i wv[NV];
-        for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w.qs + ((t0 + v) * nb + b) * bytes + c * 64);
+        for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_si512(w.q(t0 + v, b) + c * 64);
         for (int m = 0; m < MT; ++m) {
           const __m512i av = _mm512_set1_epi32(load4(qa + m * K + 4 * c));
           for (int v = 0; v < NV; ++v) {
@@ -139,9 +146,9 @@ void tile_avx512(const Weights& w, const Acts& a, int64_t t0, int64_t m0, float*
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const float* dp = w.d + ((t0 + v) * w.ng + (G16 ? 2 * b : b / gpb)) * NT;
+      const float* dp = w.d(t0 + v, b);
       const __m512 d0 = _mm512_loadu_ps(dp), d1 = G16 ? _mm512_loadu_ps(dp + NT) : d0;
-      const __m512 mn = Q4 ? _mm512_loadu_ps(w.mn + ((t0 + v) * w.ng + b / gpb) * NT) : d0;
+      const __m512 mn = Q4 ? _mm512_loadu_ps(w.mn(t0 + v, b)) : d0;
       for (int m = 0; m < MT; ++m) {
         __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(ia[0][m][v]), d0);
         if (G16) p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[H - 1][m][v]), d1, p);
@@ -183,7 +190,7 @@ void run(const Weights& w, const Acts& a, int64_t M, float* y) {
 #else
 // Integer dots of one activation block against one weight tile: dot[h][j] for row j, half h (G16) of the block.
 template <bool Q4, bool G16>
-void block_dots(const uint8_t* wq, const int16_t* ws, const uint8_t* qa, int32_t dot[2][NT]) {
+void block_dots(const uint8_t* wq, const uint8_t* qa, int32_t dot[2][NT]) {
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {                     // rows 8 * half .. 8 * half + 7
@@ -209,7 +216,6 @@ void block_dots(const uint8_t* wq, const int16_t* ws, const uint8_t* qa, int32_t
       for (int h = 0; h < (G16 ? 2 : 1); ++h) _mm256_storeu_si256((__m256i*)(dot[h] + 8 * half), s32[h]);
     }
   }
-  (void)ws;
 #else
   for (int j = 0; j < NT; ++j) {
     int32_t s[2] = {0, 0};
@@ -226,25 +232,23 @@ void block_dots(const uint8_t* wq, const int16_t* ws, const uint8_t* qa, int32_t
     dot[0][j] = s[0];
     dot[1][j] = s[1];
   }
-  (void)ws;
 #endif
 }
 
 template <bool Q4, bool G16>
 void run(const Weights& w, const Acts& a, int64_t M, float* y) {
-  const int64_t T = (w.N + NT - 1) / NT, K = w.K, nb = w.nb, gpb = G16 ? 1 : w.group / QK;
-  const int64_t bytes = Q4 ? 256 : 512;
-  const uint8_t* aq = a.q.data_ptr<uint8_t>();
-  const float *as = a.s.data_ptr<float>(), *ass = a.ssum.data_ptr<float>();
+  const int64_t T = (w.N + NT - 1) / NT, K = w.K, nb = w.nb;
+  const uint8_t *aq = a.q;
+  const float *as = a.s, *ass = a.ssum;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m = 0; m < M; ++m) {
         float acc[NT] = {};
         int32_t dot[2][NT];
         for (int64_t b = 0; b < nb; ++b) {
-          block_dots<Q4, G16>(w.qs + (t * nb + b) * bytes, nullptr, aq + m * K + b * QK, dot);
-          const float* d = w.d + (t * w.ng + (G16 ? 2 * b : b / gpb)) * NT;
-          const float* mn = Q4 ? w.mn + (t * w.ng + b / gpb) * NT : nullptr;
+          block_dots<Q4, G16>(w.q(t, b), aq + m * K + b * QK, dot);
+          const float* d = w.d(t, b);
+          const float* mn = w.mn(t, b);
           for (int j = 0; j < NT; ++j) {
             float p = (float)dot[0][j] * d[j];
             if (G16) p = std::fma((float)dot[1][j], d[NT + j], p);
@@ -258,14 +262,14 @@ void run(const Weights& w, const Acts& a, int64_t M, float* y) {
 }
 #endif
 
-torch::Tensor matmul(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, torch::Tensor extra,
-                     bool q4, int64_t group, int64_t n) {
+torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, bool q4, int64_t group, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0 && K % group == 0 && (group == 16 || group % QK == 0), "bad K or group");
-  Weights w{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), q4 ? extra.data_ptr<float>() : nullptr,
-            q4 ? nullptr : extra.data_ptr<int16_t>(), n, K, K / QK, K / group, group, q4};
-  TORCH_CHECK(qs.numel() == (n + NT - 1) / NT * NT * (q4 ? K / 2 : K), "packed weights do not match n, k");
+  const int64_t bps = std::max(group, QK) / QK, bytes = q4 ? 256 : 512, nsc = group == 16 ? 2 : 1;
+  Weights w{packed.data_ptr<uint8_t>(), n, K, K / QK, group, bps, bytes,
+            bps * bytes + nsc * 64 + (q4 ? 64 : bps * nsc * 32)};
+  TORCH_CHECK(packed.numel() == (n + NT - 1) / NT * (K / QK / bps) * w.span, "packed weights do not match n, k");
   Acts a = quantize(x, !q4);
   torch::Tensor y = torch::empty({M, n});
   if (M == 0) return y;

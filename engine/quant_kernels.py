@@ -21,7 +21,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.cpp_build import load_extension
 
@@ -29,6 +28,7 @@ SOURCE = Path(__file__).with_name("quant_cpu.cpp")
 TILE = 16                              # output rows per packed weight tile
 
 
+@functools.cache
 def _load():
     return load_extension("baton_quant_cpu", SOURCE, "CPU quantized matmul kernel", ("-ffp-contract=off",))
 
@@ -59,26 +59,29 @@ def _lanes(t: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]:
-    """The kernel's layout (engine/quant_cpu.cpp): rows in tiles of 16, each block's bytes so that one 4-byte lane
-    per row holds 4 consecutive k; scales (and mins, or the q8 weights' int16 sums per 16 or 32) as 16-lane vectors."""
+    """The kernel's layout (engine/quant_cpu.cpp), one uint8 tensor: rows in tiles of 16, each tile one stream of
+    spans of max(group, 32) k, a span's blocks (bytes arranged so that one 4-byte lane per row holds 4 consecutive
+    k) followed by its scales and its mins (q4) or its weights' int16 sums (q8), each a 16-lane vector."""
+    if kind not in ("q4", "q8"):
+        raise ValueError(f"unknown quantized kind {kind!r}")
     n, k = qs.shape[0], qs.shape[1] * (2 if kind == "q4" else 1)
-    nb = k // 32
+    nb, span = k // 32, max(group, 32)
     if kind == "q4":
-        q = _tiles(_unpack_q4(qs)).view(-1, TILE, nb, 2, 4, 4)             # [T, row, block, half, v, i]
-        packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [T, block, v, row, i]
-        return packed.contiguous(), _lanes(scales.float()), _lanes(mins.float())
-    if kind == "q8":
-        packed = _tiles(qs).view(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)    # [T, block, c, row, i]
+        q = _tiles(_unpack_q4(qs)).view(-1, TILE, nb, 2, 4, 4)                  # [T, row, block, half, v, i]
+        blocks = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [T, block, v, row, i]
+        extra = _lanes(mins.float())
+    else:
+        blocks = _tiles(qs).view(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)     # [T, block, c, row, i]
         wg = 16 if group == 16 else 32
-        wsum = qs.view(n, k // wg, wg).sum(-1, dtype=torch.int32).to(torch.int16)
-        return packed.contiguous().view(torch.uint8), _lanes(scales.float()), _lanes(wsum)
-    raise ValueError(f"unknown quantized kind {kind!r}")
+        extra = _lanes(qs.view(n, k // wg, wg).sum(-1, dtype=torch.int32).to(torch.int16))
+    parts = [blocks.contiguous().view(torch.uint8), _lanes(scales.float()).view(torch.uint8), extra.view(torch.uint8)]
+    spans = k // span
+    return (torch.cat([p.reshape(p.shape[0], spans, -1) for p in parts], dim=2).contiguous(),)
 
 
 def matmul(x: torch.Tensor, packed: tuple, kind: str, group: int, n: int, k: int) -> torch.Tensor:
     """x fp32 [M, K] -> y fp32 [M, N] for weights packed by prepare()."""
-    qs, scales, extra = packed
-    return _load().matmul(x.float().contiguous().view(-1, k), qs, scales, extra, kind == "q4", group, n)
+    return _load().matmul(x.float().contiguous(), *packed, kind == "q4", group, n)
 
 
 def _quantize_acts(x: torch.Tensor):
