@@ -480,8 +480,105 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
   });
 }
 
+// RMSNorm of the rows of x [T, H] by w [H]: x / sqrt(mean(x^2) + eps) * w, in HF's order. With a residual,
+// residual += x first and the norm is of that sum (vLLM's fused_add_rms_norm): one pass over each row where
+// torch takes six ops. 16 running sums per row, then a fixed tree: the same for every T and thread count.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                       const c10::optional<torch::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu(),
+              "x: contiguous fp32 [T, H] on CPU");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat, "w: fp32 [H]");
+  float* r = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == torch::kFloat, "residual: like x");
+    r = residual->data_ptr<float>();
+  }
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      const float* src = xp + t * H;
+      if (r) {
+        float* rr = r + t * H;
+        for (int64_t h = 0; h < H; ++h) rr[h] += src[h];
+        src = rr;
+      }
+      float acc[16] = {0.f};
+      int64_t h = 0;
+      for (; h + 16 <= H; h += 16)
+        for (int j = 0; j < 16; ++j) acc[j] += src[h + j] * src[h + j];
+      for (; h < H; ++h) acc[h & 15] += src[h] * src[h];
+      for (int width = 8; width >= 1; width /= 2)
+        for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+      const float inv = 1.0f / std::sqrt(acc[0] / static_cast<float>(H) + e);
+      float* dst = op + t * H;
+      for (int64_t k = 0; k < H; ++k) dst[k] = (src[k] * inv) * wp[k];
+    }
+  });
+  return out;
+}
+
+// In place on qkv [T, (H + 2G) * D]: rotate its H query and G key heads by cos/sin [T, D/2] (HF's rotate_half:
+// d pairs with d + D/2), then store the keys and the values at their slots of one layer's caches
+// [blocks, block_size, G, D] (any strides, rows contiguous). Replaces rotate, concatenate and two scatters.
+void rope_write_kv(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
+                   torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t H, int64_t G) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat, "qkv: contiguous fp32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
+              k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
+              "caches: fp32 [blocks, block_size, G, D], K and V alike, rows contiguous");
+  const int64_t T = qkv.size(0), D = k_cache.size(3), half = D / 2, bs = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == G && qkv.size(1) == (H + 2 * G) * D && D % 2 == 0, "qkv width != (H + 2G) * D");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * half && sin.numel() == T * half &&
+              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat, "cos, sin: fp32 [T, D/2]");
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t nslots = k_cache.size(0) * bs;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "slot out of range");
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* snp = sin.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2), W = (H + 2 * G) * D;
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      float* row = base + t * W;
+      const float* c = cp + t * half;
+      const float* s = snp + t * half;
+      for (int64_t head = 0; head < H + G; ++head) {
+        float* x = row + head * D;
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = x[d], bb = x[d + half];
+          x[d] = a * c[d] - bb * s[d];
+          x[d + half] = bb * c[d] + a * s[d];
+        }
+      }
+      const int64_t slot = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
+      for (int64_t g = 0; g < G; ++g) {
+        std::memcpy(kc + slot + g * s2, row + (H + g) * D, D * sizeof(float));
+        std::memcpy(vc + slot + g * s2, row + (H + G + g) * D, D * sizeof(float));
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: -inf where a token's bit is 0");
-  m.def("paged_attention_varlen", &paged_attention_varlen, "queries of any length over the paged cache");
-  m.def("paged_decode", &paged_decode, "one query token per sequence over the paged cache");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: -inf where a token's bit is 0",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention_varlen", &paged_attention_varlen, "queries of any length over the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode", &paged_decode, "one query token per sequence over the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows, with an optional residual added first (in place)",
+        py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("residual") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_write_kv", &rope_write_kv, "rotate q and k in place, store k and v at their cache slots",
+        py::call_guard<py::gil_scoped_release>());
 }

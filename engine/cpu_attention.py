@@ -13,6 +13,11 @@ Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++
 engine/cpp_build.py from engine/cpu_attention.cpp (cached per source and CPU); if no compiler is there, the torch
 reference is used and a warning says so.
 
+Beside it, two ops of the CPU forward that torch runs as many small ones (each layer's overhead at decode
+batch sizes is mostly op dispatch): rms_norm (with the residual add fused, as vLLM's fused_add_rms_norm) and
+rope_write_kv (rotate q and k in place and store k and v at their cache slots). Every op here releases the
+GIL while it runs, as torch's own do, so a server's event loop runs beside the forward.
+
 The same module holds structured output's mask apply (apply_token_bitmask): it writes -inf over only the
 tokens a grammar forbids, where xgrammar's CPU path and any torch expression touch the whole vocabulary.
 """
@@ -57,3 +62,16 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     """In place: logits [R, V] (fp32) at -inf wherever bit t of bitmask [R, ceil(V / 32)] (int32) is 0, in the
     rows `rows` (int64)."""
     _load().apply_token_bitmask(logits, bitmask, rows)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of x [T, H] (fp32, contiguous); with `residual`, residual += x first (in place) and
+    the norm is of the sum."""
+    return _load().rms_norm(x, weight, eps, residual)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """In place on qkv [T, (H + 2G) * D]: rotate the q and k heads by cos/sin [T, D/2], then store k and v at
+    their slots of one layer's caches [blocks, block_size, G, D]."""
+    _load().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)

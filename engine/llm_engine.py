@@ -14,6 +14,8 @@ import time
 import uuid
 from typing import Callable
 
+import torch
+
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.device_clock import device_clock
@@ -83,10 +85,10 @@ class LLMEngine:
         self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
         self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
-        log.info("engine ready: %s (weights %s, %.0f MiB), %s on %s, %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
+        log.info("engine ready: %s (weights %s, %.0f MiB), %s on %s (%d threads), %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
                  "max_model_len %d, weights loaded in %.1f s", self.model_path, quant,
                  self.runner.weight_bytes / 2**20, self.runner.dtype,
-                 self.runner.device, self.pool.num_blocks, self.block_size,
+                 self.runner.device, torch.get_num_threads(), self.pool.num_blocks, self.block_size,
                  self.pool.num_blocks * self.runner.block_bytes / 2**20, self.pool.num_blocks * self.block_size,
                  self.max_model_len, self.runner.load_seconds)
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_attention
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import layer_views
@@ -33,12 +34,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _cpu_kernel(x):
+            return cpu_attention.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:            # one fused op; bit-identical to the steps below in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # HF's order for low precision: normalise in fp32, cast back, then scale
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then the norm of it: one pass on CPU."""
+        if _cpu_kernel(x) and _cpu_kernel(residual):
+            return cpu_attention.rms_norm(x, self.weight, self.eps, residual)
+        residual.add_(x)
+        return self(residual)
+
+
+def _cpu_kernel(t: torch.Tensor) -> bool:
+    """Whether the C++ CPU ops (engine/cpu_attention.py) take this tensor: fp32, contiguous, on CPU."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and cpu_attention.available()
 
 
 class RotaryEmbedding(nn.Module):
@@ -143,11 +158,19 @@ class Attention(nn.Module):
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata):
         qkv = self.qkv_proj(x)
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(x.shape[0], -1, self.head_dim), *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]        # one rotation for q and k
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = layer_views(kv_cache, self.layer_idx)
-        write_kv(k_cache, v_cache, k, v, md.slot_mapping)
+        if _cpu_kernel(qkv) and _cpu_kernel(k_cache[:0]):     # rotate and store in one op
+            t = qkv.shape[0]
+            cpu_attention.rope_write_kv(qkv, rope[0].view(t, -1), rope[1].view(t, -1), k_cache, v_cache,
+                                        md.slot_mapping, self.num_heads, self.num_kv_heads)
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+        else:
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(x.shape[0], -1, self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]        # one rotation for q and k
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        if not _cpu_kernel(qkv) or not _cpu_kernel(k_cache[:0]):
+            write_kv(k_cache, v_cache, k, v, md.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -175,9 +198,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rope, kv_cache, md):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, md):
+        """x: the last layer's output (the embeddings, with residual None, for the first); residual: the stream
+        so far. Returns (this layer's output, the stream): each norm adds the two first (vLLM's fused add)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add(x, residual)
+        h = self.post_attention_layernorm.add(self.self_attn(h, rope, kv_cache, md), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -308,10 +337,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices,
                 num_layers: int | None = None):
         """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts)."""
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         rope = self.rope.tables(positions)
         for layer in self.model.layers[:num_layers]:
-            h = layer(h, rope, kv_cache, md)
+            h, residual = layer(h, residual, rope, kv_cache, md)
+        if residual is not None:
+            h = residual.add_(h)
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
         if self.tp is None:
             return self.lm_head(h).float()

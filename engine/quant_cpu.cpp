@@ -282,7 +282,8 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, bool q4, int64_t gro
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights");
+  m.def("matmul", &matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights",
+        py::call_guard<py::gil_scoped_release>());    // like torch's own ops: the asyncio thread runs meanwhile
   m.def("isa", [] {
 #if defined(__AVX512VNNI__)
     return "avx512vnni";

@@ -257,16 +257,24 @@ class Ingress:
         try:
             for chunk in builder.first_chunks():
                 yield oa.sse(chunk)
-            done = 0
-            while done < len(tasks):
-                i, d = await queue.get()
-                if isinstance(d, Exception):     # the stream ends with an error event in OpenAI's shape
-                    yield oa.sse(as_openai_error(d, builder.id).body())
-                    break
-                for chunk in builder.chunks(i, d):
-                    yield oa.sse(chunk)
-                done += d.finished
-            else:
+            done, failed = 0, False
+            while done < len(tasks) and not failed:
+                # every delta that is already here goes out as one body message: under load, one hop through
+                # Serve's proxy carries many tokens instead of one each
+                events = []
+                while True:
+                    i, d = await queue.get() if not events else queue.get_nowait()
+                    if isinstance(d, Exception):     # the stream ends with an error event in OpenAI's shape
+                        events.append(oa.sse(as_openai_error(d, builder.id).body()))
+                        failed = True
+                        break
+                    events += [oa.sse(chunk) for chunk in builder.chunks(i, d)]
+                    done += d.finished
+                    if done == len(tasks) or queue.empty():
+                        break
+                if events:
+                    yield b"".join(events)
+            if not failed:
                 usage = builder.usage_chunk()
                 if usage is not None:
                     yield oa.sse(usage)

@@ -152,3 +152,38 @@ def _timings():
 if __name__ == "__main__":
     assert cpu_attention.available()
     _timings()
+
+
+# -- the fused ops of the CPU forward ------------------------------------------------------------------
+def test_rms_norm_matches_torch_adds_the_residual_and_is_batch_invariant():
+    g = torch.Generator().manual_seed(0)
+    x, res, w = torch.randn(37, 576, generator=g), torch.randn(37, 576, generator=g), torch.randn(576, generator=g)
+    want = torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    torch.testing.assert_close(cpu_attention.rms_norm(x, w, 1e-5), want, atol=1e-5, rtol=1e-5)
+    r = res.clone()
+    got = cpu_attention.rms_norm(x, w, 1e-5, r)
+    assert torch.equal(r, res + x)                                  # the stream, updated in place
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(res + x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    alone = torch.cat([cpu_attention.rms_norm(x[i:i + 1], w, 1e-5) for i in range(len(x))])
+    assert torch.equal(alone, cpu_attention.rms_norm(x, w, 1e-5))   # a row's result does not depend on the batch
+
+
+def test_rope_write_kv_equals_rotate_then_scatter():
+    from engine.attention import write_kv
+    from engine.model import apply_rope
+    heads, kv_heads, d, t = 9, 3, 64, 5
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = torch.randn(t, 1, d // 2, generator=g), torch.randn(t, 1, d // 2, generator=g)
+    slots = torch.tensor([3, 40, 17, 0, 63])
+    caches = [torch.zeros(kv_cache_shape(4, kv_heads, 3, 16, d)) for _ in range(2)]
+    views = [layer_views(c, 1) for c in caches]
+    qk = apply_rope(qkv[:, :(heads + kv_heads) * d].view(t, -1, d), cos, sin)
+    write_kv(*views[0], qk[:, heads:], qkv[:, (heads + kv_heads) * d:].view(t, kv_heads, d), slots)
+    fused = qkv.clone()
+    cpu_attention.rope_write_kv(fused, cos.view(t, -1), sin.view(t, -1), *views[1], slots, heads, kv_heads)
+    torch.testing.assert_close(fused[:, :(heads + kv_heads) * d].view(t, -1, d), qk, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(caches[1], caches[0], atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_attention.rope_write_kv(qkv.clone(), cos.view(t, -1), sin.view(t, -1), *views[1],
+                                    torch.tensor([0, 1, 2, 3, 64]), heads, kv_heads)
