@@ -17,16 +17,18 @@ from check.models import engine_logprobs
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError, ModelLoadError
 from engine.model import QuantEmbedding, QuantLinear
-from engine.quant import PACKED_GGUF_TYPES, from_gguf, quantize_int8
+from engine.quant import PACKED_GGUF_TYPES, from_gguf, quantize_int8, resolve_quantization
 from tests.conftest import make_tiny_checkpoint
 from tests.gguf_files import _raw_kquant, write_gguf
 from tests.greedy import TOP_K, baton_greedy, check_greedy_close
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-# every packed type in one file, a fused qkv of three types, and a head in a type that is not kept packed
-MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q4_1",
-         "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q5_0"}
+# every packed type in one file, a fused qkv of three types, a layer in a type that is not kept packed (Q5_0), and
+# the head: tied to the Q8_0 embedding (llama), or its own Q6_K tensor (qwen2)
+MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q5_0",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+UNTIED = {"output": "Q6_K"}
 
 
 @pytest.mark.parametrize("type_name", PACKED_GGUF_TYPES)
@@ -59,7 +61,7 @@ def mixed_file(tmp_path_factory):
 
     def get(arch: str) -> str:
         if arch not in made:
-            made[arch] = str(write_gguf(d / f"{arch}.gguf", MIXED, arch=arch))
+            made[arch] = str(write_gguf(d / f"{arch}.gguf", MIXED | (UNTIED if arch == "qwen2" else {}), arch=arch))
         return made[arch]
     return get
 
@@ -69,7 +71,8 @@ def _prompts(n=3):
     return [torch.randint(3, 40000, (k,), generator=g).tolist() for k in (9, 23, 40)[:n]]
 
 
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])   # qwen2: q/k/v bias
+@pytest.mark.slow                        # ~18 s each: transformers converts the file for the reference
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])                  # qwen2: q/k/v bias, no q/k permutation
 def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_file, arch, caplog):
     path = mixed_file(arch)
     ref = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)       # transformers' dequantization
@@ -83,7 +86,9 @@ def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_fil
     assert isinstance(qkv, QuantLinear) and qkv.sources == ["Q4_K", "Q4_0", "Q6_K"]
     assert len(qkv.calls) == 3                                   # three kinds: one kernel call each
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantLinear)
-    assert not isinstance(model.lm_head, QuantLinear)            # Q5_0: dequantized to fp32
+    assert not isinstance(model.model.layers[0].self_attn.o_proj, QuantLinear)     # Q5_0: dequantized to fp32
+    assert isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.sources == (["Q6_K"] if arch == "qwen2" else ["Q8_0"])   # its own, or the embedding's
     assert q.engine.runner.weight_bytes < 0.7 * ref.engine.runner.weight_bytes
     # the KV layout is the same (hand-offs between the two are fine); the prefix cache's key is not
     assert q.engine.compat_key() == ref.engine.compat_key()
@@ -118,13 +123,14 @@ def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_file):
         LLM(path, quantization="fp8", num_kv_blocks=16)
     with pytest.raises(ConfigError, match="needs a GGUF"):
         LLM(path, quantization="gguf", num_kv_blocks=16)
+    cpu, gguf = torch.device("cpu"), Path(mixed_file("llama"))
     with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
-        LLM(mixed_file("llama"), quantization="gguf", tensor_parallel_size=2, num_kv_blocks=16)
-    tp2 = LLM(mixed_file("llama"), tensor_parallel_size=2, num_kv_blocks=16, max_model_len=256)
-    try:
-        assert tp2.engine.runner.quantization == "none"           # auto: a GGUF runs dequantized at TP 2
-    finally:
-        tp2.engine.shutdown()
+        resolve_quantization("gguf", gguf, True, cpu, 2)
+    with pytest.raises(ConfigError, match="CPU kernels only"):
+        resolve_quantization("int8", None, False, torch.device("cuda"), 1)
+    assert resolve_quantization("auto", gguf, True, cpu, 2) == "none"        # a GGUF runs dequantized at TP 2
+    assert resolve_quantization("auto", gguf, False, cpu, 1) == "none"       # named as a directory: as it is
+    assert resolve_quantization("auto", gguf, True, cpu, 1) == "gguf"
 
 
 def test_gguf_tensor_without_a_place_is_refused(tmp_path):
