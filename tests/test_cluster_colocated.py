@@ -24,9 +24,10 @@ def client(shared_cluster):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_colocated_serves_greedy_n_and_logprobs(client, smol_path):
+def test_colocated_serves_greedy_n_and_logprobs(client):
     messages = [{"role": "user", "content": "Why do relay runners practise the baton exchange?"}]
-    want = LLM(smol_path, **ENGINE).chat(messages, SamplingParams(temperature=0, max_tokens=24))
+    # the default model as the cluster runs it (its GGUF, packed)
+    want = LLM(None, **ENGINE).chat(messages, SamplingParams(temperature=0, max_tokens=24))
     r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
                                        logprobs=True, top_logprobs=2)
     assert r.choices[0].message.content == want.text

@@ -38,8 +38,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def offline(smol_path):
-    return LLM(smol_path, **ENGINE)
+def offline():
+    return LLM(None, **ENGINE)              # the default model as the cluster runs it (packed GGUF)
 
 
 def _metrics() -> dict[str, float]:

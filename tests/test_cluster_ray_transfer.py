@@ -14,12 +14,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 BASE = f"http://127.0.0.1:{SCALED_OUT['port']}"
 
 
-def test_fallback_transport_serves_the_same_text(shared_cluster, smol_path):
+def test_fallback_transport_serves_the_same_text(shared_cluster):
     cfg = shared_cluster.up(SCALED_OUT)
     assert cfg.transfer.backend == "ray"
     client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
     prompt = "A relay baton is passed in a twenty-metre exchange zone, and the outgoing runner"
-    want = LLM(smol_path, **CLUSTER_ENGINE).generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0]
+    want = LLM(None, **CLUSTER_ENGINE).generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0]
     m0 = scrape(BASE)
     r = client.completions.create(model=cfg.model_name(), prompt=prompt, temperature=0, max_tokens=16)
     assert r.choices[0].text == want.text

@@ -23,7 +23,8 @@ TP_ENGINE = {**CLUSTER_ENGINE, "tensor_parallel_size": 2}
 # refuse concurrent requests
 PREFILL_TP2 = {"mode": "disaggregated", "port": PORT, "device": "cpu", "ingress": {"num_cpus": 0},
                "prefill": {"num_cpus": 1, "health_check_period_s": 1.0, "engine": TP_ENGINE},
-               "decode": {"num_cpus": 0, "engine": CLUSTER_ENGINE},
+               # the TP-2 prefill pool runs the GGUF dequantized (packed weights are TP 1 only): so does decode
+               "decode": {"num_cpus": 0, "engine": {**CLUSTER_ENGINE, "quantization": "none"}},
                "disaggregation": {"min_remote_prefill_tokens": 0}, "admission": {"enabled": False}}
 MESSAGES = [[{"role": "user", "content": "Why do relay runners practise the baton exchange?"}],
             [{"role": "user", "content": "Name three colours of the rainbow."}]]
