@@ -106,6 +106,17 @@ def with_llama_server(binary: str, gguf: str, slots: int, threads: int, fn: Call
         proc.wait(timeout=30)
 
 
+def replica_cpus(cfg, cores: int):
+    """Each engine replica reserves its share of the machine's cores (the whole machine colocated, half each
+    disaggregated): Ray gives a replica as many torch threads as the CPUs it reserves, at least one."""
+    from cluster.config import ClusterConfig
+    d = cfg.model_dump()
+    pools = [p for p in ("prefill", "decode") if d.get(p)]
+    for p in pools:
+        d[p]["num_cpus"] = max(1, cores // len(pools))
+    return ClusterConfig.from_dict(d)
+
+
 def engine_alone(gguf: str, reqs: list[Req]) -> dict[str, Any]:
     """The streams load through LLM.generate: every request at once, no HTTP, no Ray."""
     from engine import LLM, SamplingParams
@@ -201,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
              namespace="baton-bench-peer")
     try:
         for mode in args.modes.split(","):
-            cfg = serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf)
+            cfg = replica_cpus(serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf), threads)
             baton[mode] = with_cluster(cfg, lambda b, m: measure(b, m, work))
             r = baton[mode]
             log(f"Baton {mode}: decode {r['decode']['tokens_per_s']:.0f} tok/s, prefill "

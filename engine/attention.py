@@ -80,14 +80,20 @@ def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, in
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                    k_new=None, v_new=None) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
+                    k_new=None, v_new=None, one_kernel: bool = False) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. `one_kernel` (CPU): every query, long
+    prefill chunks too, goes to the C++ kernel, whose rows do not depend on how a prompt was chunked or how
+    much of it was cached. Models with quantized activations need that to stay equal to themselves: there a
+    last-bit difference between SDPA and the kernel can move an int8 code, and the greedy path with it."""
     if q.is_cuda:
         from engine.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                       md.query_start_loc, md.max_query_len, scale)
     from engine import cpu_attention
     kernel = q.dtype == torch.float32 and k_cache.dtype == torch.float32 and cpu_attention.available()
+    if kernel and one_kernel:
+        return cpu_attention.paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
+                                                    md.query_start_loc, scale)
     return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel)
 
 

@@ -155,6 +155,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = row_linear(self.q_size, config.hidden_size, bool(getattr(config, "attention_bias", False)), tp)
         self.scale = self.head_dim ** -0.5
+        self.one_kernel = False                           # set for quantized weights (engine/attention.py)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -171,7 +172,7 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if not _cpu_kernel(qkv) or not _cpu_kernel(k_cache[:0]):
             write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v)
+        o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -369,7 +370,14 @@ class LlamaForCausalLM(nn.Module):
                  if isinstance(child, nn.Linear)]
         for parent, name, child in swaps:
             setattr(parent, name, QuantLinear([quantize_int8(child.weight)], child.bias))
+        self._attention_in_one_kernel()
         return len(swaps)
+
+    def _attention_in_one_kernel(self) -> None:
+        """Quantized linears quantize their activations: every attention call takes the one C++ path, so a
+        sequence's numbers do not depend on chunking or prefix hits (engine/attention.py)."""
+        for layer in self.model.layers:
+            layer.self_attn.one_kernel = True
 
     def prepack_linears(self) -> int:
         """After loading: swap every Linear for a PackedLinear (CPU fp32). Returns how many."""
@@ -455,6 +463,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parent, _, attr = module.rpartition(".")
             setattr(self.get_submodule(parent), attr, QuantLinear([parts[i][0] for i in range(whole)], old.bias))
+        if any(isinstance(m, QuantLinear) for m in self.modules()):
+            self._attention_in_one_kernel()
 
     def _copy_in(self, param, tensor, target: str, shard: int | None, name: str) -> None:
         with torch.no_grad():

@@ -183,3 +183,19 @@ def test_smollm2_formats_stay_close_to_fp32(smol_formats, fmt):
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time,"]
     for ours, want in zip(llm.generate(prompts, params), fp32.generate(prompts, params)):
         check_greedy_close(baton_greedy(ours), baton_greedy(want), max_gap=QUANT_GAP)
+
+
+@pytest.mark.slow
+def test_smollm2_packed_equals_itself_whatever_the_chunking_or_the_cache(smol_formats):
+    """int8 activations turn a last-bit difference into another code: the packed model runs every attention
+    call through one kernel, so a prompt prefilled whole, from the prefix cache, or in 16-token chunks
+    continues the same way."""
+    messages = [{"role": "user", "content": "Name three things a relay runner must practise."}]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    llm = smol_formats["gguf"]
+    llm.engine.pool.reset_prefix_cache()
+    whole = llm.chat(messages, params)
+    cached = llm.chat(messages, params)
+    assert cached.metrics.num_cached_tokens > 0 and cached.token_ids == whole.token_ids
+    chunked = LLM(None, max_num_batched_tokens=16, kv_cache_memory=64 << 20, max_model_len=1024)
+    assert chunked.chat(messages, params).token_ids == whole.token_ids
