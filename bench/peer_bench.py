@@ -14,7 +14,7 @@ Loads (streamed /v1/completions with token-id prompts, greedy, ignore_eos; bench
   streams   16 concurrent streams, 170-token prompts, 128 tokens out: output tokens/s, TTFT and ITL percentiles
 Baton runs colocated (one replica doing both phases, the whole machine, as llama.cpp's one process does) and
 disaggregated (1 prefill + 1 decode replica); both use the model as `baton serve` runs it (a GGUF stays packed).
-The streams load also runs through LLM.generate, the engine alone: the HTTP path's share of its tokens/s.
+The streams and decode loads also run through LLM.generate, the engine alone: the HTTP path's share of its tokens/s.
 """
 from __future__ import annotations
 
@@ -117,8 +117,9 @@ def replica_cpus(cfg, cores: int):
     return ClusterConfig.from_dict(d)
 
 
-def engine_alone(gguf: str, reqs: list[Req]) -> dict[str, Any]:
-    """The streams load through LLM.generate: every request at once, no HTTP, no Ray."""
+def engine_alone(gguf: str, reqs: list[Req], decode: Req) -> dict[str, Any]:
+    """The streams load through LLM.generate (every request at once), and the decode load, in this process: no
+    HTTP, no Ray."""
     from engine import LLM, SamplingParams
     llm = LLM(gguf, kv_cache_memory=512 << 20, max_model_len=2048)
     params = SamplingParams(temperature=0, max_tokens=reqs[0].max_tokens, ignore_eos=True)
@@ -127,7 +128,9 @@ def engine_alone(gguf: str, reqs: list[Req]) -> dict[str, Any]:
     outs = llm.generate([r.prompt for r in reqs], params)
     wall = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
+    one = llm.generate([decode.prompt], SamplingParams(temperature=0, max_tokens=decode.max_tokens, ignore_eos=True))
     out = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+           "decode_tokens_per_s": 1.0 / one[0].metrics.time_per_output_token,
            "quantization": llm.engine.runner.quantization}
     llm.engine.shutdown()
     return out
@@ -148,6 +151,7 @@ def ratios(result: dict) -> dict[str, Any]:
         if best is None or out[mode]["streams_x"] > out[best]["streams_x"]:
             best = mode
     out["best_mode_for_streams"] = best
+    out["engine_alone_decode_x"] = result["engine_alone"]["decode_tokens_per_s"] / peer["decode"]["tokens_per_s"]
     return out
 
 
@@ -166,8 +170,9 @@ def plot(result: dict, path: Path) -> None:
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8, rotation=15)
-    axes[2].axhline(result["engine_alone"]["output_tokens_per_s"], ls="--", color="k", lw=1)
-    axes[2].text(0, result["engine_alone"]["output_tokens_per_s"], " Baton engine alone", fontsize=8, va="bottom")
+    for ax, key in ((axes[0], "decode_tokens_per_s"), (axes[2], "output_tokens_per_s")):
+        ax.axhline(result["engine_alone"][key], ls="--", color="k", lw=1)
+        ax.text(0, result["engine_alone"][key], " Baton engine alone", fontsize=8, va="bottom")
     fig.suptitle(f"Baton vs llama.cpp on {result['model']} ({result['date']})", fontsize=10)
     save(fig, path)
 
@@ -205,8 +210,9 @@ def run(args: argparse.Namespace) -> dict:
     peer = with_llama_server(args.llama_server, gguf, args.streams, threads, lambda b, m: measure(b, m, work))
     log(f"llama.cpp: decode {peer['decode']['tokens_per_s']:.0f} tok/s, prefill {peer['prefill']['tokens_per_s']:.0f} "
         f"tok/s, streams {peer['streams']['output_tokens_per_s']:.0f} tok/s")
-    alone = engine_alone(gguf, work["streams"])
-    log(f"Baton engine alone ({alone['quantization']}): streams {alone['output_tokens_per_s']:.0f} tok/s")
+    alone = engine_alone(gguf, work["streams"], work["decode"][0])
+    log(f"Baton engine alone ({alone['quantization']}): decode {alone['decode_tokens_per_s']:.0f} tok/s, streams "
+        f"{alone['output_tokens_per_s']:.0f} tok/s")
     baton = {}
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-peer")
@@ -229,5 +235,6 @@ def run(args: argparse.Namespace) -> dict:
     for mode, r in result["ratios"].items():
         if isinstance(r, dict):
             log(f"{mode}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float)))
+    log(f"engine alone, batch-1 decode: {result['ratios']['engine_alone_decode_x']:.2f}x llama.cpp's")
     log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
     return result
