@@ -109,8 +109,8 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--quantization", default="auto",
-                   help="weights: auto (a GGUF, the default model included, runs packed on CPU), none (fp32), "
-                        "gguf, int8 (quantized at load), fp8")
+                   help="weights: auto (a GGUF, the default model included, or a GPTQ/AWQ checkpoint runs packed "
+                        "on CPU), none (fp32), gguf, gptq, awq, int8 (quantized at load), fp8")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM-style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.set_defaults(fn=_generate)

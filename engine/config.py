@@ -23,7 +23,7 @@ class EngineConfig:
     dtype: str = "auto"                       # auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"                      # auto = cuda if available else cpu
     load_format: str = "auto"                 # auto | safetensors | dummy
-    quantization: str = "auto"                # auto (a GGUF stays packed on CPU) | none | gguf | int8 | fp8: engine/quant.py
+    quantization: str = "auto"                # auto (GGUF, GPTQ, AWQ stay packed on CPU) | none | gguf | gptq | awq | int8 | fp8
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048        # token budget of one step (prefill chunks + decodes)

@@ -136,12 +136,11 @@ def load_config(model: str):
         config = AutoConfig.from_pretrained(model)
     except Exception as e:                                 # noqa: BLE001 - surface as our typed error
         raise ModelLoadError(f"cannot read the config of {model}: {e}") from e
-    quant = getattr(config, "quantization_config", None)
-    if quant:                                              # GPTQ/AWQ/FP8 tensors would load as garbage
-        method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None))
-        raise ModelLoadError(f"{model} holds {method or 'quantized'} weights (quantization_config in its "
-                             f"config.json), which this engine does not load: give the unquantized "
-                             f"checkpoint (fp32, fp16 or bf16) or a GGUF file")
+    from engine.quant import hf_quant_method
+    try:                                                   # what does not load packed is refused here, named
+        hf_quant_method(getattr(config, "quantization_config", None))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{model}: {e}") from None
     return config
 
 
@@ -240,6 +239,32 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
 def _unrotate(rows: int, n_head: int) -> "torch.Tensor":
     """The row order that undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
     return torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
+    """A GPTQ or AWQ checkpoint's tensors: each quantized linear's qweight, qzeros and scales as one packed
+    "<linear>.weight" (engine/quant.py; fp32 when `dequantize`), every other tensor as it is."""
+    from engine.quant import from_gptq_awq, hf_quant_method
+    q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+    method, group = hf_quant_method(q), q.get("group_size", q.get("q_group_size"))
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_weights(model):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "g_idx":                                # without act-order: k // group, nothing to use
+            continue
+        if leaf not in ("qweight", "qzeros", "scales"):
+            yield name, tensor
+            continue
+        got = parts.setdefault(prefix, {})
+        got[leaf] = tensor
+        if len(got) == 3:
+            qw = from_gptq_awq(method, got["qweight"], got["qzeros"], got["scales"], group,
+                               gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2")
+            yield f"{prefix}.weight", qw.dequantize() if dequantize else qw
+            del parts[prefix]
+    if parts:
+        raise ModelLoadError(f"{model}: quantized layers without all of qweight, qzeros and scales: "
+                             f"{sorted(parts)[:3]}")
 
 
 def read_slice(fh, name: str, dim: int, start: int, stop: int) -> torch.Tensor:

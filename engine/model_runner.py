@@ -15,10 +15,11 @@ from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, p
 from engine.errors import ConfigError
 from engine.kv_layout import allocate_kv_cache, kv_cache_shape
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
-from engine.loader import DUMMY_SHAPES, gguf_source, names_gguf, init_dummy_weights, iter_gguf_weights, iter_weights
+from engine.loader import (DUMMY_SHAPES, gguf_source, init_dummy_weights, iter_gguf_weights, iter_hf_quant_weights,
+                           iter_weights, names_gguf)
 from engine.model import LlamaForCausalLM, can_prepack
 from engine.parallel import TPGroup
-from engine.quant import resolve_quantization
+from engine.quant import hf_quant_method, resolve_quantization
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         dummy = config.load_format == "dummy" or model_path in DUMMY_SHAPES
         gguf = None if dummy else gguf_source(model_path)
+        quant_config = getattr(hf_config, "quantization_config", None)
+        hf_method = None if dummy else hf_quant_method(quant_config)
         self.quantization = resolve_quantization(config.quantization, gguf, names_gguf(config.model), self.device,
-                                                 1 if tp is None else tp.size)
+                                                 1 if tp is None else tp.size, hf_method)
         with torch.device("meta"):
             model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len, tp=tp)
         self.model = model.materialize(self.device, self.dtype).eval()
@@ -51,6 +54,10 @@ class ModelRunner:
             init_dummy_weights(self.model, config.seed)
         elif self.quantization == "gguf":
             self.model.load_weights(iter_gguf_weights(gguf, hf_config))
+        elif hf_method is not None:
+            if tp is not None:
+                raise ConfigError(f"{hf_method} checkpoints load at tensor_parallel_size 1 only so far")
+            self.model.load_weights(iter_hf_quant_weights(model_path, quant_config, self.quantization == "none"))
         else:
             self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
         if self.quantization == "int8":

@@ -5,6 +5,7 @@ Two packed kinds cover every format we load, each re-expressed without loss:
   Q4_1 and Q4_K (each 32-column sub-block's 6-bit scale and min folded into fp32) land here.
 - "q8": int8 codes, w = scale * q per group. GGUF Q8_0 (group 32), Q6_K (6-bit codes - 32, group 16) and
   `quantization="int8"` (an fp16/bf16/fp32 checkpoint quantized at load, one scale per output row).
+GPTQ and AWQ checkpoints (4-bit, zero points, groups of a multiple of 32) land in "q4" too: min = -scale * zero.
 
 `qs` holds the codes row by row: q8 as int8 [N, K]; q4 as uint8 [N, K / 2] where each 32-column block is
 16 bytes, the low nibbles its columns 0..15 and the high nibbles 16..31 (GGUF's Q4_0/Q4_1 order).
@@ -20,7 +21,8 @@ import torch
 
 from engine.errors import ConfigError, ModelLoadError
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")   # EngineConfig.quantization
+QUANTIZATIONS = ("auto", "none", "gguf", "gptq", "awq", "int8", "fp8")   # EngineConfig.quantization
+HF_METHODS = ("gptq", "awq")            # Hugging Face quantization_config methods whose weights load packed
 
 # GGUF types kept packed (the rest of a GGUF's tensors are dequantized to fp32 on load, with a warning).
 PACKED_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -76,10 +78,28 @@ class QuantWeight:
         return w.view(n, k)
 
 
-def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device, tp_size: int) -> str:
+def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device, tp_size: int,
+                         hf_method: str | None = None) -> str:
     """What the weights run as. "auto": a model named as a GGUF (the default model included) stays in its
-    packed types on CPU, as llama.cpp runs it; anything else runs in the model's dtype ("none"). `gguf` is
-    the GGUF the weights can load from (None for a dummy or a Hugging Face checkpoint)."""
+    packed types on CPU, as llama.cpp runs it, and so does a GPTQ or AWQ checkpoint (`hf_method`); anything
+    else runs in the model's dtype ("none", which dequantizes those). `gguf` is the GGUF the weights can load
+    from (None for a dummy or a Hugging Face checkpoint)."""
+    packed_ok = device.type == "cpu" and tp_size == 1
+    if hf_method is not None:
+        if requested in ("auto", hf_method):
+            if packed_ok:
+                return hf_method
+            if requested == hf_method:
+                raise ConfigError(f"quantization={hf_method!r} has CPU kernels at tensor_parallel_size 1 only so "
+                                  f"far; quantization='none' dequantizes the checkpoint")
+            return "none"
+        if requested != "none":
+            raise ConfigError(f"the checkpoint holds {hf_method} weights: quantization must be auto, "
+                              f"{hf_method} or none (dequantized), not {requested!r}")
+        return "none"
+    if requested in HF_METHODS:
+        raise ConfigError(f"quantization={requested!r} needs a checkpoint whose config.json says quant_method "
+                          f"{requested!r}")
     if requested == "fp8":
         raise ConfigError("quantization='fp8' needs FP8 GEMMs on a CUDA GPU, which this build does not have "
                           "yet; on CPU use quantization='int8' or a GGUF model")
@@ -155,3 +175,74 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantW
         return QuantWeight("q8", t(q.astype(np.int8).reshape(n, k)), t(np.ascontiguousarray(scales)), None, 16,
                            type_name)
     raise ModelLoadError(f"GGUF type {type_name} is not kept packed (packed: {', '.join(PACKED_GGUF_TYPES)})")
+
+
+# -- GPTQ / AWQ checkpoints -> packed -------------------------------------------------------------------
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # AutoAWQ's GEMM packing: nibble i of a word holds column ORDER[i]
+
+
+def hf_quant_method(quant_config) -> str | None:
+    """The method of a checkpoint's quantization_config that loads packed ("gptq", "awq"), None without one; a
+    ModelLoadError naming the method or the option we do not load."""
+    if not quant_config:
+        return None
+    q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+    method = q.get("quant_method")
+    if method == "fp8":
+        raise ModelLoadError("this checkpoint holds fp8 weights, which need FP8 GEMMs on a CUDA GPU (not built "
+                             "yet): give the unquantized checkpoint, a GGUF, or a GPTQ/AWQ 4-bit one")
+    if method not in HF_METHODS:
+        raise ModelLoadError(f"this checkpoint holds {method or 'quantized'} weights (quantization_config in its "
+                             f"config.json), which this engine does not load: GPTQ and AWQ (4-bit), GGUF and "
+                             f"unquantized checkpoints load")
+    bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
+    problems = []
+    if bits != 4:
+        problems.append(f"bits {bits} (4 loads)")
+    if not group or group < 0 or group % 32:
+        problems.append(f"group_size {group} (a multiple of 32 loads)")
+    if method == "gptq" and q.get("desc_act"):
+        problems.append("desc_act (act-order)")
+    if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
+        problems.append(f"version {q.get('version')} (GEMM loads)")
+    if problems:
+        raise ModelLoadError(f"this {method} checkpoint is not loadable: {', '.join(problems)}")
+    return method
+
+
+def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> their 8 4-bit codes (low first), spread along `dim` (8x longer)."""
+    codes = (words.unsqueeze(dim + 1) >> (4 * torch.arange(8, dtype=torch.int32)).view(
+        [8 if d == dim + 1 else 1 for d in range(words.dim() + 1)])) & 0xF
+    shape = list(words.shape)
+    shape[dim] *= 8
+    return codes.reshape(shape)
+
+
+def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
+                  gptq_v1: bool = True) -> QuantWeight:
+    """A GPTQ (qweight int32 [K/8, N] packed along K) or AWQ-GEMM (qweight int32 [K, N/8] packed along N, AutoAWQ's
+    column order) linear as a q4 QuantWeight [N, K]: w = scale * (q - zero) = scale * q + (-scale * zero).
+    GPTQ's v1 format stores each zero minus one."""
+    if method == "gptq":
+        q = _nibbles(qweight, 0)                                    # [K, N]
+        z = _nibbles(qzeros, 1) + (1 if gptq_v1 else 0)            # [K/g, N]
+    else:
+        inv = torch.tensor([_AWQ_ORDER.index(i) for i in range(8)])
+        unorder = (lambda t: t.view(t.shape[0], -1, 8)[:, :, inv].reshape(t.shape[0], -1))
+        q, z = unorder(_nibbles(qweight, 1)), unorder(_nibbles(qzeros, 1))
+    s = scales.float()
+    k, n = q.shape
+    if s.shape != (k // group, n) or z.shape[0] != k // group:
+        raise ModelLoadError(f"{method} tensors disagree: qweight gives [{k}, {n}], scales are {tuple(s.shape)}, "
+                             f"group_size {group}")
+    z = z[:, :n].float()
+    codes = q.t().contiguous().to(torch.uint8)                      # [N, K]
+    return QuantWeight("q4", _pack_nibbles_t(codes), s.t().contiguous(), (-(s * z)).t().contiguous(), group,
+                       method.upper())
+
+
+def _pack_nibbles_t(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 uint8 [N, K] -> [N, K / 2] in the q4 layout."""
+    b = q.view(q.shape[0], -1, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()

@@ -150,15 +150,15 @@ def test_bad_model_sources_raise_model_load_error(tmp_path, smol_path):
     (bad / "model.safetensors").write_bytes((Path(smol_path) / "model.safetensors").read_bytes()[:5_000_000])
     with pytest.raises(ModelLoadError, match="truncated or corrupt"):
         LLM(str(bad))
-    quantized = tmp_path / "gptq"
+    quantized = tmp_path / "bnb"                      # a quantization we do not load (tests/test_quant.py has more)
     quantized.mkdir()
     for f in Path(smol_path).iterdir():
         (quantized / f.name).symlink_to(f)
     (quantized / "config.json").unlink()
     config = json.loads((Path(smol_path) / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="holds gptq weights"):
+    with pytest.raises(ModelLoadError, match="holds bitsandbytes weights"):
         LLM(str(quantized))
     with pytest.raises(ConfigError, match="unknown engine option"):
         LLM(smol_path, max_num_seq=4)

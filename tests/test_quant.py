@@ -199,3 +199,99 @@ def test_smollm2_packed_equals_itself_whatever_the_chunking_or_the_cache(smol_fo
     assert cached.metrics.num_cached_tokens > 0 and cached.token_ids == whole.token_ids
     chunked = LLM(None, max_num_batched_tokens=16, kv_cache_memory=64 << 20, max_model_len=1024)
     assert chunked.chat(messages, params).token_ids == whole.token_ids
+
+
+# -- GPTQ and AWQ checkpoints ------------------------------------------------------------------------------
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _quantize_4bit(w: torch.Tensor, group: int):
+    """Asymmetric 4-bit per group of input columns, as GPTQ/AWQ store it: codes [K, N], fp16 scales and integer
+    zeros [K / group, N] (zeros kept in 1..15: GPTQ's v1 format cannot store 0), and w's dequantized [N, K]."""
+    wt = w.t().contiguous()
+    k, n = wt.shape
+    g = wt.view(k // group, group, n)
+    lo, hi = g.min(1).values, g.max(1).values
+    scale = ((hi - lo) / 15).clamp_min(1e-6).half().float()
+    zero = torch.round(-lo / scale).clamp(1, 15)
+    q = torch.round(g / scale[:, None] + zero[:, None]).clamp(0, 15)
+    deq = (scale[:, None] * (q - zero[:, None])).view(k, n).t().contiguous()
+    return q.view(k, n).int(), scale.half(), zero.int(), deq
+
+
+def _pack(codes: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """Eight 4-bit codes per int32 along `dim`: nibble i holds element order[i] of each run of eight."""
+    c = codes.movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], -1, 8)
+    words = torch.zeros(c.shape[:-1], dtype=torch.int32)
+    for i, src in enumerate(order):
+        words |= c[..., src] << (4 * i)
+    return words.movedim(-1, dim) if dim != c.dim() - 2 else words
+
+
+def _write_quantized(src: str, out, method: str, group: int = 32):
+    """`src`'s linears as a GPTQ (v1) or AWQ-GEMM checkpoint in `out`, and a float checkpoint of exactly the
+    weights those stand for in out/ref."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    state = load_file(f"{src}/model.safetensors")
+    packed, ref = {}, {}
+    for name, w in state.items():
+        prefix, piece = name.rsplit(".", 1)[0], name.split(".")[-2]
+        if piece not in LINEARS:
+            packed[name] = ref[name] = w
+            continue
+        q, scale, zero, deq = _quantize_4bit(w, group)
+        ref[name] = deq
+        if method == "gptq":
+            packed[f"{prefix}.qweight"] = _pack(q, 0)
+            packed[f"{prefix}.qzeros"] = _pack((zero - 1) & 0xF, 1)
+            packed[f"{prefix}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // group
+        else:
+            packed[f"{prefix}.qweight"] = _pack(q, 1, AWQ_ORDER)
+            packed[f"{prefix}.qzeros"] = _pack(zero, 1, AWQ_ORDER)
+        packed[f"{prefix}.scales"] = scale
+    config = json.loads(open(f"{src}/config.json").read())
+    for d, tensors, extra in ((out / "ref", ref, {}), (out, packed, {"quantization_config": (
+            {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False}
+            if method == "gptq" else {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
+                                      "zero_point": True})})):
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({**config, **extra}))
+        if (src_gen := f"{src}/generation_config.json") and Path(src_gen).is_file():
+            shutil.copy(src_gen, d)
+    return str(out), str(out / "ref")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_checkpoints_load_packed(tmp_path, method):
+    path, ref_path = _write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama"), tmp_path / method, method)
+    ref = LLM(ref_path, num_kv_blocks=64)                       # the float weights the packed ones stand for
+    q = LLM(path, num_kv_blocks=64)
+    assert q.engine.runner.quantization == method
+    assert isinstance(q.engine.runner.model.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert q.engine.model_key.endswith(f":q={method}") and q.engine.compat_key() == ref.engine.compat_key()
+    dense = LLM(path, quantization="none", num_kv_blocks=64)     # dequantized at load
+    seqs = [list(range(5, 30)), list(range(100, 111))]
+    for ours, dq, want in zip(engine_logprobs(q, seqs), engine_logprobs(dense, seqs), engine_logprobs(ref, seqs)):
+        torch.testing.assert_close(dq, want, atol=1e-4, rtol=1e-4)   # the unpacking is exact up to fp32 order
+        assert (ours - want).abs().max() < 0.05 * want.abs().max()   # the kernel: int8 activations
+    alone = [q.generate([p], GREEDY)[0].token_ids for p in seqs]
+    assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone
+
+
+def test_quantized_checkpoints_we_do_not_load_are_named(tmp_path):
+    import json
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for qc, match in (({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, "desc_act"),
+                      ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "bits 8"),
+                      ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version gemv"),
+                      ({"quant_method": "fp8"}, "fp8.*CUDA"), ({"quant_method": "bitsandbytes"}, "bitsandbytes")):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(path, num_kv_blocks=16)
