@@ -258,22 +258,21 @@ class QuantLinear(nn.Module):
         self.calls = [(w.kind, w.group, *w.shape) for w in weights]      # what each kernel call computes
         self.bias = None if bias is None else bias.detach()
         self.kernels = _quant_kernels()
-        self.packed, self.fallback = [], None
+        self.packed, self.dense = [], None
         if self.kernels is not None:         # the kernel's own layout replaces the loader's
             self.packed = [self.kernels.prepare(w.kind, w.qs, w.scales, w.mins, w.group) for w in weights]
-        else:
-            dense = torch.cat([w.dequantize() for w in weights])
-            self.fallback = (PackedLinear(dense, self.bias) if can_prepack(dense.device, dense.dtype)
-                             else nn.Linear(dense.shape[1], dense.shape[0], bias=self.bias is not None))
-            if isinstance(self.fallback, nn.Linear):
-                self.fallback.weight.data, self.fallback.bias = dense, self.bias
+        else:                                # no compiler: dequantized once
+            self.dense = torch.cat([w.dequantize() for w in weights])
+            self.fallback = PackedLinear(self.dense, self.bias) if can_prepack(self.dense.device, torch.float32) \
+                else (lambda x: F.linear(x, self.dense, self.bias))
 
     def tensors(self) -> list[torch.Tensor]:
-        """What it holds in memory (weight_bytes; the no-compiler fallback's fp32 copy is not counted)."""
-        return [t for p in self.packed for t in p] + ([] if self.bias is None else [self.bias])
+        """What it holds in memory (weight_bytes)."""
+        held = [t for p in self.packed for t in p] + ([] if self.dense is None else [self.dense])
+        return held + ([] if self.bias is None else [self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fallback is not None:
+        if self.dense is not None:
             return self.fallback(x.float()).to(x.dtype)
         x32 = x.float().contiguous()
         ys = [self.kernels.matmul(x32, p, *call) for call, p in zip(self.calls, self.packed)]

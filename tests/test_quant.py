@@ -115,6 +115,24 @@ def test_int8_runs_a_float_checkpoint_close_to_itself(tmp_path):
     assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone
 
 
+def test_without_the_kernel_packed_weights_run_dequantized(tmp_path, monkeypatch):
+    path = make_tiny_checkpoint(tmp_path, "qwen2")                   # q/k/v bias: the fallback adds it too
+    ref = LLM(path, num_kv_blocks=64)
+    from engine import quant_kernels
+    monkeypatch.setenv("BATON_CPU_KERNEL", "0")                      # as on a machine without a compiler
+    quant_kernels.available.cache_clear()
+    try:
+        q = LLM(path, quantization="int8", num_kv_blocks=64)
+    finally:
+        monkeypatch.undo()
+        quant_kernels.available.cache_clear()
+    qkv = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.dense is not None and not qkv.packed
+    seqs = [list(range(5, 30))]
+    for ours, want in zip(engine_logprobs(q, seqs), engine_logprobs(ref, seqs)):
+        assert (ours - want).abs().max() < 0.05 * want.abs().max()    # int8 weights, fp32 activations
+
+
 def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_file):
     path = make_tiny_checkpoint(tmp_path, "llama")
     with pytest.raises(ConfigError, match="must be one of"):
