@@ -262,11 +262,14 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
 
 @pytest.mark.slow                        # a fresh process loads the model: a minute of `make test-fast`
 def test_cli_generate_prints_a_completion():
+    # the default model runs packed (Q4_1 weights, 8-bit activations, as llama.cpp runs it). "What is the capital
+    # of France?" sits on a 0.08-nat near-tie at its first token in fp32 ("The" against "L'"), which 8-bit
+    # activations flip, so the question asked here is one whose answer holds in both
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
     ok = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--max-tokens", "24", "--temperature", "0",
-                         "What is the capital of France?"], capture_output=True, text=True, env=env, timeout=300)
+                         "What is the capital of Germany?"], capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stderr
-    assert "Paris" in ok.stdout and "tokens" in ok.stderr
+    assert "Berlin" in ok.stdout and "tokens" in ok.stderr
     bad = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", "/no/such/model", "hi"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr

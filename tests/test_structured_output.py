@@ -91,14 +91,14 @@ def test_a_resumed_request_rebuilds_its_grammar_state_and_continues_exactly(smol
 @slow
 @pytest.mark.parametrize("method, temperature", [("ngram", 0.8), ("layer_skip", 0.0)],
                          ids=["ngram-seeded", "layer_skip-greedy"])
-def test_speculation_keeps_constrained_output_token_for_token(smol_llm, method, temperature):
+def test_speculation_keeps_constrained_output_token_for_token(smol_path, smol_llm, method, temperature):
     """Drafts the grammar refuses are cut, and each verify row is masked by the grammar state after the drafts
     before it: a seeded sampled request's output with prompt lookup equals plain constrained decoding's
     (verification takes each position's plain sample), and greedy output does with layer-skip drafts (which
     carry their distributions). Drafts were proposed and accepted."""
     cfg = ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if method == "ngram" else
            {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3, "adaptive": False})
-    spec = LLM(None, kv_cache_memory=256 << 20, max_model_len=2048, speculative_config=cfg)
+    spec = LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048, speculative_config=cfg)   # as smol_llm: fp32
     params = [structured(StructuredOutput(json=SCHEMAS[n]), temperature) for n in SCHEMAS] + \
         [structured(StructuredOutput(regex=r"(ab|cd){4,8}"), temperature)]
     prompts = PROMPTS + ["Repeat: abababab"]
