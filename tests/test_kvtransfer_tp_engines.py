@@ -41,7 +41,8 @@ class TPHost(EngineHost):
         return self.link.stats()["kv_pinned_requests"]
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=[pytest.param("1 KV head", marks=pytest.mark.slow), "2 KV heads"])
+# slow: each model spawns seven TP workers (the replicated-head case runs in the full suite)
 def model(request, tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("m"), "llama", **MODELS[request.param])
 

@@ -69,7 +69,8 @@ def smol_vocab_draft(tmp_path_factory):
 @pytest.mark.parametrize("name,spec", [
     ("ngram", {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}),
     ("ngram-adaptive", {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}),
-    ("layer_skip", {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3, "adaptive": False}),
+    pytest.param("layer_skip", {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3,
+                                "adaptive": False}, marks=pytest.mark.slow),    # slow: a budget for `make test-fast`
     ("random-draft", None),
 ])
 def test_greedy_output_is_identical_with_speculation(smol_path, smol_baseline, smol_vocab_draft, name, spec):
@@ -92,6 +93,7 @@ def test_greedy_output_is_identical_with_speculation(smol_path, smol_baseline, s
     assert_no_leak(llm)
 
 
+@pytest.mark.slow                        # a second SmolLM2 as the draft: seven seconds of `make test-fast`
 def test_identical_draft_is_accepted_every_time(smol_path, smol_baseline):
     _, ref = smol_baseline
     llm = smol(smol_path, {"method": "draft_model", "model": smol_path, "num_speculative_tokens": 4,

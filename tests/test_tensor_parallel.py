@@ -105,11 +105,11 @@ def test_smollm2_tp2_equals_tp1(smol_path):
         tp2.shutdown()
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
-                                  {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 2,
-                                   "adaptive": False},
-                                  {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}],
-                         ids=["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("spec", [  # the fast tier keeps layer_skip (drafts from the TP model itself)
+    pytest.param({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}, marks=pytest.mark.slow),
+    {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 2, "adaptive": False},
+    pytest.param({"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow)],
+    ids=["ngram", "layer_skip", "draft_model"])
 def test_speculation_with_tp2_keeps_greedy_output(tiny_paths, spec):
     """ngram drafts without a model; layer_skip with the sharded target's first layers; a draft model runs
     unsharded on rank 0 (vLLM's draft_tensor_parallel_size=1)."""
