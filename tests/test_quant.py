@@ -133,7 +133,7 @@ def test_without_the_kernel_packed_weights_run_dequantized(tmp_path, monkeypatch
         assert (ours - want).abs().max() < 0.05 * want.abs().max()    # int8 weights, fp32 activations
 
 
-def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_file):
+def test_unusable_quantization_requests_get_clear_errors(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "llama")
     with pytest.raises(ConfigError, match="must be one of"):
         LLM(path, quantization="q3", num_kv_blocks=16)
@@ -141,7 +141,7 @@ def test_unusable_quantization_requests_get_clear_errors(tmp_path, mixed_file):
         LLM(path, quantization="fp8", num_kv_blocks=16)
     with pytest.raises(ConfigError, match="needs a GGUF"):
         LLM(path, quantization="gguf", num_kv_blocks=16)
-    cpu, gguf = torch.device("cpu"), Path(mixed_file("llama"))
+    cpu, gguf = torch.device("cpu"), tmp_path / "model.gguf"        # the rule looks at where weights come from
     with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
         resolve_quantization("gguf", gguf, True, cpu, 2)
     with pytest.raises(ConfigError, match="CPU kernels only"):
