@@ -27,8 +27,9 @@ from prometheus_client import Counter, Histogram
 from engine import Resume, SamplingParams
 from engine.block_hash import block_hashes
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
-from replica.names import DECODE
+from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
+from router.request_routers import observe_found
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
@@ -98,6 +99,7 @@ class Orchestrator:
                 try:
                     req.prefill = await self.prefill.prefill.remote(req)
                     PATHS.labels("remote").inc()
+                    observe_found(PREFILL, rid, req.prefill.num_cached_tokens)
                 except Exception as e:              # noqa: BLE001 - the decode replica can prefill it
                     log.warning("request %s: prefill pool failed (%s); the decode pool prefills it", rid,
                                 _short(e))
@@ -114,6 +116,9 @@ class Orchestrator:
                 last, n = now, n + len(delta.token_ids)
                 if delta.finished:
                     status, reason = "ok", delta.finish_reason or "stop"
+                    # what the decode engine found cached, against the router's prediction (one is kept only for
+                    # a local prefill; a continuation drops it, see _continuation)
+                    observe_found(DECODE, rid, None if delta.transferred else delta.cached_tokens)
                 yield delta
         except (asyncio.CancelledError, GeneratorExit):
             status, reason = "aborted", "abort"
@@ -184,6 +189,7 @@ class Orchestrator:
         decode replica other than the ones it left. It recomputes prompt + sent, or, given `kv`, pulls the K/V
         of prompt + sent[:-1] (sent[-1] is the hand-off's first token); the block hashes cover what it
         computes or pulls (they also let the router find a replica caching them)."""
+        observe_found(DECODE, req.request_id, None)    # the next engine's cached count is not the routed one's
         bs, n = self.model["block_size"], len(req.token_ids) // self.model["block_size"]
         ids = req.token_ids + (sent if kv is None else sent[:-1])
         hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.model["model_key"],

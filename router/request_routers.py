@@ -28,6 +28,15 @@ ROUTING_DECISIONS = Counter("baton_routing_decisions", "Routing decisions, by po
 ROUTING_SECONDS = Histogram("baton_routing_decision_seconds", "Time spent in choose_replicas", ["pool"],
                             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2))
 INFLIGHT_TTL_S = 5.0
+# router accuracy: what the index said the chosen replica caches against what its engine found
+TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+PREDICTED = Histogram("baton_router_predicted_cached_tokens", "Prompt tokens the routing index said the chosen "
+                      "replica caches, per routed request", ["pool"], buckets=TOKEN_BUCKETS)
+FOUND = Histogram("baton_router_found_cached_tokens", "Prompt tokens that replica's engine found in its prefix "
+                  "cache, for the same requests", ["pool"], buckets=TOKEN_BUCKETS)
+OUTCOMES = Counter("baton_router_cache_predictions", "Routed requests by how the prediction compared with what "
+                   "the engine found: exact, over (the index promised more) or under", ["pool", "outcome"])
+MAX_PENDING_PREDICTIONS = 10_000        # predictions whose request never reports back (it failed) age out
 
 
 def _observe(pool: str, reason: str, seconds: float) -> None:
@@ -36,6 +45,34 @@ def _observe(pool: str, reason: str, seconds: float) -> None:
     live = importlib.import_module(__name__)
     live.ROUTING_DECISIONS.labels(pool, reason).inc()
     live.ROUTING_SECONDS.labels(pool).observe(seconds)
+
+
+def _live():
+    """This process's imported module (Serve ships router classes by value; see _observe)."""
+    return importlib.import_module(__name__)
+
+
+_predictions: dict[tuple[str, str], int] = {}     # (pool, request id) -> predicted cached tokens, oldest first
+
+
+def _predict(pool: str, request_id: str, tokens: int) -> None:
+    pending = _live()._predictions
+    pending[(pool, request_id)] = tokens
+    while len(pending) > MAX_PENDING_PREDICTIONS:
+        del pending[next(iter(pending))]
+
+
+def observe_found(pool: str, request_id: str, found: int | None) -> None:
+    """The engine of the replica a request was routed to reports the prompt tokens it found cached: observe
+    them against the router's prediction for that replica (requests routed without one are skipped; None:
+    the count is not comparable, drop the prediction)."""
+    live = _live()
+    predicted = live._predictions.pop((pool, request_id), None)
+    if predicted is None or found is None:
+        return
+    live.PREDICTED.labels(pool).observe(predicted)
+    live.FOUND.labels(pool).observe(found)
+    live.OUTCOMES.labels(pool, "exact" if found == predicted else "over" if predicted > found else "under").inc()
 
 
 def request_payload(pending: PendingRequest | None) -> PoolRequest | None:
@@ -91,9 +128,12 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         self.block_size = block_size
         self.inflight = _InflightLoad()
         self._last: dict[str, int] = {}
+        self._hits: dict[str, tuple[dict[str, int], int]] = {}   # request id -> (blocks per replica, usable)
 
-    def _rank(self, req: PoolRequest, by_id: dict[str, RunningReplica]) -> tuple[list[list[str]], str, int | None]:
-        """Tiers of replica ids, best first; the decision's reason; the load the best one gets (None: none)."""
+    def _rank(self, req: PoolRequest, by_id: dict[str, RunningReplica]
+              ) -> tuple[list[list[str]], str, int | None, dict[str, int] | None]:
+        """Tiers of replica ids, best first; the decision's reason; the load the best one gets (None: none);
+        the leading blocks of the prompt the index says each replica caches (None: no prediction applies)."""
         raise NotImplementedError
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -108,16 +148,28 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas if r.replica_id.unique_id not in req.avoid}
         if not by_id:
             return []
-        tiers, reason, load = self._rank(req, by_id)
+        tiers, reason, load, hits = self._rank(req, by_id)
         _observe(self.pool, reason, time.perf_counter() - t0)
+        serve_id = pending_request.metadata.request_id
         if load is not None:
-            self._last[pending_request.metadata.request_id] = load
+            self._last[serve_id] = load
+        if hits is not None:
+            # the engine never takes the block holding the last prompt token from its cache (it gives logits)
+            self._hits[serve_id] = (hits, (len(req.token_ids) - 1) // self.block_size)
+        for kept in (self._last, self._hits):      # requests cancelled before Serve routed them age out
+            while len(kept) > MAX_PENDING_PREDICTIONS:
+                del kept[next(iter(kept))]
         return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        load = self._last.pop(pending_request.metadata.request_id, None)
+        serve_id, rid = pending_request.metadata.request_id, replica_id.unique_id
+        load = self._last.pop(serve_id, None)
         if load is not None:
-            self.inflight.add(replica_id.unique_id, load)
+            self.inflight.add(rid, load)
+        hits = self._hits.pop(serve_id, None)
+        req = request_payload(pending_request)
+        if hits is not None and req is not None:
+            _predict(self.pool, req.request_id, min(hits[0].get(rid, 0), hits[1]) * self.block_size)
 
 
 class PrefixAwareRouter(_PoolRouter):
@@ -141,8 +193,8 @@ class PrefixAwareRouter(_PoolRouter):
                                          {rid: matches.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is None:
-            return tiers, reason, None
-        return tiers, reason, max(len(req.token_ids) - matches.get(best, 0) * self.block_size, 0)
+            return tiers, reason, None, matches
+        return tiers, reason, max(len(req.token_ids) - matches.get(best, 0) * self.block_size, 0), matches
 
 
 class DecodeRouter(_PoolRouter):
@@ -163,6 +215,7 @@ class DecodeRouter(_PoolRouter):
         """One replica per tier; the load is the request's KV blocks."""
         pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
         n = len(req.token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)   # to compute
+        hits = None
         if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
             hits = self.mirror.index[self.pool].match(req.block_hashes)
@@ -172,4 +225,6 @@ class DecodeRouter(_PoolRouter):
         else:
             order = sorted(by_id, key=lambda rid: (pressure[rid], rid))
             reason = "least_kv_pressure"
-        return [[rid] for rid in order], reason, blocks_for(n, self.block_size) if order else None
+        # a prediction for a plain local prefill (a continuation also recomputes tokens the index does not cover)
+        predicted = hits if hits is not None and req.resume is None else None
+        return [[rid] for rid in order], reason, blocks_for(n, self.block_size) if order else None, predicted

@@ -179,13 +179,24 @@ def test_a_request_aborted_mid_stream_frees_its_blocks_in_both_pools(client):
 
 def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offline):
     """Conditional disaggregation: the second time, the decode replica holds all but the last partial
-    block (< min_remote_prefill_tokens uncached), so it prefills locally: same text, no transfer."""
+    block (< min_remote_prefill_tokens uncached), so it prefills locally: same text, no transfer. On this
+    quiet cluster each pool's router predicted exactly the cached tokens its engine then found (none on the
+    prefill replica the first time, the prompt's full blocks on the decode replica the second)."""
     def paths() -> dict[str, float]:
         m = _metrics()
         return {p: m.get(f'baton_disaggregation_decisions_total{{path="{p}"}}', 0.0) for p in ("local", "remote")}
 
+    def predictions() -> dict[str, float]:
+        m = _metrics()
+        got = {f"{p}/{o}": m.get(f'baton_router_cache_predictions_total{{outcome="{o}",pool="{p}"}}',
+                                 m.get(f'baton_router_cache_predictions_total{{pool="{p}",outcome="{o}"}}', 0.0))
+               for p in ("prefill", "decode") for o in ("exact", "over", "under")}
+        for p in ("prefill", "decode"):
+            got[f"{p}/found"] = m.get(f'baton_router_found_cached_tokens_sum{{pool="{p}"}}', 0.0)
+        return got
+
     prompt = "Coaches time each leg of the relay separately, and the fastest runner usually goes last: " * 2
-    before = paths()
+    before, guessed = paths(), predictions()
     first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
     mid = paths()
     ids = offline.engine.tokenize(prompt)
@@ -198,6 +209,12 @@ def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offl
     assert mid["remote"] == before["remote"] + 1 and mid["local"] == before["local"]
     assert after["local"] == mid["local"] + 1 and after["remote"] == mid["remote"]
     assert second.choices[0].text == first.choices[0].text
+    assert second.usage.prompt_tokens_details.cached_tokens == min(full, (len(ids) - 1) // 16) * 16
+    now = predictions()
+    assert {k: now[k] - guessed[k] for k in now} == {
+        "prefill/exact": 1, "prefill/over": 0, "prefill/under": 0, "prefill/found": 0,
+        "decode/exact": 1, "decode/over": 0, "decode/under": 0,
+        "decode/found": second.usage.prompt_tokens_details.cached_tokens}
 
 
 def test_structured_outputs_and_tool_calls_hold_across_the_prefill_decode_hand_off(client):

@@ -110,3 +110,38 @@ def test_a_moved_request_never_goes_back_to_a_replica_it_left():
     assert choose(r, replicas, req) == ["other"]
     # only replicas it left: no answer, and Serve asks again once its replica set changes
     assert asyncio.run(r.choose_replicas([replicas[0]], req)) == []
+
+
+def test_the_routers_cache_prediction_is_observed_against_what_the_engine_found():
+    """A local prefill records what the index says the chosen replica caches (capped below the block with the
+    last prompt token, which the engine always computes); the engine's count is observed against it once, as
+    exact, over or under. Transferred and continued requests get no prediction."""
+    from prometheus_client import REGISTRY
+
+    from engine import Resume
+    from router.request_routers import observe_found
+
+    def outcomes() -> dict[str, float]:
+        return {o: REGISTRY.get_sample_value("baton_router_cache_predictions_total",
+                                             {"pool": "decode", "outcome": o}) or 0.0 for o in ("exact", "over", "under")}
+
+    def route(r: DecodeRouter, request, to: str) -> None:
+        choose(r, [FakeReplica("a", stats()), FakeReplica("b", stats())], request)
+        r.on_request_routed(request, SimpleNamespace(unique_id=to), None)
+
+    r, before = router(cached={"a": 8, "b": 3}), outcomes()
+    found0 = REGISTRY.get_sample_value("baton_router_found_cached_tokens_sum", {"pool": "decode"}) or 0.0
+    route(r, pending("whole"), "a")              # all 8 blocks cached: the engine can take 7 of them
+    observe_found("decode", "whole", 7 * BS)
+    route(r, pending("stale"), "b")              # the index says 3 blocks; the engine had evicted one
+    observe_found("decode", "stale", 2 * BS)
+    observe_found("decode", "stale", 2 * BS)     # observed once only
+    route(r, pending("kv", prefill=FROM_P0), "a")
+    observe_found("decode", "kv", 0)             # it brought its KV: nothing to compare
+    moved = pending("moved")
+    moved.args[0].resume = Resume([5, 6], 2)
+    route(r, moved, "a")
+    observe_found("decode", "moved", 3 * BS)
+    after = outcomes()
+    assert {o: after[o] - before[o] for o in after} == {"exact": 1, "over": 1, "under": 0}
+    assert REGISTRY.get_sample_value("baton_router_found_cached_tokens_sum", {"pool": "decode"}) - found0 == 9 * BS
