@@ -127,8 +127,8 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size = block_size
         self.inflight = _InflightLoad()
-        self._last: dict[str, int] = {}
-        self._hits: dict[str, tuple[dict[str, int], int]] = {}   # request id -> (blocks per replica, usable)
+        # Serve request id -> (load it sends, leading blocks the index says each replica caches, blocks usable)
+        self._routing: dict[str, tuple[int | None, dict[str, int] | None, int]] = {}
 
     def _rank(self, req: PoolRequest, by_id: dict[str, RunningReplica]
               ) -> tuple[list[list[str]], str, int | None, dict[str, int] | None]:
@@ -150,26 +150,24 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
             return []
         tiers, reason, load, hits = self._rank(req, by_id)
         _observe(self.pool, reason, time.perf_counter() - t0)
-        serve_id = pending_request.metadata.request_id
-        if load is not None:
-            self._last[serve_id] = load
-        if hits is not None:
+        if load is not None or hits is not None:
             # the engine never takes the block holding the last prompt token from its cache (it gives logits)
-            self._hits[serve_id] = (hits, (len(req.token_ids) - 1) // self.block_size)
-        for kept in (self._last, self._hits):      # requests cancelled before Serve routed them age out
-            while len(kept) > MAX_PENDING_PREDICTIONS:
-                del kept[next(iter(kept))]
+            self._routing[pending_request.metadata.request_id] = (load, hits,
+                                                                  (len(req.token_ids) - 1) // self.block_size)
+            while len(self._routing) > MAX_PENDING_PREDICTIONS:   # requests cancelled before Serve routed them
+                del self._routing[next(iter(self._routing))]
         return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        serve_id, rid = pending_request.metadata.request_id, replica_id.unique_id
-        load = self._last.pop(serve_id, None)
+        routed = self._routing.pop(pending_request.metadata.request_id, None)
+        if routed is None:
+            return
+        (load, hits, usable), rid = routed, replica_id.unique_id
         if load is not None:
             self.inflight.add(rid, load)
-        hits = self._hits.pop(serve_id, None)
         req = request_payload(pending_request)
         if hits is not None and req is not None:
-            _predict(self.pool, req.request_id, min(hits[0].get(rid, 0), hits[1]) * self.block_size)
+            _predict(self.pool, req.request_id, min(hits.get(rid, 0), usable) * self.block_size)
 
 
 class PrefixAwareRouter(_PoolRouter):
