@@ -15,6 +15,19 @@ import torch
 
 from bench.models import make_tiny_checkpoint  # noqa: F401 - the tests' tiny checkpoints, shared with benches
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*args: str, timeout_s: float = 600) -> dict:
+    """`baton bench ARGS --json` as a user runs it (a subprocess from the repository root): its JSON result;
+    a failure shows the end of its stderr."""
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", *args, "--json"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=timeout_s)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout)
+
 
 @pytest.fixture(scope="session")
 def smol_path() -> str:

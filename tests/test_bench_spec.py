@@ -2,24 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.conftest import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.bench
 def test_bench_spec_quick(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "spec", "--quick", "--json",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    result = json.loads(res.stdout)
+    result = run_bench("spec", "--quick", "--out", str(tmp_path))
     w = result["workloads"]
     assert set(w) == {"repeat", "chat", "batch32"}
     for name, x in w.items():

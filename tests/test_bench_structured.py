@@ -4,24 +4,16 @@ their grammars, every spec compiles and a cached compile is a lookup."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.conftest import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.bench
 def test_bench_structured_quick(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "engine", "--structured", "--quick", "--json",
-                          "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    result = json.loads(res.stdout)
+    result = run_bench("engine", "--structured", "--quick", "--out-dir", str(tmp_path))
     t = result["throughput"]
     batch, max_tokens = result["workload"]["batch"], result["workload"]["max_tokens"]
     for name in ("free", "json_schema", "regex"):

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.conftest import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.cluster                        # the benchmark starts a local Ray of its own
 @pytest.mark.bench
 def test_bench_transfer_quick(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transfer", "--quick", "--json",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    result = json.loads(res.stdout)
+    result = run_bench("transfer", "--quick", "--out", str(tmp_path))
     (shape,) = result["shapes"].values()
     assert shape["num_blocks"] == 256 // 16 and shape["bytes"] == 16 * shape["block_bytes"]
     assert shape["block_bytes"] == 30 * 2 * 16 * 3 * 64 * 4          # SmolLM2-135M's fp32 block layout
