@@ -407,6 +407,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-max-tokens", type=int, default=None, help="per request, with --structured")
     p.add_argument("--structured-repeats", type=int, default=None,
                    help="interleaved runs per system, with --structured")
+    p.add_argument("--kv-tiers", action="store_true",
+                   help="a working set of prefixes past the KV cache: device-only vs a host KV tier vs a cache that "
+                        "holds it all, revisit TTFT and hits by tier, to kv_tiers.json (bench/tiers_bench.py)")
     p.add_argument("--step-only", action="store_true",
                    help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
@@ -427,6 +430,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.structured:
         from bench.structured_bench import run as run_structured
         return run_structured(args)
+    if args.kv_tiers:
+        from bench.tiers_bench import run as run_tiers
+        return run_tiers(args)
     cfg = QUICK if args.quick else FULL
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

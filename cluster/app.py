@@ -48,7 +48,7 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
         **config.deployment_options(DECODE, state),
         request_router_config=_router_config("router.request_routers.DecodeRouter", {
             "state_actor": state, "block_size": decode_engine.block_size, "max_num_seqs": decode_engine.max_num_seqs,
-            "index_sync_interval_s": r.index_sync_interval_s}),
+            "index_sync_interval_s": r.index_sync_interval_s, "host_tier_hit_weight": r.host_tier_hit_weight}),
     ).bind(engine=decode_engine, **common)
     prefill = None
     if config.mode == "disaggregated":

@@ -7,7 +7,7 @@
                      graceful_shutdown_timeout_s, health_check_period_s, health_check_timeout_s, access_log,
                      engine {EngineConfig knobs, tensor_parallel_size among them}
     coupling:        mode (measured | fixed | off), ratio, smoothing
-    router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s
+    router:          policy, load_weight, imbalance_threshold_tokens, index_sync_interval_s, host_tier_hit_weight
     disaggregation:  min_remote_prefill_tokens
     migration:       max_moves
     transfer:        backend, ttl_s, ucx_tls
@@ -96,6 +96,10 @@ class EngineKnobs(_Schema):
                            "(0, 1]). Unset: 512 MiB in a pool with num_gpus 0, else "
                            f"{DEFAULT_GPU_KV_FRACTION} of free GPU memory")
     num_kv_blocks: int | None = _knob("num_kv_blocks", "Exact KV block count; overrides kv_cache_memory", ge=1)
+    kv_offloading_size: float | None = _knob(
+        "kv_offloading_size", "GiB of host memory per replica (summed over its TP ranks) for a second KV tier: "
+                              "prefix blocks the KV cache evicts are kept there and copied back on a hit instead "
+                              "of recomputed (0: off)", ge=0)
     seed: int | None = _knob("seed", "Seed of dummy weights and of requests that give none")
     enforce_eager: bool | None = _knob("enforce_eager", "On CUDA, run every step eagerly: no CUDA graphs for "
                                                         "decode and verify steps (they are captured at start-up)")

@@ -15,6 +15,7 @@ import os
 import threading
 import weakref
 from contextlib import contextmanager
+from functools import cached_property
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
@@ -293,8 +294,25 @@ class Executor:
                                               draft.block_bytes if draft is not None else None)
         blocks = min(blocks, *self.collective_rpc(_plan_blocks)[1:])
         self.collective_rpc(_allocate_kv, blocks)
+        self.collective_rpc(_allocate_host_kv, min(self.collective_rpc(_host_block_count)))
         if draft is not None:
             draft.allocate_kv(draft_blocks)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.runner.host_kv is None else self.runner.host_kv.shape[0]
+
+    @cached_property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all ranks (what a tier copy of it moves)."""
+        return sum(self.collective_rpc(_block_bytes))
+
+    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+        """Host-tier copies on every rank (each holds its heads' share of both tiers), between steps."""
+        if not self.workers:
+            self.runner.copy_blocks(copies)
+        else:
+            self.collective_rpc(_copy_blocks, copies)
 
     @contextmanager
     def _step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None):
@@ -351,3 +369,19 @@ def _plan_blocks(worker: TPWorker) -> int:
 
 def _allocate_kv(worker: TPWorker, num_blocks: int) -> None:
     worker.runner.allocate_kv(num_blocks)
+
+
+def _host_block_count(worker: TPWorker) -> int:
+    return worker.runner.host_block_count()
+
+
+def _allocate_host_kv(worker: TPWorker, num_blocks: int) -> None:
+    worker.runner.allocate_host_kv(num_blocks)
+
+
+def _block_bytes(worker: TPWorker) -> int:
+    return worker.runner.block_bytes
+
+
+def _copy_blocks(worker: TPWorker, copies: list[tuple[str, int, int]]) -> None:
+    worker.runner.copy_blocks(copies)

@@ -10,21 +10,29 @@ The low-level calls (`grow`, `shrink`, `release`) work on any block table, so a 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from engine.block_hash import block_hashes
-from engine.block_pool import BlockPool, blocks_for
+from engine.block_pool import BlockPool, Copy, blocks_for
+from engine.kv_events import DEVICE
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, model_key: str):
+    def __init__(self, pool: BlockPool, model_key: str, run_copies: Callable[[list[Copy]], None] | None = None):
         self.pool = pool
         self.block_size = pool.block_size
         self.model_key = model_key
         self.pinned: dict[str, list[int]] = {}     # prefill role: request id -> blocks kept for export
+        self.run_copies = run_copies               # the engine's: host-tier copies on every rank
+
+    def flush_copies(self) -> None:
+        """Run the host-tier copies the pool ordered (before the blocks they involve are written)."""
+        copies = self.pool.take_copies()
+        if copies and self.run_copies is not None:
+            self.run_copies(copies)
 
     # -- any block table --------------------------------------------------------------------------
     def grow(self, table: list[int], num_tokens: int) -> bool:
@@ -66,18 +74,18 @@ class KVCacheManager:
         if self.shrink(seq.block_table, seq.num_tokens):
             _changed(seq)
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Reuse cached leading blocks of a sequence that holds none; the last prompt token is always
-        computed (it gives logits). Returns the blocks hit; undo_prefix() gives them back."""
+    def match_prefix(self, seq: Sequence) -> tuple[int, int]:
+        """Reuse cached leading blocks of a sequence that holds none, from either tier (host blocks are
+        copied back); the last prompt token is always computed (it gives logits). Returns the blocks
+        hit and how many of them came from the host tier; undo_prefix() gives them back."""
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs
         self._hash_blocks(seq, usable)
-        hit = self.pool.match(seq.block_hashes[:usable], seq.token_ids)
-        self.pool.touch(hit)
-        seq.block_table = list(hit)
+        hit, from_host = self.pool.acquire(self.pool.find(seq.block_hashes[:usable], seq.token_ids))
+        seq.block_table = hit
         _changed(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * bs
-        return len(hit)
+        return len(hit), from_host
 
     def undo_prefix(self, seq: Sequence) -> None:
         """Give back what match_prefix took (the sequence could not be admitted after all)."""
@@ -110,15 +118,17 @@ class KVCacheManager:
         (they need no transfer), or None, holding nothing, if the pool lacks room."""
         bs = self.block_size
         self._hash_blocks(seq, seq.num_tokens // bs)
-        hit = self.pool.match(seq.block_hashes, seq.token_ids)
-        if not self.pool.can_allocate(blocks_for(seq.num_tokens, bs) - len(hit)):
+        found = self.pool.find(seq.block_hashes, seq.token_ids)
+        on_device = sum(tier == DEVICE for tier, _ in found)
+        if not self.pool.can_allocate(blocks_for(seq.num_tokens, bs) - on_device):
             return None
-        self.pool.touch(hit)
-        seq.block_table = list(hit)
+        hit, from_host = self.pool.acquire(found)
+        num_hit, seq.block_table = len(hit), hit
         _changed(seq)
         self.grow(seq.block_table, seq.num_tokens)
-        self.pool.record_query(seq.num_tokens, len(hit) * bs)
-        return len(hit)
+        self.flush_copies()                         # the transfer writes these blocks before the next step
+        self.pool.record_query(seq.num_tokens, num_hit * bs, from_host * bs)
+        return num_hit
 
     # -- pins (prefill role) ----------------------------------------------------------------------
     def pin(self, seq: Sequence, num_tokens: int | None = None) -> list[int]:

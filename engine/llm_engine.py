@@ -66,12 +66,13 @@ class LLMEngine:
         if self.runner.num_blocks * self.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache holds {self.runner.num_blocks * self.block_size} tokens, "
                               f"less than max_model_len {self.max_model_len}: give it more memory")
-        self.pool = BlockPool(self.runner.num_blocks, self.block_size, config.enable_prefix_caching, on_kv_event)
+        self.pool = BlockPool(self.runner.num_blocks, self.block_size, config.enable_prefix_caching, on_kv_event,
+                              host_blocks=self.executor.num_host_blocks if config.enable_prefix_caching else 0)
         # the prefix cache's key: KV computed with other weights (packed or not) is other KV; the hand-off's
         # compat_key stays the same (the layout is)
         quant = self.runner.quantization
         self.model_key = self.compat_key() + ("" if quant == "none" else f":q={quant}")
-        self.kv = KVCacheManager(self.pool, self.model_key)
+        self.kv = KVCacheManager(self.pool, self.model_key, self.executor.copy_blocks)
         self.scheduler = Scheduler(config, self.kv, clock)
         self.sampler = Sampler(config.seed)
         self.spec = None
@@ -86,10 +87,11 @@ class LLMEngine:
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
         self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
         log.info("engine ready: %s (weights %s, %.0f MiB), %s on %s (%d threads), %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
-                 "max_model_len %d, weights loaded in %.1f s", self.model_path, quant,
+                 "%d host-tier blocks, max_model_len %d, weights loaded in %.1f s", self.model_path, quant,
                  self.runner.weight_bytes / 2**20, self.runner.dtype,
                  self.runner.device, torch.get_num_threads(), self.pool.num_blocks, self.block_size,
                  self.pool.num_blocks * self.runner.block_bytes / 2**20, self.pool.num_blocks * self.block_size,
+                 self.pool.host_blocks,
                  self.max_model_len, self.runner.load_seconds)
 
     def _eos_ids(self) -> set[int]:
@@ -260,6 +262,7 @@ class LLMEngine:
         early, self._early_outputs = self._early_outputs, []
         drafted = self.spec.propose(self.scheduler.running) if self.spec is not None else []
         sched = self.scheduler.schedule()
+        self.kv.flush_copies()                      # host-tier copies before the forward writes or reads them
         for seq in sched.preempted:
             self._leave_batch(seq)
         if not sched.scheduled:
@@ -422,6 +425,12 @@ class LLMEngine:
             "num_pinned": len(self.kv.pinned),
             "prefix_cache_query_tokens": self.pool.query_tokens,
             "prefix_cache_hit_tokens": self.pool.hit_tokens,
+            "prefix_cache_host_hit_tokens": self.pool.host_hit_tokens,
+            "kv_host_blocks_total": self.pool.host_blocks,
+            "kv_host_blocks_used": self.pool.num_host_blocks_used,
+            "kv_offloaded_blocks": self.pool.offloaded_blocks,
+            "kv_onloaded_blocks": self.pool.onloaded_blocks,
+            "kv_block_bytes": self.executor.block_bytes,
             "busy_seconds_total": self.busy_seconds_total,
             **(self.spec.stats() if self.spec is not None else {}),
         }

@@ -69,6 +69,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.num_blocks = 0
+        self.host_kv: torch.Tensor | None = None           # the host tier (allocate_host_kv)
         self.graph_keys: list[tuple[int, int]] = []        # (batch size, query width) of the graphs to replay
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}
 
@@ -86,6 +87,32 @@ class ModelRunner:
         if self.device.type == "cuda" and self.tp is None:   # TP > 1 runs eagerly (collectives not captured)
             self.graph_keys = self.graph_plan()
             self.capture_graphs()
+
+    def allocate_host_kv(self, num_blocks: int) -> None:
+        """The host tier's cache: the same layout in host memory (pinned on CUDA, so copies are async)."""
+        self.host_kv = None
+        if num_blocks > 0:
+            shape = self.kv_shape(num_blocks)
+            if self.device.type == "cuda":
+                self.host_kv = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+            else:
+                self.host_kv = allocate_kv_cache(shape, self.dtype, torch.device("cpu"))
+
+    def host_block_count(self) -> int:
+        """Host-tier blocks of this rank's share of kv_offloading_size (GiB, summed over the TP ranks)."""
+        size = self.config.kv_offloading_size if self.config.enable_prefix_caching else 0
+        ranks = 1 if self.tp is None else self.tp.size
+        return int(size * 2**30 / ranks) // self.block_bytes if size else 0
+
+    def copy_blocks(self, copies: list[tuple[str, int, int]]) -> None:
+        """Run host-tier copies in order: ("out", device block, host block), ("in", host block, device
+        block). On CUDA they are queued on the compute stream, ahead of the next forward that reads or
+        overwrites the blocks (non-blocking: from and to pinned memory)."""
+        for kind, src, dst in copies:
+            if kind == "out":
+                self.host_kv[dst].copy_(self.kv_cache[src], non_blocking=True)
+            else:
+                self.kv_cache[dst].copy_(self.host_kv[src], non_blocking=True)
 
     # -- KV cache ---------------------------------------------------------------------------------
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -245,5 +272,6 @@ def allocate_kv_caches(target: ModelRunner, draft: ModelRunner | None = None) ->
     blocks, draft_blocks = plan_kv_blocks(target.config, target.kv_budget(), target.block_bytes,
                                           draft.block_bytes if draft is not None else None)
     target.allocate_kv(blocks)
+    target.allocate_host_kv(target.host_block_count())
     if draft is not None:
         draft.allocate_kv(draft_blocks)

@@ -111,14 +111,14 @@ class Scheduler:
                 if not self._start_load(seq):
                     break
                 continue
-            hit = self.kv.match_prefix(seq)
+            hit, from_host = self.kv.match_prefix(seq)
             n = self._chunk(seq, budget)
             if n == 0 or not self.kv.allocate_slots(seq, n):
                 self.kv.undo_prefix(seq)
                 break
             heapq.heappop(self.waiting)
             if self.kv.pool.enable_caching:
-                self.kv.pool.record_query(seq.num_tokens, hit * self.kv.block_size)
+                self.kv.pool.record_query(seq.num_tokens, hit * self.kv.block_size, from_host * self.kv.block_size)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

@@ -22,7 +22,7 @@ from typing import Any
 from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
 from engine.errors import InvalidRequestError
-from engine.kv_events import AllBlocksCleared, BlockStored, KVEvent, encode_events
+from engine.kv_events import KVEvent, encode_events
 from engine.parallel import TPWorkerError
 from kvtransfer import KVLink
 from kvtransfer.config import TransferConfig
@@ -155,7 +155,7 @@ class EngineReplica:
             with self._events_lock:
                 self._events.clear()                       # the snapshot subsumes them
                 self._seq += 1
-                return self._seq, encode_events([AllBlocksCleared(), BlockStored(engine.pool.cached_hashes(), None)])
+                return self._seq, encode_events(engine.pool.snapshot_events())
         seq, events = self.llm.call(snapshot)
         self._state.resync.remote(self.pool, self.replica, seq, events)
         log.warning("%s replica %s: the index lost KV events; resynced with the whole cache", self.pool, self.replica)

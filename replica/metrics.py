@@ -5,6 +5,9 @@ Contract names (like vLLM's, stable):
   baton_kv_blocks_used / baton_kv_blocks_free (gauges): blocks held by live sequences or pinned for a
       transfer / blocks allocatable (cached but unreferenced blocks count as free)
   baton_prefix_cache_query_tokens_total / baton_prefix_cache_hit_tokens_total (counters)
+  baton_prefix_cache_hits_by_tier_tokens_total{tier="device"|"host"} (counter): the hit tokens by the tier
+      they were found in; baton_kv_tier_moves_blocks_total / _bytes_total{direction="offload"|"onload"}:
+      blocks copied device -> host (evicted) and host -> device (hit); baton_kv_host_blocks_used / _total
 """
 from __future__ import annotations
 
@@ -57,6 +60,24 @@ class _EngineCollector:
                       s["prefix_cache_query_tokens"])
         yield counter("baton_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
                       s["prefix_cache_hit_tokens"])
+        by_tier = CounterMetricFamily("baton_prefix_cache_hits_by_tier_tokens", "Prompt tokens found in the prefix "
+                                      "cache, by the KV tier that held them", labels=names + ["tier"])
+        by_tier.add_metric(values + ["device"], s["prefix_cache_hit_tokens"] - s["prefix_cache_host_hit_tokens"])
+        by_tier.add_metric(values + ["host"], s["prefix_cache_host_hit_tokens"])
+        yield by_tier
+        moves = CounterMetricFamily("baton_kv_tier_moves_blocks", "KV blocks copied between tiers: offload "
+                                    "(evicted from the device to host memory), onload (a host hit copied back)",
+                                    labels=names + ["direction"])
+        moved = CounterMetricFamily("baton_kv_tier_moves_bytes", "Bytes of those copies (all TP ranks)",
+                                    labels=names + ["direction"])
+        for direction, n in (("offload", s["kv_offloaded_blocks"]), ("onload", s["kv_onloaded_blocks"])):
+            moves.add_metric(values + [direction], n)
+            moved.add_metric(values + [direction], n * s["kv_block_bytes"])
+        yield moves
+        yield moved
+        yield gauge("baton_kv_host_blocks_used", "KV blocks held in the host tier", s["kv_host_blocks_used"])
+        yield gauge("baton_kv_host_blocks_total", "KV blocks the host tier holds at most (0: no host tier)",
+                    s["kv_host_blocks_total"])
         yield gauge("baton_num_requests_running", "Sequences in the running batch", s["num_running"])
         yield gauge("baton_num_requests_waiting", "Sequences waiting to be scheduled (queue depth)", s["num_waiting"])
         yield gauge("baton_requests_tracked", "Requests the engine holds state for (running, waiting or "

@@ -25,6 +25,10 @@ class RouterConfig(_Section):
                                                                     "by more, route least-loaded first")
     index_sync_interval_s: float = Field(0.01, gt=0, description="Seconds between pulls of the KV-event index "
                                                                  "by each router")
+    host_tier_hit_weight: float = Field(0.9, ge=0, le=1, description="What a prompt block cached only in a "
+                                        "replica's host KV tier (kv_offloading_size) is worth to both pools' "
+                                        "routers, against one in its device cache (1: the same; 0: nothing): "
+                                        "copying it back costs a fraction of computing it")
 
 
 class DisaggregationConfig(_Section):

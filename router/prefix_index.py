@@ -8,6 +8,11 @@ BlockPool.lookup() would reuse, even when eviction left holes (a child cached wi
 a binary search on the prefix length would assume prefix-closed caches and could overcount.
 Cost of match: one dict lookup per prompt block until no replica matches, plus one step per
 replica that drops out: independent of how many prefixes are cached.
+
+A replica with a host tier (engine/block_pool.py) reports its host blocks as events of medium HOST; the
+index keeps them in masks of their own. match() counts a block in either tier (the engine copies a
+host block back instead of computing it); match_tiers() also says how many of a replica's leading
+blocks are in its host tier only, for a ranker that credits them at a discount.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 import msgpack
 import xxhash
 
-from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(eq=False, repr=False)     # hundreds of thousands of entries: never print or compare them
@@ -33,6 +38,8 @@ class PrefixIndex:
     slots: dict[str, int] = field(default_factory=dict)       # replica -> slot (bit number)
     names: dict[int, str] = field(default_factory=dict)       # slot -> replica
     blocks: dict[str, set[int]] = field(default_factory=dict)  # replica -> its hashes (to drop them fast)
+    host_masks: dict[int, int] = field(default_factory=dict)  # the same for host-tier blocks
+    host_blocks: dict[str, set[int]] = field(default_factory=dict)
     seq: dict[str, int] = field(default_factory=dict)         # replica -> last applied batch
     stale: set[str] = field(default_factory=set)              # replicas that missed a batch
 
@@ -49,16 +56,16 @@ class PrefixIndex:
             return False
         for e in events:
             if isinstance(e, BlockStored):
-                self._add(replica, e.block_hashes)
+                self._add(replica, e.block_hashes, e.medium == HOST)
             elif isinstance(e, BlockRemoved):
-                self._remove(replica, e.block_hashes)
+                self._remove(replica, e.block_hashes, e.medium == HOST)
             elif isinstance(e, AllBlocksCleared):
                 self._drop_blocks(replica)
         self.seq[replica] = seq
         return True
 
-    def load_snapshot(self, replica: str, seq: int, hashes: list[int]) -> None:
-        """Replace a replica's entry by its full set of cached hashes as of batch `seq`."""
+    def load_snapshot(self, replica: str, seq: int, hashes: list[int], host_hashes: list[int] = ()) -> None:
+        """Replace a replica's entry by its full set of cached hashes (each tier's) as of batch `seq`."""
         if replica in self.slots:
             self._drop_blocks(replica)
         else:
@@ -66,53 +73,59 @@ class PrefixIndex:
         self.stale.discard(replica)
         self.seq[replica] = seq
         self._add(replica, hashes)
+        self._add(replica, host_hashes, True)
 
     def remove_replica(self, replica: str) -> None:
         """Forget a replica (it died); its slot is free for the next one."""
         if replica in self.slots:
             self._drop_blocks(replica)
-            del self.names[self.slots.pop(replica)], self.blocks[replica]
+            del self.names[self.slots.pop(replica)], self.blocks[replica], self.host_blocks[replica]
         self.seq.pop(replica, None)
         self.stale.discard(replica)
 
     def _new_slot(self, replica: str) -> None:
         slot = next(i for i in range(len(self.slots) + 1) if i not in self.names)
         self.slots[replica], self.names[slot], self.blocks[replica] = slot, replica, set()
+        self.host_blocks[replica] = set()
 
-    def _add(self, replica: str, hashes: list[int]) -> None:
-        bit, mine = 1 << self.slots[replica], self.blocks[replica]
+    def _tier(self, replica: str, host: bool) -> tuple[dict[int, int], set[int]]:
+        return (self.host_masks, self.host_blocks[replica]) if host else (self.masks, self.blocks[replica])
+
+    def _add(self, replica: str, hashes: list[int], host: bool = False) -> None:
+        bit, (masks, mine) = 1 << self.slots[replica], self._tier(replica, host)
         for h in hashes:
             if h not in mine:
                 mine.add(h)
-                self.masks[h] = self.masks.get(h, 0) | bit
+                masks[h] = masks.get(h, 0) | bit
 
-    def _remove(self, replica: str, hashes: list[int]) -> None:
-        bit, mine = 1 << self.slots[replica], self.blocks[replica]
+    def _remove(self, replica: str, hashes: list[int], host: bool = False) -> None:
+        bit, (masks, mine) = 1 << self.slots[replica], self._tier(replica, host)
         for h in hashes:
             if h in mine:
                 mine.discard(h)
-                self._clear_bit(h, bit)
+                _clear_bit(masks, h, bit)
 
     def _drop_blocks(self, replica: str) -> None:
         bit = 1 << self.slots[replica]
-        for h in self.blocks[replica]:
-            self._clear_bit(h, bit)
-        self.blocks[replica] = set()
-
-    def _clear_bit(self, h: int, bit: int) -> None:
-        m = self.masks[h] & ~bit
-        if m:
-            self.masks[h] = m
-        else:
-            del self.masks[h]          # no empty masks: the index's size follows what is cached
+        for host in (False, True):
+            masks, mine = self._tier(replica, host)
+            for h in mine:
+                _clear_bit(masks, h, bit)
+        self.blocks[replica], self.host_blocks[replica] = set(), set()
 
     # -- queries ------------------------------------------------------------------------------
     def match(self, hashes: list[int]) -> dict[str, int]:
-        """For every known replica, how many leading blocks of the prompt it caches: the count stops
-        at the replica's first missing block."""
+        """For every known replica, how many leading blocks of the prompt it caches, in either tier: the
+        count stops at the replica's first missing block."""
         counts = dict.fromkeys(self.slots, 0)
         alive = sum(1 << s for s in self.names)
-        get = self.masks.get
+        if self.host_masks:
+            dev, host = self.masks.get, self.host_masks.get
+
+            def get(h: int, default: int) -> int:
+                return dev(h, default) | host(h, default)
+        else:
+            get = self.masks.get
         for i, h in enumerate(hashes):
             still = get(h, 0) & alive
             if still != alive:
@@ -123,6 +136,25 @@ class PrefixIndex:
         self._settle(counts, alive, len(hashes))
         return counts
 
+    def match_tiers(self, hashes: list[int]) -> dict[str, tuple[int, int]]:
+        """match(), with how many of each replica's leading blocks are in its host tier only:
+        replica -> (leading blocks, of which host-only)."""
+        out = {}
+        for r, n in self.match(hashes).items():
+            mine = self.blocks[r]
+            out[r] = (n, sum(h not in mine for h in hashes[:n]) if n and self.host_blocks[r] else 0)
+        return out
+
+    def match_credit(self, hashes: list[int], host_weight: float) -> tuple[dict[str, int], dict[str, float]]:
+        """match(), and the same counts credited for ranking: a block in a replica's host tier only counts
+        `host_weight` of one in its device tier (copying it back costs a little, computing it all)."""
+        if not self.host_masks or host_weight == 1:
+            hits = self.match(hashes)
+            return hits, dict(hits)
+        tiers = self.match_tiers(hashes)
+        return ({r: n for r, (n, _) in tiers.items()},
+                {r: n - (1 - host_weight) * host for r, (n, host) in tiers.items()})
+
     def _settle(self, counts: dict[str, int], bits: int, n: int) -> None:
         while bits:
             low = bits & -bits
@@ -130,7 +162,7 @@ class PrefixIndex:
             bits ^= low
 
     def num_blocks(self) -> dict[str, int]:
-        """Cached blocks per replica."""
+        """Cached blocks per replica (the device tier's)."""
         return {r: len(b) for r, b in self.blocks.items()}
 
     def num_distinct_blocks(self) -> int:
@@ -138,7 +170,8 @@ class PrefixIndex:
 
     # -- copies for other router processes (msgpack, never pickle) -----------------------------
     def snapshot(self) -> bytes:
-        return msgpack.packb({r: [self.seq[r], sorted(b), r in self.stale] for r, b in self.blocks.items()})
+        return msgpack.packb({r: [self.seq[r], sorted(b), r in self.stale, sorted(self.host_blocks[r])]
+                              for r, b in self.blocks.items()})
 
     @classmethod
     def from_snapshot(cls, data: bytes) -> PrefixIndex:
@@ -148,17 +181,27 @@ class PrefixIndex:
         except Exception as e:                              # noqa: BLE001
             raise ValueError(f"a prefix index snapshot is not valid msgpack: {e}") from None
         ok = isinstance(d, dict) and all(
-            isinstance(r, str) and isinstance(v, list) and len(v) == 3 and isinstance(v[0], int)
+            isinstance(r, str) and isinstance(v, list) and len(v) == 4 and isinstance(v[0], int)
             and isinstance(v[1], list) and all(isinstance(h, int) for h in v[1]) and isinstance(v[2], bool)
+            and isinstance(v[3], list) and all(isinstance(h, int) for h in v[3])
             for r, v in d.items())
         if not ok:
-            raise ValueError("a prefix index snapshot must map replica -> [seq, [block hashes], stale]")
+            raise ValueError("a prefix index snapshot must map replica -> [seq, [block hashes], stale, "
+                             "[host-tier block hashes]]")
         idx = cls()
-        for replica, (seq, hashes, stale) in d.items():
-            idx.load_snapshot(replica, seq, hashes)
+        for replica, (seq, hashes, stale, host) in d.items():
+            idx.load_snapshot(replica, seq, hashes, host)
             if stale:
                 idx.stale.add(replica)
         return idx
+
+
+def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
+    m = masks[h] & ~bit
+    if m:
+        masks[h] = m
+    else:
+        del masks[h]          # no empty masks: the index's size follows what is cached
 
 
 @dataclass(slots=True)

@@ -178,6 +178,7 @@ class PrefixAwareRouter(_PoolRouter):
         cfg = RouterConfig.model_validate(router)
         self._init_common(state_actor, cfg.index_sync_interval_s, block_size)
         self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
+        self.host_weight = cfg.host_tier_hit_weight
 
     def _rank(self, req, by_id):
         """The load is the prompt tokens the best replica must prefill (those it does not cache)."""
@@ -186,9 +187,9 @@ class PrefixAwareRouter(_PoolRouter):
             stats = r.routing_stats or {}
             loads[rid] = stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0))
         index = self.mirror.index[self.pool]
-        matches = index.match(req.block_hashes)
+        matches, credit = index.match_credit(req.block_hashes, self.host_weight)
         tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
-                                         {rid: matches.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
+                                         {rid: credit.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is None:
             return tiers, reason, None, matches
@@ -198,9 +199,10 @@ class PrefixAwareRouter(_PoolRouter):
 class DecodeRouter(_PoolRouter):
     pool = DECODE
 
-    def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float):
+    def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float,
+                         host_tier_hit_weight: float):
         self._init_common(state_actor, index_sync_interval_s, block_size)
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.host_weight = max_num_seqs, host_tier_hit_weight
 
     def _pressure(self, r: RunningReplica, rid: str) -> float:
         """0..~2: KV fraction in use plus running-batch fraction, counting requests sent since the stats."""
@@ -216,8 +218,8 @@ class DecodeRouter(_PoolRouter):
         hits = None
         if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
-            hits = self.mirror.index[self.pool].match(req.block_hashes)
-            order = sorted(by_id, key=lambda rid: (n - hits.get(rid, 0) * self.block_size,
+            hits, credit = self.mirror.index[self.pool].match_credit(req.block_hashes, self.host_weight)
+            order = sorted(by_id, key=lambda rid: (n - credit.get(rid, 0) * self.block_size,
                                                     pressure[rid], rid))
             reason = "local_prefill_hit" if any(hits.get(rid, 0) for rid in by_id) else "local_prefill"
         else:

@@ -1,20 +1,24 @@
 """Colocated mode from the same config (one pool prefills and decodes): the openai client gets the offline
-engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool."""
+engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool. Its pool runs a
+host KV tier: a prompt the KV cache evicted is served from host memory, and the router's index knows where."""
 from __future__ import annotations
 
+import random
 import urllib.request
 
 import openai
 import pytest
 
+from cluster.live_metrics import pool_total, scrape
 from engine import LLM, SamplingParams
-from tests.conftest import CLUSTER_ENGINE
+from engine.block_hash import block_hashes
+from tests.conftest import CLUSTER_ENGINE, ingress_index_matches, served_model_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PORT = 8733
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE = CLUSTER_ENGINE
+ENGINE = {**CLUSTER_ENGINE, "kv_offloading_size": 0.125}    # 96 MiB of device KV (2080 tokens), 128 MiB on host
 COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0}, "decode": {"num_cpus": 0, "engine": ENGINE}}
 
 
@@ -52,3 +56,30 @@ def test_colocated_structured_outputs_and_tool_calls_validate_and_bad_specs_get_
     check_structured_outputs(client, MODEL, quick=True)      # the whole set runs disaggregated (test_cluster_e2e)
     check_bad_specs_get_400(client, MODEL)
     check_tool_calls(client, MODEL, quick=True)
+
+
+def test_a_prompt_evicted_to_the_host_tier_is_copied_back_with_the_same_text(client):
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 40000) for _ in range(400)]          # 24 blocks before its last token's
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    for _ in range(6):                                                # 2700 other tokens: past the device cache
+        client.completions.create(model=MODEL, prompt=[rng.randrange(100, 40000) for _ in range(450)], max_tokens=1)
+    base = f"http://127.0.0.1:{PORT}"
+    before = scrape(base)
+    hashes = block_hashes(prompt, 16, served_model_key())
+    assert any(m and max(m.values()) >= 24 for m in ingress_index_matches("decode", hashes).values()), \
+        "the index still counts the prompt as cached (in the host tier)"
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    after = scrape(base)
+
+    def delta(metric: str, label: str) -> float:
+        def total(m):
+            return sum(v for k, v in m.items() if k.startswith(metric + "{") and label in k)
+        return total(after) - total(before)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == 384
+    assert delta("baton_prefix_cache_hits_by_tier_tokens_total", 'tier="host"') == 384, \
+        "every cached block of the prompt came back from host memory"
+    assert delta("baton_kv_tier_moves_blocks_total", 'direction="onload"') == 24
+    assert delta("baton_kv_tier_moves_bytes_total", 'direction="onload"') == 24 * (30 * 3 * 2 * 16 * 64 * 4)
+    assert pool_total(after, "baton_kv_host_blocks_used", "decode") > 24

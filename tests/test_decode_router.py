@@ -48,7 +48,8 @@ def router(cached: dict[str, int] | None = None, max_num_seqs: int = 64) -> Deco
     """A DecodeRouter without Serve's constructor, its index mirror a local index: replica -> leading blocks of
     PROMPT it caches."""
     r = DecodeRouter.__new__(DecodeRouter)
-    r.initialize_state(state_actor="unused", block_size=BS, max_num_seqs=max_num_seqs, index_sync_interval_s=0.01)
+    r.initialize_state(state_actor="unused", block_size=BS, max_num_seqs=max_num_seqs, index_sync_interval_s=0.01,
+                       host_tier_hit_weight=0.9)
     index = PrefixIndex()
     for name, n in (cached or {}).items():
         index.load_snapshot(name, 0, HASHES[:n])
@@ -92,6 +93,18 @@ def test_a_local_prefill_goes_to_the_replica_caching_most_of_the_prompt_even_if_
     # equal hits: pressure decides
     r = router(cached={"warm": 8, "idle": 8})
     assert choose(r, replicas, pending("r2"))[0] == "idle"
+
+
+def test_a_host_tier_hit_counts_at_its_discount():
+    """Blocks a replica holds only in its host KV tier count host_tier_hit_weight of a device block: 8 blocks
+    in host memory (7.2 at 0.9) beat 6 on the device, and lose to them at 0.5 (4.0)."""
+    replicas = [FakeReplica("device", stats()), FakeReplica("host", stats())]
+    r = router(cached={"device": 6})
+    r.mirror.index["decode"].load_snapshot("host", 0, [], HASHES)
+    assert choose(r, replicas, pending("r1")) == ["host", "device"]
+    assert r._routing["r1"][1] == {"device": 6, "host": 8}, "the prediction counts both tiers as cached"
+    r.host_weight = 0.5
+    assert choose(r, replicas, pending("r2")) == ["device", "host"]
 
 
 def test_a_request_without_routing_fields_may_go_to_any_replica():

@@ -367,9 +367,11 @@ def test_reset_with_only_uncached_blocks_in_use_is_allowed():
     (b"\xc1", "not valid msgpack"),
     (msgpack.packb({"stored": 1}), "must be a list of events"),
     (msgpack.packb([["stored", [1, 2]]]), "unknown kind or shape"),
-    (msgpack.packb([["stored", [1, "x"], None]]), "block hashes must be a list of integers"),
-    (msgpack.packb([["stored", [1], "p"]]), "parent block hash"),
-    (msgpack.packb([["removed", 5]]), "block hashes must be a list"),
+    (msgpack.packb([["stored", [1, "x"], None, "device"]]), "block hashes must be a list of integers"),
+    (msgpack.packb([["stored", [1], "p", "device"]]), "parent block hash"),
+    (msgpack.packb([["stored", [1], None, "disk"]]), "medium must be one of device, host"),
+    (msgpack.packb([["removed", 5, "host"]]), "block hashes must be a list"),
+    (msgpack.packb([["removed", [5]]]), "unknown kind or shape"),
     (msgpack.packb([["exec", "rm -rf /"]]), "unknown kind"),
     ("not bytes", "msgpack bytes"),
 ])
@@ -393,10 +395,14 @@ def test_a_malformed_batch_marks_the_replica_stale_and_the_state_actor_goes_on()
 
 # -- KVCacheManager: the one writer of block tables ------------------------------------------------
 
+@pytest.mark.parametrize("host_blocks", [0, 10], ids=["device-only", "host-tier"])
 @pytest.mark.parametrize("seed", range(4))
-def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(seed):
+def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(seed, host_blocks):
     """Allocate, cache, trim, prefix hits and undo, imports, pins and unpins, frees, in random order:
-    every block's ref count equals the tables (sequences' and pinned) that hold it."""
+    every block's ref count equals the tables (sequences' and pinned) that hold it. With a host tier,
+    the tier copies (run in the order the pool gives them, before the blocks are written) leave every
+    cached block of either tier holding its own K/V: a block's content is modelled as the hash of the
+    tokens it was computed for, written only when they are computed or transferred."""
     import random
 
     from engine.block_pool import blocks_for
@@ -404,10 +410,26 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
     from engine.sampling_params import SamplingParams
     from engine.sequence import Sequence
     rng = random.Random(seed)
-    bs, pool = 4, BlockPool(40, 4)
-    kv = KVCacheManager(pool, "k")
-    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    bs, pool = 4, BlockPool(40, 4, host_blocks=host_blocks)
+    device, host = [None] * pool.num_blocks, [None] * host_blocks
+
+    def run_copies(copies):
+        for kind, src, dst in copies:
+            if kind == "out":
+                host[dst] = device[src]
+            else:
+                device[dst] = host[src]
+
+    def computed(s, n):
+        """The model (or a transfer) wrote blocks [before, after) of s: flush first, as the engine does."""
+        kv.flush_copies()
+        for j in range((s.num_computed_tokens - n) // bs, blocks_for(s.num_computed_tokens, bs)):
+            device[s.block_table[j]] = ("tokens", tuple(s.token_ids[:(j + 1) * bs]))
+
+    kv = KVCacheManager(pool, "k", run_copies)
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(10 if host_blocks else 3)]   # outgrow the device
     live: list[Sequence] = []
+    chains = {}                                   # block hash -> the K/V it names (hashes are a function)
 
     def check():
         holders: dict[int, int] = {}
@@ -417,6 +439,17 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
         assert [b.ref_count for b in pool.blocks] == [holders.get(i, 0) for i in range(pool.num_blocks)]
         for s in live:
             assert len(s.block_table) >= blocks_for(s.num_computed_tokens, bs)
+        kv.flush_copies()
+        for s in live:
+            for j, h in enumerate(s.block_hashes):
+                chains[h] = ("tokens", tuple(s.token_ids[:(j + 1) * bs]))
+        for blk in pool.blocks:
+            if blk.hash is not None and blk.hash in chains:
+                assert device[blk.block_id] == chains[blk.hash], "a cached device block holds other K/V"
+        if pool.host is not None:
+            for h, hid in pool.host.lru.items():
+                if h in chains:
+                    assert host[hid] == chains[h], "a host-tier block holds other K/V"
 
     for i in range(300):
         op = rng.random()
@@ -424,8 +457,10 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
             s = Sequence(f"r{i}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))],
                          SamplingParams())
             if rng.random() < 0.3:
-                if kv.reserve_prompt(s) is not None:                 # an import: the whole prompt
+                local = kv.reserve_prompt(s)
+                if local is not None:                                 # an import: the whole prompt
                     s.num_computed_tokens = s.num_tokens
+                    computed(s, s.num_tokens - local * bs)            # the transfer writes the rest
                     kv.cache_full_blocks(s, s.num_tokens)
                     live.append(s)
             else:
@@ -435,6 +470,7 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
                 else:
                     n = s.num_tokens - s.num_computed_tokens
                     s.num_computed_tokens += n
+                    computed(s, n)
                     kv.cache_full_blocks(s, n)
                     live.append(s)
         elif op < 0.6:
@@ -444,6 +480,7 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
                 accepted = rng.randrange(k)
                 s.token_ids += [rng.randrange(50) for _ in range(accepted + 1)]
                 s.num_computed_tokens += accepted + 1
+                computed(s, accepted + 1)
                 kv.cache_full_blocks(s, accepted + 1)
                 kv.trim(s)
                 assert len(s.block_table) == blocks_for(s.num_tokens, bs)
@@ -461,3 +498,5 @@ def test_kv_cache_manager_keeps_ref_counts_consistent_through_a_random_workload(
     for rid in list(kv.pinned):
         kv.unpin(rid)
     assert pool.num_free_blocks == pool.num_blocks and not kv.unpin("r0")
+    if host_blocks:
+        assert pool.onloaded_blocks > 0, "the workload never hit the host tier"

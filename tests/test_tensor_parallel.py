@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import make_tiny_checkpoint, wait_for
+from conftest import make_tiny_checkpoint, run_bench, wait_for
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
@@ -87,6 +87,25 @@ def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
         assert out.metrics.num_cached_tokens == 32
     assert tp1.hits == tp2.hits == 32
     assert ev1 and ev1 == ev2
+
+
+@pytest.mark.slow
+def test_the_host_kv_tier_copies_every_ranks_share(tiny_paths):
+    """With a host tier at TP 2, a prefix the device cache evicted comes back from host memory on both ranks
+    (each holds its heads' share of both tiers): the same tokens as when it was computed, nothing recomputed."""
+    def ids(seed: int) -> list[int]:                  # the tiny vocabulary has 301 tokens
+        return torch.randint(5, 300, (100,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt = ids(0)                                   # 6 full blocks before the block of the last token
+    eng = engine(tiny_paths["llama-mqa"], 2, num_kv_blocks=24, kv_offloading_size=0.01)
+    try:
+        first = generate(eng, [prompt])[0]
+        generate(eng, [ids(k) for k in range(1, 5)])  # 7 blocks each: evicts it
+        again = generate(eng, [prompt])[0]
+        assert again.metrics.num_cached_tokens == 96
+        assert eng.stats()["prefix_cache_host_hit_tokens"] == 96 and eng.stats()["kv_onloaded_blocks"] == 6
+        assert_same_greedy([first], [again])
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.slow                # the real model at TP 1 and 2 (the tiny shapes above run in the fast tier)
@@ -286,12 +305,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.bench
 def test_bench_engine_tp_quick(tmp_path):
     """`baton bench engine --tp 2 --quick`: both sizes' tokens/s and TP 2's time in collectives per step."""
-    import json
-    res = subprocess.run([sys.executable, "-m", "cli.main", "bench", "engine", "--tp", "2", "--quick", "--json",
-                          "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600,
-                         env={**os.environ, "PYTHONPATH": ROOT})
-    assert res.returncode == 0, res.stderr[-4000:]
-    result = json.loads(res.stdout)
+    result = run_bench("engine", "--tp", "2", "--quick", "--out-dir", str(tmp_path))
     assert set(result["tp"]) == {"1", "2"} and all(r["output_tokens_per_s"] > 0 for r in result["tp"].values())
     step = result["tp"]["2"]["decode_batch1"]
     assert 0 < step["collectives_ms_per_step"] < step["step_ms"] and step["all_reduce_ms_per_step"] > 0

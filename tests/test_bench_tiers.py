@@ -1,0 +1,27 @@
+"""`baton bench engine --kv-tiers --quick`: the KV-tier benchmark runs end to end and writes its results: with
+the host tier, revisits are served from host memory (nothing of a revisited document recomputed), without it
+they are recomputed, and all three engines give the same tokens."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_bench
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_bench_kv_tiers_quick(tmp_path):
+    result = run_bench("engine", "--kv-tiers", "--quick", "--out-dir", str(tmp_path))
+    w, e = result["workload"], result["engines"]
+    revisited = w["docs"] * (w["visits"] - 1) * (w["doc_tokens"] // 16 * 16)     # the documents' full blocks
+    assert e["tiered"]["hit_tokens_host"] == revisited and e["tiered"]["hit_tokens_device"] == 0
+    assert e["device"]["hit_tokens_host"] == 0 and e["device"]["hit_tokens_device"] == 0, "the cache is too small"
+    assert e["roomy"]["hit_tokens_device"] == revisited and e["roomy"]["offloaded_blocks"] == 0
+    assert e["tiered"]["computed_tokens"] == e["roomy"]["computed_tokens"] < e["device"]["computed_tokens"]
+    assert e["tiered"]["moved_bytes"] > 0 and result["same_tokens"] is True
+    assert result["revisit_ttft_device_over_tiered"] > 0
+    assert json.loads((tmp_path / "kv_tiers.json").read_text())["engines"] == e
+    png = tmp_path / "kv_tiers.png"
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
