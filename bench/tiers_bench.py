@@ -27,8 +27,6 @@ from bench.engine_bench import machine_info, make_logger, pyplot, save, write_re
 
 FULL = dict(docs=12, doc_tokens=480, question_tokens=16, visits=3, max_tokens=8, device_docs=4)
 QUICK = dict(docs=5, doc_tokens=96, question_tokens=8, visits=2, max_tokens=4, device_docs=2)
-BLOCK = 16
-
 log = make_logger("bench kv-tiers")
 
 
@@ -102,9 +100,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
-    from engine.config import EngineConfig
+    from bench.cluster_bench import BLOCK, block_bytes
     from engine.loader import load_config, resolve_model
     cfg = QUICK if args.quick else FULL
     out = Path(args.out_dir)
@@ -114,10 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     reqs = _workload(cfg, hf.vocab_size)
     per_doc = -(-(cfg["doc_tokens"] + cfg["question_tokens"] + cfg["max_tokens"]) // BLOCK)
     device_blocks = cfg["device_docs"] * per_doc
-    heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    itemsize = torch.finfo(EngineConfig().torch_dtype).bits // 8
-    block_bytes = hf.num_hidden_layers * heads * 2 * BLOCK * (hf.hidden_size // hf.num_attention_heads) * itemsize
-    host_gib = 1.25 * cfg["docs"] * per_doc * block_bytes / 2**30
+    host_gib = 1.25 * cfg["docs"] * per_doc * block_bytes(model) / 2**30       # fp32: CPU
     log(f"{len(reqs)} requests on {model}: device cache {device_blocks} blocks (~{cfg['device_docs']} docs), "
         f"host tier {host_gib:.3f} GiB (the working set of {cfg['docs']} docs)")
     engines = {

@@ -19,6 +19,8 @@ BENCHES = {
     "soak": ("bench.soak_bench", "thousands of mixed requests, then zero leaked KV blocks, no restarts, memory"),
     "chaos": ("bench.chaos_bench", "open-loop load while replicas die, KV pulls fail, pools scale and roll"),
     "router": ("bench.router_bench", "prefill routing decision time with a large prefix index"),
+    "replay": ("bench.replay_bench", "replay a request trace (Mooncake's or Baton's JSONL) open-loop against the "
+                                     "HTTP API: goodput under SLOs, prefix hit rate, TTFT/ITL"),
 }
 
 
@@ -87,6 +89,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dev_cluster(args: argparse.Namespace) -> int:
+    from cluster.netns import NetnsCluster
+    cluster = NetnsCluster(nodes=args.nodes, name=args.name, cpus_per_node=args.cpus_per_node)
+    if args.down:
+        cluster.down()
+        print(f"{args.name}: stopped, namespaces deleted")
+        return 0
+    if args.nodes < 1:
+        print("--nodes must be at least 1", file=sys.stderr)
+        return 2
+    cluster.up()
+    for i in range(args.nodes):
+        print(f"node {i}: namespace {cluster.ns(i)}, address {cluster.ip(i)}, resource baton_node_{i}")
+    print(f"head: {cluster.address}. Run a command on node i with: ip netns exec {cluster.ns(0)} <command> "
+          f"(with RAY_ADDRESS={cluster.address} RAY_AUTH_MODE=disabled); place a pool on node i with its "
+          f"`resources: {{baton_node_i: 1}}`. Stop it: baton dev cluster --down --name {args.name}")
+    return 0
+
+
 def _check_gpu(args: argparse.Namespace) -> int:
     from check.gpu import run
     return run(args)
@@ -133,6 +154,16 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
             module.add_arguments(sp)
             sp.set_defaults(fn=_bench, bench_fn=module.run)
+
+    d = sub.add_parser("dev", help="development tools")
+    dsub = d.add_subparsers(dest="dev", required=True)
+    dc = dsub.add_parser("cluster", help="a multi-node Ray cluster on this machine: one network namespace per node "
+                                         "(needs root; cluster/netns.py)")
+    dc.add_argument("--nodes", type=int, default=3, help="Ray nodes, the head included (default 3)")
+    dc.add_argument("--name", default="baton-mn", help="namespace prefix (default baton-mn)")
+    dc.add_argument("--cpus-per-node", type=int, default=2)
+    dc.add_argument("--down", action="store_true", help="stop that cluster and delete its namespaces")
+    dc.set_defaults(fn=_dev_cluster)
 
     c = sub.add_parser("check", help="checks on this machine's hardware")
     csub = c.add_subparsers(dest="check", required=True)
