@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,7 @@ def trace_shape(fmt: str, rows: list[dict], reqs: list[Req]) -> dict[str, Any]:
 
 def replay(reqs: list[Req], mode: str, kv_bytes: int, slo: tuple[float, float]) -> dict:
     def work(base: str, model: str) -> dict:
+        asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2, tag="warm-up")]))   # first-use costs
         before = scrape(base)
         results, wall = asyncio.run(drive(base, model, reqs))
         time.sleep(1.5)                                         # replicas report every 0.5 s
@@ -134,7 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "conversation trace, bench/traces/README.md)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide the trace's arrival times by this")
     p.add_argument("--block-tokens", type=int, default=16,
-                   help="Mooncake traces: tokens per 512-token hash block; lengths scale by this / 512 (default 16)")
+                   help="Mooncake traces: tokens per 512-token hash block; lengths scale by this / 512 (default 16, "
+                        "the KV block size: shared hash blocks are shared KV blocks)")
     p.add_argument("--max-input-tokens", type=int, default=1536, help="cap on a rebuilt prompt (default 1536)")
     p.add_argument("--max-output-tokens", type=int, default=64, help="cap on a request's output (default 64)")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
@@ -143,7 +147,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-mib", type=int, default=256, help="each replica's KV cache (default 256 MiB)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: TTFT at most (default 2000)")
     p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO: mean ITL at most (default 200)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: the first 24 requests at 4x speed")
+    p.add_argument("--quick", action="store_true", help="a smoke run: the first 12 requests, prompts of at most "
+                                                        "192 tokens")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/replay",
                    help="directory for replay.json and replay.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
@@ -152,7 +157,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     import ray
     if args.quick:
-        args.max_requests, args.speedup = args.max_requests or 24, max(args.speedup, 4.0)
+        args.max_requests, args.max_input_tokens = args.max_requests or 12, min(args.max_input_tokens, 192)
     fmt, rows = load_trace(args.trace)
     rows = rows[:args.max_requests] if args.max_requests else rows
     reqs = (mooncake_requests(rows, args.block_tokens, args.max_input_tokens, args.max_output_tokens, args.speedup)
@@ -163,12 +168,14 @@ def run(args: argparse.Namespace) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             namespace="baton-bench-replay")
-    try:
-        res = replay(reqs, args.mode, args.kv_cache_mib << 20, slo)
-    finally:
-        ray.shutdown()
+    # Ray's driver threads print worker errors (a controller's shutdown) on stdout: keep it for the JSON
+    with contextlib.redirect_stdout(sys.stderr):
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                 namespace="baton-bench-replay")
+        try:
+            res = replay(reqs, args.mode, args.kv_cache_mib << 20, slo)
+        finally:
+            ray.shutdown()
     points = res.pop("_points")
     result: dict[str, Any] = {
         "benchmark": "replay", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
