@@ -71,6 +71,7 @@ def test_a_prefix_evicted_to_the_host_tier_is_copied_back_not_recomputed(smol_pa
     assert runs == {"r": (6, 0)}, "on the device again (the host copy stays, so the index still counts it there)"
 
 
+@pytest.mark.slow               # the fast tier keeps the evict-and-return case above and test_kv's random workload
 def test_the_host_tier_is_lru_and_bounded(smol_path):
     """A host tier smaller than what the device evicts keeps the most recently evicted blocks."""
     llm = _engine(smol_path, 8 * SMOL_BLOCK_BYTES / 2**30)
