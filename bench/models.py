@@ -17,3 +17,25 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     model = AutoModelForCausalLM.from_config(cls(**cfg), dtype=torch.float32)
     model.save_pretrained(tmp_dir)
     return str(tmp_dir)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(base_dir: str, out_dir, rank: int = 8, seed: int = 0, alpha: float | None = None,
+                      targets=LORA_TARGETS, scale: float = 1.0, use_rslora: bool = False) -> str:
+    """A random LoRA adapter for the HF checkpoint at `base_dir`, saved by PEFT (adapter_config.json and
+    adapter_model.safetensors) as a fine-tune would be. PEFT starts B at zero (a no-op); here A and B are
+    random with B scaled by `scale`, so the adapter changes what the model says."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
+                                            init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale)
+    model.save_pretrained(out_dir)
+    return str(out_dir)

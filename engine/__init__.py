@@ -5,9 +5,10 @@ from engine.async_llm import AsyncLLM
 from engine.llm import LLM
 from engine.kv_connector import RemotePrefill, Resume
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRAError, LoRARequest
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
            "RemotePrefill", "Resume", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
-           "PromptTooLongError"]
+           "PromptTooLongError", "LoRARequest", "LoRAError"]

@@ -37,12 +37,14 @@ class AsyncLLM:
         """Yield RequestOutputs as tokens come (deltas in new_text/new_token_ids); the last has finished=True.
         A caller that falls behind the engine gets the outputs that piled up as one (vLLM does the same), so a
         slow consumer costs one hop per wake-up, not one per token. Bad input raises InvalidRequestError before anything is queued. kwargs go to
-        LLMEngine.add_request (priority, prefill_only, remote, block_hashes, resume)."""
+        LLMEngine.add_request (priority, prefill_only, remote, block_hashes, resume, lora_request)."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def add() -> str:
             if params is not None and params.structured is not None:
                 self.engine.grammars().compile(params.structured)     # cached for add_request; no lock held
+            if kwargs.get("lora_request") is not None:
+                self.engine.load_lora(kwargs["lora_request"])         # read from disk without the lock
             with self._lock:
                 if self._closed:
                     raise RuntimeError("engine is shut down")

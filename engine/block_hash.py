@@ -27,3 +27,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, model_key: str | byt
         prev = h.intdigest()
         out.append(prev)
     return out
+
+
+def namespace_key(model_key: str, adapter_key: str | None = None) -> str:
+    """The key a request's blocks are hashed under: the model's, or the model's under a LoRA adapter
+    (engine/lora.py: a digest of the adapter's files), so KV computed with other weights never matches."""
+    return model_key if adapter_key is None else f"{model_key}|lora:{adapter_key}"

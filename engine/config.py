@@ -38,6 +38,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks one model is sharded over (KV heads: engine/kv_layout.py)
     distributed_executor_backend: str = "mp"  # TP workers: "mp" (processes) or "ray" (actors): engine/executor.py
     speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
+    enable_lora: bool = False                 # serve LoRA adapters (engine/lora.py) beside the base model
+    max_loras: int = 1                        # adapters in device slots: at most this many in one step
+    max_lora_rank: int = 16                   # the largest adapter rank accepted
+    max_cpu_loras: int | None = None          # adapters kept loaded in host memory (default: max_loras)
     max_grammar_bytes: int = MAX_GRAMMAR_BYTES                   # structured output: the largest spec accepted
     grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # structured output: a slower compile is refused
 
@@ -64,6 +68,16 @@ class EngineConfig:
         if isinstance(self.kv_offloading_size, bool) or not isinstance(self.kv_offloading_size, (int, float)) \
                 or not self.kv_offloading_size >= 0:
             raise ConfigError(f"kv_offloading_size is GiB of host memory, >= 0, got {self.kv_offloading_size!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora runs at tensor_parallel_size 1 so far")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ConfigError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                              f"got {self.max_cpu_loras!r}")
         from engine.spec.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

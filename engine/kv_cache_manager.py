@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes, namespace_key
 from engine.block_pool import BlockPool, Copy, blocks_for
 from engine.kv_events import DEVICE
 
@@ -109,7 +109,8 @@ class KVCacheManager:
         known, bs = len(seq.block_hashes), self.block_size
         if num_blocks > known:
             parent = seq.block_hashes[-1] if known else None
-            seq.block_hashes.extend(block_hashes(seq.token_ids[known * bs:num_blocks * bs], bs, self.model_key, parent))
+            key = namespace_key(self.model_key, seq.lora_key)       # an adapter's KV is its own
+            seq.block_hashes.extend(block_hashes(seq.token_ids[known * bs:num_blocks * bs], bs, key, parent))
 
     # -- imports (decode role) --------------------------------------------------------------------
     def reserve_prompt(self, seq: Sequence) -> int | None:

@@ -20,8 +20,10 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Seq[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in prompt order.
+        `lora_request`: an engine.lora.LoRARequest for every prompt, or one (or None: the base) per prompt.
 
         Every prompt is validated before any is queued, so bad input raises and leaves nothing behind.
         """
@@ -31,12 +33,24 @@ class LLM:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         token_ids = [self.engine.tokenize(p) for p in prompts]
         for t, sp in zip(token_ids, plist):
             sp.validate()
             self.engine.check_prompt(t)
-        ids = [self.engine.add_request(t, sp, priority=priority[i] if priority else 0)
-               for i, (t, sp) in enumerate(zip(token_ids, plist))]
+        for lora in {lr for lr in loras if lr is not None}:
+            self.engine.load_lora(lora)                    # a bad adapter raises before anything is queued
+        ids = []
+        try:
+            for i, (t, sp) in enumerate(zip(token_ids, plist)):
+                ids.append(self.engine.add_request(t, sp, priority=priority[i] if priority else 0,
+                                                   lora_request=loras[i]))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:

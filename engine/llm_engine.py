@@ -140,13 +140,15 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
                     remote: RemotePrefill | None = None, block_hashes: list[int] | None = None,
-                    resume: Resume | None = None) -> str:
+                    resume: Resume | None = None, lora_request=None) -> str:
         """Queue a request. `remote`: its prompt's K/V (and first token) come from another engine
         through the attached KVConnector; if they cannot, it is prefilled here. `block_hashes`: the
         prompt's full-block hashes when the caller has them (a pool request carries them from the
         ingress; an import's are remote.block_hashes), so the prefix cache need not hash it again.
         `resume`: it was started elsewhere; it continues after resume.token_ids, streaming none of them
-        (with `remote`, the import covers prompt + resume.token_ids[:-1], see engine/kv_connector.py)."""
+        (with `remote`, the import covers prompt + resume.token_ids[:-1], see engine/kv_connector.py).
+        `lora_request` (engine.lora.LoRARequest): run under that adapter (enable_lora); its files are
+        loaded and checked here if they are not cached, and a bad adapter fails this request alone."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -157,6 +159,21 @@ class LLMEngine:
         if resume is not None and prefill_only:
             raise InvalidRequestError("a resumed request cannot be prefill_only")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
+        if lora_request is not None:
+            if self.runner.lora is None:
+                self.load_lora(lora_request)                # raises: no enable_lora
+            seq.lora, seq.lora_key = lora_request, self.runner.lora.register(lora_request).key
+            seq.lora_held = True
+        try:
+            self._admit_new(seq, params, resume, remote, block_hashes)
+        except BaseException:
+            self._release_lora(seq)
+            raise
+        return request_id
+
+    def _admit_new(self, seq: Sequence, params: SamplingParams, resume: Resume | None,
+                   remote: RemotePrefill | None, block_hashes: list[int] | None) -> None:
+        ids, request_id = seq.token_ids, seq.request_id
         if self.tokenizer is not None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         if params.structured is not None:
@@ -171,7 +188,20 @@ class LLMEngine:
         seq.sampling_seed = self.sampler.request_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        return request_id
+
+    def load_lora(self, lora_request) -> None:
+        """Load and check an adapter into the host cache now (it stays while the cache has room); raises
+        engine.lora.LoRAError for a bad one. Thread-safe: callers load before taking the engine's lock."""
+        if self.runner.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} requested, but this engine "
+                                      f"was not started with enable_lora")
+        self.runner.lora.release(self.runner.lora.register(lora_request).key)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        """The sequence is gone: its adapter may leave the host cache again."""
+        if seq.lora_held:
+            self.runner.lora.release(seq.lora_key)
+            seq.lora_held = False
 
     def _replay(self, seq: Sequence, resume: Resume) -> None:
         """Give a new sequence the outputs its client already has, as they evolved where it started (the
@@ -245,6 +275,7 @@ class LLMEngine:
             else:
                 self.kv.free(seq)
         self._leave_batch(seq)                     # speculative drafts go: the destination proposes anew
+        self._release_lora(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         seq.finished_time = time.monotonic()
 
@@ -361,6 +392,7 @@ class LLMEngine:
         if seq.detok is not None and not isinstance(seq.stop_reason, str):
             seq.detok.flush()                      # a stop string already cut the text: nothing pends
         del self.requests[seq.request_id]
+        self._release_lora(seq)
         if seq.prefill_only:
             # keep the prompt's full and partial blocks for export; the first token's K/V is not there
             self.kv.pin(seq)

@@ -65,6 +65,11 @@ class ModelRunner:
         self.weight_bytes = self.model.weight_bytes()
         if can_prepack(self.device, self.dtype):
             self.model.prepack_linears()
+        self.lora = None                                    # engine/lora.py LoRAManager (enable_lora)
+        if config.enable_lora:                              # TP 1 only (EngineConfig checks)
+            from engine.lora import LoRAManager
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.dtype, self.device)
         self.load_seconds = time.perf_counter() - t0
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -186,6 +191,8 @@ class ModelRunner:
         The logits are valid until the next forward (a replayed graph rewrites its output).
         """
         shape, ids, tables, samplers = self.rows.prepare(scheduled)
+        if self.lora is not None:                           # each token's adapter slot, loading what is missing
+            self.lora.prepare_step([seq.lora_key for seq, _ in scheduled], shape.query_lens)
         return self.forward_step(shape, ids, tables), samplers
 
     def release(self, request_id: str) -> None:
@@ -198,7 +205,11 @@ class ModelRunner:
 
         Writes the tokens' K/V to the cache at their slots and returns the requested logits rows
         [sum of rows, vocab] in order. `num_layers` runs only the first layers (layer-skip drafts).
+        It runs the base model: a layer-skip draft of a LoRA request is a base draft (the verify step,
+        with the adapter, keeps the output exact).
         """
+        if self.lora is not None:
+            self.lora.clear_step()
         return self.forward_step(*items_shape(items, self.block_size), num_layers=num_layers)
 
     def forward_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
@@ -212,7 +223,8 @@ class ModelRunner:
 
     def _forward(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
                  num_layers: int | None) -> torch.Tensor | None:
-        width = shape.uniform_width() if num_layers is None and self.graph_keys else None
+        lora = self.lora is not None and self.lora.step.slots is not None     # an adapter step runs eagerly
+        width = shape.uniform_width() if num_layers is None and self.graph_keys and not lora else None
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
         if size is not None and tables.shape[1] <= self.inputs.max_blocks:
             return self.forward_padded(shape, ids, tables, size)

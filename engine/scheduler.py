@@ -105,11 +105,19 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self._adapters()
+        deferred = []                               # LoRA requests over max_loras: they wait, others go on
         while self.waiting and budget > 0 and self.num_seqs < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora_key is not None and seq.lora_key not in adapters \
+                    and len(adapters) >= self.config.max_loras:
+                deferred.append(heapq.heappop(self.waiting))
+                continue
             if seq.remote is not None:
                 if not self._start_load(seq):
                     break
+                if seq.lora_key is not None:
+                    adapters.add(seq.lora_key)
                 continue
             hit, from_host = self.kv.match_prefix(seq)
             n = self._chunk(seq, budget)
@@ -117,12 +125,21 @@ class Scheduler:
                 self.kv.undo_prefix(seq)
                 break
             heapq.heappop(self.waiting)
+            if seq.lora_key is not None:
+                adapters.add(seq.lora_key)
             if self.kv.pool.enable_caching:
                 self.kv.pool.record_query(seq.num_tokens, hit * self.kv.block_size, from_host * self.kv.block_size)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
+        for seq in deferred:
+            heapq.heappush(self.waiting, seq)
+
+    def _adapters(self) -> set[str]:
+        """The LoRA adapters of the sequences holding a slot (a step holds at most max_loras of them)."""
+        live = [*self.running, *(s for s in self.loading.values() if not s.is_finished)]
+        return {s.lora_key for s in live if s.lora_key is not None}
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         if seq.spec_tokens:                             # a verify step: last token + drafts, cut to budget

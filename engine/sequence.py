@@ -45,6 +45,9 @@ class Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     sampling_seed: int = 0                # uint64 key of its random streams (engine.philox), set at add_request
     detok: object = None                  # engine.detokenizer.Detokenizer
+    lora: object = None                   # engine.lora.LoRARequest: the adapter it runs under (None: the base)
+    lora_key: str | None = None           # that adapter's key (engine.block_hash.namespace_key of its blocks)
+    lora_held: bool = False               # it holds its adapter in the runner's host cache (until it ends)
     guide: object = None                  # engine.structured.Guide: its grammar state (structured output)
     num_streamed: int = 0                 # output tokens already reported in a RequestOutput
     spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step

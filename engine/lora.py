@@ -1,0 +1,351 @@
+"""Multi-LoRA: adapters in PEFT's format served beside the base model, mixed in one batch.
+
+An adapter is a directory with `adapter_config.json` and `adapter_model.safetensors` (what PEFT's
+`save_pretrained` writes), with LoRA on any of q/k/v/o and gate/up/down, rank up to
+`max_lora_rank`. The engine (`enable_lora=True`) keeps:
+
+- a host cache of loaded adapters (`max_cpu_loras`, LRU; an adapter a live request uses stays), each
+  checked against the model when it is first requested, so a bad file fails its request alone;
+- `max_loras` device slots: every wrapped Linear holds its adapters' A and B stacked by slot
+  ([slots, n*R, in] and [slots, out, n*R], the scaling folded into B, zero-padded ranks). A fused
+  module (q/k/v, gate/up) keeps one A row-band per part and a block-diagonal B, so a part the
+  adapter does not train adds zero. A step names each token's slot (-1: the base model) and every
+  wrapped Linear adds its LoRA product batched by slot (engine/lora_ops.py: Punica-style Triton
+  kernels on CUDA, a grouped torch path elsewhere). The scheduler admits at most `max_loras`
+  adapters among the running sequences, so a step never needs more slots.
+
+A LoRA request's KV is another model's KV: its block hashes are chained under the adapter's key
+(engine/block_hash.py `namespace_key`, from the adapter's content), so base and adapter blocks never mix, in the prefix
+cache, in KV events, the router's index, or transfers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+# PEFT's module name -> (our fused module, part index): engine/model.py fuses q/k/v and gate/up
+TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+           "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0)}
+_PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+_WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class LoRAError(InvalidRequestError):
+    """An adapter that cannot be served (missing or malformed files, a shape or rank the model refuses)."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter by name and path (vLLM's LoRARequest; lora_int_id kept for its callers)."""
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+    @property
+    def key(self) -> str:
+        """The adapter's identity: a digest of its files, so the same adapter has the same KV namespace
+        under any name or path, and a changed file is another adapter."""
+        return adapter_digest(self.lora_path)
+
+
+_digests: dict[tuple, str] = {}
+
+
+def adapter_digest(path: str) -> str:
+    """blake2b of adapter_config.json and the weights file (cached by their paths, sizes and mtimes)."""
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter path {path!r} is not a directory")
+    files = (os.path.join(path, CONFIG_FILE), _weights_file(path))
+    for f in files:
+        if not os.path.isfile(f):
+            raise LoRAError(f"LoRA adapter at {path!r} has no {os.path.basename(f)}")
+    try:
+        memo = tuple((os.path.realpath(f), st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)])
+    except OSError as e:
+        raise LoRAError(f"LoRA adapter at {path!r}: {e.strerror}: {e.filename}") from None
+    if memo not in _digests:
+        h = hashlib.blake2b(digest_size=12)
+        for f in files:
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        _digests[memo] = h.hexdigest()
+    return _digests[memo]
+
+
+def _weights_file(path: str) -> str:
+    st = os.path.join(path, WEIGHTS_FILE)
+    bin_ = os.path.join(path, "adapter_model.bin")
+    return st if os.path.exists(st) or not os.path.exists(bin_) else bin_
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights, by (layer, our module): the A rows of each part and B with its scaling."""
+    name: str
+    key: str
+    rank: int
+    weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
+    refs: int = 0                            # live requests using it (never evicted from the host cache)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for parts in self.weights.values() for ab in parts.values()
+                   for t in ab)
+
+
+def read_adapter_config(path: str) -> dict:
+    """adapter_config.json, checked for what Baton serves (plain LoRA on the attention and MLP projections)."""
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter path {path!r} is not a directory")
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise LoRAError(f"LoRA adapter at {path!r} has no {CONFIG_FILE}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoRAError(f"LoRA adapter at {path!r}: {CONFIG_FILE} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"LoRA adapter at {path!r}: {CONFIG_FILE} is not a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter at {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for flag, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"),
+                       ("layers_to_transform", "layers_to_transform"), ("alpha_pattern", "alpha_pattern")):
+        if cfg.get(flag):
+            raise LoRAError(f"LoRA adapter at {path!r}: {what} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter at {path!r}: bias={cfg['bias']!r} is not supported (only 'none')")
+    for k in ("r", "lora_alpha"):
+        v = cfg.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise LoRAError(f"LoRA adapter at {path!r}: {k} must be a positive number, got {v!r}")
+    return cfg
+
+
+def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """Read and check an adapter against `model` (engine/model.py LlamaForCausalLM, unsharded)."""
+    path = request.lora_path
+    cfg = read_adapter_config(path)
+    tensors = _read_tensors(path)
+    layers, attn, mlp = model.num_layers, model.model.layers[0].self_attn, model.model.layers[0].mlp
+    hidden = model.config.hidden_size
+    dims = {"q_proj": (hidden, attn.q_size), "k_proj": (hidden, attn.kv_size), "v_proj": (hidden, attn.kv_size),
+            "o_proj": (attn.q_size, hidden), "gate_proj": (hidden, mlp.intermediate),
+            "up_proj": (hidden, mlp.intermediate), "down_proj": (mlp.intermediate, hidden)}
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _WEIGHT.search(name)
+        if m is None:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} is not a LoRA weight of a "
+                            f"supported module ({', '.join(TARGETS)})")
+        layer, module, which = int(m.group(1)), m.group(3), m.group(4)
+        if module not in TARGETS or layer >= layers:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} has no place in this model "
+                            f"({layers} layers; modules {', '.join(TARGETS)})")
+        pairs.setdefault((layer, module), {})[which] = t
+    if not pairs:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r} has no LoRA weights")
+    alpha, rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
+    weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: layer {layer} {module} lacks lora_"
+                            f"{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        k, n = dims[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != k or b.shape != (n, r):
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: layer {layer} {module} has A {tuple(a.shape)} "
+                            f"and B {tuple(b.shape)}; this model needs A [r, {k}] and B [{n}, r] "
+                            f"(was it trained for another base model?)")
+        if r > max_rank:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} has rank {r}, above max_lora_rank {max_rank}")
+        scaling = alpha / (r ** 0.5 if rslora else r)
+        fused, part = TARGETS[module]
+        weights.setdefault((layer, fused), {})[part] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype))
+        rank = max(rank, r)
+    return LoRAAdapter(request.lora_name, request.key, rank, weights)
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    f = _weights_file(path)
+    try:
+        if f.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            return load_file(f)
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise LoRAError(f"LoRA adapter at {path!r} has no {WEIGHTS_FILE}") from None
+    except Exception as e:                         # noqa: BLE001 - a truncated or foreign file
+        raise LoRAError(f"LoRA adapter at {path!r}: cannot read {os.path.basename(f)} ({type(e).__name__}: {e})") \
+            from None
+
+
+@dataclass
+class LoRAStep:
+    """The current forward's adapters, read by every LoRALinear: each token's slot and the rows per slot."""
+    slots: torch.Tensor | None = None              # [T] int32 (-1: base), None: no adapter in this step
+    groups: list = field(default_factory=list)     # engine.lora_ops.lora_groups(...)
+
+
+class LoRALinear(nn.Module):
+    """A Linear (plain, packed or quantized) plus its adapters' products for the rows that have one."""
+
+    def __init__(self, base: nn.Module, in_features: int, parts: list[int], max_loras: int, max_rank: int,
+                 step: LoRAStep, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.base, self.step, self.parts, self.rank = base, step, parts, max_rank
+        n = len(parts)
+        self.a = torch.zeros(max_loras, n * max_rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, sum(parts), n * max_rank, dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Write an adapter's A and B into `slot` (zeros where it trains no part: None clears it)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        off = np.cumsum([0, *self.parts])
+        for i, (a, b) in (parts or {}).items():
+            r, R = a.shape[0], self.rank
+            self.a[slot, i * R:i * R + r].copy_(a)
+            self.b[slot, off[i]:off[i + 1], i * R:i * R + r].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.step.slots is not None:
+            from engine.lora_ops import apply_lora
+            apply_lora(x, self.a, self.b, self.step.slots, y, self.step.groups)
+        return y
+
+
+class LoRAManager:
+    """The runner's adapters: the host cache (loaded, checked) and the device slots of the wrapped model."""
+
+    def __init__(self, model, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.max_cpu_loras, self.dtype, self.device = max(max_cpu_loras, max_loras), dtype, device
+        self.step = LoRAStep()
+        self.cache: OrderedDict[str, LoRAAdapter] = OrderedDict()     # key -> adapter, LRU first
+        self.slots: OrderedDict[str, int] = OrderedDict()             # key -> device slot, LRU first
+        self.free_slots = list(range(max_loras - 1, -1, -1))
+        self.loads = self.evictions = 0
+        self._lock = threading.Lock()             # register() runs on request threads, the rest in the step
+        self.layers: list[dict[str, LoRALinear]] = []
+        for layer in model.model.layers:
+            mods = {}
+            for fused, n in _PARTS.items():
+                parent_name, _, attr = fused.rpartition(".")
+                parent = layer.get_submodule(parent_name)
+                base = getattr(parent, attr)
+                parts = self._part_sizes(fused)
+                in_features = {"self_attn.qkv_proj": model.config.hidden_size, "mlp.gate_up_proj":
+                               model.config.hidden_size, "self_attn.o_proj": layer.self_attn.q_size,
+                               "mlp.down_proj": layer.mlp.intermediate}[fused]
+                mods[fused] = LoRALinear(base, in_features, parts, max_loras, max_rank, self.step, dtype, device)
+                setattr(parent, attr, mods[fused])
+            self.layers.append(mods)
+
+    def _part_sizes(self, fused: str) -> list[int]:
+        attn, mlp, hidden = self.model.model.layers[0].self_attn, self.model.model.layers[0].mlp, \
+            self.model.config.hidden_size
+        return {"self_attn.qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size], "self_attn.o_proj": [hidden],
+                "mlp.gate_up_proj": [mlp.intermediate] * 2, "mlp.down_proj": [hidden]}[fused]
+
+    # -- host cache -------------------------------------------------------------------------------
+    def register(self, request: LoRARequest) -> LoRAAdapter:
+        """A request uses this adapter: load and check it if it is not cached, and hold it until release()."""
+        key = request.key
+        with self._lock:
+            adapter = self.cache.get(key)
+        if adapter is None:
+            adapter = load_adapter(request, self.model, self.max_rank, self.dtype)    # outside the lock: slow
+            log.info("loaded LoRA adapter %r (rank %d, %.1f MiB) from %s", request.lora_name, adapter.rank,
+                     adapter.nbytes / 2**20, request.lora_path)
+        with self._lock:
+            adapter = self.cache.setdefault(key, adapter)
+            self.cache.move_to_end(key)
+            adapter.refs += 1
+            self._trim_cache()
+        return adapter
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            adapter = self.cache.get(key)
+            if adapter is not None:
+                adapter.refs = max(0, adapter.refs - 1)
+                self._trim_cache()
+
+    def _trim_cache(self) -> None:
+        idle = [k for k, a in self.cache.items() if a.refs == 0 and k not in self.slots]
+        while len(self.cache) > self.max_cpu_loras and idle:
+            del self.cache[idle.pop(0)]
+
+    def remove(self, key: str) -> bool:
+        """Unload an adapter no request uses (unload_lora_adapter): out of the cache and its slot."""
+        with self._lock:
+            adapter = self.cache.get(key)
+            if adapter is not None and adapter.refs:
+                return False
+            self.cache.pop(key, None)
+            slot = self.slots.pop(key, None)
+        if slot is not None:
+            for mods in self.layers:
+                for m in mods.values():
+                    m.set_slot(slot, None)
+            self.free_slots.append(slot)
+        return True
+
+    def resident(self) -> list[str]:
+        """Names of the adapters in device slots."""
+        return [self.cache[k].name for k in self.slots if k in self.cache]
+
+    # -- device slots -----------------------------------------------------------------------------
+    def prepare_step(self, keys: list[str | None], query_lens: np.ndarray) -> None:
+        """Slots for this step's sequences (their adapters' keys, None: base), loading what is missing
+        into free or least recently used slots, and each token's slot for the wrapped Linears."""
+        if all(k is None for k in keys):
+            self.clear_step()
+            return
+        needed = {k for k in keys if k is not None}
+        if len(needed) > self.max_loras:
+            raise RuntimeError(f"a step with {len(needed)} adapters; max_loras is {self.max_loras}")
+        for key in needed:
+            if key in self.slots:
+                self.slots.move_to_end(key)
+                continue
+            if not self.free_slots:
+                victim = next(k for k in self.slots if k not in needed)
+                self.free_slots.append(self.slots.pop(victim))
+                self.evictions += 1
+            slot = self.free_slots.pop()
+            adapter = self.cache[key]
+            for i, mods in enumerate(self.layers):
+                for fused, m in mods.items():
+                    m.set_slot(slot, adapter.weights.get((i, fused)))
+            self.slots[key] = slot
+            self.loads += 1
+        per_seq = np.array([-1 if k is None else self.slots[k] for k in keys], np.int32)
+        tokens = np.repeat(per_seq, query_lens)
+        from engine.lora_ops import lora_groups
+        self.step.slots = torch.from_numpy(tokens).to(self.device)
+        self.step.groups = lora_groups(tokens)
+
+    def clear_step(self) -> None:
+        self.step.slots, self.step.groups = None, []

@@ -1,0 +1,127 @@
+"""Batched LoRA for a multi-LoRA step (Punica's BGMV): every token row adds its own adapter's B @ (A @ x).
+
+Adapters sit in slots, their weights stacked per slot: `a` [S, R, K] (A, rows past an adapter's rank are zero),
+`b` [S, N, R] (B with the adapter's scaling multiplied in, columns past its rank zero). Row t of the step uses
+slot `slots[t]`; -1 is the base model (no LoRA), and such rows are left untouched. On CUDA two Triton kernels
+run (shrink x -> A x into an fp32 buffer, expand y += B (A x)), as vLLM's punica `lora_shrink`/`lora_expand`;
+elsewhere the torch path runs one matmul pair per slot present.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                 # an install without Triton: apply_lora takes the torch path (CPU)
+    triton = tl = None
+
+_TILE = 4096                        # elements of one weight tile per program (BLOCK_R x BLOCK_K or BLOCK_N x BLOCK_R)
+
+
+def _jit(fn):
+    """triton.jit where Triton is installed; without it the kernels stay plain functions (never launched)."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+def lora_groups(slots: np.ndarray) -> list[tuple[int, torch.Tensor]]:
+    """(slot, row indices) for each adapter slot present, ascending; base-model rows (-1) are in no group.
+    The caller computes this once per step and passes it to every layer's apply_lora."""
+    slots = np.asarray(slots)
+    return [(int(s), torch.from_numpy(np.flatnonzero(slots == s)))
+            for s in np.unique(slots[slots >= 0])]
+
+
+def apply_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots, y: torch.Tensor,
+               groups: list[tuple[int, torch.Tensor]] | None = None) -> None:
+    """y[t] += b[slots[t]] @ (a[slots[t]] @ x[t]) for every t with slots[t] >= 0 (in place).
+    On CUDA the Triton kernels run; elsewhere the torch path (grouped by slot)."""
+    if x.is_cuda:
+        if not torch.is_tensor(slots):
+            slots = torch.from_numpy(np.asarray(slots)).to(x.device, non_blocking=True)
+        apply_lora_triton(x, a, b, slots, y)
+    else:
+        apply_lora_torch(x, a, b, lora_groups(slots) if groups is None else groups, y)
+
+
+def apply_lora_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     groups: list[tuple[int, torch.Tensor]], y: torch.Tensor) -> None:
+    """The torch path: one (rows x K) @ (K x R) @ (R x N) per slot present, in x's dtype."""
+    for slot, idx in groups:
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        if hi - lo == len(idx):     # one run of rows (a single-adapter batch, one prefill): views, no gather/scatter
+            y[lo:hi] += (x[lo:hi] @ a[slot].T) @ b[slot].T
+        else:
+            y.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+
+
+@_jit
+def _shrink_kernel(x_ptr, a_ptr, t_ptr, slots_ptr, K, R,
+                   s_xt, s_xk, s_as, s_ar, s_ak, s_tt, s_tr,
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """t[row, :R] = a[slot] @ x[row], fp32: one program per row, K walked in BLOCK_K tiles."""
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    if slot < 0:                    # base-model row: nothing to add
+        return
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    kk = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row.to(tl.int64) * s_xt
+    a_rows = a_ptr + slot.to(tl.int64) * s_as + r[:, None] * s_ar
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        xv = tl.load(x_row + k * s_xk, mask=k_ok, other=0.0).to(tl.float32)
+        av = tl.load(a_rows + k[None, :] * s_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        # A matrix-vector product: tl.dot would need 16 rows, a decode step has one per program.
+        acc += tl.sum(av * xv[None, :], 1)
+    tl.store(t_ptr + row.to(tl.int64) * s_tt + r * s_tr, acc, mask=r_ok)
+
+
+@_jit
+def _expand_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, N, R,
+                   s_tt, s_tr, s_bs, s_bn, s_br, s_yt, s_yn,
+                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """y[row, n-tile] += b[slot][n-tile] @ t[row]: one program per (row, BLOCK_N columns), added in fp32."""
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    if slot < 0:
+        return
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    tv = tl.load(t_ptr + row.to(tl.int64) * s_tt + r * s_tr, mask=r_ok, other=0.0)
+    bv = tl.load(b_ptr + slot.to(tl.int64) * s_bs + n[:, None] * s_bn + r[None, :] * s_br,
+                 mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + row.to(tl.int64) * s_yt + n * s_yn
+    yv = tl.load(y_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (yv + tl.sum(bv * tv[None, :], 1)).to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def apply_lora_triton(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor,
+                      *, block_k: int | None = None, block_n: int | None = None) -> None:
+    """The Triton path of apply_lora; `slots` an int tensor on x's device. Strided x and y are fine (a slice of a
+    fused projection's output). block_k/block_n override the tile sizes (powers of two; tests use small ones).
+
+    CUDA-graph safe: the grid and constexprs follow from shapes alone, and nothing is read back to the host."""
+    num_tokens, k_dim = x.shape
+    num_slots, rank, a_k = a.shape
+    n_dim = y.shape[1]
+    assert a_k == k_dim and b.shape == (num_slots, n_dim, rank), "lora weight shapes mismatch"
+    assert slots.shape == (num_tokens,) and y.shape[0] == num_tokens, "one slot per row"
+    if num_tokens == 0 or rank == 0:
+        return
+    block_r = triton.next_power_of_2(rank)
+    block_k = block_k or min(triton.next_power_of_2(k_dim), max(16, _TILE // block_r))
+    block_n = block_n or min(triton.next_power_of_2(n_dim), max(16, _TILE // block_r))
+    # A x in fp32 (as vLLM's shrink buffer): B's product then rounds once, into y. Rows of slot -1 stay unwritten.
+    t = torch.empty((num_tokens, rank), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(num_tokens,)](x, a, t, slots, k_dim, rank,
+                                  *x.stride(), *a.stride(), *t.stride(), BLOCK_K=block_k, BLOCK_R=block_r)
+    _expand_kernel[(num_tokens, triton.cdiv(n_dim, block_n))](t, b, y, slots, n_dim, rank,
+                                                              *t.stride(), *b.stride(), *y.stride(),
+                                                              BLOCK_N=block_n, BLOCK_R=block_r)

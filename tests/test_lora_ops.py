@@ -1,0 +1,103 @@
+"""Batched multi-LoRA (engine/lora_ops.py): every row gets its own adapter's delta, base-model rows none; the torch
+path against a per-row loop, the Triton kernels against the torch path (in the Triton interpreter, on CPU)."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: CPU interpreter
+
+import numpy as np
+import pytest
+import torch
+
+from engine.lora_ops import apply_lora, apply_lora_torch, lora_groups
+
+
+def _adapters(num_slots, ranks_k_n, dtype=torch.float32, seed=0):
+    """a [S, R, K], b [S, N, R] with each slot's rank taken from `ranks`, zero-padded to the largest (as loaded)."""
+    ranks, k, n = ranks_k_n
+    g = torch.Generator().manual_seed(seed)
+    r = max(ranks)
+    a, b = torch.zeros(num_slots, r, k), torch.zeros(num_slots, n, r)
+    for s, rank in enumerate(ranks):
+        a[s, :rank] = torch.randn(rank, k, generator=g) / k ** 0.5
+        b[s, :, :rank] = torch.randn(n, rank, generator=g)
+    return a.to(dtype), b.to(dtype)
+
+
+def _loop_reference(x, a, b, slots, y):
+    out = y.clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            out[t] += b[s] @ (a[s] @ x[t])
+    return out
+
+
+@pytest.mark.parametrize("slots", [
+    pytest.param([1, -1, 0, 2, 1, -1, 2, 0, 1], id="mixed"),
+    pytest.param([2] * 6, id="one-adapter"),                    # one contiguous group: the slice path
+    pytest.param([-1, 0, 0, 0, 1, -1, 1], id="runs-and-scatter"),
+    pytest.param([-1, -1, -1], id="base-only"),
+])
+def test_torch_path_matches_per_row_loop(slots):
+    a, b = _adapters(3, ([4, 1, 3], 24, 20))
+    x, y = torch.randn(len(slots), 24), torch.randn(len(slots), 20)
+    ref = _loop_reference(x, a, b, slots, y)
+    apply_lora(x, a, b, np.array(slots), y)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    base = np.array(slots) < 0
+    assert torch.equal(y[base], ref[base])                      # the base model's rows exactly as they were
+
+
+def test_groups_passed_in_are_what_apply_uses():
+    """A step computes groups once and every layer reuses them: same result as letting apply_lora group."""
+    slots = np.array([0, 1, -1, 1, 0])
+    a, b = _adapters(2, ([2, 2], 16, 8))
+    x = torch.randn(5, 16)
+    y1, y2 = torch.zeros(5, 8), torch.zeros(5, 8)
+    apply_lora(x, a, b, slots, y1)
+    apply_lora(x, a, b, slots, y2, groups=lora_groups(slots))
+    assert torch.equal(y1, y2) and y1[:2].abs().sum() > 0
+
+
+def test_lora_groups():
+    groups = lora_groups(np.array([2, -1, 0, 2, 2, -1, 0]))
+    assert [(s, idx.tolist()) for s, idx in groups] == [(0, [2, 6]), (2, [0, 3, 4])]
+    assert all(idx.dtype == torch.int64 for _, idx in groups)
+    assert lora_groups(np.array([-1, -1])) == []
+    assert lora_groups(np.array([], dtype=np.int64)) == []
+
+
+# -- the Triton kernels, in the interpreter (tiny sizes: it runs every program in Python) ----------------------
+@pytest.fixture(scope="module")
+def triton_lora():
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton cannot be imported ({e}): the Triton LoRA kernels are untested here")
+    from engine.lora_ops import apply_lora_triton
+    return apply_lora_triton
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("sizes,blocks", [
+    pytest.param(([5, 2, 7], 48, 40), {}, id="one-tile"),
+    # 16-wide tiles: K=40 and N=36 take three tiles each, the last one masked; rank 7 pads to 8
+    pytest.param(([3, 7, 1], 40, 36), {"block_k": 16, "block_n": 16}, id="tiled"),
+])
+def test_triton_matches_torch(triton_lora, dtype, tol, sizes, blocks):
+    slots = np.array([1, -1, 0, 2, 1, -1, 0])
+    ranks, k, n = sizes
+    a, b = _adapters(3, sizes, dtype, seed=1)
+    x = torch.randn(len(slots), k).to(dtype)
+    # y a strided view (a slice of a fused projection's output), as the engine adds into it
+    fused = torch.randn(len(slots), n + 8).to(dtype)
+    y = fused[:, 4:4 + n]
+    ref = y.clone()
+    apply_lora_torch(x, a, b, lora_groups(slots), ref)
+    before = fused.clone()
+    triton_lora(x, a, b, torch.from_numpy(slots).to(torch.int32), y, **blocks)
+    torch.testing.assert_close(y, ref, atol=tol, rtol=tol)
+    assert not torch.equal(y, before[:, 4:4 + n])               # the adapters did add something
+    base = slots < 0
+    assert torch.equal(fused[base], before[base])               # base rows, and columns outside y, untouched
+    assert torch.equal(fused[:, :4], before[:, :4]) and torch.equal(fused[:, 4 + n:], before[:, 4 + n:])
