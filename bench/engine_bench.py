@@ -410,6 +410,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tiers", action="store_true",
                    help="a working set of prefixes past the KV cache: device-only vs a host KV tier vs a cache that "
                         "holds it all, revisit TTFT and hits by tier, to kv_tiers.json (bench/tiers_bench.py)")
+    p.add_argument("--loras", type=int, default=0, metavar="N",
+                   help="a batch mixing N LoRA adapters (made with PEFT) against the base model alone, output "
+                        "tokens/s, to loras.json (bench/lora_bench.py)")
     p.add_argument("--step-only", action="store_true",
                    help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
@@ -433,6 +436,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.kv_tiers:
         from bench.tiers_bench import run as run_tiers
         return run_tiers(args)
+    if args.loras:
+        from bench.lora_bench import run as run_loras
+        return run_loras(args)
     cfg = QUICK if args.quick else FULL
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

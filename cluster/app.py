@@ -48,7 +48,8 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
         **config.deployment_options(DECODE, state),
         request_router_config=_router_config("router.request_routers.DecodeRouter", {
             "state_actor": state, "block_size": decode_engine.block_size, "max_num_seqs": decode_engine.max_num_seqs,
-            "index_sync_interval_s": r.index_sync_interval_s, "host_tier_hit_weight": r.host_tier_hit_weight}),
+            "index_sync_interval_s": r.index_sync_interval_s, "host_tier_hit_weight": r.host_tier_hit_weight,
+            "lora_load_cost_tokens": r.lora_load_cost_tokens}),
     ).bind(engine=decode_engine, **common)
     prefill = None
     if config.mode == "disaggregated":
@@ -64,7 +65,7 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
     return ingress.bind(prefill=prefill, decode=decode, state=owner, state_actor=state,
                         num_replicas=config.ingress.num_replicas, limits=config.limits, auth=config.auth,
                         admission=config.admission, disaggregation=config.disaggregation, router=r,
-                        migration=config.migration, tools=config.tools)
+                        migration=config.migration, tools=config.tools, lora=config.lora)
 
 
 COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"

@@ -41,12 +41,13 @@ from engine.quant import QUANTIZATIONS
 from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
 from replica.names import INGRESS, POOLS
-from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, MigrationConfig,
-                           RouterConfig, ToolsConfig)
+from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
+                           MigrationConfig, RouterConfig, ToolsConfig)
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
 # EngineConfig fields the cluster sets itself: a TP replica's workers are Ray actors in its placement group
-CLUSTER_SET_ENGINE_KEYS = ("distributed_executor_backend",)
+# and enable_lora follows the cluster's `lora` section
+CLUSTER_SET_ENGINE_KEYS = ("distributed_executor_backend", "enable_lora")
 # A replica without a GPU of its own gets a fixed, small KV cache instead of the engine's 2 GiB CPU
 # default: 512 MiB is ~11k tokens of SmolLM2-135M in fp32 (46 KB a token), room for one full 8k
 # context or 64 sequences of ~180 tokens, and two pools then hold 1 GiB of RAM between them, not 4.
@@ -109,6 +110,12 @@ class EngineKnobs(_Schema):
     speculative_config: dict[str, Any] | None = _knob(
         "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
                               "num_speculative_tokens, ...} (off when unset)")
+
+    max_loras: int | None = _knob("max_loras", "LoRA adapters one step can run (device slots); more wait their "
+                                               "turn (with the cluster's `lora` section on)", ge=1)
+    max_lora_rank: int | None = _knob("max_lora_rank", "Largest LoRA rank accepted", ge=1)
+    max_cpu_loras: int | None = _knob("max_cpu_loras", "LoRA adapters kept loaded in host memory, at least "
+                                                       "max_loras (engine default: max_loras)", ge=1)
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -190,7 +197,8 @@ class PoolConfig(_Schema):
         """The EngineConfig of this pool's replicas: the cluster's model/dtype/device + its knobs."""
         kw = {"model": cluster.model, "dtype": cluster.dtype, "device": cluster.device, **self.engine.set_knobs(),
               "max_grammar_bytes": cluster.limits.max_grammar_bytes,           # one limit for ingress and pools
-              "grammar_compile_timeout_s": cluster.limits.grammar_compile_timeout_s}
+              "grammar_compile_timeout_s": cluster.limits.grammar_compile_timeout_s,
+              "enable_lora": cluster.lora.on}
         if self.num_gpus == 0 and "kv_cache_memory" not in kw and "num_kv_blocks" not in kw:
             kw["kv_cache_memory"] = POOL_KV_CACHE_BYTES_WITHOUT_GPU
         if self.tensor_parallel_size > 1:       # TP workers: Ray actors in the replica's placement group
@@ -315,6 +323,7 @@ class ClusterConfig(_Schema):
                                                                                      "beyond capacity) at the "
                                                                                      "ingress")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys at the ingress")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters served beside the model")
 
     @model_validator(mode="before")
     @classmethod
@@ -330,6 +339,9 @@ class ClusterConfig(_Schema):
     def _gpus_are_the_tp_size(self) -> ClusterConfig:
         pools = [(name, getattr(self, name)) for name in POOLS if getattr(self, name) is not None]
         problems = [p for name, pool in pools for p in pool.tp_problems(name)]
+        if self.lora.on:
+            problems += [f"{name}.engine.tensor_parallel_size: LoRA adapters are served at tensor_parallel_size 1 "
+                         f"only so far" for name, pool in pools if pool.tensor_parallel_size > 1]
         if problems:
             raise ValueError("\n  ".join(problems))
         return self

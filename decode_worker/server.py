@@ -44,7 +44,7 @@ class DecodeServer(EngineReplica):
         remote = _remote(req.prefill, req.block_hashes) if req.prefill is not None else None
         first, last = True, time.perf_counter()
         async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
-                                           block_hashes=req.block_hashes, resume=req.resume):
+                                           block_hashes=req.block_hashes, resume=req.resume, lora_request=req.lora):
             if out.finish_reason == MIGRATED:
                 yield await self._hand_over(out, first)
                 return
@@ -56,6 +56,8 @@ class DecodeServer(EngineReplica):
             last = now
             if first and remote is not None:          # the import has ended (loaded or fallen back) by now
                 self._observe_import(out.metrics)
+            if out.finished:
+                self.metrics.observe_lora(req.lora, len(out.prompt_token_ids), len(out.token_ids))
             yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
             first = False
 

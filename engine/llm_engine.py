@@ -465,4 +465,5 @@ class LLMEngine:
             "kv_block_bytes": self.executor.block_bytes,
             "busy_seconds_total": self.busy_seconds_total,
             **(self.spec.stats() if self.spec is not None else {}),
+            **(self.runner.lora.stats() if self.runner.lora is not None else {}),
         }

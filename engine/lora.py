@@ -27,7 +27,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,16 +52,18 @@ class LoRAError(InvalidRequestError):
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """An adapter by name and path (vLLM's LoRARequest; lora_int_id kept for its callers)."""
+    """An adapter by name and path (vLLM's LoRARequest; lora_int_id kept for its callers). `lora_key`: its
+    key when the caller knows it already (the cluster's registry carries the one a replica computed)."""
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+    lora_key: str | None = None
 
     @property
     def key(self) -> str:
         """The adapter's identity: a digest of its files, so the same adapter has the same KV namespace
         under any name or path, and a changed file is another adapter."""
-        return adapter_digest(self.lora_path)
+        return self.lora_key or adapter_digest(self.lora_path)
 
 
 _digests: dict[tuple, str] = {}
@@ -202,7 +204,7 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 class LoRAStep:
     """The current forward's adapters, read by every LoRALinear: each token's slot and the rows per slot."""
     slots: torch.Tensor | None = None              # [T] int32 (-1: base), None: no adapter in this step
-    groups: list = field(default_factory=list)     # engine.lora_ops.lora_groups(...)
+    groups: object = None                          # engine.lora_ops.LoRAPlan: the torch path's batching
 
 
 class LoRALinear(nn.Module):
@@ -214,23 +216,33 @@ class LoRALinear(nn.Module):
         self.base, self.step, self.parts, self.rank = base, step, parts, max_rank
         n = len(parts)
         self.a = torch.zeros(max_loras, n * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, sum(parts), n * max_rank, dtype=dtype, device=device)
+        if device.type == "cpu" and dtype == torch.float32:
+            # the torch path's layout: float64 stacks (exact products, engine/lora_ops.py apply_lora_torch) and
+            # one B per part, so no product runs over the zero blocks of a fused module's B
+            self.a = self.a.double()
+            self.b = [torch.zeros(max_loras, p, max_rank, dtype=torch.float64) for p in parts]
+        else:                               # the Triton kernels' layout: one block-diagonal B
+            self.b = torch.zeros(max_loras, sum(parts), n * max_rank, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """Write an adapter's A and B into `slot` (zeros where it trains no part: None clears it)."""
         self.a[slot].zero_()
-        self.b[slot].zero_()
+        for b in self.b if isinstance(self.b, list) else [self.b]:
+            b[slot].zero_()
         off = np.cumsum([0, *self.parts])
         for i, (a, b) in (parts or {}).items():
             r, R = a.shape[0], self.rank
             self.a[slot, i * R:i * R + r].copy_(a)
-            self.b[slot, off[i]:off[i + 1], i * R:i * R + r].copy_(b)
+            if isinstance(self.b, list):
+                self.b[i][slot, :, :r].copy_(b)
+            else:
+                self.b[slot, off[i]:off[i + 1], i * R:i * R + r].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.step.slots is not None:
             from engine.lora_ops import apply_lora
-            apply_lora(x, self.a, self.b, self.step.slots, y, self.step.groups)
+            apply_lora(x, self.a, self.b, self.step.slots, y, self.step.groups, self.parts)
         return y
 
 
@@ -316,6 +328,17 @@ class LoRAManager:
         """Names of the adapters in device slots."""
         return [self.cache[k].name for k in self.slots if k in self.cache]
 
+    def keys(self) -> list[str]:
+        """Keys of the adapters held (host cache), thread-safe."""
+        with self._lock:
+            return list(self.cache)
+
+    def stats(self) -> dict:
+        """Loads into slots, evictions from them, and what is held: adapter key -> (name, in a device slot)."""
+        with self._lock:
+            held = {k: (a.name, k in self.slots) for k, a in self.cache.items()}
+        return {"lora_loads": self.loads, "lora_evictions": self.evictions, "lora_adapters": held}
+
     # -- device slots -----------------------------------------------------------------------------
     def prepare_step(self, keys: list[str | None], query_lens: np.ndarray) -> None:
         """Slots for this step's sequences (their adapters' keys, None: base), loading what is missing
@@ -343,9 +366,9 @@ class LoRAManager:
             self.loads += 1
         per_seq = np.array([-1 if k is None else self.slots[k] for k in keys], np.int32)
         tokens = np.repeat(per_seq, query_lens)
-        from engine.lora_ops import lora_groups
+        from engine.lora_ops import lora_plan
         self.step.slots = torch.from_numpy(tokens).to(self.device)
-        self.step.groups = lora_groups(tokens)
+        self.step.groups = lora_plan(tokens) if self.device.type != "cuda" else None
 
     def clear_step(self) -> None:
-        self.step.slots, self.step.groups = None, []
+        self.step.slots, self.step.groups = None, None

@@ -33,27 +33,95 @@ def lora_groups(slots: np.ndarray) -> list[tuple[int, torch.Tensor]]:
             for s in np.unique(slots[slots >= 0])]
 
 
+class LoRAPlan:
+    """How one step's rows meet the torch path, worked out once per step: the rows of each slot present,
+    gathered into a padded [groups, n_max] batch so every Linear runs one batched matmul pair, however many
+    adapters the step mixes."""
+
+    def __init__(self, groups: list[tuple[int, torch.Tensor]]):
+        self.groups = groups
+        self.run = None                     # (lo, hi, slot): one slot, one contiguous run of rows (views only)
+        if len(groups) == 1:
+            slot, idx = groups[0]
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            if hi - lo == len(idx):
+                self.run = (lo, hi, slot)
+        counts = [len(idx) for _, idx in groups]
+        self.n_max = max(counts, default=0)
+        self.slots = torch.tensor([s for s, _ in groups], dtype=torch.long)
+        pad = [torch.cat([idx, idx[:1].expand(self.n_max - len(idx))]) for _, idx in groups]
+        self.gather = torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long)
+        self.rows = torch.cat([idx for _, idx in groups]) if groups else self.gather
+        self.identity = [s for s, _ in groups] == list(range(len(groups)))   # slots 0..g-1 in order
+        # positions of the real rows in the padded batch (None: nothing is padding)
+        self.valid = None if all(c == self.n_max for c in counts) else torch.cat(
+            [torch.arange(len(idx)) + g * self.n_max for g, (_, idx) in enumerate(groups)])
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+
+def lora_plan(slots: np.ndarray) -> LoRAPlan:
+    return LoRAPlan(lora_groups(slots))
+
+
 def apply_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots, y: torch.Tensor,
-               groups: list[tuple[int, torch.Tensor]] | None = None) -> None:
+               groups: LoRAPlan | list[tuple[int, torch.Tensor]] | None = None, parts: list[int] | None = None) -> None:
     """y[t] += b[slots[t]] @ (a[slots[t]] @ x[t]) for every t with slots[t] >= 0 (in place).
-    On CUDA the Triton kernels run; elsewhere the torch path (grouped by slot)."""
+    On CUDA the Triton kernels run; elsewhere the torch path (grouped by slot). `parts`: the output sizes of a
+    fused Linear whose B is block-diagonal (part i uses A rows [i*R/p, (i+1)*R/p)); the torch path then skips
+    the zero blocks."""
     if x.is_cuda:
         if not torch.is_tensor(slots):
             slots = torch.from_numpy(np.asarray(slots)).to(x.device, non_blocking=True)
         apply_lora_triton(x, a, b, slots, y)
     else:
-        apply_lora_torch(x, a, b, lora_groups(slots) if groups is None else groups, y)
+        apply_lora_torch(x, a, b, lora_groups(slots) if groups is None else groups, y, parts)
 
 
 def apply_lora_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     groups: list[tuple[int, torch.Tensor]], y: torch.Tensor) -> None:
-    """The torch path: one (rows x K) @ (K x R) @ (R x N) per slot present, in x's dtype."""
-    for slot, idx in groups:
-        lo, hi = int(idx[0]), int(idx[-1]) + 1
-        if hi - lo == len(idx):     # one run of rows (a single-adapter batch, one prefill): views, no gather/scatter
-            y[lo:hi] += (x[lo:hi] @ a[slot].T) @ b[slot].T
-        else:
-            y.index_add_(0, idx, (x.index_select(0, idx) @ a[slot].T) @ b[slot].T)
+                     groups: LoRAPlan | list[tuple[int, torch.Tensor]], y: torch.Tensor,
+                     parts: list[int] | None = None) -> None:
+    """The torch path: the rows of each slot gathered into one padded batch, then (rows x K) @ (K x R) @ (R x N)
+    as two batched matmuls, computed in the stacks' dtype and rounded once to y's. The engine keeps the stacks
+    in float64 on CPU: BLAS sums in an order that depends on the thread count and the number of rows, and fp32
+    sums in another order would make a request's tokens depend on where and beside whom it ran (the packed
+    kernels are batch- and thread-invariant; this keeps adapters so: rounded fp64 results agree but for a
+    difference of order 1e-16 landing on an fp32 rounding boundary). The products are rank-thin, so fp64 costs
+    little next to the base GEMMs."""
+    plan = groups if isinstance(groups, LoRAPlan) else LoRAPlan(groups)
+    if not plan:
+        return
+    dt = a.dtype
+    blocks = _blocks(b, parts, a.shape[1])
+    if plan.run is not None:            # one adapter over one run of rows (a single-adapter batch, a prefill)
+        lo, hi, slot = plan.run
+        t = x[lo:hi].to(dt) @ a[slot].T
+        d = [t[:, r0:r1] @ bi[slot].T for (r0, r1), bi in blocks]
+        y[lo:hi] += (d[0] if len(d) == 1 else torch.cat(d, dim=1)).to(y.dtype)
+        return
+    g, n = len(plan.groups), plan.n_max
+    whole = plan.identity and g == a.shape[0]
+    pick = (lambda w: w) if whole else (lambda w: w.index_select(0, plan.slots))
+    t = torch.bmm(x.index_select(0, plan.gather).to(dt).view(g, n, -1), pick(a).transpose(1, 2))
+    d = [torch.bmm(t[:, :, r0:r1], pick(bi).transpose(1, 2)) for (r0, r1), bi in blocks]
+    d = (d[0] if len(d) == 1 else torch.cat(d, dim=2)).view(g * n, -1)
+    if plan.valid is not None:
+        d = d.index_select(0, plan.valid)
+    y.index_add_(0, plan.rows, d.to(y.dtype))
+
+
+def _blocks(b, parts: list[int] | None, rank: int) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """((rank columns), B block [S, N_i, r]) of each part. `b` is one B [S, N, R] (block-diagonal when `parts`
+    has several: its blocks are read as strided views) or already a list of contiguous blocks (the engine's
+    CPU layout, which skips the zeros)."""
+    if isinstance(b, (list, tuple)):
+        r = rank // len(b)
+        return [((i * r, (i + 1) * r), bi) for i, bi in enumerate(b)]
+    if not parts or len(parts) == 1:
+        return [((0, rank), b)]
+    r, off = rank // len(parts), np.cumsum([0, *parts])
+    return [((i * r, (i + 1) * r), b[:, int(off[i]):int(off[i + 1]), i * r:(i + 1) * r]) for i in range(len(parts))]
 
 
 @_jit

@@ -18,8 +18,9 @@ class PrefillServer(EngineReplica):
         params = dataclasses.replace(req.sampling, max_tokens=1)
         out, t0 = None, time.perf_counter()
         async for out in self.llm.generate(req.token_ids, params, req.request_id, prefill_only=True,
-                                           block_hashes=req.block_hashes):
+                                           block_hashes=req.block_hashes, lora_request=req.lora):
             pass
+        self.metrics.observe_lora(req.lora, len(req.token_ids), 0)
         self.ttft.observe(time.perf_counter() - t0)
         handoff = await run_blocking(self.link.export, out, req.block_hashes)    # the Ray fallback copies here
         return PrefillResult(self.replica, out.token_ids[0], out.logprobs[0] if out.logprobs else None,

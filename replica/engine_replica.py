@@ -80,6 +80,13 @@ class EngineReplica:
                 "eos_token_ids": sorted(e.eos_ids),
                 "model_path": e.model_path, "served_model_name": self.served_model_name}
 
+    async def load_lora(self, lora) -> dict:
+        """Load and check a LoRA adapter (engine.lora.LoRARequest) into this replica's host cache (in a thread:
+        it reads files; the engine lock is not taken); raises engine.lora.LoRAError naming what is wrong.
+        Returns its key (the KV namespace)."""
+        await run_blocking(self.engine.load_lora, lora)
+        return {"key": lora.key}
+
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
     async def record_routing_stats(self) -> dict[str, Any]:
         return await run_blocking(self.llm.call, _load)
@@ -237,9 +244,12 @@ def _load(engine: LLMEngine) -> dict[str, Any]:
     queued = sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in (*s.waiting, *s.running)
                  if seq.remote is None)                    # an import's prompt comes computed
     # imports (decode) wait among the waiting, for KV room or for their K/V to arrive
+    lora = engine.runner.lora
     return {"queued_prefill_tokens": queued, "num_running": len(s.running), "num_waiting": len(s.waiting) + len(s.loading),
             "kv_blocks_used": engine.pool.num_used_blocks, "kv_blocks_total": engine.pool.num_blocks,
-            "busy_seconds": engine.busy_seconds_total, "time": time.time()}
+            "busy_seconds": engine.busy_seconds_total, "time": time.time(),
+            # the LoRA adapters it holds (keys): one it lacks costs a load (RouterConfig.lora_load_cost_tokens)
+            "loras": lora.keys() if lora is not None else []}
 
 
 async def run_blocking(fn, *args):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_connector import Resume
+from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import KVHandoff
@@ -48,6 +49,8 @@ class PoolRequest:
     resume: Resume | None = None                # a continuation: the outputs its client already has
     avoid: tuple[str, ...] = ()                 # decode replicas this request left: never routed back there
     num_moves: int = 0                          # times it moved (replica died or drained): the retry budget
+    lora: LoRARequest | None = None             # the adapter it runs under (None: the base model); block_hashes
+                                                # are chained under its key (engine.block_hash.namespace_key)
 
 
 @dataclass(slots=True)

@@ -95,6 +95,15 @@ class _EngineCollector:
                       s.get("spec_num_draft_tokens", 0))
         yield counter("baton_spec_accepted_tokens", "Draft tokens accepted (speculative decoding)",
                       s.get("spec_num_accepted_tokens", 0))
+        if "lora_adapters" in s:
+            yield counter("baton_lora_loads", "LoRA adapters loaded into a device slot", s["lora_loads"])
+            yield counter("baton_lora_evictions", "LoRA adapters evicted from a device slot for another",
+                          s["lora_evictions"])
+            held = GaugeMetricFamily("baton_lora_adapter_loaded", "LoRA adapters this replica holds: 1 in a device "
+                                     "slot, 0 in host memory only", labels=names + ["adapter"])
+            for name, in_slot in s["lora_adapters"].values():
+                held.add_metric(values + [name], 1.0 if in_slot else 0.0)
+            yield held
 
 
 def _rss() -> int:
@@ -142,8 +151,20 @@ class ReplicaMetrics:
         self.transfer_fallbacks = Counter("baton_kv_transfer_fallbacks", "Requests whose KV pull failed and that "
                                           "were prefilled locally instead", names,
                                           registry=self.registry).labels(**self.labels)
+        self.lora_requests = Counter("baton_lora_requests", "Requests served under each LoRA adapter (base: the "
+                                     "base model)", names + ["adapter"], registry=self.registry)
+        self.lora_tokens = Counter("baton_lora_tokens", "Tokens of those requests: prompt (prefilled here) and "
+                                   "generation", names + ["adapter", "kind"], registry=self.registry)
         self._lock = threading.Lock()
         self._counts = {"bytes": 0, "pulls": 0, "failures": 0, "fallbacks": 0}
+
+    def observe_lora(self, lora, prompt_tokens: int, generated_tokens: int) -> None:
+        """A finished request of this replica, by adapter (engine.lora.LoRARequest, None: the base model)."""
+        name = lora.lora_name if lora is not None else "base"
+        self.lora_requests.labels(**self.labels, adapter=name).inc()
+        self.lora_tokens.labels(**self.labels, adapter=name, kind="prompt").inc(prompt_tokens)
+        if generated_tokens:
+            self.lora_tokens.labels(**self.labels, adapter=name, kind="generation").inc(generated_tokens)
 
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.inc(nbytes)

@@ -14,6 +14,7 @@ reaches it by name (replica.names).
   is one Serve dropped from a pool (the request routers tell it at once).
 - Transfer metadata: each replica registers its KV transport's metadata once, under its agent name (new in
   every process, so an entry never goes stale); a consumer asks for a producer's the first time it meets it.
+- LoRA adapters: the registry of adapters the cluster serves (name -> path and key), read by every ingress.
 - Lost KV events: a gap in a replica's batches marks it stale; its next metrics report learns so and
   the replica resends its whole cache as one batch (resync).
 """
@@ -45,6 +46,23 @@ class ClusterState:
         self.seen: dict[tuple[str, str], float] = {}
         self.transfer_md: dict[str, bytes] = {}     # agent -> metadata; kept when a replica is forgotten (it
                                                     # may be alive, only quiet): a few KiB per replica process
+        self.loras: dict[str, tuple[int, str, str]] = {}    # LoRA adapters served: name -> (id, path, key)
+        self._lora_ids = 0
+
+    # -- LoRA adapters (every ingress replica reads the same registry) -------------------------------
+    def lora_adapters(self) -> dict[str, tuple[int, str, str]]:
+        return dict(self.loras)
+
+    def add_lora(self, name: str, path: str, key: str) -> bool:
+        """Register an adapter a replica loaded and checked; False if the name is taken."""
+        if name in self.loras:
+            return False
+        self._lora_ids += 1
+        self.loras[name] = (self._lora_ids, path, key)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        return self.loras.pop(name, None) is not None
 
     # -- replicas ---------------------------------------------------------------------------------
     def register(self, pool: str, replica: str, seq: int) -> None:
@@ -163,6 +181,15 @@ class ClusterStateOwner:
 
     async def metrics_texts(self) -> list[bytes]:
         return await self.actor.metrics_texts.remote()
+
+    async def lora_adapters(self) -> dict[str, tuple[int, str, str]]:
+        return await self.actor.lora_adapters.remote()
+
+    async def add_lora(self, name: str, path: str, key: str) -> bool:
+        return await self.actor.add_lora.remote(name, path, key)
+
+    async def remove_lora(self, name: str) -> bool:
+        return await self.actor.remove_lora.remote(name)
 
 
 class IndexMirror:

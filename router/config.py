@@ -29,6 +29,10 @@ class RouterConfig(_Section):
                                         "replica's host KV tier (kv_offloading_size) is worth to both pools' "
                                         "routers, against one in its device cache (1: the same; 0: nothing): "
                                         "copying it back costs a fraction of computing it")
+    lora_load_cost_tokens: int = Field(256, ge=0, description="What loading a LoRA adapter costs a replica that "
+                                       "does not hold it, in prompt tokens of prefill work: both pools' routers "
+                                       "add it to such a replica's cost, so an adapter's requests go where it is "
+                                       "loaded unless that replica is this much busier")
 
 
 class DisaggregationConfig(_Section):
@@ -100,3 +104,18 @@ class AuthConfig(_Section):
                                                                           "127.0.0.1 then)")
     protect_metrics: bool = Field(False, description="Require a key on /metrics too (/health is always open, "
                                                      "for probes)")
+
+
+class LoRAConfig(_Section):
+    """LoRA adapters served beside the base model (engine/lora.py; each pool's max_loras, max_lora_rank and
+    max_cpu_loras size its engines). A request names an adapter in `model`."""
+    enabled: bool = Field(False, description="Serve LoRA adapters (on when `adapters` names any)")
+    adapters: dict[str, str] = Field(default_factory=dict, description="Adapters served from start-up: name -> "
+                                     "directory with PEFT's adapter_config.json and adapter_model.safetensors, "
+                                     "readable by every replica")
+    runtime_updates: bool = Field(True, description="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                                    "(vLLM's endpoints; API keys guard them when set)")
+
+    @property
+    def on(self) -> bool:
+        return self.enabled or bool(self.adapters)

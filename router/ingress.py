@@ -1,7 +1,10 @@
 """Ingress: the OpenAI-compatible HTTP front door (FastAPI through serve.ingress).
 
 POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics (this process's metrics merged with every replica's). Requests are parsed and checked
+GET /metrics (this process's metrics merged with every replica's), and with LoRA on, vLLM's
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` names the base model or
+a LoRA adapter; the adapters' registry lives in the cluster state actor, so every ingress replica
+serves the same ones. Requests are parsed and checked
 by router/openai_protocol.py, tokenized once here (chat template), and run by router/orchestrator.py.
 """
 
@@ -19,12 +22,13 @@ from ray import serve
 
 from engine.errors import InvalidRequestError
 from engine.llm import chat_token_ids
+from engine.lora import LoRARequest
 from engine.loader import load_tokenizer
 from router import openai_protocol as oa
 from router.cluster_state import merge_expositions
 from router.admission import Admission
-from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, MigrationConfig,
-                           RouterConfig, ToolsConfig)
+from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
+                           MigrationConfig, RouterConfig, ToolsConfig)
 from router.orchestrator import Orchestrator, as_openai_error
 from router.tools import tool_format
 
@@ -39,7 +43,8 @@ def _openapi() -> dict:
         from fastapi.openapi.utils import get_openapi
         doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (oa.ChatCompletionRequest, oa.CompletionRequest):
+        for model in (oa.ChatCompletionRequest, oa.CompletionRequest, oa.LoadLoRAAdapterRequest,
+                      oa.UnloadLoRAAdapterRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -53,6 +58,7 @@ def _body(model: str) -> dict:
 
 
 app.openapi = _openapi
+LORA_REFRESH_S = 1.0            # an ingress rereads the adapter registry this often (and on an unknown name)
 DRAIN_LIMIT_BYTES = 64 << 20     # an oversized body is read and dropped up to this, so the client gets its 413
 
 
@@ -86,12 +92,14 @@ class Ingress:
     def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
                  router: RouterConfig, migration: MigrationConfig = MigrationConfig(),
-                 tools: ToolsConfig = ToolsConfig()):
+                 tools: ToolsConfig = ToolsConfig(), lora: LoRAConfig = LoRAConfig()):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; the rest are the cluster config's sections."""
         self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
-        self.migration, self.tools_config = migration, tools
+        self.migration, self.tools_config, self.lora_config = migration, tools, lora
+        self._loras: dict[str, LoRARequest] = {}     # the registry's copy: adapter name -> request
+        self._loras_read = 0.0
         self.tool_format = None             # router.tools.ToolFormat of the served model's chat template
         self.keys = oa.ApiKeys(auth.api_keys_env)
         self.protect_metrics = auth.protect_metrics
@@ -119,11 +127,98 @@ class Ingress:
                     self.tool_format = tool_format(self.tokenizer, self.tools_config.parser)
                     self.served_name = info["served_model_name"]
                     self.info = info
+                    await self._load_configured_adapters()
                     self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
                                              self.disaggregation.min_remote_prefill_tokens,
                                              self.router_config.index_sync_interval_s,
                                              self.migration.max_moves)
         return self.orchestrator
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+    async def _load_configured_adapters(self) -> None:
+        """The config's adapters, each checked by a decode replica and registered once (the first ingress
+        replica to start does it; the others find them registered). A bad one is logged and not served."""
+        have = await self.state.lora_adapters.remote()
+        for name, path in self.lora_config.adapters.items():
+            if name in have:
+                continue
+            try:
+                await self._register_adapter(name, path)
+            except oa.OpenAIError as e:
+                log.error("LoRA adapter %r from the cluster config is not served: %s", name, e.message)
+
+    async def _register_adapter(self, name: str, path: str) -> None:
+        """A decode replica loads and checks the adapter (its key is the KV namespace), then the registry takes it."""
+        if name == self.served_name:
+            raise oa.OpenAIError(400, f"a LoRA adapter cannot take the base model's name {name!r}", param="lora_name")
+        try:
+            info = await self.decode.load_lora.remote(LoRARequest(name, 0, path))
+        except Exception as e:                      # noqa: BLE001 - a LoRAError comes wrapped by Ray: its cause
+            err = as_openai_error(e, f"load_lora_adapter {name}")
+            err.param = "lora_path" if err.status == 400 else None
+            raise err from e
+        if not await self.state.add_lora.remote(name, path, info["key"]):
+            raise oa.OpenAIError(400, f"the LoRA adapter {name!r} has already been loaded", param="lora_name")
+        self._loras_read = 0.0
+
+    async def _adapters(self, refresh: bool = False) -> dict[str, LoRARequest]:
+        """The registry (name -> LoRARequest), reread every LORA_REFRESH_S or when asked."""
+        if self.lora_config.on and (refresh or time.monotonic() - self._loras_read > LORA_REFRESH_S):
+            reg = await self.state.lora_adapters.remote()
+            self._loras = {n: LoRARequest(n, i, path, key) for n, (i, path, key) in reg.items()}
+            self._loras_read = time.monotonic()
+        return self._loras
+
+    async def _resolve_model(self, name: str) -> LoRARequest | None:
+        """The base model (None) or the LoRA adapter a request's `model` names; 404 for anything else."""
+        if name == self.served_name:
+            return None
+        adapters = await self._adapters()
+        if name not in adapters and self.lora_config.on:
+            adapters = await self._adapters(refresh=True)
+        if name in adapters:
+            return adapters[name]
+        oa.check_model(name, [self.served_name, *adapters])
+        return None
+
+    async def _lora_route(self, request: Request, parse) -> tuple[Any, Response | None]:
+        try:
+            self.keys.check(request.headers.get("authorization"))
+            if not self.lora_config.on:
+                raise oa.OpenAIError(400, "this cluster serves no LoRA adapters (the config's lora section is off)")
+            if not self.lora_config.runtime_updates:
+                raise oa.OpenAIError(404, "loading and unloading LoRA adapters at run time is off "
+                                          "(lora.runtime_updates)", "NotFoundError")
+            body = oa.parse_body(await _json(request, self.limits.max_body_bytes), parse)
+            await self._setup()
+            return body, None
+        except oa.OpenAIError as e:
+            return None, JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body("LoadLoRAAdapterRequest"))
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body, error = await self._lora_route(request, oa.LoadLoRAAdapterRequest)
+        if error is not None:
+            return error
+        try:
+            await self._register_adapter(body.lora_name, body.lora_path)
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        log.info("LoRA adapter %r loaded from %s", body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body("UnloadLoRAAdapterRequest"))
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body, error = await self._lora_route(request, oa.UnloadLoRAAdapterRequest)
+        if error is not None:
+            return error
+        if not await self.state.remove_lora.remote(body.lora_name):
+            e = oa.OpenAIError(404, f"the LoRA adapter {body.lora_name!r} is not loaded", "NotFoundError",
+                               "lora_name")
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        self._loras_read = 0.0
+        log.info("LoRA adapter %r unloaded", body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     # -- routes -----------------------------------------------------------------------------------
     @app.get("/health")
@@ -137,7 +232,8 @@ class Ingress:
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         await self._setup()
-        return JSONResponse(oa.models_body([self.served_name], self.info["max_model_len"]))
+        adapters = {n: r.lora_path for n, r in (await self._adapters()).items()}
+        return JSONResponse(oa.models_body([self.served_name], self.info["max_model_len"], adapters))
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
@@ -167,23 +263,23 @@ class Ingress:
             body = await _json(request, self.limits.max_body_bytes)
             orchestrator = await self._setup()
             req = oa.parse_request(body, chat, self.limits)
-            oa.check_model(req.model, [self.served_name])
+            lora = await self._resolve_model(req.model)
             tools = oa.tool_plan(req, self.tool_format)
             prompts = self._prompts(req, chat, tools)
             for ids in prompts:
                 oa.check_prompt_length(len(ids), self.limits)
                 oa.check_token_ids(ids, self.info["vocab_size"])
             structured = await self._structured(req, tools)
-            hashes = [orchestrator.hashes(ids) for ids in prompts]
+            hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i,
-                                                   structured=structured))
+                                                   structured=structured), lora)
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
             ticket = self.admission.admit([len(ids) - orchestrator.cached_tokens(h) for ids, h in zip(prompts, hashes)],
                                           [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created, model = int(time.time()), self.served_name
+        created, model = int(time.time()), self.served_name if lora is None else lora.lora_name
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools)
         if req.stream:
             body = self._stream(orchestrator, jobs, builder, ticket)
@@ -226,9 +322,9 @@ class Ingress:
         return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
 
     async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:
-        async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
+        async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:
             try:
-                async for d in orchestrator.stream(ids, params, hashes=hashes):
+                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora):
                     ticket.progress(i, len(d.token_ids))
                     builder.add(i, d)
             finally:
@@ -243,9 +339,9 @@ class Ingress:
     async def _stream(self, orchestrator: Orchestrator, jobs, builder, ticket) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def one(i: int, ids: list[int], hashes: list[int], params) -> None:
+        async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:
             try:
-                async for d in orchestrator.stream(ids, params, hashes=hashes):
+                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora):
                     ticket.progress(i, len(d.token_ids))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001

@@ -160,6 +160,31 @@ class CompletionRequest(_Request):
     echo: bool = Field(default=False, json_schema_extra={"enum": [False]})     # refused (a 400) when true
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
+def parse_body(body: Any, model: type[BaseModel]) -> BaseModel:
+    """A small JSON body checked against its pydantic model; a 400 naming the field otherwise."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) if err["loc"] else None
+        raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
+
+
 def parse_request(body: Any, chat: bool, limits: LimitsConfig = LimitsConfig()) -> ChatCompletionRequest | CompletionRequest:
     """The request, checked against `limits` (the defaults, or the cluster config's that the ingress passes)."""
     if not isinstance(body, dict):
@@ -357,9 +382,15 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def models_body(names: list[str], max_model_len: int) -> dict:
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()), "owned_by": "baton",
-                                        "max_model_len": max_model_len} for n in names]}
+def models_body(names: list[str], max_model_len: int, adapters: dict[str, str] | None = None) -> dict:
+    """/v1/models: the served model(s), then each LoRA adapter (name -> path) with the base as its `parent`
+    and its path as `root` (vLLM's fields)."""
+    now = int(time.time())
+    data = [{"id": n, "object": "model", "created": now, "owned_by": "baton", "root": n, "parent": None,
+             "max_model_len": max_model_len} for n in names]
+    data += [{"id": a, "object": "model", "created": now, "owned_by": "baton", "root": path, "parent": names[0],
+              "max_model_len": max_model_len} for a, path in (adapters or {}).items()]
+    return {"object": "list", "data": data}
 
 
 class ResponseBuilder:

@@ -25,7 +25,8 @@ from typing import Any, AsyncIterator
 from prometheus_client import Counter, Histogram
 
 from engine import Resume, SamplingParams
-from engine.block_hash import block_hashes
+from engine.block_hash import block_hashes, namespace_key
+from engine.lora import LoRARequest
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
@@ -57,9 +58,13 @@ class Orchestrator:
         self.min_remote = min_remote_prefill_tokens
         self.max_moves = max_moves
 
-    def hashes(self, token_ids: list[int]) -> list[int]:
-        """The prompt's full-block hashes: computed here once per prompt, then carried by its PoolRequests."""
-        return block_hashes(token_ids, self.model["block_size"], self.model["model_key"])
+    def hashes(self, token_ids: list[int], lora: LoRARequest | None = None) -> list[int]:
+        """The prompt's full-block hashes (under its adapter's key, if any): computed here once per prompt, then
+        carried by its PoolRequests."""
+        return block_hashes(token_ids, self.model["block_size"], self.key(lora))
+
+    def key(self, lora: LoRARequest | None) -> str:
+        return namespace_key(self.model["model_key"], lora.key if lora is not None else None)
 
     def remote_prefill(self, token_ids: list[int], hashes: list[int]) -> bool:
         """Remote prefill pays a transfer; worth it only when the decode side would compute a lot."""
@@ -85,13 +90,14 @@ class Orchestrator:
         return self.model.get("kv_blocks_total", 0) * self.model["block_size"] * max(replicas, 1)
 
     async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                     hashes: list[int] | None = None) -> AsyncIterator[TokenDelta]:
-        """Token deltas of one request (see DecodeServer.generate); the last has finished=True."""
+                     hashes: list[int] | None = None, lora: LoRARequest | None = None) -> AsyncIterator[TokenDelta]:
+        """Token deltas of one request (see DecodeServer.generate); the last has finished=True. `lora`: the
+        adapter it runs under."""
         rid = request_id or uuid.uuid4().hex
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
-        hashes = hashes if hashes is not None else self.hashes(token_ids)
-        req = PoolRequest(rid, token_ids, hashes, params)
+        hashes = hashes if hashes is not None else self.hashes(token_ids, lora)
+        req = PoolRequest(rid, token_ids, hashes, params, lora=lora)
         status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:
@@ -192,7 +198,7 @@ class Orchestrator:
         observe_found(DECODE, req.request_id, None)    # the next engine's cached count is not the routed one's
         bs, n = self.model["block_size"], len(req.token_ids) // self.model["block_size"]
         ids = req.token_ids + (sent if kv is None else sent[:-1])
-        hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.model["model_key"],
+        hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.key(req.lora),
                                                      req.block_hashes[n - 1] if n else None)
         return replace(req, block_hashes=hashes, prefill=kv, resume=Resume(list(sent), chars),
                        avoid=req.avoid + ((left,) if left else ()), num_moves=req.num_moves + 1)

@@ -209,8 +209,10 @@ class PrefillRanker:
     """The prefill pool's rule: rank replicas by an estimate of the prompt's time to first token,
     counted in tokens of work:
 
-        cost(r) = uncached prompt tokens on r + load_weight * queued prefill tokens on r
-                = (num_tokens - leading_hit_blocks(r) * block_size) + load_weight * load(r)
+        cost(r) = uncached prompt tokens on r + load_weight * queued prefill tokens on r + extra(r)
+                = (num_tokens - leading_hit_blocks(r) * block_size) + load_weight * load(r) + extra(r)
+
+    where extra(r) is other work r must do first, in tokens (loading a LoRA adapter it lacks).
 
     cheapest first (reason "prefix_hit" when the first has a hit, else "no_hit_least_cost").
     Ties go to the replica caching fewer blocks (room for a new prefix, so new prefixes spread over
@@ -227,7 +229,8 @@ class PrefillRanker:
     imbalance_threshold: int        # RouterConfig.imbalance_threshold_tokens
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
-             loads: dict[str, int], cached: dict[str, int] | None = None) -> tuple[list[list[str]], str]:
+             loads: dict[str, int], cached: dict[str, int] | None = None,
+             extra: dict[str, int] | None = None) -> tuple[list[list[str]], str]:
         """Tiers of replica ids, best first (one replica per tier), and the reason for the first."""
         replicas = set(loads) | set(matches)
         if not replicas:
@@ -236,7 +239,8 @@ class PrefillRanker:
         cached = cached or {}
         salt = hashes[0] if hashes else num_tokens
         # (cost, tie-breaks..., name): a total order, so the result never depends on set order
-        key = {r: (max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * load[r],
+        extra = extra or {}
+        key = {r: (max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * load[r] + extra.get(r, 0),
                    cached.get(r, 0), xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r) for r in replicas}
         if max(load.values()) - min(load.values()) > self.imbalance_threshold:
             order = sorted(replicas, key=lambda r: (load[r], key[r]))

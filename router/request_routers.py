@@ -170,6 +170,14 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
             _predict(self.pool, req.request_id, min(hits.get(rid, 0), usable) * self.block_size)
 
 
+def lora_load_cost(req: PoolRequest, stats: dict | None, cost_tokens: int) -> int:
+    """Prompt tokens of work a replica pays to serve this request's LoRA adapter: none for the base model
+    or an adapter it holds (its routing stats list their keys), else the configured load cost."""
+    if req.lora is None or cost_tokens == 0:
+        return 0
+    return 0 if req.lora.key in (stats or {}).get("loras", ()) else cost_tokens
+
+
 class PrefixAwareRouter(_PoolRouter):
     pool = PREFILL
 
@@ -178,18 +186,21 @@ class PrefixAwareRouter(_PoolRouter):
         cfg = RouterConfig.model_validate(router)
         self._init_common(state_actor, cfg.index_sync_interval_s, block_size)
         self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
-        self.host_weight = cfg.host_tier_hit_weight
+        self.host_weight, self.lora_cost = cfg.host_tier_hit_weight, cfg.lora_load_cost_tokens
 
     def _rank(self, req, by_id):
-        """The load is the prompt tokens the best replica must prefill (those it does not cache)."""
-        loads = {}
+        """The load is the prompt tokens the best replica must prefill (those it does not cache). A LoRA
+        request's blocks are its adapter's (the hashes are), and a replica lacking the adapter pays its load."""
+        loads, extra = {}, {}
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
             loads[rid] = stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0))
+            extra[rid] = lora_load_cost(req, stats, self.lora_cost)
         index = self.mirror.index[self.pool]
         matches, credit = index.match_credit(req.block_hashes, self.host_weight)
         tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
-                                         {rid: credit.get(rid, 0) for rid in by_id}, loads, index.num_blocks())
+                                         {rid: credit.get(rid, 0) for rid in by_id}, loads, index.num_blocks(),
+                                         extra if any(extra.values()) else None)
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is None:
             return tiers, reason, None, matches
@@ -200,9 +211,10 @@ class DecodeRouter(_PoolRouter):
     pool = DECODE
 
     def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float,
-                         host_tier_hit_weight: float):
+                         host_tier_hit_weight: float, lora_load_cost_tokens: int = 0):
         self._init_common(state_actor, index_sync_interval_s, block_size)
         self.max_num_seqs, self.host_weight = max_num_seqs, host_tier_hit_weight
+        self.lora_cost = lora_load_cost_tokens
 
     def _pressure(self, r: RunningReplica, rid: str) -> float:
         """0..~2: KV fraction in use plus running-batch fraction, counting requests sent since the stats."""
@@ -212,18 +224,24 @@ class DecodeRouter(_PoolRouter):
         return (s.get("kv_blocks_used", 0) + extra) / total + (s.get("num_running", 0) + (extra > 0)) / self.max_num_seqs
 
     def _rank(self, req, by_id):
-        """One replica per tier; the load is the request's KV blocks."""
+        """One replica per tier; the load is the request's KV blocks. A replica lacking the request's LoRA
+        adapter pays its load: as prompt tokens to compute for a local prefill, and for a request that brings
+        its KV as that many tokens more of its KV cache in use."""
         pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
+        load = {rid: lora_load_cost(req, r.routing_stats, self.lora_cost) for rid, r in by_id.items()}
         n = len(req.token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)   # to compute
         hits = None
         if req.prefill is None and req.block_hashes:
             # local prefill: computing what the replica lacks dominates; pressure breaks ties
             hits, credit = self.mirror.index[self.pool].match_credit(req.block_hashes, self.host_weight)
-            order = sorted(by_id, key=lambda rid: (n - credit.get(rid, 0) * self.block_size,
+            order = sorted(by_id, key=lambda rid: (n - credit.get(rid, 0) * self.block_size + load[rid],
                                                     pressure[rid], rid))
             reason = "local_prefill_hit" if any(hits.get(rid, 0) for rid in by_id) else "local_prefill"
         else:
-            order = sorted(by_id, key=lambda rid: (pressure[rid], rid))
+            def kv_tokens(rid: str) -> int:
+                s = by_id[rid].routing_stats or {}
+                return max(s.get("kv_blocks_total", 1), 1) * self.block_size
+            order = sorted(by_id, key=lambda rid: (pressure[rid] + load[rid] / kv_tokens(rid), rid))
             reason = "least_kv_pressure"
         # a prediction for a plain local prefill (a continuation also recomputes tokens the index does not cover)
         predicted = hits if hits is not None and req.resume is None else None

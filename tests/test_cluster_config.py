@@ -281,7 +281,8 @@ def test_engine_config_merges_cluster_fields_with_pool_knobs():
 def test_engine_knobs_are_exactly_the_engine_config_fields_but_the_cluster_level_ones():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert set(EngineKnobs.model_fields) == engine_fields - {"model", "dtype", "device", "distributed_executor_backend",
-                                                              "max_grammar_bytes", "grammar_compile_timeout_s"}
+                                                              "max_grammar_bytes", "grammar_compile_timeout_s",
+                                                              "enable_lora"}
     limited = ClusterConfig.from_dict({"limits": {"max_grammar_bytes": 999, "grammar_compile_timeout_s": 2.5}})
     for pool in ("prefill", "decode"):                   # the limits section sets them for both pools' engines
         e = limited.engine_config(pool)

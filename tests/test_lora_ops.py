@@ -101,3 +101,33 @@ def test_triton_matches_torch(triton_lora, dtype, tol, sizes, blocks):
     base = slots < 0
     assert torch.equal(fused[base], before[base])               # base rows, and columns outside y, untouched
     assert torch.equal(fused[:, :4], before[:, :4]) and torch.equal(fused[:, 4 + n:], before[:, 4 + n:])
+
+
+def test_the_engines_cpu_layout_is_exact_whatever_the_batch_and_threads():
+    """float64 stacks with one B per part (the engine's CPU layout) equal the block-diagonal layout, and a row's
+    delta is bit-identical alone and inside a mixed, padded batch, with one thread or two: a LoRA request's tokens
+    do not depend on where or beside whom it runs."""
+    g = torch.Generator().manual_seed(3)
+    parts, r = [40, 12, 12], 4
+    a = torch.randn(3, 3 * r, 48, generator=g, dtype=torch.float64)
+    blocks = [torch.randn(3, p, r, generator=g, dtype=torch.float64) for p in parts]
+    diag = torch.zeros(3, sum(parts), 3 * r, dtype=torch.float64)
+    for i, (o, p) in enumerate(zip(np.cumsum([0, *parts]), parts)):
+        diag[:, o:o + p, i * r:(i + 1) * r] = blocks[i]
+    x = torch.randn(7, 48, generator=g)
+    slots = np.array([0, 2, -1, 2, 1, 2, 0])
+    y_blocks, y_diag = torch.zeros(7, sum(parts)), torch.zeros(7, sum(parts))
+    apply_lora(x, a, blocks, slots, y_blocks, parts=parts)
+    apply_lora(x, a, diag, slots, y_diag, parts=parts)
+    assert torch.equal(y_blocks, y_diag) and y_blocks[2].abs().sum() == 0 and y_blocks[0].abs().sum() > 0
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            alone = torch.zeros(1, sum(parts))
+            apply_lora(x[3:4], a, blocks, np.array([2]), alone, parts=parts)
+            mixed = torch.zeros(7, sum(parts))
+            apply_lora(x, a, blocks, slots, mixed, parts=parts)
+            assert torch.equal(mixed[3:4], alone) and torch.equal(mixed, y_blocks)
+    finally:
+        torch.set_num_threads(threads)
