@@ -6,13 +6,15 @@ An adapter is a directory with `adapter_config.json` and `adapter_model.safetens
 
 - a host cache of loaded adapters (`max_cpu_loras`, LRU; an adapter a live request uses stays), each
   checked against the model when it is first requested, so a bad file fails its request alone;
-- `max_loras` device slots: every wrapped Linear holds its adapters' A and B stacked by slot
-  ([slots, n*R, in] and [slots, out, n*R], the scaling folded into B, zero-padded ranks). A fused
-  module (q/k/v, gate/up) keeps one A row-band per part and a block-diagonal B, so a part the
-  adapter does not train adds zero. A step names each token's slot (-1: the base model) and every
-  wrapped Linear adds its LoRA product batched by slot (engine/lora_ops.py: Punica-style Triton
-  kernels on CUDA, a grouped torch path elsewhere). The scheduler admits at most `max_loras`
-  adapters among the running sequences, so a step never needs more slots.
+- `max_loras` device slots: every wrapped Linear holds its adapters' A stacked by slot ([slots, n*R, in],
+  zero-padded ranks; a fused module, q/k/v or gate/up, one row-band per part) and their B with the
+  scaling folded in: on CUDA one block-diagonal [slots, out, n*R] for the Triton kernels, on CPU one B
+  per part (transposed for the C++ kernel, engine/lora_cpu.cpp; float64 for the torch path when no
+  compiler is there), so a part the adapter does not train adds zero and costs nothing. A step names
+  each token's slot (-1: the base model) and every wrapped Linear adds its LoRA product batched by
+  slot (engine/lora_ops.py). On CPU either path gives a row the same bits alone or batched, with any
+  thread count. The scheduler admits at most `max_loras` adapters among the running sequences, so a
+  step never needs more slots.
 
 A LoRA request's KV is another model's KV: its block hashes are chained under the adapter's key
 (engine/block_hash.py `namespace_key`, from the adapter's content), so base and adapter blocks never mix, in the prefix
@@ -216,12 +218,17 @@ class LoRALinear(nn.Module):
         self.base, self.step, self.parts, self.rank = base, step, parts, max_rank
         n = len(parts)
         self.a = torch.zeros(max_loras, n * max_rank, in_features, dtype=dtype, device=device)
+        self.layout = "diagonal"            # the Triton kernels' layout: one block-diagonal B [S, N, n*R]
         if device.type == "cpu" and dtype == torch.float32:
-            # the torch path's layout: float64 stacks (exact products, engine/lora_ops.py apply_lora_torch) and
-            # one B per part, so no product runs over the zero blocks of a fused module's B
-            self.a = self.a.double()
-            self.b = [torch.zeros(max_loras, p, max_rank, dtype=torch.float64) for p in parts]
-        else:                               # the Triton kernels' layout: one block-diagonal B
+            from engine.lora_ops import cpu_kernel
+            if cpu_kernel() is not None:    # engine/lora_cpu.cpp: fp32, one transposed B per part
+                self.layout = "cpu"
+                self.b = [torch.zeros(max_loras, max_rank, p) for p in parts]
+            else:                           # the torch path: float64 stacks (exact products), one B per part
+                self.layout = "parts"
+                self.a = self.a.double()
+                self.b = [torch.zeros(max_loras, p, max_rank, dtype=torch.float64) for p in parts]
+        if self.layout == "diagonal":
             self.b = torch.zeros(max_loras, sum(parts), n * max_rank, dtype=dtype, device=device)
 
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
@@ -233,7 +240,9 @@ class LoRALinear(nn.Module):
         for i, (a, b) in (parts or {}).items():
             r, R = a.shape[0], self.rank
             self.a[slot, i * R:i * R + r].copy_(a)
-            if isinstance(self.b, list):
+            if self.layout == "cpu":
+                self.b[i][slot, :r].copy_(b.T)
+            elif self.layout == "parts":
                 self.b[i][slot, :, :r].copy_(b)
             else:
                 self.b[slot, off[i]:off[i + 1], i * R:i * R + r].copy_(b)
@@ -241,8 +250,11 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.step.slots is not None:
-            from engine.lora_ops import apply_lora
-            apply_lora(x, self.a, self.b, self.step.slots, y, self.step.groups, self.parts)
+            from engine.lora_ops import apply_lora, apply_lora_cpu
+            if self.layout == "cpu":
+                apply_lora_cpu(x, self.a, self.b, self.step.groups, y)
+            else:
+                apply_lora(x, self.a, self.b, self.step.slots, y, self.step.groups, self.parts)
         return y
 
 
@@ -308,25 +320,6 @@ class LoRAManager:
         idle = [k for k, a in self.cache.items() if a.refs == 0 and k not in self.slots]
         while len(self.cache) > self.max_cpu_loras and idle:
             del self.cache[idle.pop(0)]
-
-    def remove(self, key: str) -> bool:
-        """Unload an adapter no request uses (unload_lora_adapter): out of the cache and its slot."""
-        with self._lock:
-            adapter = self.cache.get(key)
-            if adapter is not None and adapter.refs:
-                return False
-            self.cache.pop(key, None)
-            slot = self.slots.pop(key, None)
-        if slot is not None:
-            for mods in self.layers:
-                for m in mods.values():
-                    m.set_slot(slot, None)
-            self.free_slots.append(slot)
-        return True
-
-    def resident(self) -> list[str]:
-        """Names of the adapters in device slots."""
-        return [self.cache[k].name for k in self.slots if k in self.cache]
 
     def keys(self) -> list[str]:
         """Keys of the adapters held (host cache), thread-safe."""

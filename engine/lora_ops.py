@@ -2,14 +2,22 @@
 
 Adapters sit in slots, their weights stacked per slot: `a` [S, R, K] (A, rows past an adapter's rank are zero),
 `b` [S, N, R] (B with the adapter's scaling multiplied in, columns past its rank zero). Row t of the step uses
-slot `slots[t]`; -1 is the base model (no LoRA), and such rows are left untouched. On CUDA two Triton kernels
-run (shrink x -> A x into an fp32 buffer, expand y += B (A x)), as vLLM's punica `lora_shrink`/`lora_expand`;
-elsewhere the torch path runs one matmul pair per slot present.
+slot `slots[t]`; -1 is the base model (no LoRA), and such rows are left untouched. Three paths:
+- CUDA: two Triton kernels (shrink x -> A x into an fp32 buffer, expand y += B (A x)), as vLLM's punica
+  `lora_shrink`/`lora_expand`;
+- CPU: engine/lora_cpu.cpp (fp32, each element summed in one fixed order: batch- and thread-invariant);
+- CPU without a compiler: the torch path, one padded batched matmul pair per Linear, exact in float64.
 """
 from __future__ import annotations
 
+import functools
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
+
+from engine.cpp_build import load_extension
 
 try:
     import triton
@@ -17,6 +25,7 @@ try:
 except ImportError:                 # an install without Triton: apply_lora takes the torch path (CPU)
     triton = tl = None
 
+CPU_SOURCE = Path(__file__).with_name("lora_cpu.cpp")
 _TILE = 4096                        # elements of one weight tile per program (BLOCK_R x BLOCK_K or BLOCK_N x BLOCK_R)
 
 
@@ -52,6 +61,8 @@ class LoRAPlan:
         pad = [torch.cat([idx, idx[:1].expand(self.n_max - len(idx))]) for _, idx in groups]
         self.gather = torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long)
         self.rows = torch.cat([idx for _, idx in groups]) if groups else self.gather
+        self.row_slots = torch.cat([torch.full((len(idx),), s, dtype=torch.long) for s, idx in groups]) \
+            if groups else self.gather
         self.identity = [s for s, _ in groups] == list(range(len(groups)))   # slots 0..g-1 in order
         # positions of the real rows in the padded batch (None: nothing is padding)
         self.valid = None if all(c == self.n_max for c in counts) else torch.cat(
@@ -109,6 +120,28 @@ def apply_lora_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if plan.valid is not None:
         d = d.index_select(0, plan.valid)
     y.index_add_(0, plan.rows, d.to(y.dtype))
+
+
+@functools.cache
+def cpu_kernel():
+    """engine/lora_cpu.cpp, built on first use (None without a compiler, or with BATON_CPU_KERNEL=0)."""
+    if os.environ.get("BATON_CPU_KERNEL", "1") == "0":
+        return None
+    return load_extension("baton_lora_cpu", CPU_SOURCE, "CPU LoRA kernel", ("-ffp-contract=off",))
+
+
+def apply_lora_cpu(x: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor], plan: LoRAPlan, y: torch.Tensor) -> None:
+    """The C++ path (fp32): `a` [S, R, K] as everywhere, `bt` one B per part, transposed [S, R/parts, N_i] (part i
+    reads t's rank columns [i*R/parts, (i+1)*R/parts) and writes y's next N_i columns). Each element of the
+    result is summed in one fixed order: bitwise the same alone or batched, with any thread count."""
+    if not plan:
+        return
+    k = cpu_kernel()
+    t = k.shrink(x.contiguous(), a, plan.rows, plan.row_slots)
+    r, col = a.shape[1] // len(bt), 0
+    for i, part in enumerate(bt):
+        k.expand(t, i * r, part, plan.rows, plan.row_slots, y, col)
+        col += part.shape[2]
 
 
 def _blocks(b, parts: list[int] | None, rank: int) -> list[tuple[tuple[int, int], torch.Tensor]]:

@@ -91,7 +91,8 @@ def test_a_batch_mixing_four_adapters_and_the_base_matches_peft(tiny, reference)
                         lora_request=[None if n is None else req(tiny, n) for n, _ in cases])
     for (n, i), o in zip(cases, outs):
         assert o.token_ids == reference[n, i], (n, i)
-    assert sorted(llm.engine.runner.lora.resident()) == sorted(ADAPTERS)
+    held = llm.engine.stats()["lora_adapters"].values()
+    assert sorted(name for name, in_slot in held if in_slot) == sorted(ADAPTERS)
     assert_no_leak(llm)
 
 
@@ -248,3 +249,16 @@ def test_smollm2_adapters_match_peft(smol_path, tmp_path):
     for i in range(len(prompts)):
         base = outs[3 * i + 2].token_ids
         assert outs[3 * i].token_ids != base and outs[3 * i + 1].token_ids != base
+
+
+def test_without_a_compiler_the_float64_torch_path_gives_the_same_tokens(tiny, reference, monkeypatch):
+    """No C++ kernel (no compiler, or BATON_CPU_KERNEL=0): the wrapped Linears keep float64 stacks and the torch
+    path runs; the tokens are PEFT's as before, mixed batch included."""
+    from engine import lora_ops
+    monkeypatch.setattr(lora_ops, "cpu_kernel", lambda: None)
+    llm = lora_llm(tiny["base"], max_num_batched_tokens=64)
+    assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.layout == "parts"
+    names = ([None, *ADAPTERS] * 2)[:8]
+    outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=[n and req(tiny, n) for n in names])
+    for i, (n, o) in enumerate(zip(names, outs)):
+        assert o.token_ids == reference[n, i % 4], (n, i)

@@ -131,3 +131,39 @@ def test_the_engines_cpu_layout_is_exact_whatever_the_batch_and_threads():
             assert torch.equal(mixed[3:4], alone) and torch.equal(mixed, y_blocks)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_cpu_kernel_matches_the_reference_and_is_exact_whatever_the_batch_and_threads():
+    """engine/lora_cpu.cpp (fp32, transposed B parts) equals the per-row loop, and a row's delta is bit-identical
+    alone and in a mixed batch, with one thread or two."""
+    from engine.lora_ops import LoRAPlan, apply_lora_cpu, cpu_kernel
+    if cpu_kernel() is None:
+        pytest.skip("no C++ compiler on this machine: the engine runs the float64 torch path")
+    g = torch.Generator().manual_seed(4)
+    parts, r, k = [40, 12, 12], 4, 53                 # K not a multiple of the kernel's 16 lanes
+    a = torch.randn(3, 3 * r, k, generator=g)
+    bt = [torch.randn(3, r, p, generator=g) for p in parts]
+    x = torch.randn(7, k, generator=g)
+    slots = np.array([0, 2, -1, 2, 1, 2, 0])
+    y = torch.randn(7, sum(parts), generator=g)
+    want = y.double().clone()
+    off = np.cumsum([0, *parts])
+    for t, s in enumerate(slots):
+        if s >= 0:
+            h = a[s].double() @ x[t].double()
+            for i in range(3):
+                want[t, off[i]:off[i + 1]] += bt[i][s].double().T @ h[i * r:(i + 1) * r]
+    got = y.clone()
+    apply_lora_cpu(x, a, bt, LoRAPlan(lora_groups(slots)), got)
+    assert torch.allclose(got.double(), want, atol=1e-4) and torch.equal(got[2], y[2])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            alone = y[3:4].clone()
+            apply_lora_cpu(x[3:4], a, bt, LoRAPlan(lora_groups(np.array([2]))), alone)
+            mixed = y.clone()
+            apply_lora_cpu(x, a, bt, LoRAPlan(lora_groups(slots)), mixed)
+            assert torch.equal(mixed[3:4], alone) and torch.equal(mixed, got)
+    finally:
+        torch.set_num_threads(threads)
