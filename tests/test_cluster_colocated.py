@@ -12,7 +12,7 @@ import pytest
 from cluster.live_metrics import pool_total, scrape
 from engine import LLM, SamplingParams
 from engine.block_hash import block_hashes
-from tests.conftest import CLUSTER_ENGINE, ingress_index_matches, served_model_key
+from tests.conftest import CLUSTER_ENGINE, ingress_index_matches, served_model_key, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -70,12 +70,16 @@ def test_a_prompt_evicted_to_the_host_tier_is_copied_back_with_the_same_text(cli
     assert any(m and max(m.values()) >= 24 for m in ingress_index_matches("decode", hashes).values()), \
         "the index still counts the prompt as cached (in the host tier)"
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
-    after = scrape(base)
+
+    def total(m, metric: str, label: str) -> float:
+        return sum(v for k, v in m.items() if k.startswith(metric + "{") and label in k)
+    # the replica reports its metrics every half second: wait for the report that counts this request
+    after = wait_for(lambda: (lambda m: m if total(m, "baton_kv_tier_moves_blocks_total", 'direction="onload"') >
+                              total(before, "baton_kv_tier_moves_blocks_total", 'direction="onload"') else None)(
+                                  scrape(base)), 10, "the replica's report of the copy back")
 
     def delta(metric: str, label: str) -> float:
-        def total(m):
-            return sum(v for k, v in m.items() if k.startswith(metric + "{") and label in k)
-        return total(after) - total(before)
+        return total(after, metric, label) - total(before, metric, label)
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens_details.cached_tokens == 384
     assert delta("baton_prefix_cache_hits_by_tier_tokens_total", 'tier="host"') == 384, \

@@ -26,9 +26,11 @@ def test_fallback_transport_serves_the_same_text(shared_cluster):
 
     def grew(m: dict[str, float], metric: str, pool: str) -> float:
         return pool_total(m, metric, pool) - pool_total(m0, metric, pool)
+    # each replica reports its metrics every half second, on its own clock: wait for both pools' reports
     m = wait_for(lambda: (lambda m: m if grew(m, "baton_kv_pins_released_total", "prefill") >= 1 and
-                          pool_total(m, "baton_kv_blocks_used", "prefill") == 0 else None)(scrape(BASE)),
-                 10, "the prefill pool to release the request's pinned blocks")
+                          pool_total(m, "baton_kv_blocks_used", "prefill") == 0 and
+                          grew(m, "baton_kv_transfer_bytes_total", "decode") > 0 else None)(scrape(BASE)),
+                 10, "the prefill pool to release the request's pinned blocks and the decode pool to count the pull")
     assert grew(m, "baton_kv_transfer_bytes_total", "decode") > 0
     assert grew(m, "baton_kv_pins_released_total", "prefill") >= 1
     assert pool_total(m, "baton_kv_blocks_used", "prefill") == 0
