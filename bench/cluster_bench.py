@@ -54,6 +54,7 @@ class Req:
     at: float = 0.0                                  # arrival, seconds after the start
     tag: str = ""
     chat: bool = False                               # /v1/chat/completions instead of /v1/completions
+    model: str | None = None                         # a LoRA adapter's name (None: the served model)
 
 
 @dataclass
@@ -98,7 +99,7 @@ def poisson(reqs: list[Req], rate: float, rng: np.random.Generator) -> list[Req]
 # -- the client -------------------------------------------------------------------------------------
 async def one(session, base: str, model: str, r: Req, t0: float) -> Result:
     await asyncio.sleep(max(0.0, r.at - (time.perf_counter() - t0)))
-    body = {"model": model, "max_tokens": r.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+    body = {"model": r.model or model, "max_tokens": r.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     if r.chat:
         body["messages"] = [{"role": "user", "content": r.prompt}]
@@ -167,7 +168,10 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: floa
 
 # -- one cluster at a time ----------------------------------------------------------------------------
 def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64,
-                 decode_kv_bytes: int | None = None, admission: dict | None = None, model: str | None = None) -> Any:
+                 decode_kv_bytes: int | None = None, admission: dict | None = None, model: str | None = None,
+                 adapters: dict[str, str] | None = None) -> Any:
+    """`adapters`: LoRA adapters served (name -> path); each prefill replica then holds two (max_loras and
+    max_cpu_loras 2), so a third adapter's request evicts one and reads its files again."""
     from cluster.config import ClusterConfig
     engine = {"kv_cache_memory": kv_bytes, "max_model_len": 2048}
     d: dict[str, Any] = {"port": PORT, **({"model": model} if model else {}), "mode": mode, "ingress": {"num_cpus": 0},
@@ -177,6 +181,11 @@ def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: in
                          "admission": admission or {"enabled": False}}
     if mode == "disaggregated":
         d["prefill"] = {"num_replicas": prefill, "num_cpus": 0, "engine": engine}
+    if adapters:
+        d["lora"] = {"adapters": adapters}
+        d["decode"]["engine"]["max_loras"] = len(adapters)
+        if mode == "disaggregated":
+            d["prefill"]["engine"] = {**engine, "max_loras": 2, "max_cpu_loras": 2}
     return ClusterConfig.from_dict(d)
 
 
@@ -202,12 +211,21 @@ def with_cluster(cfgs, fn):
 
 
 def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
-                 slo: tuple[float, float], model: str | None = None) -> dict[str, dict]:
+                 slo: tuple[float, float], model: str | None = None,
+                 adapters: dict[str, str] | None = None) -> dict[str, dict]:
     """The same tenants' workload under each prefill routing policy, on one Serve start: each policy after the
     first redeploys the app (Serve replaces the prefill replicas, so every policy starts cold). Each prefill
-    replica's KV holds 2.5 tenants' prefixes, whatever the model (`model`: default SmolLM2-135M)."""
+    replica's KV holds 2.5 tenants' prefixes, whatever the model (`model`: default SmolLM2-135M).
+    `adapters` (name -> path, one per tenant): tenant t's requests run under the t-th adapter (its prefix is
+    then its adapter's KV); the prefill pool's adapter loads into a slot are reported too."""
     rng = np.random.default_rng(1)
-    warm, reqs = tenants(n, prefix_tokens, rng)
+    warm, reqs = tenants(n, prefix_tokens, rng, len(adapters) if adapters else 4)
+    if adapters:
+        names = list(adapters)
+        for t, w in enumerate(warm):
+            w.model = names[t]
+        for i, r in enumerate(reqs):
+            r.model = names[i % len(names)]
     poisson(reqs, rate, rng)
     kv = int(2.5 * prefix_tokens / BLOCK * block_bytes(model))
 
@@ -223,12 +241,16 @@ def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
             pool_total(before, "baton_prefix_cache_query_tokens_total", "prefill")
         h = pool_total(after, "baton_prefix_cache_hit_tokens_total", "prefill") - \
             pool_total(before, "baton_prefix_cache_hit_tokens_total", "prefill")
-        return {**summarize(results, wall, *slo), "prefix_hit_rate": h / q if q else None,
-                "prefill_query_tokens": q, "prefill_hit_tokens": h}
+        out = {**summarize(results, wall, *slo), "prefix_hit_rate": h / q if q else None,
+               "prefill_query_tokens": q, "prefill_hit_tokens": h}
+        if adapters:
+            out["prefill_lora_loads"] = pool_total(after, "baton_lora_loads_total", "prefill") - \
+                pool_total(before, "baton_lora_loads_total", "prefill")
+        return out
     # every prompt goes through the prefill pool (the decode replica would otherwise prefill a tenant's
     # prompt itself once it caches the prefix: conditional disaggregation, but not what is measured here)
-    cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20, model=model)
-            for p in policies]
+    cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20, model=model,
+                         adapters=adapters) for p in policies]
     return dict(zip(policies, with_cluster(cfgs, work)))
 
 
@@ -315,6 +337,56 @@ def plot_overload(result: dict, path: Path) -> None:
     save(fig, path)
 
 
+def lora_run(args: argparse.Namespace, slo: tuple[float, float], out_dir: Path, started: float) -> dict:
+    """`--workload lora`: the tenants' routing comparison with one LoRA adapter per tenant."""
+    import tempfile
+
+    from bench.models import make_lora_adapter
+    from engine.loader import resolve_model
+    base = resolve_model(None)
+    tmp = Path(tempfile.mkdtemp(prefix="baton-bench-lora-"))
+    adapters = {f"tenant{t}": make_lora_adapter(base, tmp / f"tenant{t}", rank=8, seed=t + 1, scale=0.5)
+                for t in range(4)}
+    log(f"routing with 4 LoRA tenants: prefix_aware (adapter-aware) then pow2, {args.requests} requests at "
+        f"{args.rate}/s")
+    runs = routing_runs(["prefix_aware", "pow2"], args.requests, args.rate, args.prefix_tokens, slo,
+                        adapters=adapters)
+    for policy, r in runs.items():
+        log(f"lora {policy}: hit rate {r['prefix_hit_rate']:.1%}, adapter loads {r['prefill_lora_loads']:.0f}, "
+            f"TTFT {r['ttft_ms']}")
+    a, p = runs["prefix_aware"], runs["pow2"]
+    result = {"benchmark": "cluster-lora", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "quick": args.quick, "rate_rps": args.rate, "prefix_tokens": args.prefix_tokens,
+              "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}, "routing": runs,
+              "hit_rate_gain": (a["prefix_hit_rate"] or 0) - (p["prefix_hit_rate"] or 0),
+              "ttft_p50_ratio_pow2_over_aware": p["ttft_ms"]["p50"] / a["ttft_ms"]["p50"]
+              if a["ttft_ms"] and p["ttft_ms"] else None,
+              "method_notes": {"adapters": "one rank-8 adapter per tenant on every projection; each prefill replica "
+                                           "holds two (max_loras and max_cpu_loras 2)",
+                               "routing_kv": "each prefill replica's KV cache holds ~2.5 tenants' prefixes"}}
+    write_result(result, out_dir / "lora.json", {"lora": plot_lora})
+    log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
+    return result
+
+
+def plot_lora(result: dict, path: Path) -> None:
+    plt = pyplot()
+    runs = result["routing"]
+    names = list(runs)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(12, 4))
+    for ax, key, label in ((a, "prefix_hit_rate", "prefill prefix hit rate"),
+                           (b, "prefill_lora_loads", "adapter loads into a slot (prefill pool)")):
+        bars = ax.bar(names, [runs[n][key] or 0 for n in names], color=["tab:blue", "tab:gray"])
+        ax.bar_label(bars, fmt="%.2f" if key == "prefix_hit_rate" else "%.0f", fontsize=8)
+        ax.set_title(label, fontsize=9)
+    for n, color in zip(names, ["tab:blue", "tab:gray"]):
+        t = runs[n]["ttft_ms"] or {}
+        c.plot(["p50", "p90", "p99"], [t.get(q, 0) for q in ("p50", "p90", "p99")], marker="o", color=color, label=n)
+    c.set_title("TTFT (ms)", fontsize=9)
+    c.legend(fontsize=8)
+    save(fig, path)
+
+
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -350,6 +422,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prompts", type=int, default=6, help="long prompts mixed in (default 6)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: TTFT at most (default 2000)")
     p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO: mean ITL at most (default 200)")
+    p.add_argument("--workload", choices=["default", "lora"], default="default",
+                   help="lora: only the routing comparison, each tenant under its own LoRA adapter (made with PEFT), "
+                        "prefix- and adapter-aware routing against power-of-two: hit rate, TTFT and adapter "
+                        "loads, to lora.json")
     p.add_argument("--skip-pd", action="store_true", help="leave out the disaggregated vs colocated comparison")
     p.add_argument("--quick", action="store_true", help="a smoke run: 12 tenants requests, 256-token prefixes, "
                                                         "4 streams, 2 long prompts")
@@ -375,6 +451,11 @@ def run(args: argparse.Namespace) -> dict:
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-cluster")
+    if args.workload == "lora":
+        try:
+            return lora_run(args, slo, out_dir, started)
+        finally:
+            ray.shutdown()
     if args.overload:
         try:
             overload, sat = {}, None
