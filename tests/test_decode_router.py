@@ -158,3 +158,27 @@ def test_the_routers_cache_prediction_is_observed_against_what_the_engine_found(
     after = outcomes()
     assert {o: after[o] - before[o] for o in after} == {"exact": 1, "over": 1, "under": 0}
     assert REGISTRY.get_sample_value("baton_router_found_cached_tokens_sum", {"pool": "decode"}) - found0 == 9 * BS
+
+
+def test_a_replica_lacking_the_requests_lora_adapter_pays_its_load():
+    """router.lora_load_cost_tokens: a replica whose routing stats do not list the adapter's key costs that many
+    tokens more: of KV in use for a request that brings its KV (so a slightly busier replica holding the
+    adapter wins, a much busier one does not), of work for a local prefill. The base model pays nothing."""
+    from engine.lora import LoRARequest
+    lora = LoRARequest("tone", 1, "/unused", lora_key="k-tone")
+    r = router()
+    r.lora_cost = 256                                   # tokens; the caches hold 100 blocks of 16 = 1,600
+    hashes = block_hashes(PROMPT, BS, f"{KEY}|lora:k-tone")
+
+    def with_lora(rid, prefill=None):
+        req = pending(rid, prefill=prefill, hashes=hashes)
+        req.args[0].lora = lora
+        return req
+    holds = {**stats(used=20), "loras": ["k-tone"]}
+    assert choose(r, [FakeReplica("a", stats(used=10)), FakeReplica("b", holds)], with_lora("r1", FROM_P0))[0] == "b"
+    busy = {**stats(used=40), "loras": ["k-tone"]}      # 30 blocks (480 tokens) busier: more than the load
+    assert choose(r, [FakeReplica("a", stats(used=10)), FakeReplica("b", busy)], with_lora("r2", FROM_P0))[0] == "a"
+    assert choose(r, [FakeReplica("a", stats(used=10)), FakeReplica("b", holds)], pending("r3", FROM_P0))[0] == "a"
+    # a local prefill that neither replica caches: the one holding the adapter computes less
+    assert choose(r, [FakeReplica("a", stats()), FakeReplica("b", {**stats(), "loras": ["k-tone"]})],
+                  with_lora("r4"))[0] == "b"

@@ -304,6 +304,15 @@ def test_ranker_prefers_the_longer_hit_unless_its_queue_costs_more():
     assert tiers == [["b"], ["a"], ["c"]]                  # every replica ranked, one per tier
 
 
+def test_ranker_adds_other_work_a_replica_must_do_first():
+    """`extra`: tokens of work before the prompt (loading a LoRA adapter the replica lacks) count like queued ones."""
+    ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=1000)
+    assert first(ranker.rank(H, 128, 16, {"a": 6, "b": 6}, {"a": 0, "b": 0}, extra={"a": 256})) == ("b", "prefix_hit")
+    # a's 96 cached tokens are worth less than the 256-token load: b computes the whole prompt sooner
+    assert first(ranker.rank(H, 128, 16, {"a": 6, "b": 0}, {"a": 0, "b": 0}, extra={"a": 256}))[0] == "b"
+    assert first(ranker.rank(H, 128, 16, {"a": 6, "b": 0}, {"a": 0, "b": 0}, extra={"a": 64}))[0] == "a"
+
+
 def test_ranker_falls_back_to_least_loaded_when_imbalanced():
     ranker = PrefillRanker(load_weight=0.001, imbalance_threshold=1000)   # load alone would not outweigh the hit
     loads = {"a": 5000, "b": 0, "c": 0}
