@@ -160,9 +160,7 @@ class LLMEngine:
             raise InvalidRequestError("a resumed request cannot be prefill_only")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
         if lora_request is not None:
-            if self.runner.lora is None:
-                self.load_lora(lora_request)                # raises: no enable_lora
-            seq.lora, seq.lora_key = lora_request, self.runner.lora.register(lora_request).key
+            seq.lora, seq.lora_key = lora_request, self._loras(lora_request).register(lora_request).key
             seq.lora_held = True
         try:
             self._admit_new(seq, params, resume, remote, block_hashes)
@@ -192,10 +190,15 @@ class LLMEngine:
     def load_lora(self, lora_request) -> None:
         """Load and check an adapter into the host cache now (it stays while the cache has room); raises
         engine.lora.LoRAError for a bad one. Thread-safe: callers load before taking the engine's lock."""
+        loras = self._loras(lora_request)
+        loras.release(loras.register(lora_request).key)
+
+    def _loras(self, lora_request):
+        """The runner's LoRAManager; a LoRA request to an engine without enable_lora is refused."""
         if self.runner.lora is None:
             raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} requested, but this engine "
                                       f"was not started with enable_lora")
-        self.runner.lora.release(self.runner.lora.register(lora_request).key)
+        return self.runner.lora
 
     def _release_lora(self, seq: Sequence) -> None:
         """The sequence is gone: its adapter may leave the host cache again."""

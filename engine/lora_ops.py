@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -43,33 +44,62 @@ def lora_groups(slots: np.ndarray) -> list[tuple[int, torch.Tensor]]:
 
 
 class LoRAPlan:
-    """How one step's rows meet the torch path, worked out once per step: the rows of each slot present,
-    gathered into a padded [groups, n_max] batch so every Linear runs one batched matmul pair, however many
-    adapters the step mixes."""
+    """How one step's rows meet the LoRA products, worked out once per step and read by every Linear: the rows
+    with an adapter and their slots (the C++ kernel's inputs), or, for the torch path, each slot's rows gathered
+    into a padded [groups, n_max] batch so every Linear runs one batched matmul pair however many adapters the
+    step mixes. Each is built on first use: a step pays only for the path it runs."""
 
     def __init__(self, groups: list[tuple[int, torch.Tensor]]):
         self.groups = groups
-        self.run = None                     # (lo, hi, slot): one slot, one contiguous run of rows (views only)
-        if len(groups) == 1:
-            slot, idx = groups[0]
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
-            if hi - lo == len(idx):
-                self.run = (lo, hi, slot)
-        counts = [len(idx) for _, idx in groups]
-        self.n_max = max(counts, default=0)
-        self.slots = torch.tensor([s for s, _ in groups], dtype=torch.long)
-        pad = [torch.cat([idx, idx[:1].expand(self.n_max - len(idx))]) for _, idx in groups]
-        self.gather = torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long)
-        self.rows = torch.cat([idx for _, idx in groups]) if groups else self.gather
-        self.row_slots = torch.cat([torch.full((len(idx),), s, dtype=torch.long) for s, idx in groups]) \
-            if groups else self.gather
-        self.identity = [s for s, _ in groups] == list(range(len(groups)))   # slots 0..g-1 in order
-        # positions of the real rows in the padded batch (None: nothing is padding)
-        self.valid = None if all(c == self.n_max for c in counts) else torch.cat(
-            [torch.arange(len(idx)) + g * self.n_max for g, (_, idx) in enumerate(groups)])
 
     def __bool__(self) -> bool:
         return bool(self.groups)
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """The rows with an adapter, slot by slot."""
+        return torch.cat([idx for _, idx in self.groups]) if self.groups else torch.zeros(0, dtype=torch.long)
+
+    @cached_property
+    def row_slots(self) -> torch.Tensor:
+        """The slot of each of `rows`."""
+        return torch.cat([torch.full((len(idx),), s, dtype=torch.long) for s, idx in self.groups]) \
+            if self.groups else torch.zeros(0, dtype=torch.long)
+
+    @cached_property
+    def run(self) -> tuple[int, int, int] | None:
+        """(lo, hi, slot): one slot over one contiguous run of rows (views only), else None."""
+        if len(self.groups) != 1:
+            return None
+        slot, idx = self.groups[0]
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        return (lo, hi, slot) if hi - lo == len(idx) else None
+
+    @cached_property
+    def n_max(self) -> int:
+        return max((len(idx) for _, idx in self.groups), default=0)
+
+    @cached_property
+    def slots(self) -> torch.Tensor:
+        return torch.tensor([s for s, _ in self.groups], dtype=torch.long)
+
+    @cached_property
+    def identity(self) -> bool:
+        """The slots present are 0..g-1 in order (the stacks need no index_select)."""
+        return [s for s, _ in self.groups] == list(range(len(self.groups)))
+
+    @cached_property
+    def gather(self) -> torch.Tensor:
+        """Each slot's rows padded to n_max (with its first row), slot after slot."""
+        pad = [torch.cat([idx, idx[:1].expand(self.n_max - len(idx))]) for _, idx in self.groups]
+        return torch.cat(pad) if pad else torch.zeros(0, dtype=torch.long)
+
+    @cached_property
+    def valid(self) -> torch.Tensor | None:
+        """Positions of the real rows in the padded batch (None: nothing is padding)."""
+        if all(len(idx) == self.n_max for _, idx in self.groups):
+            return None
+        return torch.cat([torch.arange(len(idx)) + g * self.n_max for g, (_, idx) in enumerate(self.groups)])
 
 
 def lora_plan(slots: np.ndarray) -> LoRAPlan:
@@ -94,12 +124,11 @@ def apply_lora_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      groups: LoRAPlan | list[tuple[int, torch.Tensor]], y: torch.Tensor,
                      parts: list[int] | None = None) -> None:
     """The torch path: the rows of each slot gathered into one padded batch, then (rows x K) @ (K x R) @ (R x N)
-    as two batched matmuls, computed in the stacks' dtype and rounded once to y's. The engine keeps the stacks
-    in float64 on CPU: BLAS sums in an order that depends on the thread count and the number of rows, and fp32
+    as two batched matmuls, computed in the stacks' dtype and rounded once to y's. On a CPU without a compiler
+    for engine/lora_cpu.cpp the engine keeps the stacks in float64: BLAS sums in an order that depends on the thread count and the number of rows, and fp32
     sums in another order would make a request's tokens depend on where and beside whom it ran (the packed
     kernels are batch- and thread-invariant; this keeps adapters so: rounded fp64 results agree but for a
-    difference of order 1e-16 landing on an fp32 rounding boundary). The products are rank-thin, so fp64 costs
-    little next to the base GEMMs."""
+    difference of order 1e-16 landing on an fp32 rounding boundary)."""
     plan = groups if isinstance(groups, LoRAPlan) else LoRAPlan(groups)
     if not plan:
         return

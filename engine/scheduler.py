@@ -105,7 +105,7 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        adapters = self._adapters()
+        adapters = self._adapters() if self.config.enable_lora else set()
         deferred = []                               # LoRA requests over max_loras: they wait, others go on
         while self.waiting and budget > 0 and self.num_seqs < self.config.max_num_seqs:
             seq = self.waiting[0]
