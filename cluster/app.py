@@ -49,7 +49,8 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
         request_router_config=_router_config("router.request_routers.DecodeRouter", {
             "state_actor": state, "block_size": decode_engine.block_size, "max_num_seqs": decode_engine.max_num_seqs,
             "index_sync_interval_s": r.index_sync_interval_s, "host_tier_hit_weight": r.host_tier_hit_weight,
-            "lora_load_cost_tokens": r.lora_load_cost_tokens}),
+            "lora_load_cost_tokens": r.lora_load_cost_tokens, "load_weight": r.load_weight,
+            "imbalance_threshold_tokens": r.imbalance_threshold_tokens}),
     ).bind(engine=decode_engine, **common)
     prefill = None
     if config.mode == "disaggregated":

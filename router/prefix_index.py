@@ -212,10 +212,11 @@ class PrefillRanker:
         cost(r) = uncached prompt tokens on r + load_weight * queued prefill tokens on r + extra(r)
                 = (num_tokens - leading_hit_blocks(r) * block_size) + load_weight * load(r) + extra(r)
 
-    where extra(r) is other work r must do first, in tokens (loading a LoRA adapter it lacks).
+    where extra(r) is other work r must do first, in tokens (loading a LoRA adapter it lacks). The decode
+    pool ranks a local prefill by the same rule, its KV pressure breaking ties first (`tie`).
 
     cheapest first (reason "prefix_hit" when the first has a hit, else "no_hit_least_cost").
-    Ties go to the replica caching fewer blocks (room for a new prefix, so new prefixes spread over
+    Ties go to the lower `tie` value (when given), then to the replica caching fewer blocks (room for a new prefix, so new prefixes spread over
     the pool), then to a stable hash of (prompt's first block, replica): identical prompts stick to
     one replica, different ones spread, and a replica joining or leaving moves few of them.
 
@@ -230,7 +231,7 @@ class PrefillRanker:
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
              loads: dict[str, int], cached: dict[str, int] | None = None,
-             extra: dict[str, int] | None = None) -> tuple[list[list[str]], str]:
+             extra: dict[str, int] | None = None, tie: dict[str, float] | None = None) -> tuple[list[list[str]], str]:
         """Tiers of replica ids, best first (one replica per tier), and the reason for the first."""
         replicas = set(loads) | set(matches)
         if not replicas:
@@ -239,9 +240,10 @@ class PrefillRanker:
         cached = cached or {}
         salt = hashes[0] if hashes else num_tokens
         # (cost, tie-breaks..., name): a total order, so the result never depends on set order
-        extra = extra or {}
+        extra, tie = extra or {}, tie or {}
         key = {r: (max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * load[r] + extra.get(r, 0),
-                   cached.get(r, 0), xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r) for r in replicas}
+                   tie.get(r, 0), cached.get(r, 0), xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r)
+               for r in replicas}
         if max(load.values()) - min(load.values()) > self.imbalance_threshold:
             order = sorted(replicas, key=lambda r: (load[r], key[r]))
             return [[r] for r in order], "imbalanced_least_loaded"

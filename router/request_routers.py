@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -82,16 +82,19 @@ def request_payload(pending: PendingRequest | None) -> PoolRequest | None:
 
 
 class _InflightLoad:
-    """Work this router sent that the replica's last stats cannot show yet (they predate it)."""
+    """Work this router sent that the replica's last stats cannot show yet (they predate it). `clock`: the
+    replicas' stats clock (unix time; the planning simulator's own)."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = time.time):
         self.sent: dict[str, list[tuple[float, int]]] = {}
+        self.clock = clock
 
     def add(self, replica: str, tokens: int) -> None:
-        self.sent.setdefault(replica, []).append((time.time(), tokens))
+        self.sent.setdefault(replica, []).append((self.clock(), tokens))
 
     def extra(self, replica: str, stats_time: float) -> int:
-        items = [(t, n) for t, n in self.sent.get(replica, []) if t > stats_time and time.time() - t < INFLIGHT_TTL_S]
+        now = self.clock()
+        items = [(t, n) for t, n in self.sent.get(replica, []) if t > stats_time and now - t < INFLIGHT_TTL_S]
         self.sent[replica] = items
         return sum(n for _, n in items)
 
@@ -123,10 +126,12 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
     the replica it went to until that replica's stats can show it."""
     pool: str
 
-    def _init_common(self, state_actor: str, index_sync_interval_s: float, block_size: int) -> None:
-        self.mirror = IndexMirror.shared(state_actor, index_sync_interval_s)
+    def _init_common(self, state_actor: str | None, index_sync_interval_s: float, block_size: int,
+                     mirror=None, clock: Callable[[], float] = time.time) -> None:
+        """mirror, clock: the planning simulator's index and clock (in Serve: the state actor's mirror, unix time)."""
+        self.mirror = mirror if mirror is not None else IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size = block_size
-        self.inflight = _InflightLoad()
+        self.inflight = _InflightLoad(clock)
         # Serve request id -> (load it sends, leading blocks the index says each replica caches, blocks usable)
         self._routing: dict[str, tuple[int | None, dict[str, int] | None, int]] = {}
 
@@ -158,6 +163,28 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
                 del self._routing[next(iter(self._routing))]
         return [[by_id[rid] for rid in tier if rid in by_id] for tier in tiers]
 
+    @classmethod
+    def offline(cls, **state: Any) -> _PoolRouter:
+        """This router outside Serve (the planning simulator): Serve's constructor skipped, `state` as
+        initialize_state takes it, with the simulator's `mirror` (its `index` per pool) and `clock`."""
+        self = cls.__new__(cls)
+        self.initialize_state(state_actor=None, **state)
+        return self
+
+    def route(self, req: PoolRequest, by_id: dict[str, Any]) -> tuple[str | None, str]:
+        """Outside Serve (the planning simulator, plan/sim.py): the replica this router picks for `req` among
+        `by_id` (objects with `routing_stats`) and the decision's reason, its load counted in flight as
+        on_request_routed counts it. The same ranking as choose_replicas: Serve takes the first tier's first
+        replica that has room, which is the best one for these routers."""
+        by_id = {rid: r for rid, r in by_id.items() if rid not in req.avoid}
+        if not by_id:
+            return None, "none"
+        tiers, reason, load, _ = self._rank(req, by_id)
+        best = next((rid for tier in tiers for rid in tier if rid in by_id), None)
+        if best is not None and load is not None:
+            self.inflight.add(best, load)
+        return best, reason
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         routed = self._routing.pop(pending_request.metadata.request_id, None)
         if routed is None:
@@ -181,10 +208,11 @@ def lora_load_cost(req: PoolRequest, stats: dict | None, cost_tokens: int) -> in
 class PrefixAwareRouter(_PoolRouter):
     pool = PREFILL
 
-    def initialize_state(self, state_actor: str, block_size: int, router: dict[str, Any]):
+    def initialize_state(self, state_actor: str | None, block_size: int, router: dict[str, Any], mirror=None,
+                         clock: Callable[[], float] = time.time):
         """router: the cluster config's RouterConfig as JSON (Serve requires JSON router kwargs)."""
         cfg = RouterConfig.model_validate(router)
-        self._init_common(state_actor, cfg.index_sync_interval_s, block_size)
+        self._init_common(state_actor, cfg.index_sync_interval_s, block_size, mirror, clock)
         self.ranker = PrefillRanker(load_weight=cfg.load_weight, imbalance_threshold=cfg.imbalance_threshold_tokens)
         self.host_weight, self.lora_cost = cfg.host_tier_hit_weight, cfg.lora_load_cost_tokens
 
@@ -210,11 +238,15 @@ class PrefixAwareRouter(_PoolRouter):
 class DecodeRouter(_PoolRouter):
     pool = DECODE
 
-    def initialize_state(self, state_actor: str, block_size: int, max_num_seqs: int, index_sync_interval_s: float,
-                         host_tier_hit_weight: float, lora_load_cost_tokens: int = 0):
-        self._init_common(state_actor, index_sync_interval_s, block_size)
+    def initialize_state(self, state_actor: str | None, block_size: int, max_num_seqs: int,
+                         index_sync_interval_s: float, host_tier_hit_weight: float, lora_load_cost_tokens: int = 0,
+                         load_weight: float = 1.0, imbalance_threshold_tokens: int = 8192,
+                         mirror=None, clock: Callable[[], float] = time.time):
+        """load_weight, imbalance_threshold_tokens: the router section's, for local prefills (PrefillRanker)."""
+        self._init_common(state_actor, index_sync_interval_s, block_size, mirror, clock)
         self.max_num_seqs, self.host_weight = max_num_seqs, host_tier_hit_weight
         self.lora_cost = lora_load_cost_tokens
+        self.ranker = PrefillRanker(load_weight=load_weight, imbalance_threshold=imbalance_threshold_tokens)
 
     def _pressure(self, r: RunningReplica, rid: str) -> float:
         """0..~2: KV fraction in use plus running-batch fraction, counting requests sent since the stats."""
@@ -232,11 +264,18 @@ class DecodeRouter(_PoolRouter):
         n = len(req.token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)   # to compute
         hits = None
         if req.prefill is None and req.block_hashes:
-            # local prefill: computing what the replica lacks dominates; pressure breaks ties
+            # local prefill: the prefill pool's rule (uncached tokens + queued prompt tokens, least loaded first
+            # when the queues differ too much), pressure breaking ties. Without the queues, every prompt that
+            # shares a system prompt would pile onto the one replica caching it (`baton plan` showed it)
             hits, credit = self.mirror.index[self.pool].match_credit(req.block_hashes, self.host_weight)
-            order = sorted(by_id, key=lambda rid: (n - credit.get(rid, 0) * self.block_size + load[rid],
-                                                    pressure[rid], rid))
-            reason = "local_prefill_hit" if any(hits.get(rid, 0) for rid in by_id) else "local_prefill"
+            queued = {rid: (r.routing_stats or {}).get("queued_prefill_tokens", 0)
+                      + self.inflight.extra(rid, (r.routing_stats or {}).get("time", 0.0)) * self.block_size
+                      for rid, r in by_id.items()}
+            tiers, why = self.ranker.rank(req.block_hashes, n, self.block_size, {rid: credit.get(rid, 0) for rid in by_id},
+                                          queued, None, load, pressure)
+            order = [t[0] for t in tiers]
+            reason = {"prefix_hit": "local_prefill_hit", "imbalanced_least_loaded": "local_prefill_imbalanced"}.get(
+                why, "local_prefill")
         else:
             def kv_tokens(rid: str) -> int:
                 s = by_id[rid].routing_stats or {}

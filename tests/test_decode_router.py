@@ -95,6 +95,19 @@ def test_a_local_prefill_goes_to_the_replica_caching_most_of_the_prompt_even_if_
     assert choose(r, replicas, pending("r2"))[0] == "idle"
 
 
+def test_a_local_prefill_weighs_the_prompt_tokens_queued_on_each_replica():
+    """The prefill pool's rule (router.prefix_index.PrefillRanker): a replica caching the prompt whose queue of
+    prompt tokens costs more than computing the prompt elsewhere loses to an idle one; past the imbalance
+    threshold the least-loaded replica goes first whatever it caches."""
+    def queued(n: int) -> dict:
+        return {**stats(), "queued_prefill_tokens": n}
+    r = router(cached={"warm": 8})
+    assert choose(r, [FakeReplica("warm", queued(100)), FakeReplica("idle", queued(0))], pending("r1"))[0] == "warm"
+    assert choose(r, [FakeReplica("warm", queued(200)), FakeReplica("idle", queued(0))], pending("r2"))[0] == "idle"
+    r.ranker.imbalance_threshold = 50
+    assert choose(r, [FakeReplica("warm", queued(60)), FakeReplica("idle", queued(0))], pending("r3"))[0] == "idle"
+
+
 def test_a_host_tier_hit_counts_at_its_discount():
     """Blocks a replica holds only in its host KV tier count host_tier_hit_weight of a device block: 8 blocks
     in host memory (7.2 at 0.9) beat 6 on the device, and lose to them at 0.5 (4.0)."""
