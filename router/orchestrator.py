@@ -49,6 +49,12 @@ MOVED_TOKENS = Counter("baton_request_moved_tokens", "Tokens of moved requests, 
                        "new replica: recomputed by a replay, or pulled", ["how"])
 
 
+def prefill_remotely(num_tokens: int, decode_hit_blocks: int, block_size: int, min_remote: int) -> bool:
+    """Whether a prompt goes to the prefill pool: a remote prefill pays a transfer, worth it only when the best
+    decode replica would compute more than `min_remote` tokens of it (it caches `decode_hit_blocks`)."""
+    return num_tokens - decode_hit_blocks * block_size > min_remote
+
+
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
                  min_remote_prefill_tokens: int, sync_interval_s: float, max_moves: int = 3):
@@ -74,7 +80,7 @@ class Orchestrator:
         if self.mirror is not None:
             self.mirror.start()
             hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
-        return len(token_ids) - hit * self.model["block_size"] > self.min_remote
+        return prefill_remotely(len(token_ids), hit, self.model["block_size"], self.min_remote)
 
     def cached_tokens(self, hashes: list[int]) -> int:
         """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""
