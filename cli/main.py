@@ -23,6 +23,13 @@ BENCHES = {
                                      "HTTP API: goodput under SLOs, prefix hit rate, TTFT/ITL"),
 }
 
+PLANS = {
+    "calibrate": ("plan.calibrate", "fit the simulator's step cost model to this machine's engine step timings"),
+    "validate": ("plan.validate", "run `baton bench` workloads here and in the simulator: the errors of each figure"),
+    "search": ("plan.search", "the cheapest prefill:decode replica counts (and colocated) for a trace under SLOs, "
+                              "and the autoscaler over a day of it"),
+}
+
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, BatonError, SamplingParams
@@ -113,8 +120,9 @@ def _check_gpu(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser; only the bench named `bench` (if any) has its arguments, so only its module loads."""
+def build_parser(bench: str | None = None, plan: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; only the bench (or plan command) named (if any) has its arguments, so only its module
+    loads."""
     p = argparse.ArgumentParser(prog="baton", description="Disaggregated LLM serving on Ray.")
     p.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     sub = p.add_subparsers(dest="command", required=True)
@@ -155,6 +163,15 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
             module.add_arguments(sp)
             sp.set_defaults(fn=_bench, bench_fn=module.run)
 
+    pl = sub.add_parser("plan", help="size a cluster with the discrete-event simulator (plan/sim.py)")
+    plsub = pl.add_subparsers(dest="plan", required=True)
+    for name, (module_name, text) in PLANS.items():
+        sp = plsub.add_parser(name, help=text, add_help=name == plan)
+        if name == plan:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
+            sp.set_defaults(fn=_bench, bench_fn=module.run)
+
     d = sub.add_parser("dev", help="development tools")
     dsub = d.add_subparsers(dest="dev", required=True)
     dc = dsub.add_parser("cluster", help="a multi-node Ray cluster on this machine: one network namespace per node "
@@ -178,7 +195,7 @@ def build_parser(bench: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # first pass: which bench, if any, without importing a bench module; second: the full parse
     known, _ = build_parser().parse_known_args(argv)
-    args = build_parser(getattr(known, "bench", None)).parse_args(argv)
+    args = build_parser(getattr(known, "bench", None), getattr(known, "plan", None)).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("engine").setLevel(logging.INFO)     # start-up report: KV blocks, memory, load time

@@ -1,0 +1,199 @@
+"""`baton plan calibrate`: a LinearCost for this machine from the engine's own step timings.
+
+1. Steps: the real engine (the cluster config's pool engine, as a replica builds it) runs a grid of batches:
+   prompts alone and behind a cached prefix (prefill chunks), and decode batches of 1 to 32 sequences at short
+   and long contexts. Each step's shape (the scheduler's batch) and its time are recorded; least squares fits
+   step = c0 + c_tok T + c_attn A + c_seq S (plan/cost.py).
+2. Contention: the same decode batches again while another process runs prompts on its own engine; the
+   slowdown says how much two replicas sharing these cores slow each other (`contention`).
+3. Overheads: a local disaggregated cluster (1 prefill + 1 decode replica) serves requests one at a time through
+   the HTTP API, then 8 at once; TTFT minus the fitted prefill step is the ingress overhead (`request_s`), the
+   first token gap minus the pull and the decode step the hand-off overhead (`handoff_s`), and the token gaps
+   at batch 1 and 8 against the fitted steps what streaming adds per step and per token (`step_s`, `token_s`).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from plan.cost import Batch, LinearCost, Overheads, attention_pairs, save_cost
+
+VOCAB = (200, 40000)
+
+
+def _engine(config) -> Any:
+    from engine.llm_engine import LLMEngine
+    return LLMEngine(config)
+
+
+def step_timings(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[Batch, float]]:
+    """Run `prompts` to completion on `engine`, recording each step's batch shape and wall time."""
+    from engine import SamplingParams
+    rows: list[tuple[Batch, float]] = []
+    sched = engine.scheduler
+    schedule = sched.schedule
+    seen: list = []
+
+    def recording():
+        out = schedule()
+        seen.append(Batch(out.num_tokens, sum(attention_pairs(n, s.num_computed_tokens) for s, n in out.scheduled),
+                          len(out.scheduled), sum(s.num_computed_tokens + n for s, n in out.scheduled)))
+        return out
+    sched.schedule = recording
+    try:
+        for p in prompts:
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            seen.clear()
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            if seen and seen[-1].tokens:
+                rows.append((seen[-1], dt))
+    finally:
+        sched.schedule = schedule
+    return rows
+
+
+def grid(engine, rng: np.random.Generator, log: Callable[[str], None], quick: bool = False) -> list[tuple[Batch, float]]:
+    rows: list[tuple[Batch, float]] = []
+    step_timings(engine, [rng.integers(*VOCAB, 64).tolist()], 4)               # first-use costs, not recorded
+    lengths = (32, 128, 512, 1024) if quick else (16, 32, 64, 128, 256, 512, 768, 1024, 1536)
+    for n in lengths:                                          # prefill alone
+        rows += step_timings(engine, [rng.integers(*VOCAB, n).tolist()], 1)
+    prefix = rng.integers(*VOCAB, 1024).tolist()
+    step_timings(engine, [prefix + [7]], 1)
+    for n in (32, 256) if quick else (16, 64, 256, 512):       # behind a cached 1,024-token prefix
+        rows += step_timings(engine, [prefix + rng.integers(*VOCAB, n).tolist()], 1)
+    log(f"prefill: {len(rows)} steps")
+    for ctx in (32, 512) if quick else (32, 256, 1024):        # decode batches (their prompts' steps count too)
+        for b in (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32):
+            rows += step_timings(engine, [rng.integers(*VOCAB, ctx).tolist() for _ in range(b)], 8 if quick else 16)
+        log(f"decode at context {ctx}: {len(rows)} steps")
+    return rows
+
+
+def _busy_neighbour(config, stop) -> None:
+    """Another replica's work on the same cores: prompts on an engine of its own until told to stop."""
+    engine = _engine(config)
+    rng = np.random.default_rng(1)
+    while not stop.is_set():
+        step_timings(engine, [rng.integers(*VOCAB, 512).tolist()], 1)
+
+
+def contention(config, engine, cost: LinearCost, rng: np.random.Generator, log: Callable[[str], None]) -> float:
+    """(decode step time with a busy neighbour / alone - 1), from the fitted cost of the same steps."""
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    p = ctx.Process(target=_busy_neighbour, args=(config, stop), daemon=True)
+    p.start()
+    try:
+        time.sleep(15)                                         # its engine loads, then it computes
+        rows = []
+        for b in (1, 4, 16):
+            rows += step_timings(engine, [rng.integers(*VOCAB, 128).tolist() for _ in range(b)], 24)
+    finally:
+        stop.set()
+        p.join(60)
+    ratio = float(np.median([s / cost.step_s(b) for b, s in rows]))
+    log(f"contention: steps take {ratio:.2f}x as long beside a busy engine")
+    return max(ratio - 1.0, 0.0)
+
+
+def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Overheads:
+    """From a live 1 + 1 cluster: requests one at a time (request_s from TTFT, handoff_s from the first gap,
+    serving's cost per step at batch 1), then 8 streams at once (serving's cost per token from the gap at batch 8)."""
+    import asyncio
+
+    from bench.cluster_bench import Req, drive, serve_config, with_cluster
+    rng = np.random.default_rng(2)
+    alone = [Req(rng.integers(*VOCAB, 256).tolist(), 16, at=2.0 * i) for i in range(6)]
+    together = [Req(rng.integers(*VOCAB, 64).tolist(), 48) for _ in range(8)]
+
+    def work(base: str, model: str):
+        asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
+        return asyncio.run(drive(base, model, alone))[0], asyncio.run(drive(base, model, together))[0]
+    one, eight = with_cluster(serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
+    ok = [r for r in one if r.ok and r.ttft is not None and len(r.itls) > 2]
+    batch = [r for r in eight if r.ok and len(r.itls) > 8]
+    if not ok or not batch:
+        raise RuntimeError(f"the calibration cluster served no request: {[r.error for r in one + eight]}")
+    prefill = cost.step_s(Batch(256, attention_pairs(256, 0), 1, 256))
+    pull = ov.transfer_latency_s + 256 * cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9)
+    step1 = cost.step_s(Batch(1, 272, 1, 272))
+    step8 = cost.step_s(Batch(8, 8 * 90, 8, 8 * 90))
+    gap1 = float(np.median([x for r in ok for x in r.itls[1:]]))
+    gap8 = float(np.median([x for r in batch for x in r.itls[4:-4]]))
+    # served gap at batch b = step(b) + step_s + token_s * b: two batch sizes, two unknowns
+    token_s = max(((gap8 - step8) - (gap1 - step1)) / 7, 0.0)
+    ov.step_s = max(gap1 - step1 - token_s, 0.0)
+    ov.token_s = token_s
+    ov.request_s = max(float(np.median([r.ttft for r in ok])) - prefill, 0.0)
+    ov.handoff_s = max(float(np.median([r.itls[0] for r in ok])) - step1 - ov.step_s - ov.token_s - pull, 0.0)
+    log(f"overheads: request {ov.request_s * 1e3:.1f} ms, hand-off {ov.handoff_s * 1e3:.1f} ms; served gaps "
+        f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {step1 * 1e3:.1f} and "
+        f"{step8 * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
+    return ov
+
+
+def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,
+              transfer_gbps: float = 5.5) -> tuple[LinearCost, dict[str, Any]]:
+    from bench.cluster_bench import serve_config
+    cfg = serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, model=model)
+    config = cfg.engine_config("decode")
+    engine = _engine(config)
+    kv_bytes_per_token = engine.runner.block_bytes // config.block_size
+    rng = np.random.default_rng(0)
+    t = time.perf_counter()
+    rows = grid(engine, rng, log, quick)
+    cost = LinearCost.fitted(rows, kv_bytes_per_token, shared_device=True,
+                             overheads=Overheads(transfer_gbps=transfer_gbps), name="this machine (calibrated)")
+    log(f"fit over {len(rows)} steps: step = {cost.c0 * 1e3:.2f} ms + {cost.c_tok * 1e6:.1f} us/token + "
+        f"{cost.c_attn * 1e9:.2f} ns/pair + {cost.c_seq * 1e6:.1f} us/seq (median error "
+        f"{cost.fit['median_rel_error']:.1%}, p90 {cost.fit['p90_rel_error']:.1%})")
+    cost.contention = contention(config, engine, cost, rng, log)
+    engine.shutdown()
+    if serve:
+        cost.overheads = overheads(cost.overheads, cost, log)
+    info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
+            "engine": {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
+                       "max_num_batched_tokens": config.max_num_batched_tokens}}
+    return cost, info
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model (default: the served default, SmolLM2-135M-Instruct)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (tests)")
+    p.add_argument("--no-serve", action="store_true", help="skip the live cluster (overheads stay 0)")
+    p.add_argument("--transfer-gbps", type=float, default=5.5,
+                   help="KV pull bandwidth (default 5.5 GB/s: `baton bench transfer`'s NIXL figure on this machine)")
+    p.add_argument("--out", default="bench_out/plan/cost.json", help="where the cost model goes")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import contextlib
+    import sys
+
+    import ray
+
+    from bench.engine_bench import machine_info, make_logger
+    log = make_logger("plan calibrate")
+    with contextlib.redirect_stdout(sys.stderr):
+        if not args.no_serve:
+            ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                     namespace="baton-plan-calibrate")
+        try:
+            cost, info = calibrate(args.model, args.quick, log, serve=not args.no_serve,
+                                   transfer_gbps=args.transfer_gbps)
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+    save_cost(cost, args.out, machine=machine_info(), calibration=info)
+    log(f"wrote {args.out}")
+    return {"cost": cost.to_dict(), "path": str(args.out)}

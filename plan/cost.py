@@ -1,0 +1,218 @@
+"""What a step, a transfer and a request's overheads cost in the planning simulator (plan/sim.py).
+
+A step's time is a function of what the scheduler put in it (engine/scheduler.py's batch):
+    T  new tokens (prefill chunks + one per decoding sequence)
+    A  attention pairs: for each sequence, new tokens x the context they attend to (cached + new)
+    S  sequences in the batch
+    C  context: the KV tokens the batch reads (each sequence's cached + new tokens)
+Two models answer it:
+
+- LinearCost, calibrated on this machine (`baton plan calibrate`: the real engine's step timings over a grid of
+  batches, fitted by least squares): step = c0 + c_tok T + c_attn A + c_seq S. On a CPU the replicas of one
+  machine share its cores (`shared_device`): a step that starts while k other engines are busy takes
+  1 + contention x k times as long (contention measured too).
+- RooflineCost, for a GPU that was never measured: FLOPs (2 x parameters per token, 4 x layers x heads x
+  head_dim per attention pair) at a fraction of peak, against the bytes read (the weights once per step, the
+  context's KV) at a fraction of HBM bandwidth; the slower wins, plus a fixed per-step overhead. Presets for
+  H100 and H200 SXM, a model's shape from its Hugging Face config (or a preset name).
+
+Both give the KV bytes of a token (transfers, capacity), the KV-transfer bandwidth, and the fixed overheads of
+the serving path the engine does not see: ingress to first step (`request_s`), prefill to decode hand-off
+(`handoff_s`), and what streaming adds to a step (`step_s` + `token_s` per token it streams).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Batch:
+    """The shape of one step: new tokens, attention pairs, sequences, KV tokens read."""
+    tokens: int
+    pairs: float
+    seqs: int
+    context: int
+
+
+def attention_pairs(new: int, cached: int) -> float:
+    """A chunk of `new` tokens after `cached` ones attends to cached + its own earlier tokens (causal)."""
+    return new * cached + new * (new + 1) / 2
+
+
+@dataclass
+class Overheads:
+    request_s: float = 0.0         # ingress: parse, tokenize, hash, route, the Serve calls to the first step
+    handoff_s: float = 0.0         # prefill's answer to the decode replica's pull starting (Serve call, handle)
+    transfer_gbps: float = 5.0     # KV pull bandwidth, GB/s
+    transfer_latency_s: float = 0.002
+    step_s: float = 0.0            # what serving adds to each engine step (streaming its outputs, the ingress's SSE)
+    token_s: float = 0.0           # ... and to each token a step streams (on a CPU these share the engine's cores)
+
+
+@dataclass
+class LinearCost:
+    """step = c0 + c_tok T + c_attn A + c_seq S, calibrated from the engine's step timings on one machine."""
+    c0: float
+    c_tok: float
+    c_attn: float
+    c_seq: float
+    kv_bytes_per_token: int
+    overheads: Overheads = field(default_factory=Overheads)
+    shared_device: bool = False    # the replicas of this machine share its compute (CPU cores)
+    contention: float = 1.0        # with shared_device: a step takes 1 + contention x (other busy engines) as long
+    name: str = "calibrated"
+    fit: dict[str, Any] = field(default_factory=dict)     # how good the fit was (residuals), for the record
+    kind: str = "linear"
+
+    def step_s(self, b: Batch) -> float:
+        return self.c0 + self.c_tok * b.tokens + self.c_attn * b.pairs + self.c_seq * b.seqs
+
+    def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
+        """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first."""
+        ctx = context + batch * np.arange(k, dtype=np.float64)
+        return self.c0 + (self.c_tok + self.c_seq) * batch + self.c_attn * ctx
+
+    def kv_tokens(self, kv_cache_memory: int | float | None, num_kv_blocks: int | None, block_size: int) -> int:
+        """Tokens one replica's KV cache holds (the engine's own rule: blocks, else bytes; a fraction needs a GPU)."""
+        if num_kv_blocks:
+            return num_kv_blocks * block_size
+        if not isinstance(kv_cache_memory, int):
+            raise ValueError("a calibrated CPU cost model needs kv_cache_memory in bytes or num_kv_blocks")
+        return kv_cache_memory // (self.kv_bytes_per_token * block_size) * block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def fitted(cls, rows: list[tuple[Batch, float]], kv_bytes_per_token: int, **kw: Any) -> LinearCost:
+        """Least squares over measured (batch, seconds), coefficients kept non-negative (a negative one is
+        dropped and the rest refitted), so extrapolation never predicts a faster step for more work."""
+        x = np.array([[1.0, b.tokens, b.pairs, b.seqs] for b, _ in rows])
+        y = np.array([s for _, s in rows])
+        keep = [0, 1, 2, 3]
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, keep] / y[:, None], np.ones(len(y)), rcond=None)   # relative error
+            if (coef >= 0).all():
+                break
+            keep.pop(int(np.argmin(coef)))
+        full = np.zeros(4)
+        full[keep] = coef
+        pred = x @ full
+        rel = np.abs(pred - y) / y
+        fit = {"steps": len(rows), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90))}
+        return cls(*map(float, full), kv_bytes_per_token=kv_bytes_per_token, fit=fit, **kw)
+
+
+# -- GPUs and models for the roofline -----------------------------------------------------------------
+GPUS = {      # dense bf16 tensor-core FLOP/s, HBM bytes/s, HBM bytes (SXM parts, vendor figures)
+    "h100": {"flops": 989e12, "bandwidth": 3.35e12, "memory": 80e9, "name": "NVIDIA H100 SXM 80GB"},
+    "h200": {"flops": 989e12, "bandwidth": 4.8e12, "memory": 141e9, "name": "NVIDIA H200 SXM 141GB"},
+}
+MODELS = {    # Hugging Face config fields of models operators size clusters for
+    "llama-3.1-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256},
+    "llama-3.1-70b": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                      "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256},
+    "qwen2.5-32b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40,
+                    "num_key_value_heads": 8, "intermediate_size": 27648, "vocab_size": 152064},
+}
+
+
+def model_shape(model: str | dict) -> dict[str, Any]:
+    """A preset name, a config.json path, a model directory holding one, or the config as a dict."""
+    if isinstance(model, dict):
+        return model
+    if model in MODELS:
+        return {**MODELS[model], "name": model}
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise ValueError(f"unknown model {model!r}: a preset ({', '.join(MODELS)}), or a config.json or its directory")
+    return {**json.loads(path.read_text()), "name": str(model)}
+
+
+@dataclass
+class RooflineCost:
+    """A GPU replica of `tp` GPUs: step = max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu)) + step_overhead_s."""
+    gpu: str = "h100"
+    model: dict[str, Any] = field(default_factory=lambda: model_shape("llama-3.1-8b"))
+    tp: int = 1
+    weight_bytes_per_param: float = 2.0       # bf16; 1 for FP8 weights
+    kv_bytes_per_value: float = 2.0           # bf16 KV; 1 for an fp8 cache
+    mfu: float = 0.5                          # of peak FLOP/s a prefill reaches (vLLM-class engines: 0.4-0.6)
+    mbu: float = 0.75                         # of HBM bandwidth a decode step reaches
+    step_overhead_s: float = 0.003            # scheduling, sampling, launches per step (CUDA graphs: ~2-4 ms)
+    overheads: Overheads = field(default_factory=lambda: Overheads(request_s=0.01, handoff_s=0.005,
+                                                                   transfer_gbps=25.0, transfer_latency_s=0.001))
+    shared_device: bool = False
+    kind: str = "roofline"
+
+    def __post_init__(self) -> None:
+        if self.gpu not in GPUS:
+            raise ValueError(f"unknown GPU {self.gpu!r}: one of {', '.join(GPUS)}")
+        m = self.model
+        h, layers = m["hidden_size"], m["num_hidden_layers"]
+        heads, kv_heads = m["num_attention_heads"], m.get("num_key_value_heads", m["num_attention_heads"])
+        d = m.get("head_dim") or h // heads
+        per_layer = h * heads * d + 2 * h * kv_heads * d + heads * d * h + 3 * h * m["intermediate_size"]
+        self.params = layers * per_layer + m["vocab_size"] * h           # the embedding is read, not multiplied
+        self.flops_per_token = 2 * (layers * per_layer + m["vocab_size"] * h)
+        self.flops_per_pair = 4 * layers * heads * d
+        self.kv_bytes_per_token = int(2 * layers * kv_heads * d * self.kv_bytes_per_value)
+        g = GPUS[self.gpu]
+        self.peak, self.bandwidth, self.memory = g["flops"] * self.tp, g["bandwidth"] * self.tp, g["memory"] * self.tp
+        self.name = f"{self.tp}x {g['name']}, {m.get('name', 'model')}"
+
+    def step_s(self, b: Batch) -> float:
+        flops = self.flops_per_token * b.tokens + self.flops_per_pair * b.pairs
+        read = self.params * self.weight_bytes_per_param + self.kv_bytes_per_token * b.context
+        return max(flops / (self.peak * self.mfu), read / (self.bandwidth * self.mbu)) + self.step_overhead_s
+
+    def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
+        ctx = context + batch * np.arange(k, dtype=np.float64)
+        flops = self.flops_per_token * batch + self.flops_per_pair * ctx
+        read = self.params * self.weight_bytes_per_param + self.kv_bytes_per_token * ctx
+        return np.maximum(flops / (self.peak * self.mfu), read / (self.bandwidth * self.mbu)) + self.step_overhead_s
+
+    def kv_tokens(self, kv_cache_memory: int | float | None, num_kv_blocks: int | None, block_size: int) -> int:
+        """Bytes given, or a fraction (default 0.9) of the replica's HBM less the weights."""
+        if num_kv_blocks:
+            return num_kv_blocks * block_size
+        if isinstance(kv_cache_memory, int):
+            room = kv_cache_memory
+        else:
+            room = (kv_cache_memory or 0.9) * self.memory - self.params * self.weight_bytes_per_param
+        if room <= 0:
+            raise ValueError(f"{self.name}: the weights do not fit; raise tp")
+        return int(room // (self.kv_bytes_per_token * block_size)) * block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "gpu": self.gpu, "model": self.model, "tp": self.tp, "mfu": self.mfu,
+                "mbu": self.mbu, "step_overhead_s": self.step_overhead_s,
+                "weight_bytes_per_param": self.weight_bytes_per_param, "kv_bytes_per_value": self.kv_bytes_per_value,
+                "overheads": asdict(self.overheads), "name": self.name}
+
+
+Cost = LinearCost | RooflineCost
+
+
+def load_cost(path: str | Path) -> Cost:
+    """A cost model saved by `baton plan calibrate` (or written by hand: the same fields)."""
+    d = json.loads(Path(path).read_text())
+    d = d.get("cost", d)
+    ov = Overheads(**d.pop("overheads", {}))
+    kind = d.pop("kind", "linear")
+    if kind == "roofline":
+        d.pop("name", None)
+        return RooflineCost(**d, overheads=ov)
+    return LinearCost(**d, overheads=ov)
+
+
+def save_cost(cost: Cost, path: str | Path, **extra: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"cost": cost.to_dict(), **extra}, indent=2) + "\n")

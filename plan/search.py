@@ -1,0 +1,309 @@
+"""`baton plan search`: the cheapest cluster for a trace under SLOs, found with the simulator.
+
+Given a trace (Mooncake's format; default the slice in bench/traces), a request rate to plan for (the trace's
+requests re-timed, or tiled with fresh users where the trace is too short), a model, a GPU and TP size, and
+SLOs (TTFT, mean ITL) with an attainment target (the share of requests meeting both):
+  colocated       the fewest replicas doing both (the baseline)
+  disaggregated   for each prefill count near what the prompt load needs, the fewest decode replicas (bisection);
+                  the cheapest pair in GPUs
+Then, with --day, a day of the trace on the diurnal curve (plan/workload.py) with both pools autoscaling
+(Baton's coupled policy, bounds from the plan), against the plan's fixed size at the peak: replica-hours and
+attainment hour by hour. JSON, a table on stderr, and PNGs.
+
+The cost model is a roofline of the GPU (plan/cost.py: H100/H200 presets; --mfu, --mbu, --step-overhead-ms) or a
+calibrated one (--cost). Stated assumptions travel in the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cluster.config import ClusterConfig
+from plan.cost import Batch, Cost, RooflineCost, attention_pairs, load_cost, model_shape
+from plan.sim import Simulator, simulate, summarize
+from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake
+
+
+def cluster(mode: str, prefill: int, decode: int, engine: dict[str, Any], min_remote: int,
+            autoscaling: dict[str, dict] | None = None) -> ClusterConfig:
+    d: dict[str, Any] = {"mode": mode, "decode": {"engine": engine},
+                         "disaggregation": {"min_remote_prefill_tokens": min_remote}}
+    if mode == "disaggregated":
+        d["prefill"] = {"engine": engine}
+    for pool, n in (("prefill", prefill), ("decode", decode)):
+        if pool in d:
+            if autoscaling and pool in autoscaling:
+                d[pool]["autoscaling"] = autoscaling[pool]
+            else:
+                d[pool]["num_replicas"] = n
+    return ClusterConfig.from_dict(d)
+
+
+def at_rate(rows: list[dict], rps: float, seconds: float, seed: int) -> list[dict]:
+    """The trace's requests at `rps` for `seconds`: Poisson arrivals, the trace's rows in order, tiled with
+    fresh users (day_of with a flat curve)."""
+    return day_of(rows, rps, hours=seconds / 3600, seed=seed, trough=1.0)
+
+
+class Planner:
+    def __init__(self, requests, cost: Cost, engine: dict[str, Any], slo: tuple[float, float], target: float,
+                 min_remote: int, log: Callable[[str], None]):
+        self.requests, self.cost, self.engine, self.slo, self.target = requests, cost, engine, slo, target
+        self.min_remote, self.log = min_remote, log
+        self.runs: list[dict[str, Any]] = []
+
+    def attainment(self, mode: str, p: int, d: int) -> dict[str, Any]:
+        t = time.perf_counter()
+        out = simulate(cluster(mode, p, d, self.engine, self.min_remote), self.cost, self.requests, self.slo)
+        out.pop("timeline")
+        out.pop("ttft_points")
+        row = {"mode": mode, "prefill": p, "decode": d, "gpus": (p + d) * self.tp, "attainment": out["slo_attainment"],
+               "goodput_rps": out["goodput_rps"], "ttft_ms": out["ttft_ms"], "itl_ms": out["itl_ms"],
+               "prefix_hit_rate": out["prefix_hit_rate"], "sim_s": time.perf_counter() - t}
+        self.runs.append(row)
+        self.log(f"{mode} {p}P+{d}D: {row['attainment']:.1%} within SLOs, TTFT p90 "
+                 f"{(out['ttft_ms'] or {}).get('p90', float('nan')):.0f} ms, ITL p90 "
+                 f"{(out['itl_ms'] or {}).get('p90', float('nan')):.1f} ms ({row['sim_s']:.1f} s)")
+        return row
+
+    @property
+    def tp(self) -> int:
+        return getattr(self.cost, "tp", 1)
+
+    def fewest(self, run: Callable[[int], dict], lo: int = 1) -> int:
+        """The smallest n >= lo whose run meets the target, by doubling then bisection (attainment taken as
+        monotone in n). Gives up when three doublings in a row gain nothing (another pool is the bottleneck)."""
+        def ok(n: int) -> bool:
+            return run(n)["attainment"] >= self.target
+        hi, flat, last = lo, 0, -1.0
+        while True:
+            row = run(hi)
+            if row["attainment"] >= self.target:
+                break
+            flat = flat + 1 if row["attainment"] <= last + 1e-9 else 0
+            if flat >= 3 or hi > 20_000:
+                raise RuntimeError(f"more replicas stop helping at {hi} ({row['attainment']:.1%} within SLOs): "
+                                   "another pool is the bottleneck, or one request alone misses the SLOs")
+            last, lo, hi = row["attainment"], hi + 1, hi * 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    def estimate(self) -> tuple[int, int]:
+        """Replicas the offered load needs at full use: prompt tokens/s over one replica's prefill rate; KV-bound
+        decode sequences (Little's law) over what one replica's KV holds."""
+        reqs = self.requests
+        span = max(r.at for r in reqs) - min(r.at for r in reqs) or 1.0
+        prompt_rate = sum(r.prompt for r in reqs) / span
+        budget = self.engine.get("max_num_batched_tokens", 2048)
+        per_prefill = budget / self.cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget))
+        mean_ctx = float(np.mean([r.prompt + r.output / 2 for r in reqs]))
+        kv = self.cost.kv_tokens(self.engine.get("kv_cache_memory"), None, self.engine.get("block_size", 16))
+        seqs = max(1, min(int(kv / mean_ctx), self.engine.get("max_num_seqs", 256)))
+        step = self.cost.decode_steps_s(seqs, int(seqs * mean_ctx), 1)[0]
+        decode_rate = seqs / step / float(np.mean([r.output for r in reqs]))          # requests/s one replica ends
+        return max(1, math.ceil(prompt_rate / per_prefill)), max(1, math.ceil(len(reqs) / span / decode_rate))
+
+    def plan(self) -> dict[str, Any]:
+        """Colocated: the fewest replicas. Disaggregated: the fewest prefill replicas with decode to spare (as
+        many decode replicas as colocated needs), then the fewest decode replicas behind them; one more prefill
+        replica is tried in case it lets decode shrink by more."""
+        p0, d0 = self.estimate()
+        self.log(f"load estimate: {p0} prefill and {d0} decode replicas at full use")
+        try:
+            colo = self.fewest(lambda n: self.attainment("colocated", 0, n), lo=max(1, (p0 + d0) // 2))
+            colocated = {"replicas": colo, "gpus": colo * self.tp}
+        except RuntimeError as e:           # e.g. long prompts' chunks stall the decodes batched with them
+            colo, colocated = None, {"replicas": None, "gpus": None, "why": str(e)}
+            self.log(f"colocated: {e}")
+        spare = max(colo or 0, d0 * 2)
+        p = self.fewest(lambda n: self.attainment("disaggregated", n, spare), lo=max(1, p0 // 2))
+        best = None
+        for pp in (p, p + 1):
+            d = self.fewest(lambda n: self.attainment("disaggregated", pp, n), lo=max(1, d0 // 2))
+            if best is None or pp + d < sum(best):
+                best = (pp, d)
+        return {"colocated": colocated,
+                "disaggregated": {"prefill": best[0], "decode": best[1], "gpus": sum(best) * self.tp}}
+
+
+def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: float, plan: dict, slo, min_remote: int,
+            startup_s: float, hours: float, seed: int, log) -> dict[str, Any]:
+    """A day on the diurnal curve: the plan's fixed size against both pools autoscaling up to it x 1.5."""
+    day = from_mooncake(day_of(rows, peak_rps, hours=hours, seed=seed))
+    log(f"day: {len(day):,} requests over {hours:g} h (peak {peak_rps:g} req/s)")
+    p, d = plan["disaggregated"]["prefill"], plan["disaggregated"]["decode"]
+    scale = {"min_replicas": 1, "upscale_delay_s": 30, "downscale_delay_s": 600, "cooldown_s": startup_s + 30,
+             "look_back_period_s": 30, "metrics_interval_s": 10}
+    out = {}
+    # the pools scale on their load signals (utilisation, queued prompt tokens, KV, running sequences), not on
+    # p90 latency: at a plan sized for 90% attainment the p90 TTFT sits at the SLO, which would hold the pools
+    # at their maximum all day (the first day run showed it)
+    for name, auto in (("fixed", None), ("autoscaled", {
+            "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0},
+            "decode": {**scale, "max_replicas": math.ceil(d * 1.5), "initial_replicas": 1, "itl_slo_s": 0}})):
+        t = time.perf_counter()
+        sim = Simulator(cluster("disaggregated", p, d, engine, min_remote, auto), cost, seed=seed,
+                        startup_s=startup_s, horizon_s=hours * 3600,
+                        progress=lambda m, name=name: log(f"day {name}: {m}"))
+        sim._expected = len(day)
+        reqs = [r for r in day]
+        from dataclasses import replace
+        reqs = [replace(r) for r in reqs]
+        sim.run(reqs)
+        s = summarize(reqs, sim, slo)
+        hourly = []
+        for h in range(int(math.ceil(hours))):
+            inside = [r for r in reqs if h * 3600 <= r.at < (h + 1) * 3600]
+            good = [r for r in inside if r.ttft is not None and r.ttft <= slo[0]
+                    and (r.mean_itl is None or r.mean_itl <= slo[1])]
+            hourly.append({"hour": h, "requests": len(inside), "attainment": len(good) / max(len(inside), 1)})
+        s.update(hourly=hourly, timeline=sim.timeline, gpu_hours=sum(s["replica_seconds"].values()) * cost_tp(cost) / 3600,
+                 sim_s=time.perf_counter() - t)
+        log(f"day {name}: {s['slo_attainment']:.1%} within SLOs, {s['gpu_hours']:,.0f} GPU-hours, "
+            f"simulated in {s['sim_s']:.0f} s")
+        out[name] = s
+    return out
+
+
+def cost_tp(cost: Cost) -> int:
+    return getattr(cost, "tp", 1)
+
+
+def plot(result: dict, path: Path) -> None:
+    from bench.engine_bench import pyplot, save
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    runs = result["runs"]
+    colo = sorted((r["gpus"], r["attainment"]) for r in runs if r["mode"] == "colocated")
+    ax.plot(*zip(*colo), "o-", label="colocated") if colo else None
+    for p in sorted({r["prefill"] for r in runs if r["mode"] == "disaggregated"}):
+        pts = sorted((r["gpus"], r["attainment"]) for r in runs if r["mode"] == "disaggregated" and r["prefill"] == p)
+        ax.plot(*zip(*pts), "s--", label=f"{p} prefill + n decode", alpha=0.8)
+    ax.axhline(result["target_attainment"], color="tab:red", linestyle=":", label="target")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("requests within both SLOs")
+    ax.set_title(f"{result['model']} on {result['gpu']}, {result['rps']:g} req/s", fontsize=9)
+    ax.legend(fontsize=7)
+    save(fig, path)
+
+
+def plot_day(result: dict, path: Path) -> None:
+    from bench.engine_bench import pyplot, save
+    plt = pyplot()
+    day = result["day"]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    tl = day["autoscaled"]["timeline"]
+    if tl:
+        t = [x["t"] / 3600 for x in tl]
+        for pool in ("prefill", "decode"):
+            a.plot(t, [x.get(f"{pool}_replicas", 0) for x in tl], label=f"{pool} replicas (autoscaled)")
+    p, d = result["plan"]["disaggregated"]["prefill"], result["plan"]["disaggregated"]["decode"]
+    a.axhline(p, color="tab:blue", linestyle=":", label="prefill (fixed)")
+    a.axhline(d, color="tab:orange", linestyle=":", label="decode (fixed)")
+    a.set_ylabel("replicas")
+    a.legend(fontsize=7)
+    for name in ("fixed", "autoscaled"):
+        h = day[name]["hourly"]
+        b.plot([x["hour"] + 0.5 for x in h], [x["attainment"] for x in h], "o-", label=name)
+    b.set_xlabel("hour of the day")
+    b.set_ylabel("within SLOs")
+    b.legend(fontsize=7)
+    save(fig, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from bench.replay_bench import DEFAULT_TRACE
+    p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE), help="a Mooncake-format trace (default: the slice "
+                                                                        "in bench/traces)")
+    p.add_argument("--rps", type=float, default=None, help="plan for this many requests/s (default: the trace's "
+                                                           "own rate)")
+    p.add_argument("--seconds", type=float, default=120.0, help="simulated load per candidate (default 120 s)")
+    p.add_argument("--model", default="llama-3.1-8b", help="a preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-32b) or "
+                                                           "a config.json / model directory")
+    p.add_argument("--gpu", default="h100", choices=["h100", "h200"])
+    p.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel)")
+    p.add_argument("--mfu", type=float, default=0.5, help="roofline: share of peak FLOP/s reached (default 0.5)")
+    p.add_argument("--mbu", type=float, default=0.75, help="roofline: share of HBM bandwidth reached (default 0.75)")
+    p.add_argument("--step-overhead-ms", type=float, default=3.0, help="roofline: fixed cost of a step (default 3)")
+    p.add_argument("--cost", default=None, help="a cost model file instead (`baton plan calibrate`)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--min-remote-prefill-tokens", type=int, default=512)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=100.0)
+    p.add_argument("--target", type=float, default=0.9, help="share of requests within both SLOs (default 0.9)")
+    p.add_argument("--day", action="store_true", help="also a day of the trace on a diurnal curve peaking at --rps, "
+                                                      "fixed at the plan against autoscaled")
+    p.add_argument("--day-hours", type=float, default=24.0)
+    p.add_argument("--startup-s", type=float, default=120.0, help="a new replica's start-up (default 120 s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from bench.engine_bench import make_logger, write_result
+    from bench.replay_bench import load_trace
+    log = make_logger("plan search")
+    started = time.perf_counter()
+    fmt, rows = load_trace(args.trace)
+    if fmt != "mooncake":
+        raise SystemExit("baton plan search: a Mooncake-format trace (timestamp, input_length, output_length, hash_ids)")
+    own = len(rows) / max((rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1e3, 1e-9)
+    rps = args.rps or own
+    if args.cost:
+        cost = load_cost(args.cost)
+    else:
+        cost = RooflineCost(gpu=args.gpu, model=model_shape(args.model), tp=args.tp, mfu=args.mfu, mbu=args.mbu,
+                            step_overhead_s=args.step_overhead_ms / 1e3)
+    engine = {"block_size": MOONCAKE_BLOCK, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens}
+    if isinstance(cost, RooflineCost):
+        engine["kv_cache_memory"] = 0.9
+    requests = from_mooncake(at_rate(rows, rps, args.seconds, args.seed))
+    log(f"{len(requests):,} requests at {rps:g} req/s for {args.seconds:g} s; cost model: {cost.name}")
+    slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+    planner = Planner(requests, cost, engine, slo, args.target, args.min_remote_prefill_tokens, log)
+    plan = planner.plan()
+    colo, dis = plan["colocated"], plan["disaggregated"]
+    log(f"plan: colocated " + (f"{colo['replicas']} replicas ({colo['gpus']} GPUs)" if colo["gpus"] else
+                               "cannot meet the target") +
+        f"; disaggregated {dis['prefill']} prefill + {dis['decode']} decode ({dis['gpus']} GPUs)")
+    result: dict[str, Any] = {
+        "benchmark": "plan-search", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "trace": str(args.trace), "trace_rps": own, "rps": rps, "seconds": args.seconds, "requests": len(requests),
+        "model": cost.model.get("name", args.model) if isinstance(cost, RooflineCost) else cost.name,
+        "gpu": args.gpu if isinstance(cost, RooflineCost) else "calibrated", "tp": cost_tp(cost),
+        "cost_model": cost.to_dict(), "engine": engine, "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
+        "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}, "target_attainment": args.target,
+        "plan": plan, "runs": planner.runs,
+        "assumptions": [
+            "prompts and outputs have the trace's lengths; outputs run to their length (ignore_eos)",
+            "prefix sharing as the trace's hash ids say, at their 512-token granularity (the simulator's KV block)",
+            "step costs from the roofline: max(FLOPs / (peak x mfu), bytes / (HBM x mbu)) + a fixed step overhead; "
+            "TP communication is not modelled",
+            "KV: 90% of the replica's HBM less the bf16 weights; KV pulls at the cost model's bandwidth",
+            "no failures, LoRA, speculative decoding or host KV tier"],
+    }
+    plots = {"plan": plot}
+    if args.day:
+        result["day"] = day_run(rows, cost, engine, rps, plan, slo, args.min_remote_prefill_tokens, args.startup_s,
+                                args.day_hours, args.seed, log)
+        plots["day"] = plot_day
+    result["seconds_taken"] = time.perf_counter() - started
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_result(result, out_dir / f"plan_{args.gpu}_{int(rps)}rps.json", plots)
+    log(f"wrote {result['json_path']} in {result['seconds_taken']:.0f} s")
+    return result

@@ -1,0 +1,776 @@
+"""A discrete-event simulator of a Baton cluster, for `baton plan`: how many prefill and decode replicas a
+workload needs, at a scale no test machine has.
+
+What runs is Baton's own code where the decision is Baton's:
+- routing: the prefill pool's PrefixAwareRouter and the decode pool's DecodeRouter (router/request_routers.py,
+  built with `offline`), reading a real PrefixIndex fed by the simulated engines' KV events, and
+  routing stats refreshed every STATS_PERIOD_S like Serve's; `router.policy: pow2` is Serve's power of two;
+- where a prompt is prefilled: router.orchestrator.prefill_remotely;
+- autoscaling: cluster.autoscaling's CoupledPolicy / PoolPolicy, called with the AutoscalingContext Serve's
+  controller builds, on the metrics EngineReplica reports, averaged over look_back_period_s;
+- the cluster: one ClusterConfig (mode, pools, engine knobs, router, disaggregation, autoscaling).
+
+What is modelled: an engine is the scheduler's rule (engine/scheduler.py) on block counts instead of tensors:
+running sequences first (a decode costs one token, an unfinished prompt a chunk of the step's token budget),
+then waiting ones in arrival order while max_num_seqs and KV blocks allow; prefix-cache hits by block hash
+with LRU eviction of free cached blocks; preemption (by recompute) of the newest sequence when blocks run out;
+a decode request's blocks reserved before its KV is pulled. A step costs what the cost model (plan/cost.py)
+says. Steps that only decode are simulated as one run until a sequence finishes or new work arrives (a run
+is cut at the step in progress), so a day of trace over 1,000 GPUs takes minutes.
+
+Left out, on purpose: LoRA, speculative decoding, the host KV tier, failures and migration, admission
+control (429s); KV events reach the index at once (the real index lags by index_sync_interval_s).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+from cluster.config import ClusterConfig
+from engine.config import EngineConfig
+from engine.kv_events import BlockRemoved, BlockStored
+from engine.sampling_params import SamplingParams
+from plan.cost import Batch, Cost, attention_pairs
+from replica.messages import PoolRequest
+from replica.names import DECODE, POOLS, PREFILL
+from router.orchestrator import prefill_remotely
+from router.prefix_index import PrefixIndex
+from router.request_routers import DecodeRouter, PrefixAwareRouter
+
+STATS_PERIOD_S = 0.2          # cluster/app.py: Serve polls each replica's routing stats this often
+ITL_BINS = np.logspace(-5, 3, 1601)      # 10 us .. 1000 s, 0.5% wide: pooled per-token gaps as a histogram
+_DEFAULTS = {k: getattr(EngineConfig, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}
+
+
+@dataclass(eq=False)
+class SimRequest:
+    id: int
+    at: float                    # arrival, seconds
+    prompt: int                  # prompt tokens
+    output: int                  # output tokens (ignore_eos: the trace's length)
+    hashes: list[int]            # chained hashes of the prompt's full blocks (the sim's block size)
+    # results
+    first: float | None = None   # first token's time
+    last: float | None = None
+    tokens: int = 0
+    itl_sum: float = 0.0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.at
+
+    @property
+    def mean_itl(self) -> float | None:
+        return self.itl_sum / (self.tokens - 1) if self.tokens > 1 else None
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request on one engine."""
+    req: SimRequest
+    need: int                    # prompt tokens this engine must hold KV for
+    out: int                     # tokens this engine emits (the prompt's completion emits the first)
+    remote: bool = False         # its KV comes from a prefill replica (decode pool)
+    computed: int = 0            # prompt tokens with KV here
+    tokens: int = 0              # KV tokens held
+    nblocks: int = 0
+    hashed: list[int] = field(default_factory=list)   # full blocks it holds under their hash
+    cached: int = 0              # prompt tokens found cached
+    pinned: bool = False         # a prefill's blocks, held until the decode replica pulled them
+
+
+class BlockCache:
+    """One engine's KV blocks: blocks held by sequences, free cached blocks in LRU order (hash -> None), and
+    KV events for the index (engine/block_pool.py's rules, on counts)."""
+
+    def __init__(self, num_blocks: int):
+        self.total, self.used = num_blocks, 0
+        self.ref: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.events: list = []
+
+    def match(self, hashes: list[int]) -> int:
+        n = 0
+        for h in hashes:
+            if h not in self.ref and h not in self.lru:
+                break
+            n += 1
+        return n
+
+    def free_blocks(self) -> int:
+        return self.total - self.used            # free + evictable
+
+    def take(self, seq: Seq, hashes: list[int]) -> None:
+        """Hold the cached blocks `hashes` (a prefix hit)."""
+        for h in hashes:
+            if h in self.lru:
+                del self.lru[h]
+                self.used += 1
+                self.ref[h] = 1
+            else:
+                self.ref[h] += 1
+            seq.hashed.append(h)
+        seq.nblocks += len(hashes)
+
+    def allocate(self, seq: Seq, n: int) -> bool:
+        if n <= 0:
+            return True
+        if self.total - self.used < n:
+            return False
+        evict = n - (self.total - self.used - len(self.lru))
+        if evict > 0:
+            gone = [self.lru.popitem(last=False)[0] for _ in range(evict)]
+            self.events.append(BlockRemoved(gone))
+        self.used += n
+        seq.nblocks += n
+        return True
+
+    def register(self, seq: Seq, upto: int) -> None:
+        """The sequence's first `upto` prompt blocks are full and computed: cache them under their hashes (a
+        block another sequence cached first stays this sequence's private copy, as in the block pool)."""
+        new = []
+        for h in seq.req.hashes[len(seq.hashed):upto]:
+            if h in self.ref or h in self.lru:
+                break
+            self.ref[h] = 1
+            seq.hashed.append(h)
+            new.append(h)
+        if new:
+            self.events.append(BlockStored(new, None))
+
+    def release(self, seq: Seq) -> None:
+        for h in seq.hashed:
+            self.ref[h] -= 1
+            if self.ref[h] == 0:
+                del self.ref[h]
+                self.lru[h] = None
+                self.used -= 1
+        self.used -= seq.nblocks - len(seq.hashed)
+        seq.hashed, seq.nblocks = [], 0
+
+
+def blocks(tokens: int, bs: int) -> int:
+    return -(-tokens // bs)
+
+
+class Engine:
+    """One replica's engine: the scheduler's rule over a BlockCache, steps timed by the cost model."""
+
+    def __init__(self, sim: Simulator, rid: str, pool: str, kv_tokens: int, knobs: dict[str, Any]):
+        self.sim, self.rid, self.pool = sim, rid, pool
+        self.bs = knobs["block_size"]
+        self.max_seqs, self.budget = knobs["max_num_seqs"], knobs["max_num_batched_tokens"]
+        self.kv = BlockCache(kv_tokens // self.bs)
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.loading = 0
+        self.busy = False
+        self.version = 0                     # a cut run's end event is stale
+        self.run: tuple | None = None        # (start, cumulative ends, seqs) of a multi-step decode run
+        self.busy_s = 0.0
+        self.batch_tokens = 0                # tokens computed (for stats)
+        self.event_seq = 0
+        self.ready_at = 0.0
+        self.stopping = False
+        self.stats_cache: tuple[float, dict] | None = None
+        self.ttfts: deque[tuple[float, float]] = deque()     # (time, seconds) for the autoscaling signal
+        self.itls: deque[tuple[float, float]] = deque()
+        self.sim.index_of(pool).load_snapshot(rid, 0, [])
+
+    # -- what the routers and the autoscaler read ------------------------------------------------------
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return sum(s.need - s.computed for s in self.waiting if not s.remote) + \
+            sum(s.need - s.computed for s in self.running)
+
+    @property
+    def routing_stats(self) -> dict[str, Any]:
+        """EngineReplica's routing stats, as fresh as Serve's polling makes them."""
+        now = self.sim.now
+        if self.stats_cache is None or now - self.stats_cache[0] >= STATS_PERIOD_S:
+            self.stats_cache = (now, {"time": now, "queued_prefill_tokens": self.queued_prefill_tokens,
+                                      "kv_blocks_used": self.kv.used, "kv_blocks_total": self.kv.total,
+                                      "num_running": len(self.running) + self.loading, "loras": ()})
+        return self.stats_cache[1]
+
+    def ongoing(self) -> int:
+        return len(self.waiting) + len(self.running) + self.loading
+
+    def tokens_in_flight(self) -> int:
+        return sum(s.tokens for s in self.running) + self.queued_prefill_tokens
+
+    # -- work in --------------------------------------------------------------------------------------
+    def add(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+        self.kick()
+
+    def kick(self) -> None:
+        """New work: start a step if idle, or cut a decode run at the step in progress."""
+        if not self.busy:
+            self.sim.at(self.sim.now, self._step)
+        elif self.run is not None:
+            self._cut()
+
+    def _cut(self) -> None:
+        """End the run with the step in progress (its next step sees the new work)."""
+        start, ends, seqs = self.run
+        done = int(np.searchsorted(ends, self.sim.now - start, side="left")) + 1
+        if done >= len(ends):
+            return
+        self.version += 1
+        v = self.version
+        self.run = (start, ends[:done], seqs)
+        self.sim.at(start + float(ends[done - 1]), lambda: self._end_run(v))
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        if self.busy:
+            return
+        sched: list[tuple[Seq, int]] = []
+        budget = self.budget
+        kv = self.kv
+        for seq in list(self.running):
+            if seq not in self.running:                 # preempted by an earlier one this step
+                continue
+            n = min(seq.need - seq.computed, budget) if seq.computed < seq.need else 1
+            if n <= 0:
+                continue
+            while not kv.allocate(seq, blocks(seq.tokens + n, self.bs) - seq.nblocks):
+                victim = self.running[-1]
+                self._preempt(victim, sched)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            sched.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) + self.loading < self.max_seqs:
+            seq = self.waiting[0]
+            hashes = seq.req.hashes[:max(min(len(seq.req.hashes), (seq.need - 1) // self.bs), 0)]
+            hit = kv.match(hashes)
+            if seq.remote:                              # reserve the whole prompt, pull what is not cached
+                kv.take(seq, hashes[:hit])
+                if not kv.allocate(seq, blocks(seq.need + 1, self.bs) - seq.nblocks):
+                    kv.release(seq)
+                    break
+                self.waiting.popleft()
+                self.loading += 1
+                seq.cached = hit * self.bs
+                self.sim.pull(self, seq, seq.need - seq.cached)
+                continue
+            kv.take(seq, hashes[:hit])
+            seq.computed = seq.tokens = seq.cached = hit * self.bs
+            n = min(seq.need - seq.computed, budget)
+            if not kv.allocate(seq, blocks(seq.tokens + n, self.bs) - seq.nblocks):
+                kv.release(seq)
+                seq.computed = seq.tokens = 0
+                break
+            self.waiting.popleft()
+            self.sim.hits[self.pool][0] += seq.need
+            self.sim.hits[self.pool][1] += seq.cached
+            self.running.append(seq)
+            sched.append((seq, n))
+            budget -= n
+        self._flush_events()
+        if not sched:
+            return
+        self.busy = True
+        slow = self.sim.slowdown(self)
+        if all(seq.computed >= seq.need for seq, _ in sched):
+            self._decode_run(sched, slow)
+            return
+        b = Batch(0, 0.0, len(sched), 0)
+        for seq, n in sched:
+            b.tokens += n
+            b.pairs += attention_pairs(n, seq.tokens)
+            b.context += seq.tokens + n
+        ov = self.sim.cost.overheads
+        streams = sum(seq.computed + n >= seq.need for seq, n in sched) if self.pool != PREFILL else 0
+        dur = (self.sim.cost.step_s(b) + ov.step_s + ov.token_s * streams) * slow
+        self.version += 1
+        v, start = self.version, self.sim.now
+        self.sim.at(start + dur, lambda: self._end_step(v, start, sched))
+
+    def _decode_run(self, sched: list[tuple[Seq, int]], slow: float) -> None:
+        seqs = [s for s, _ in sched]
+        k = min(s.out for s in seqs)
+        while k > 1 and sum(blocks(s.tokens + k, self.bs) - s.nblocks for s in seqs) > self.kv.free_blocks():
+            k //= 2
+        for s in seqs:                                   # the run's blocks, taken up front
+            self.kv.allocate(s, blocks(s.tokens + k, self.bs) - s.nblocks)
+        self._flush_events()
+        ov = self.sim.cost.overheads
+        durations = (self.sim.cost.decode_steps_s(len(seqs), sum(s.tokens for s in seqs), k)
+                     + ov.step_s + ov.token_s * len(seqs)) * slow
+        ends = np.cumsum(durations)
+        self.version += 1
+        v, start = self.version, self.sim.now
+        self.run = (start, ends, seqs)
+        self.sim.at(start + float(ends[-1]), lambda: self._end_run(v))
+
+    def _end_run(self, v: int) -> None:
+        if v != self.version or self.run is None:
+            return
+        start, ends, seqs = self.run
+        self._finish_run(start, ends, seqs)
+
+    def _finish_run(self, start: float, ends: np.ndarray, seqs: list[Seq]) -> None:
+        """The first len(ends) steps of a decode run: every sequence got a token per step."""
+        self.run = None
+        k = len(ends)
+        steps = np.diff(ends, prepend=0.0)
+        if k > 1:                                       # every sequence's gaps after its run's first token
+            self.sim.itl_hist += np.histogram(steps[1:], ITL_BINS)[0] * len(seqs)
+        self.busy_s += float(ends[-1])
+        for s in seqs:
+            s.tokens += k
+            s.out -= k
+            r = s.req
+            t_first = start + float(ends[0])
+            if r.last is not None:
+                gap = t_first - r.last
+                r.itl_sum += gap
+                self.sim.add_itl(gap)
+                self.itls.append((t_first, gap))
+            else:
+                r.first = t_first
+            r.itl_sum += float(ends[-1] - ends[0])
+            r.tokens += k
+            r.last = start + float(ends[-1])
+            if s.out <= 0:
+                self._done(s)
+        self.itls.append((start + float(ends[-1]), float(steps[-1])))
+        self.busy = False
+        self._step()
+
+    def _end_step(self, v: int, start: float, sched: list[tuple[Seq, int]]) -> None:
+        if v != self.version:
+            return
+        now = self.sim.now
+        self.busy_s += now - start
+        for seq, n in sched:
+            if seq not in self.running:
+                continue
+            if seq.computed < seq.need:                 # a prompt chunk
+                seq.computed += n
+                seq.tokens += n
+                self.kv.register(seq, min(seq.computed // self.bs, len(seq.req.hashes)))
+                if seq.computed < seq.need:
+                    continue
+            else:
+                seq.tokens += 1
+            self._emit(seq, now)
+        self._flush_events()
+        self.busy = False
+        self._step()
+
+    def _emit(self, seq: Seq, now: float) -> None:
+        r = seq.req
+        if r.first is None:
+            r.first = now
+            self.ttfts.append((now, now - r.at))
+            self.sim.ttft_done(r)
+        else:
+            gap = now - r.last
+            r.itl_sum += gap
+            self.sim.add_itl(gap)
+            self.itls.append((now, gap))
+        r.last = now
+        r.tokens += 1
+        seq.out -= 1
+        if seq.out <= 0:
+            self._done(seq)
+
+    def _done(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        if self.pool == PREFILL and seq.req.output > 1:
+            seq.pinned = True                           # until the decode replica pulled it
+            self.sim.handoff(self, seq)
+        else:
+            self.kv.release(seq)
+            self.sim.finished(seq.req)
+
+    def unpin(self, seq: Seq) -> None:
+        self.kv.release(seq)
+        self._flush_events()
+        self.kick()
+
+    def pulled(self, seq: Seq) -> None:
+        """An import's KV arrived: it runs (its prompt's blocks cached here too)."""
+        self.loading -= 1
+        seq.computed = seq.tokens = seq.need
+        self.kv.register(seq, min(seq.need // self.bs, len(seq.req.hashes)))
+        self._flush_events()
+        self.running.append(seq)
+        self.kick()
+
+    def _preempt(self, seq: Seq, sched: list[tuple[Seq, int]]) -> None:
+        self.running.remove(seq)
+        sched[:] = [(s, n) for s, n in sched if s is not seq]
+        self.kv.release(seq)
+        seq.computed = seq.tokens = 0
+        seq.need = seq.req.prompt + seq.req.tokens      # recompute the prompt and what it generated
+        seq.remote = False
+        self.sim.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _flush_events(self) -> None:
+        if self.kv.events:
+            self.event_seq += 1
+            self.sim.index_of(self.pool).apply(self.rid, self.event_seq, self.kv.events)
+            self.kv.events = []
+
+
+class _Mirror:
+    """What the routers read: the exact index of each pool (router.cluster_state.IndexMirror's shape)."""
+
+    def __init__(self):
+        self.index = {p: PrefixIndex() for p in POOLS}
+
+    def start(self) -> None:
+        pass
+
+    def forget(self, pool: str, rid: str) -> None:
+        self.index[pool].remove_replica(rid)
+
+
+class Simulator:
+    """Runs `requests` through a cluster built from `config`, with step costs from `cost`."""
+
+    def __init__(self, config: ClusterConfig, cost: Cost, seed: int = 0, startup_s: float = 60.0,
+                 horizon_s: float | None = None, progress: Callable[[str], None] | None = None):
+        self.cfg, self.cost, self.startup_s, self.horizon = config, cost, startup_s, horizon_s
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.queue: list = []
+        self.n = 0
+        self.mirror = _Mirror()
+        self.colocated = config.mode == "colocated" or config.prefill is None
+        self.pools = [DECODE] if self.colocated else [PREFILL, DECODE]
+        self.knobs = {p: self._knobs(p) for p in self.pools}
+        bs = {self.knobs[p]["block_size"] for p in self.pools}
+        if len(bs) > 1:
+            raise ValueError("block_size must be the same in both pools")
+        self.block_size = bs.pop()
+        self.engines: dict[str, list[Engine]] = {p: [] for p in self.pools}
+        self.ids = 0
+        self.hits = {p: [0, 0] for p in POOLS}          # query tokens, hit tokens
+        self.itl_hist = np.zeros(len(ITL_BINS) - 1)
+        self.preemptions = 0
+        self.done: list[SimRequest] = []
+        self.replica_seconds = {p: 0.0 for p in self.pools}
+        self.timeline: list[dict[str, Any]] = []
+        self.progress = progress
+        router = config.router
+        self.policy = router.policy
+        self.prefill_router = PrefixAwareRouter.offline(
+            block_size=self.block_size, router=router.model_dump(mode="json"), mirror=self.mirror, clock=self._clock)
+        self.decode_router = DecodeRouter.offline(
+            block_size=self.block_size, max_num_seqs=self.knobs[DECODE]["max_num_seqs"],
+            index_sync_interval_s=router.index_sync_interval_s, host_tier_hit_weight=router.host_tier_hit_weight,
+            load_weight=router.load_weight, imbalance_threshold_tokens=router.imbalance_threshold_tokens,
+            mirror=self.mirror, clock=self._clock)
+        for p in self.pools:
+            pc = self._pool(p)
+            n = pc.num_replicas or 1
+            if pc.autoscaling is not None:
+                n = pc.autoscaling.initial_replicas if pc.autoscaling.initial_replicas is not None \
+                    else pc.autoscaling.min_replicas
+            for _ in range(n):
+                self._add_engine(p, ready=0.0)
+        self.scaler = _Scaler(self) if any(self._pool(p).autoscaling for p in self.pools) else None
+
+    # -- config ----------------------------------------------------------------------------------------
+    def _pool(self, pool: str):
+        return self.cfg.prefill if pool == PREFILL else self.cfg.decode
+
+    def _knobs(self, pool: str) -> dict[str, Any]:
+        e = self._pool(pool).engine
+        return {k: getattr(e, k) if getattr(e, k) is not None else v for k, v in _DEFAULTS.items()} | {
+            "kv_cache_memory": e.kv_cache_memory, "num_kv_blocks": e.num_kv_blocks}
+
+    def _add_engine(self, pool: str, ready: float) -> Engine:
+        k = self.knobs[pool]
+        kv_tokens = self.cost.kv_tokens(k["kv_cache_memory"], k["num_kv_blocks"], k["block_size"])
+        self.ids += 1
+        e = Engine(self, f"{pool}-{self.ids}", pool, kv_tokens, k)
+        e.ready_at = ready
+        self.engines[pool].append(e)
+        return e
+
+    def index_of(self, pool: str) -> PrefixIndex:
+        return self.mirror.index[pool]
+
+    # -- events ----------------------------------------------------------------------------------------
+    def _clock(self) -> float:
+        return self.now
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self.n += 1
+        heapq.heappush(self.queue, (t, self.n, fn))
+
+    def slowdown(self, engine: Engine) -> float:
+        """Replicas sharing one machine's compute (LinearCost.shared_device): a step started while k engines are
+        busy takes k x as long; the others' decode runs are cut so that their next steps see it too."""
+        if not self.cost.shared_device:
+            return 1.0
+        busy = [e for p in self.pools for e in self.engines[p] if e.busy and e is not engine]
+        for e in busy:
+            if e.run is not None:
+                e._cut()
+        return 1.0 + getattr(self.cost, "contention", 1.0) * len(busy)
+
+    def live(self, pool: str) -> dict[str, Engine]:
+        return {e.rid: e for e in self.engines[pool] if e.ready_at <= self.now and not e.stopping}
+
+    # -- the request path ------------------------------------------------------------------------------
+    def arrive(self, r: SimRequest) -> None:
+        """The ingress: at r.at + request_s the prompt goes to the prefill pool or a decode replica."""
+        hashes = r.hashes
+        decode_hit = max(self.index_of(DECODE).match(hashes).values(), default=0)
+        if not self.colocated and prefill_remotely(r.prompt, decode_hit, self.block_size,
+                                                   self.cfg.disaggregation.min_remote_prefill_tokens):
+            engine = self._route(PREFILL, r, prefill=False)
+            engine.add(Seq(r, need=r.prompt, out=1))
+        else:
+            engine = self._route(DECODE, r, prefill=False)
+            engine.add(Seq(r, need=r.prompt, out=r.output))
+
+    def _route(self, pool: str, r: SimRequest, prefill: bool) -> Engine:
+        live = self.live(pool)
+        if not live:                                    # a pool scaled to zero: the request waits for one
+            live = {e.rid: e for e in self.engines[pool] if not e.stopping} or \
+                {self._add_engine(pool, self.now + self.startup_s).rid: self.engines[pool][-1]}
+        if pool == PREFILL and self.policy == "pow2":
+            a, b = self.rng.sample(list(live.values()), 2) if len(live) > 1 else [next(iter(live.values()))] * 2
+            return a if a.ongoing() <= b.ongoing() else b
+        req = PoolRequest(str(r.id), _Len(r.prompt), r.hashes, _GREEDY, prefill=_REMOTE if prefill else None)
+        router = self.prefill_router if pool == PREFILL else self.decode_router
+        rid, _ = router.route(req, live)
+        return live[rid]
+
+    def handoff(self, source: Engine, seq: Seq) -> None:
+        """The prefill replica answered: the request goes to a decode replica, which pulls its KV."""
+        r = seq.req
+
+        def go() -> None:
+            self._pins[r.id] = (source, seq)
+            self._route(DECODE, r, prefill=True).add(Seq(r, need=r.prompt, out=r.output - 1, remote=True))
+        self.at(self.now + self.cost.overheads.handoff_s, go)
+
+    _pins: dict[int, tuple[Engine, Seq]]
+
+    def pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
+        ov = self.cost.overheads
+        seconds = ov.transfer_latency_s + tokens * self.cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9)
+
+        def arrived() -> None:
+            src = self._pins.pop(seq.req.id, None)
+            if src is not None:
+                src[0].unpin(src[1])
+            engine.pulled(seq)
+        self.at(self.now + seconds, arrived)
+
+    def ttft_done(self, r: SimRequest) -> None:
+        pass
+
+    def add_itl(self, gap: float) -> None:
+        self.itl_hist[min(max(np.searchsorted(ITL_BINS, gap) - 1, 0), len(self.itl_hist) - 1)] += 1
+
+    def finished(self, r: SimRequest) -> None:
+        self.done.append(r)
+
+    # -- run -------------------------------------------------------------------------------------------
+    def run(self, requests: list[SimRequest]) -> dict[str, Any]:
+        self._pins = {}
+        ov = self.cost.overheads
+        for r in requests:
+            self.at(r.at + ov.request_s, lambda r=r: self.arrive(r))
+        end = self.horizon or (max((r.at for r in requests), default=0.0) + 3600.0)
+        if self.scaler is not None:
+            self.scaler.start()
+        last_t, events, next_report = 0.0, 0, 0.0
+        while self.queue:
+            t, _, fn = heapq.heappop(self.queue)
+            if t > end and len(self.done) >= len(requests):
+                break
+            self._account(t - last_t)
+            last_t = self.now = t
+            fn()
+            events += 1
+            if self.progress is not None and events % 200_000 == 0 and t >= next_report:
+                self.progress(f"simulated {t:,.0f} s, {len(self.done):,}/{len(requests):,} requests done")
+                next_report = t
+            if len(self.done) >= len(requests) and (self.scaler is None or t > (self.horizon or 0)):
+                break
+        return self.summary(requests)
+
+    def _account(self, dt: float) -> None:
+        if dt > 0:
+            for p in self.pools:
+                self.replica_seconds[p] += dt * len(self.engines[p])
+
+    def summary(self, requests: list[SimRequest]) -> dict[str, Any]:
+        return summarize(requests, self)
+
+
+class _Len:
+    """The router reads len(token_ids) only: a length without the ids (a day of trace would not fit)."""
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+_GREEDY = SamplingParams(temperature=0.0)
+_REMOTE = object()          # the router only asks whether a request brings its KV
+
+
+class _Scaler:
+    """Serve's controller for the simulator: every metrics_interval_s each replica reports what
+    EngineReplica.record_autoscaling_stats reports; each pool's policy sees the look-back averages."""
+
+    def __init__(self, sim: Simulator):
+        from ray.serve.config import AutoscalingConfig
+
+        from cluster.autoscaling import CoupledPolicy, PoolPolicy, policy_kwargs
+        self.sim = sim
+        cfg = sim.cfg
+        self.pools = [p for p in sim.pools if sim._pool(p).autoscaling is not None]
+        kwargs = {p: policy_kwargs(p, sim._pool(p).autoscaling, cfg.coupling, None, sim.knobs[p]["max_num_seqs"])
+                  for p in self.pools}                  # what build_app gives each pool's policy
+        self.conf = {p: AutoscalingConfig(**sim._pool(p).deployment_options(kwargs[p])["autoscaling_config"])
+                     for p in self.pools}
+        self.interval = min(sim._pool(p).autoscaling.metrics_interval_s for p in self.pools)
+        coupled = len(self.pools) == 2 and cfg.coupling.mode != "off"
+        self.policy = CoupledPolicy() if coupled else {p: PoolPolicy(**kwargs[p]) for p in self.pools}
+        self.state: dict[str, dict] = {p: {} for p in self.pools}
+        self.samples: dict[str, deque] = {p: deque() for p in self.pools}
+        self.busy_mark: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.sim.at(self.interval, self.tick)
+
+    def _report(self, e: Engine, now: float) -> dict[str, float]:
+        then_busy = self.busy_mark.get(e.rid, 0.0)
+        self.busy_mark[e.rid] = e.busy_s
+        window = 30.0
+
+        def p90(q: deque) -> float:
+            while q and q[0][0] < now - window:
+                q.popleft()
+            return float(np.percentile([x for _, x in q], 90)) if q else 0.0
+        return {"queued_prefill_tokens": float(e.queued_prefill_tokens),
+                "utilization": min((e.busy_s - then_busy) / self.interval, 1.0),
+                "kv_utilization": e.kv.used / max(e.kv.total, 1), "running_seqs": float(e.ongoing()),
+                "ttft_s": p90(e.ttfts), "itl_s": p90(e.itls)}
+
+    def tick(self) -> None:
+        from cluster.autoscaling_context import context
+        sim, now = self.sim, self.sim.now
+        contexts, metrics = {}, {}
+        for p in self.pools:
+            live = list(sim.live(p).values())
+            self.samples[p].append((now, {e.rid: self._report(e, now) for e in live}))
+            look = sim._pool(p).autoscaling.look_back_period_s
+            while self.samples[p] and self.samples[p][0][0] < now - look:
+                self.samples[p].popleft()
+            agg: dict[str, dict[str, float]] = {}
+            for _, reps in self.samples[p]:
+                for rid, m in reps.items():
+                    for k, v in m.items():
+                        agg.setdefault(k, {}).setdefault(rid, []).append(v)
+            metrics[p] = {k: {rid: float(np.mean(v)) for rid, v in d.items() if rid in {e.rid for e in live}}
+                          for k, d in agg.items()}
+            n = sum(not e.stopping for e in sim.engines[p])
+            contexts[p] = context(p, n, metrics[p], self.conf[p], self.state[p], now)
+        if isinstance(self.policy, dict):
+            decisions = {}
+            for p in self.pools:
+                decisions[p], self.state[p] = self.policy[p](contexts[p])
+        else:
+            decisions, states = self.policy(contexts)
+            self.state.update(states)
+        for p, target in decisions.items():
+            self._resize(p, int(target))
+        sim.timeline.append({"t": now, **{f"{p}_replicas": sum(not e.stopping for e in sim.engines[p])
+                                          for p in sim.pools}})
+        if not (len(sim.done) >= sim._expected and now > (sim.horizon or 0)):
+            sim.at(now + self.interval, self.tick)
+
+    def _resize(self, pool: str, target: int) -> None:
+        sim = self.sim
+        alive = [e for e in sim.engines[pool] if not e.stopping]
+        for _ in range(target - len(alive)):
+            sim._add_engine(pool, sim.now + sim.startup_s)
+        for _ in range(len(alive) - target):
+            # the replica whose work costs least to move (fewest tokens in flight) goes; it takes no new work
+            # and leaves when its sequences end
+            victim = min((e for e in sim.engines[pool] if not e.stopping), key=lambda e: e.tokens_in_flight())
+            victim.stopping = True
+            sim.index_of(pool).remove_replica(victim.rid)
+            self._retire(victim)
+
+    def _retire(self, e: Engine) -> None:
+        sim = self.sim
+        if e.ongoing() == 0 and not e.busy:
+            sim.engines[e.pool].remove(e)
+        else:
+            sim.at(sim.now + 1.0, lambda: self._retire(e))
+
+
+def summarize(requests: list[SimRequest], sim: Simulator, slo: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The simulated run in `baton bench`'s terms (bench/cluster_bench.summarize): TTFT and ITL percentiles
+    (ITL pooled over every token gap), goodput under SLOs when given, prefix hit rate, replica-seconds."""
+    done = [r for r in requests if r.first is not None and r.last is not None]
+    ttft = np.array([r.ttft for r in done])
+    wall = max((r.last for r in done), default=0.0) - min(0.0, min((r.at for r in requests), default=0.0))
+
+    def pct(a: np.ndarray) -> dict | None:
+        return {f"p{q}": float(np.percentile(a, q)) * 1e3 for q in (50, 90, 99)} if len(a) else None
+    out: dict[str, Any] = {"requests": len(requests), "completed": len(done), "wall_s": wall,
+                           "ttft_ms": pct(ttft), "itl_ms": hist_percentiles(sim.itl_hist),
+                           "output_tokens_per_s": sum(r.tokens for r in done) / wall if wall else 0.0,
+                           "preemptions": sim.preemptions,
+                           "replica_seconds": {p: round(v, 1) for p, v in sim.replica_seconds.items()}}
+    q = sum(v[0] for v in sim.hits.values())
+    out["prefix_hit_rate"] = sum(v[1] for v in sim.hits.values()) / q if q else None
+    if slo is not None:
+        good = [r for r in done if r.ttft <= slo[0] and (r.mean_itl is None or r.mean_itl <= slo[1])]
+        out["goodput_rps"] = len(good) / wall if wall else 0.0
+        out["slo_attainment"] = len(good) / max(len(requests), 1)
+    return out
+
+
+def hist_percentiles(hist: np.ndarray) -> dict | None:
+    total = hist.sum()
+    if total == 0:
+        return None
+    cum = np.cumsum(hist) / total
+    mids = np.sqrt(ITL_BINS[:-1] * ITL_BINS[1:])
+    return {f"p{q}": float(mids[min(np.searchsorted(cum, q / 100), len(mids) - 1)]) * 1e3 for q in (50, 90, 99)}
+
+
+def simulate(config: ClusterConfig, cost: Cost, requests: list[SimRequest], slo: tuple[float, float] | None = None,
+             warm: list[SimRequest] = (), **kw: Any) -> dict[str, Any]:
+    """One run: the summary (summarize's fields) of `requests` on `config`, the clock's 0 being the first
+    request's start (`warm`: requests before it, at negative times, left out of the summary; ITL percentiles
+    count theirs too). The requests are copied, so one list can run on several configs."""
+    warm = [replace(r, first=None, last=None, tokens=0, itl_sum=0.0) for r in warm]
+    requests = [replace(r, first=None, last=None, tokens=0, itl_sum=0.0) for r in requests]
+    sim = Simulator(config, cost, **kw)
+    sim._expected = len(warm) + len(requests)
+    sim.run([*warm, *requests])
+    out = summarize(requests, sim, slo)
+    out["timeline"] = sim.timeline
+    out["ttft_points"] = [(r.at, r.ttft) for r in requests if r.ttft is not None]
+    return out

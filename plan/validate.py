@@ -1,0 +1,174 @@
+"""`baton plan validate`: the simulator against measured runs of `baton bench` workloads on this machine.
+
+Each case is one workload on one cluster config, run twice with the same requests: on a live local cluster
+through the HTTP API (bench/cluster_bench.py's client), and in the simulator (plan/sim.py) with a calibrated
+cost model (`baton plan calibrate`). Reported per case: TTFT and ITL p50/p90, goodput under the SLOs, measured
+and simulated, and the relative error of each (goal: within 15%).
+
+Cases:
+  replay         the first --replay-requests of Mooncake's conversation trace (bench/traces), 16-token blocks
+                 (`baton bench replay`), disaggregated 1 prefill + 1 decode, prefix-aware routing
+  replay_colo    the same on one colocated replica
+  pd             `baton bench cluster`'s P/D workload: long-answer streams and long prompts, 1 + 1
+  tenants        `baton bench cluster`'s routing workload: four tenants' shared prefixes, 2 prefill + 1 decode
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from plan.cost import load_cost
+from plan.sim import simulate
+from plan.workload import from_reqs
+
+ERROR_GOAL = 0.15
+FIGURES = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("itl_ms", "p50"), ("itl_ms", "p90"), ("goodput_rps", None)]
+
+
+def cases(args: argparse.Namespace) -> dict[str, tuple[Any, list, list]]:
+    """name -> (cluster config, warm-up requests, measured requests)."""
+    from bench.cluster_bench import (BLOCK, Req, block_bytes, long_answers, long_prompts, poisson, serve_config,
+                                     tenants)
+    from bench.replay_bench import DEFAULT_TRACE, load_trace, mooncake_requests
+    out = {}
+    _, rows = load_trace(DEFAULT_TRACE)
+    trace = mooncake_requests(rows[:args.replay_requests], 16, args.max_input_tokens, args.max_output_tokens,
+                              args.speedup)
+    warm = [Req(list(range(300, 340)), 2, at=-5.0, tag="warm-up")]
+    out["replay"] = (serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), warm, trace)
+    out["replay_colo"] = (serve_config("colocated", "prefix_aware", 0, 1, 256 << 20), warm, trace)
+    rng = np.random.default_rng(2)
+    streams, longs = long_answers(args.streams, rng), long_prompts(args.long_prompts, rng)
+    poisson(streams, args.rate, rng)
+    poisson(longs, args.rate * args.long_prompts / max(args.streams, 1), rng)
+    out["pd"] = (serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20), warm,
+                 sorted(streams + longs, key=lambda r: r.at))
+    rng = np.random.default_rng(1)
+    twarm, treqs = tenants(args.tenant_requests, args.prefix_tokens, rng)
+    for i, w in enumerate(twarm):
+        w.at = -5.0 * (len(twarm) - i)
+    poisson(treqs, args.rate, rng)
+    kv = int(2.5 * args.prefix_tokens / BLOCK * block_bytes())
+    out["tenants"] = (serve_config("disaggregated", "prefix_aware", 2, 1, kv, min_remote=0,
+                                   decode_kv_bytes=256 << 20), twarm, treqs)
+    return {k: v for k, v in out.items() if k in args.cases}
+
+
+def measure(config, warm: list, reqs: list, slo: tuple[float, float]) -> dict[str, Any]:
+    from bench.cluster_bench import drive, summarize, with_cluster
+
+    def work(base: str, model: str) -> dict:
+        for w in warm:                                   # one at a time, as the simulator's warm-up runs them
+            asyncio.run(drive(base, model, [type(w)(w.prompt, w.max_tokens)]))
+        time.sleep(1.0)
+        results, wall = asyncio.run(drive(base, model, reqs))
+        return summarize(results, wall, *slo)
+    return with_cluster(config, work)
+
+
+def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
+    out = {}
+    for key, q in FIGURES:
+        m = measured.get(key) if q is None else (measured.get(key) or {}).get(q)
+        s = simulated.get(key) if q is None else (simulated.get(key) or {}).get(q)
+        out[f"{key}{'.' + q if q else ''}"] = (s - m) / m if m and s is not None else None
+    return out
+
+
+def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    cost = load_cost(args.cost)
+    slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
+    out = {}
+    for name, (config, warm, reqs) in cases(args).items():
+        bs = config.decode.engine.block_size or 16
+        t = time.perf_counter()
+        sim = simulate(config, cost, from_reqs(reqs, bs), slo, warm=from_reqs(warm, bs))
+        sim_s = time.perf_counter() - t
+        measured = measure(config, warm, reqs, slo) if not args.simulate_only else None
+        sim.pop("timeline")
+        sim.pop("ttft_points")
+        err = errors(measured, sim) if measured else None
+        out[name] = {"requests": len(reqs), "measured": measured, "simulated": sim, "relative_error": err,
+                     "simulator_seconds": sim_s}
+        if err:
+            worst = max((abs(v) for v in err.values() if v is not None), default=None)
+            log(f"{name}: " + ", ".join(f"{k} {v:+.0%}" for k, v in err.items() if v is not None)
+                + (f" (worst {worst:.0%})" if worst is not None else ""))
+        else:
+            log(f"{name}: simulated {sim['ttft_ms']} TTFT, {sim['itl_ms']} ITL")
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    from bench.engine_bench import pyplot
+    plt = pyplot()
+    names = [n for n, c in result["cases"].items() if c["relative_error"]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(FIGURES)
+    for j, (key, q) in enumerate(FIGURES):
+        label = f"{key}{'.' + q if q else ''}"
+        vals = [100 * (result["cases"][n]["relative_error"][label] or 0) for n in names]
+        ax.bar(np.arange(len(names)) + j * width, vals, width, label=label)
+    ax.axhspan(-100 * ERROR_GOAL, 100 * ERROR_GOAL, color="tab:green", alpha=0.1, label="goal")
+    ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+    ax.set_ylabel("simulated vs measured (%)")
+    ax.legend(fontsize=7, ncol=3)
+    ax.set_title("baton plan validate: simulator errors per workload", fontsize=9)
+    from bench.engine_bench import save
+    save(fig, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cost", default="bench_out/plan/cost.json", help="cost model from `baton plan calibrate`")
+    p.add_argument("--cases", nargs="+", default=["replay", "replay_colo", "pd", "tenants"],
+                   choices=["replay", "replay_colo", "pd", "tenants"])
+    p.add_argument("--replay-requests", type=int, default=60, help="first N requests of the trace (default 60)")
+    p.add_argument("--max-input-tokens", type=int, default=1024)
+    p.add_argument("--max-output-tokens", type=int, default=32)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--streams", type=int, default=12)
+    p.add_argument("--long-prompts", type=int, default=6)
+    p.add_argument("--tenant-requests", type=int, default=32)
+    p.add_argument("--prefix-tokens", type=int, default=1024)
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=200.0)
+    p.add_argument("--simulate-only", action="store_true", help="no live runs: the simulator's figures only")
+    p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import contextlib
+    import sys
+
+    import ray
+
+    from bench.engine_bench import machine_info, make_logger, write_result
+    log = make_logger("plan validate")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        if not args.simulate_only:
+            ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                     namespace="baton-plan-validate")
+        try:
+            res = validate(args, log)
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+    errs = [abs(v) for c in res.values() if c["relative_error"] for v in c["relative_error"].values()
+            if v is not None]
+    result = {"benchmark": "plan-validate", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "cost_model": str(args.cost), "cases": res,
+              "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}, "error_goal": ERROR_GOAL,
+              "within_goal": sum(e <= ERROR_GOAL for e in errs), "figures": len(errs)}
+    write_result(result, out_dir / "validate.json", {"validate": plot} if errs else None)
+    log(f"{result['within_goal']}/{result['figures']} figures within {ERROR_GOAL:.0%}; wrote {result['json_path']}")
+    return result

@@ -1,0 +1,205 @@
+"""The planning simulator (plan/): its cost models, the engine model against the cost model's own figures, Baton's
+real routers and autoscaling policies inside it, and the `baton plan` commands."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cluster.config import ClusterConfig
+from engine.block_hash import block_hashes
+from plan.cost import Batch, LinearCost, Overheads, RooflineCost, attention_pairs, load_cost, model_shape, save_cost
+from plan.sim import SimRequest, Simulator, simulate
+from plan.workload import KEY, day_of, diurnal, from_mooncake
+from tests.conftest import ROOT
+
+BS = 16
+COST = LinearCost(c0=0.010, c_tok=0.0005, c_attn=2e-8, c_seq=0.0002, kv_bytes_per_token=46080,
+                  overheads=Overheads(request_s=0.05, handoff_s=0.02, transfer_gbps=1.0, transfer_latency_s=0.001))
+
+
+def config(mode: str = "disaggregated", prefill: int = 1, decode: int = 1, policy: str = "prefix_aware",
+           kv_blocks: int = 512, min_remote: int = 0, **extra) -> ClusterConfig:
+    engine = {"num_kv_blocks": kv_blocks, "max_model_len": 4096}
+    d = {"mode": mode, "decode": {"num_replicas": decode, "engine": engine}, "router": {"policy": policy},
+         "disaggregation": {"min_remote_prefill_tokens": min_remote}, **extra}
+    if mode == "disaggregated":
+        d["prefill"] = {"num_replicas": prefill, "engine": engine}
+    return ClusterConfig.from_dict(d)
+
+
+def request(i: int, at: float, ids: list[int], output: int) -> SimRequest:
+    return SimRequest(i, at, len(ids), output, block_hashes(ids, BS, KEY))
+
+
+def test_a_calibrated_cost_model_recovers_the_step_costs_it_was_fitted_on():
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(60):
+        t, c, s = int(rng.integers(1, 2048)), int(rng.integers(0, 2048)), int(rng.integers(1, 32))
+        b = Batch(t, attention_pairs(t, c), s, t + c)
+        rows.append((b, COST.step_s(b) * (1 + rng.normal(0, 0.003))))
+    fit = LinearCost.fitted(rows, 46080)
+    for name in ("c0", "c_tok", "c_attn", "c_seq"):
+        assert getattr(fit, name) == pytest.approx(getattr(COST, name), rel=0.1), name
+    assert fit.fit["median_rel_error"] < 0.02
+    # a negative coefficient is dropped, never kept: more work never predicts a faster step
+    neg = [(b, 0.01 + 0.001 * b.tokens - 1e-9 * b.pairs) for b, _ in rows]
+    assert min(LinearCost.fitted(neg, 46080).c_attn, 0) == 0
+
+
+def test_the_roofline_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill():
+    h100 = RooflineCost(gpu="h100", model=model_shape("llama-3.1-8b"))
+    h200 = RooflineCost(gpu="h200", model=model_shape("llama-3.1-8b"))
+    weights = h100.params * 2
+    one = h100.decode_steps_s(1, 1000, 1)[0]
+    assert one == pytest.approx((weights + 1000 * h100.kv_bytes_per_token) / (3.35e12 * 0.75) + 0.003, rel=1e-6)
+    assert h200.decode_steps_s(1, 1000, 1)[0] < one                                 # more bandwidth
+    prefill = h100.step_s(Batch(8192, attention_pairs(8192, 0), 1, 8192))
+    assert prefill == pytest.approx(h200.step_s(Batch(8192, attention_pairs(8192, 0), 1, 8192)))  # same FLOP/s
+    assert prefill > 8192 * 2 * h100.params / 989e12                              # at most peak
+    assert h100.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2                         # K and V, bf16
+    assert 300_000 < h100.kv_tokens(0.9, None, 16) < 500_000
+    with pytest.raises(ValueError, match="weights do not fit"):
+        RooflineCost(model=model_shape("llama-3.1-70b")).kv_tokens(0.9, None, 16)
+
+
+def test_cost_models_round_trip_through_their_file(tmp_path):
+    for cost in (COST, RooflineCost(gpu="h200", model=model_shape("qwen2.5-32b"), tp=2)):
+        save_cost(cost, tmp_path / "c.json")
+        back = load_cost(tmp_path / "c.json")
+        b = Batch(100, attention_pairs(100, 50), 3, 150)
+        assert back.step_s(b) == pytest.approx(cost.step_s(b))
+        assert back.overheads == cost.overheads
+
+
+def test_one_request_alone_takes_exactly_what_the_cost_model_says():
+    """Colocated: TTFT = ingress overhead + one prefill step; every later token one decode step. Disaggregated:
+    the first gap adds the hand-off and the pull of the prompt's KV."""
+    ids = list(range(300, 300 + 100))
+    prefill = COST.step_s(Batch(100, attention_pairs(100, 0), 1, 100))
+    colo = simulate(config("colocated"), COST, [request(0, 0.0, ids, 5)])
+    assert colo["ttft_ms"]["p50"] == pytest.approx((0.05 + prefill) * 1e3)
+    steps = COST.decode_steps_s(1, 101, 4)
+    assert colo["wall_s"] == pytest.approx(0.05 + prefill + steps.sum())
+    dis = simulate(config(), COST, [request(0, 0.0, ids, 5)])
+    assert dis["ttft_ms"]["p50"] == pytest.approx(colo["ttft_ms"]["p50"])
+    pull = 0.001 + 100 * 46080 / 1e9
+    assert dis["wall_s"] == pytest.approx(colo["wall_s"] + 0.02 + pull)
+
+
+def test_blocks_are_all_returned_after_a_run_that_preempts():
+    """A KV cache too small for the batch preempts (recompute) and still finishes every request, every block
+    back in the free or cached pool: no leak in the engine model."""
+    rng = np.random.default_rng(3)
+    reqs = [request(i, 0.01 * i, rng.integers(200, 40000, 200).tolist(), 64) for i in range(24)]
+    sim = Simulator(config(kv_blocks=64), COST)
+    sim._expected = len(reqs)
+    sim.run(reqs)
+    assert len(sim.done) == 24 and sim.preemptions > 0
+    assert all(r.tokens == 64 for r in reqs)
+    for pool in sim.pools:
+        for e in sim.engines[pool]:
+            assert e.kv.used == 0 and not e.running and not e.waiting and e.loading == 0
+
+
+def tenants(n: int, prefix: int = 512) -> list[SimRequest]:
+    rng = np.random.default_rng(1)
+    systems = [rng.integers(200, 40000, prefix).tolist() for _ in range(4)]
+    return [request(i, 0.25 * i, systems[i % 4] + rng.integers(200, 40000, 32).tolist(), 8) for i in range(n)]
+
+
+def test_baton_s_prefix_aware_router_keeps_tenants_on_their_replicas_and_pow2_does_not():
+    """The simulator routes with the real PrefixAwareRouter over a real PrefixIndex fed by its engines' KV events:
+    with each prefill replica's KV holding about 2.5 tenants' prefixes, prefix-aware routing hits far more."""
+    kv = int(2.5 * 512 / BS) + 8
+    aware = simulate(config(prefill=2, kv_blocks=kv), COST, tenants(48))
+    pow2 = simulate(config(prefill=2, kv_blocks=kv, policy="pow2"), COST, tenants(48))
+    assert aware["prefix_hit_rate"] > 0.8
+    assert aware["prefix_hit_rate"] > pow2["prefix_hit_rate"] + 0.15
+
+
+def test_local_prefills_sharing_a_system_prompt_spread_over_the_decode_pool():
+    """Colocated replicas all asked to prefill prompts behind one system prompt: the router weighs queued prompt
+    tokens (the prefill pool's rule), so the load spreads instead of piling onto the replica caching it."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(200, 40000, 256).tolist()
+    reqs = [request(i, 0.02 * i, system + rng.integers(200, 40000, 1024).tolist(), 4) for i in range(40)]
+    sim = Simulator(config("colocated", decode=4, kv_blocks=2048), COST)
+    sim._expected = len(reqs)
+    sim.run(reqs)
+    busy = sorted(e.busy_s for e in sim.engines["decode"])
+    assert busy[0] > 0.5 * busy[-1], busy
+
+
+def test_the_real_autoscaling_policy_follows_a_load_step():
+    """Baton's CoupledPolicy, called every metrics interval with the look-back averages of what replicas report,
+    grows both pools under a burst and shrinks them after it."""
+    scale = {"min_replicas": 1, "max_replicas": 6, "upscale_delay_s": 0, "downscale_delay_s": 20, "cooldown_s": 10,
+             "look_back_period_s": 5, "metrics_interval_s": 1, "target_queued_prefill_tokens": 2048}
+    cfg = config(kv_blocks=4096)
+    d = cfg.model_dump(mode="json", exclude_none=True)
+    for pool in ("prefill", "decode"):
+        d[pool].pop("num_replicas")
+        d[pool]["autoscaling"] = {k: v for k, v in scale.items()
+                                  if pool == "prefill" or k != "target_queued_prefill_tokens"}
+    rng = np.random.default_rng(4)
+    reqs = [request(i, 0.05 * i, rng.integers(200, 40000, 1024).tolist(), 32) for i in range(400)]
+    sim = Simulator(ClusterConfig.from_dict(d), COST, startup_s=5.0, horizon_s=120.0)
+    sim._expected = len(reqs)
+    sim.run(reqs)
+    peak = max(x["prefill_replicas"] for x in sim.timeline)
+    assert peak >= 2, sim.timeline
+    assert sim.timeline[-1]["prefill_replicas"] < peak, "the pool shrinks once the burst is over"
+    assert len(sim.done) == 400
+
+
+def test_a_day_follows_the_diurnal_curve_and_renames_users_per_pass():
+    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1 + i, 2 + i]}
+            for i in range(0, 30, 3)]
+    day = day_of(rows, peak_rps=2.0, hours=24, seed=0)
+    hours = np.array([r["timestamp"] / 3.6e6 for r in day])
+    assert np.sum((hours >= 13) & (hours < 15)) > 3 * np.sum((hours >= 1) & (hours < 3))
+    assert diurnal(np.array([14.0]))[0] == pytest.approx(1.0)
+    sims = from_mooncake(day[:30])
+    assert sims[0].hashes[0] == sims[10].hashes[0], "a shared system prompt stays shared"
+    assert sims[0].hashes[1] != sims[10].hashes[1], "a conversation's blocks are new users' on the next pass"
+    assert len(sims[0].hashes) == 1100 // 512
+
+
+def test_baton_plan_search_writes_a_plan_table_and_plots(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "search", "--rps", "4", "--seconds", "20",
+                          "--out", str(tmp_path), "--json"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    plan = out["plan"]
+    assert plan["colocated"]["gpus"] >= 1 and plan["disaggregated"]["prefill"] >= 1
+    best = [r for r in out["runs"] if r["mode"] == "disaggregated" and r["prefill"] == plan["disaggregated"]["prefill"]
+            and r["decode"] == plan["disaggregated"]["decode"]]
+    assert best and best[0]["attainment"] >= 0.9
+    smaller = [r for r in out["runs"] if r["mode"] == "colocated" and r["gpus"] < plan["colocated"]["gpus"]]
+    assert all(r["attainment"] < 0.9 for r in smaller), "nothing smaller that was tried met the target"
+    assert (tmp_path / "plan.png").stat().st_size > 0
+    assert "prefill + " in res.stderr and "plan: colocated" in res.stderr       # progress and the answer
+
+
+def test_calibration_records_each_engine_step_with_the_shape_the_scheduler_gave_it():
+    """`baton plan calibrate` times the real engine's steps: a prompt alone is one step of its tokens; a batch of
+    decodes is steps of one token per sequence, attending to each one's context."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from plan.calibrate import step_timings
+    engine = LLMEngine(EngineConfig(model="llama-tiny", load_format="dummy", max_model_len=512,
+                                    kv_cache_memory=8 << 20))
+    rows = step_timings(engine, [list(range(10, 110))], 1)
+    assert [(b.tokens, b.seqs, b.context) for b, _ in rows] == [(100, 1, 100)]
+    assert rows[0][0].pairs == attention_pairs(100, 0) and rows[0][1] > 0
+    rows = step_timings(engine, [list(range(120 + 40 * i, 160 + 40 * i)) for i in range(3)], 4)
+    decodes = [b for b, _ in rows if b.tokens == 3]
+    assert len(decodes) == 3 and [b.context for b in decodes] == [3 * 41, 3 * 42, 3 * 43]
+    fit = LinearCost.fitted(rows + step_timings(engine, [list(range(250, 450))], 1), 64)
+    assert fit.c0 >= 0 and fit.c_tok >= 0 and fit.c_attn >= 0 and fit.c_seq >= 0
+    engine.shutdown()
