@@ -144,13 +144,16 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
     log(f"day: {len(day):,} requests over {hours:g} h (peak {peak_rps:g} req/s)")
     p, d = plan["disaggregated"]["prefill"], plan["disaggregated"]["decode"]
     scale = {"min_replicas": 1, "upscale_delay_s": 30, "downscale_delay_s": 600, "cooldown_s": startup_s + 30,
-             "look_back_period_s": 30, "metrics_interval_s": 10}
+             "look_back_period_s": 60, "metrics_interval_s": 10}
+    budget = engine.get("max_num_batched_tokens", 2048)
+    half_second = int(0.5 * budget / cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget)))
     out = {}
     # the pools scale on their load signals (utilisation, queued prompt tokens, KV, running sequences), not on
     # p90 latency: at a plan sized for 90% attainment the p90 TTFT sits at the SLO, which would hold the pools
     # at their maximum all day (the first day run showed it)
     for name, auto in (("fixed", None), ("autoscaled", {
-            "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0},
+            "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0,
+                        "target_queued_prefill_tokens": max(half_second, 1)},     # the knob's meaning, this GPU
             "decode": {**scale, "max_replicas": math.ceil(d * 1.5), "initial_replicas": 1, "itl_slo_s": 0}})):
         t = time.perf_counter()
         sim = Simulator(cluster("disaggregated", p, d, engine, min_remote, auto), cost, seed=seed,

@@ -10,7 +10,9 @@ Cases:
                  (`baton bench replay`), disaggregated 1 prefill + 1 decode, prefix-aware routing
   replay_colo    the same on one colocated replica
   pd             `baton bench cluster`'s P/D workload: long-answer streams and long prompts, 1 + 1
-  tenants        `baton bench cluster`'s routing workload: four tenants' shared prefixes, 2 prefill + 1 decode
+  tenants        `baton bench cluster`'s routing workload: four tenants' shared prefixes, 2 prefill + 1 decode,
+                 each prefill replica's KV holding 2.5 tenants' prefixes
+  tenants_pow2   the same with Serve's power-of-two routing
 """
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Any, list, list]]:
         w.at = -5.0 * (len(twarm) - i)
     poisson(treqs, args.rate, rng)
     kv = int(2.5 * args.prefix_tokens / BLOCK * block_bytes())
-    out["tenants"] = (serve_config("disaggregated", "prefix_aware", 2, 1, kv, min_remote=0,
-                                   decode_kv_bytes=256 << 20), twarm, treqs)
+    for policy, name in (("prefix_aware", "tenants"), ("pow2", "tenants_pow2")):
+        out[name] = (serve_config("disaggregated", policy, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20),
+                     twarm, treqs)
     return {k: v for k, v in out.items() if k in args.cases}
 
 
@@ -126,12 +129,13 @@ def plot(result: dict, path: Path) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", default="bench_out/plan/cost.json", help="cost model from `baton plan calibrate`")
-    p.add_argument("--cases", nargs="+", default=["replay", "replay_colo", "pd", "tenants"],
-                   choices=["replay", "replay_colo", "pd", "tenants"])
-    p.add_argument("--replay-requests", type=int, default=60, help="first N requests of the trace (default 60)")
+    names = ["replay", "replay_colo", "pd", "tenants", "tenants_pow2"]
+    p.add_argument("--cases", nargs="+", default=names, choices=names)
+    p.add_argument("--replay-requests", type=int, default=40, help="first N requests of the trace (default 40)")
     p.add_argument("--max-input-tokens", type=int, default=1024)
     p.add_argument("--max-output-tokens", type=int, default=32)
-    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--speedup", type=float, default=0.5, help="replay: arrival times divided by this (default 0.5: "
+                                                              "the trace's pace outruns two cores)")
     p.add_argument("--streams", type=int, default=12)
     p.add_argument("--long-prompts", type=int, default=6)
     p.add_argument("--tenant-requests", type=int, default=32)

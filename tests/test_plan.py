@@ -203,3 +203,18 @@ def test_calibration_records_each_engine_step_with_the_shape_the_scheduler_gave_
     fit = LinearCost.fitted(rows + step_timings(engine, [list(range(250, 450))], 1), 64)
     assert fit.c0 >= 0 and fit.c_tok >= 0 and fit.c_attn >= 0 and fit.c_seq >= 0
     engine.shutdown()
+
+
+def test_baton_plan_validate_simulates_the_bench_workloads_it_compares(tmp_path, smol_path):
+    """The comparison's simulated half (the live half is `baton plan validate` itself, minutes long): the bench
+    workloads run through the simulator with a given cost model and land in the JSON by case."""
+    save_cost(COST, tmp_path / "cost.json")
+    res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "validate", "--simulate-only", "--cost",
+                          str(tmp_path / "cost.json"), "--cases", "replay", "tenants", "tenants_pow2",
+                          "--replay-requests", "12", "--out", str(tmp_path), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cases = json.loads(res.stdout)["cases"]
+    assert set(cases) == {"replay", "tenants", "tenants_pow2"}
+    assert cases["replay"]["simulated"]["completed"] == 12 and cases["replay"]["measured"] is None
+    assert cases["tenants"]["simulated"]["prefix_hit_rate"] > cases["tenants_pow2"]["simulated"]["prefix_hit_rate"]
