@@ -8,9 +8,9 @@ by veth pairs to a bridge that lives in a namespace of its own (tests, `baton de
 
 Nothing touches the host's own interfaces or routes: every link is created inside the namespaces, and the
 host namespace has no address on the subnet, so a process must run inside a node's namespace
-(`exec`, `popen`) to reach the cluster. Each node's processes are found by their namespace
-(`ip netns pids`), so `kill_node` and `down` end exactly this cluster's processes, never another Ray on the
-machine (`ray stop` would stop them all). Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and `ip`.
+(`exec`, `python`) to reach the cluster. Each node's processes are found by their namespace
+(`ip netns pids`), so `kill_node`, `kill_raylet` and `down` end exactly this cluster's processes, never another
+Ray on the machine (`ray stop` would stop them all). Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and `ip`.
 
 Pools go to nodes by Ray resources, as the Helm chart's worker groups do: a pool's `resources:
 {baton_node_1: 1}` puts its replicas on node 1. KV crosses nodes over NIXL/UCX on TCP between the namespaces
@@ -58,7 +58,10 @@ class NetnsCluster:
     cpus_per_node: int = 2
     env: dict[str, str] = field(default_factory=dict)   # extra environment of every node's Ray processes
     resources: dict[int, dict[str, float]] = field(default_factory=dict)   # node -> more custom resources
-    temp_dir: str = "/tmp/baton-netns"
+    temp_dir: str = ""                   # Ray's; default /tmp/<name>, so `down` of one cluster spares another's
+
+    def __post_init__(self):
+        self.temp_dir = self.temp_dir or f"/tmp/{self.name}"
 
     def ns(self, i: int) -> str:
         return f"{self.name}-n{i}"
@@ -75,9 +78,10 @@ class NetnsCluster:
         return f"{self.name}-sw"
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def up(self) -> NetnsCluster:
-        """Namespaces, links and addresses, then a Ray node in each (head first); returns once every node
-        has joined. Leftovers of an earlier run under the same name are removed first."""
+    def up(self, ray_nodes: int | None = None) -> NetnsCluster:
+        """Namespaces, links and addresses, then a Ray node in the first `ray_nodes` of them (default all; head
+        first); returns once they have joined. `start_node` starts the others later. Leftovers of an earlier run
+        under the same name are removed first."""
         why = unavailable()
         if why:
             raise RuntimeError(why)
@@ -95,16 +99,18 @@ class NetnsCluster:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
         Path(self.temp_dir).mkdir(parents=True, exist_ok=True)
+        ray_nodes = self.nodes if ray_nodes is None else ray_nodes
         try:
-            for i in range(self.nodes):
-                self._start_node(i)
-            self.wait_nodes(self.nodes)
+            for i in range(ray_nodes):
+                self.start_node(i)
+            self.wait_nodes(ray_nodes)
         except BaseException:
             self.down()
             raise
         return self
 
-    def _start_node(self, i: int) -> None:
+    def start_node(self, i: int) -> None:
+        """`ray start` in node i's namespace (the head's for i = 0); `wait_nodes` until it has joined."""
         resources = json.dumps({f"baton_node_{i}": 1, **self.resources.get(i, {})})
         common = ["--node-ip-address", self.ip(i), "--num-cpus", str(self.cpus_per_node),
                   "--resources", resources, "--disable-usage-stats"]
@@ -118,11 +124,10 @@ class NetnsCluster:
             raise RuntimeError(f"ray start on {self.ns(i)} failed: {res.stderr[-2000:]}")
 
     def wait_nodes(self, n: int, timeout_s: float = 120) -> None:
-        """Until exactly `n` nodes are alive (after a start, or after kill_node)."""
-        code = "import ray, json; ray.init(); print(json.dumps(sum(x['Alive'] for x in ray.nodes())))"
+        """Until exactly `n` nodes are alive (after a start, or after kill_node or kill_raylet)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            res = self.python(code, timeout=60)
+            res = self._count_alive()
             if res.returncode == 0 and res.stdout.strip().splitlines()[-1] == str(n):
                 return
             if time.monotonic() > deadline:
@@ -130,9 +135,38 @@ class NetnsCluster:
                                    f"{res.stderr[-1500:]}")
             time.sleep(1.0)
 
+    def alive(self) -> int:
+        """How many nodes the head counts alive."""
+        res = self._count_alive()
+        if res.returncode != 0:
+            raise RuntimeError(f"the head did not answer: {res.stderr[-1500:]}")
+        return int(res.stdout.strip().splitlines()[-1])
+
+    def _count_alive(self) -> subprocess.CompletedProcess:
+        return self.python("import ray; ray.init(); print(sum(x['Alive'] for x in ray.nodes()))", timeout=60)
+
     def kill_node(self, i: int) -> int:
         """SIGKILL every process of node i (its raylet, workers and replicas): a node that dies at once."""
         return _kill_all(self.ns(i))
+
+    def kill_raylet(self, i: int) -> int:
+        """SIGKILL node i's raylet alone, and return its pid: the node's workers and agents are left to notice
+        on their own, as when a raylet crashes."""
+        pids = [p for p in _pids(self.ns(i)) if _comm(p) == "raylet"]
+        if len(pids) != 1:
+            raise RuntimeError(f"{self.ns(i)}: expected one raylet, found pids {pids}")
+        os.kill(pids[0], signal.SIGKILL)
+        return pids[0]
+
+    def processes(self, i: int) -> dict[int, str]:
+        """Node i's processes: pid -> command line (a Ray worker's names its actor, `ray::ServeReplica:...`)."""
+        out = {}
+        for pid in _pids(self.ns(i)):
+            try:
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except OSError:                       # exited meanwhile
+                pass
+        return out
 
     def down(self) -> None:
         """Kill every process in the node namespaces, delete the namespaces (their links go with them)."""
@@ -152,8 +186,11 @@ class NetnsCluster:
                 "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
 
     def exec(self, i: int, argv: list[str], timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.ns(i), *argv], capture_output=True, text=True,
-                              env=self.node_env(i), cwd=ROOT, timeout=timeout, **kw)
+        """`argv` in node i's namespace; its stdout and stderr captured unless `kw` says otherwise (stderr=None:
+        to this process's stderr)."""
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kw}
+        return subprocess.run(["ip", "netns", "exec", self.ns(i), *argv], text=True, env=self.node_env(i),
+                              cwd=ROOT, timeout=timeout, **pipes)
 
     def python(self, code: str, node: int = 0, timeout: float | None = 600) -> subprocess.CompletedProcess:
         """`python -c code` inside node `node`'s namespace, with RAY_ADDRESS set to the head."""
@@ -166,9 +203,20 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {res.stderr.strip()}")
 
 
+def _pids(ns: str) -> list[int]:
+    return [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+
+
+def _comm(pid: int) -> str:
+    """A process's name (the kernel's, e.g. `raylet`), or "" once it has exited."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _kill_all(ns: str) -> int:
-    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                           text=True).stdout.split()]
+    pids = _pids(ns)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
