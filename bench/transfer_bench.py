@@ -18,6 +18,15 @@ Every pull is checked byte-exact afterwards. Goals: NIXL >= 30% of the contiguou
 and transports in the one process; every consumer rank pulls its heads from the producer ranks that hold
 them (kvtransfer/tp_plan.py), the pull's time is until all are done. `descriptors_per_block` counts the
 READ descriptors of one block over all consumer ranks (1 for TP 1 -> 1).
+
+--cross-node (root): the NIXL pulls of step 3 between two nodes of a 3-node Ray cluster built from network
+namespaces (cluster/netns.py), producer on node 1 and consumer on node 2, against both on node 1, in one run
+with the same shapes, blocks and TP sizes. UCX_TLS is tcp unless --ucx-tls says otherwise, as
+`transfer.ucx_tls: tcp` sets it in a cluster: the namespaces share one kernel, so shared memory or cma would
+skip the network. Writes
+transfer_cross_node.json: per shape the prefill fields above, `same_node` and `cross_node` (each a pull
+result: gbps, pull_s, first_pull_s, byte_exact, node_ips [producer, consumer], ucx_tls, ...) and
+`cross_of_same` (cross-node GB/s over same-node GB/s); and transfer_cross_node.png.
 """
 from __future__ import annotations
 
@@ -25,9 +34,11 @@ import argparse
 import datetime as dt
 import gc
 import hashlib
+import json
 import os
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +51,8 @@ from bench.engine_bench import machine_info, make_logger, pyplot, save, write_re
 log = make_logger("transfer-bench")
 
 SHAPES = ("default", "llama-1b")
+# --cross-node: (producer, consumer) nodes of the 3-node namespace cluster; node 0, the head, runs the driver
+PLACEMENTS = {"same_node": (1, 1), "cross_node": (1, 2)}
 GOAL_OF_BOUND, GOAL_VS_FALLBACK, GOAL_OF_PREFILL = 0.30, 3.0, 0.10
 BLOCK_SIZE = 16
 
@@ -94,7 +107,8 @@ class Endpoint:
         return hashlib.blake2b(torch.cat(parts, 1).numpy().tobytes(), digest_size=16).hexdigest()
 
     def env(self) -> dict:
-        return {"UCX_TLS": os.environ.get("UCX_TLS"), "pid": os.getpid()}
+        import ray
+        return {"UCX_TLS": os.environ.get("UCX_TLS"), "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
 
 
 def _peer_metadata(agent: str) -> bytes:
@@ -155,17 +169,21 @@ def measure_copy_bound(num_blocks: int, block_shape: tuple[int, ...], repeats: i
 
 
 def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: tuple[int, ...],
-                      repeats: int, tps: tuple[int, int] = (1, 1)) -> dict:
+                      repeats: int, tps: tuple[int, int] = (1, 1), nodes: tuple[int, int] | None = None) -> dict:
+    """`nodes`: the producer's and the consumer's node in a NetnsCluster (its `baton_node_<i>` resources);
+    None: wherever Ray puts them."""
     import ray
     cache = 2 * num_blocks + 8
     rng = np.random.default_rng(2)
     src, dst = rng.permutation(cache)[:num_blocks].tolist(), rng.permutation(cache)[:num_blocks].tolist()
     actor = ray.remote(Endpoint)
-    names = [f"{p}-{kind}-{shape_name}".replace("_", "") for p in ("producer", "consumer")]
-    producer, consumer = (actor.options(name=n, num_cpus=0).remote(kind, n, (cache, *block_shape), i, tps[i])
-                          for i, n in enumerate(names))
+    where = f"-n{nodes[0]}n{nodes[1]}" if nodes else ""
+    names = [f"{p}-{kind}-{shape_name}{where}".replace("_", "") for p in ("producer", "consumer")]
+    producer, consumer = (
+        actor.options(name=n, num_cpus=0, resources={f"baton_node_{nodes[i]}": 0.01} if nodes else None)
+        .remote(kind, n, (cache, *block_shape), i, tps[i]) for i, n in enumerate(names))
     try:
-        env = ray.get(consumer.env.remote())
+        penv, env = ray.get([producer.env.remote(), consumer.env.remote()])
         times = []
         for i in range(repeats + 1):             # one at a time: the fallback's copies never pile up
             handoff, export_s = ray.get(producer.export.remote(f"pull-{i}", src))
@@ -181,7 +199,7 @@ def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: 
     return {"first_pull_s": times[0], "pull_s": statistics.median(times[1:]), "pull_s_min": min(times[1:]),
             "pull_s_all": times[1:], "byte_exact": exact, "producer_unpinned": released,
             "descriptors_per_block": descriptors_per_block(block_shape[0], *tps),
-            "ucx_tls": env["UCX_TLS"] if kind == "nixl" else None}
+            "ucx_tls": env["UCX_TLS"] if kind == "nixl" else None, "node_ips": [penv["node_ip"], env["node_ip"]]}
 
 
 def bench_shape(shape: str, tokens: int, repeats: int, tps: tuple[int, int] = (1, 1)) -> dict:
@@ -244,22 +262,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help="comma-separated: 'default' (SmolLM2-135M) and/or dummy shapes such as llama-1b")
     p.add_argument("--repeats", type=int, default=10, help="timed pulls per transport (default 10)")
-    p.add_argument("--ucx-tls", default=None, help="UCX_TLS for the NIXL actors (default: kvtransfer's choice)")
+    p.add_argument("--ucx-tls", default=None,
+                   help="UCX_TLS for the NIXL actors (default: kvtransfer's choice; tcp with --cross-node)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, default model only, 3 repeats")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/transfer",
                    help="directory for transfer.json and transfer.png (default bench_out/transfer)")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--producer-tp", type=int, default=1, help="the producer pool's TP size (default 1)")
     p.add_argument("--consumer-tp", type=int, default=1, help="the consumer pool's TP size (default 1)")
+    p.add_argument("--cross-node", action="store_true",
+                   help="NIXL pulls between two nodes of a 3-node Ray cluster in network namespaces against two "
+                        "processes on one node (needs root); writes transfer_cross_node.json and .png")
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.cross_node:
+        return run_cross_node(args)
     import ray
     started = time.perf_counter()
-    tokens, repeats = (256, 3) if args.quick else (args.tokens, args.repeats)
-    shapes = ["default"] if args.quick else [s.strip() for s in args.shapes.split(",") if s.strip()]
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens, repeats, shapes, out_dir = _sizes(args)
     env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
     ray.init(namespace="baton-bench-transfer", include_dashboard=False, log_to_driver=False,
              logging_level="WARNING", runtime_env={"env_vars": env} if env else None)
@@ -287,3 +308,117 @@ def run(args: argparse.Namespace) -> dict:
     log(f"goals: {result['goals']}")
     log(f"wrote {result['json_path']} and {result['plots']['gbps']} in {time.perf_counter() - started:.0f} s")
     return result
+
+
+def _sizes(args: argparse.Namespace) -> tuple[int, int, list[str], Path]:
+    """Tokens, repeats, shapes and the output directory (made) the arguments ask for."""
+    tokens, repeats = (256, 3) if args.quick else (args.tokens, args.repeats)
+    shapes = ["default"] if args.quick else [s.strip() for s in args.shapes.split(",") if s.strip()]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return tokens, repeats, shapes, out_dir
+
+
+# -- across nodes -----------------------------------------------------------------------------------
+def run_cross_node(args: argparse.Namespace) -> dict:
+    """--cross-node: the prefill (for the KV layout) here, then a 3-node namespace cluster whose head runs
+    `cross_node_pulls`; the cluster and its namespaces are removed whatever happens."""
+    from cluster.netns import NetnsCluster, unavailable
+    why = unavailable()
+    if why:
+        raise SystemExit(f"baton bench transfer --cross-node: {why}; it builds a Ray cluster from network "
+                         f"namespaces (cluster/netns.py), so run it as root on Linux")
+    started = time.perf_counter()
+    tokens, repeats, shapes, out_dir = _sizes(args)
+    ucx_tls = args.ucx_tls or "tcp"
+    per_shape: dict[str, dict] = {}
+    for shape in shapes:
+        log(f"{shape}: prefill of {tokens} tokens (for the KV layout)")
+        pre = measure_prefill(shape, tokens)
+        num_blocks = -(-tokens // BLOCK_SIZE)
+        per_shape[shape] = {**pre, "num_blocks": num_blocks, "bytes": num_blocks * pre["block_bytes"]}
+    cluster = NetnsCluster(nodes=3, name="baton-bench-xnode", subnet="10.79.0")
+    try:
+        log(f"starting a {cluster.nodes}-node Ray cluster in network namespaces {cluster.ns(0)}..{cluster.ns(2)}")
+        cluster.up()
+        layouts = {s: {k: r[k] for k in ("num_blocks", "kv_block_shape", "bytes")} for s, r in per_shape.items()}
+        tps = (args.producer_tp, args.consumer_tp)
+        code = (f"import json; from bench.transfer_bench import cross_node_pulls\n"
+                f"print('OUT' + json.dumps(cross_node_pulls({layouts!r}, {repeats}, {ucx_tls!r}, {tps!r})))")
+        res = cluster.exec(0, [sys.executable, "-c", code], timeout=1800, stderr=None)   # its progress: our stderr
+        lines = [x for x in res.stdout.splitlines() if x.startswith("OUT")]
+        if res.returncode != 0 or not lines:
+            raise RuntimeError(f"the pulls on the cluster failed (exit {res.returncode}; its error is above)")
+        pulls = json.loads(lines[-1][3:])
+    finally:
+        log("stopping the cluster, deleting its namespaces")
+        cluster.down()
+    for shape, r in per_shape.items():
+        r.update(pulls[shape])
+        r["cross_of_same"] = r["cross_node"]["gbps"] / r["same_node"]["gbps"]
+        log(f"{shape}: cross-node {r['cross_node']['gbps']:.2f} GB/s = {r['cross_of_same']:.0%} of same-node "
+            f"{r['same_node']['gbps']:.2f} GB/s (UCX_TLS={ucx_tls})")
+    result: dict[str, Any] = {
+        "benchmark": "transfer_cross_node", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "tokens": tokens, "repeats": repeats, "quick": args.quick, "ucx_tls": ucx_tls,
+        "producer_tp": args.producer_tp, "consumer_tp": args.consumer_tp,
+        "cluster": {"nodes": cluster.nodes, "ips": [cluster.ip(i) for i in range(cluster.nodes)],
+                    "placements": PLACEMENTS},
+        "method_notes": {
+            "placements": "(producer node, consumer node); the consumer pulls, so KV flows from the first to the "
+                          "second; node 0 (the head) runs the driver",
+            "pull_s": "median wall time of a blocking NIXL pull in the consumer actor (plus the producer's export), "
+                      "handshake excluded (first_pull_s includes it); blocks scattered on both sides",
+            "byte_exact": "the consumer's pulled blocks hash equal to the producer's (blake2b of their bytes)",
+            "cross_of_same": "cross-node GB/s over same-node GB/s, same UCX_TLS, shapes and blocks"},
+        "shapes": per_shape,
+    }
+    write_result(result, out_dir / "transfer_cross_node.json", {"gbps": ("transfer_cross_node.png", plot_cross_node)})
+    log(f"wrote {result['json_path']} and {result['plots']['gbps']} in {time.perf_counter() - started:.0f} s")
+    return result
+
+
+def cross_node_pulls(layouts: dict[str, dict], repeats: int, ucx_tls: str,
+                     tps: tuple[int, int] = (1, 1)) -> dict[str, dict]:
+    """In the head node's namespace: per shape, NIXL pulls between actors on the nodes of each placement."""
+    import ray
+    log = make_logger("transfer-bench on the head")       # this process's clock: it starts at 0 here
+    ray.init(namespace="baton-bench-transfer", log_to_driver=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"UCX_TLS": ucx_tls}})
+    out: dict[str, dict] = {}
+    try:
+        for shape, lay in layouts.items():
+            for where, nodes in PLACEMENTS.items():
+                log(f"{shape}: NIXL pulls, {where} (node {nodes[0]} -> node {nodes[1]}), UCX_TLS={ucx_tls}")
+                r = measure_transport("nixl", shape, lay["num_blocks"], tuple(lay["kv_block_shape"]), repeats,
+                                      tps, nodes)
+                r["gbps"] = lay["bytes"] / r["pull_s"] / 1e9
+                log(f"{shape}: {where} {r['gbps']:.2f} GB/s (median of {repeats}; first pull "
+                    f"{r['first_pull_s'] * 1e3:.0f} ms), {r['node_ips'][0]} -> {r['node_ips'][1]}, "
+                    f"exact {r['byte_exact']}")
+                out.setdefault(shape, {})[where] = r
+    finally:
+        ray.shutdown()
+    return out
+
+
+def plot_cross_node(result: dict, path: Path) -> None:
+    plt = pyplot()
+    shapes = list(result["shapes"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    w = 0.8 / len(PLACEMENTS)
+    for i, where in enumerate(PLACEMENTS):
+        vals = [result["shapes"][s][where]["gbps"] for s in shapes]
+        bars = ax.bar(np.arange(len(shapes)) + (i - (len(PLACEMENTS) - 1) / 2) * w, vals, w,
+                      label=where.replace("_", " ") + " (node {} -> node {})".format(*PLACEMENTS[where]))
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(np.arange(len(shapes)),
+                  [f"{s}\n{result['shapes'][s]['bytes'] / 1e6:.1f} MB, {result['tokens']} tokens" for s in shapes])
+    ax.set_ylabel("GB/s")
+    top = max(r[w]["gbps"] for r in result["shapes"].values() for w in PLACEMENTS)
+    ax.set_ylim(0, 1.25 * top)                                     # room for the legend above the bars
+    tp = (result["producer_tp"], result["consumer_tp"])
+    tps = f", TP {tp[0]} -> {tp[1]}" if tp != (1, 1) else ""
+    ax.set_title(f"KV of one request, NIXL over UCX_TLS={result['ucx_tls']}{tps}: across nodes vs within one")
+    ax.legend(fontsize=8, loc="upper center", ncols=2)
+    save(fig, path)

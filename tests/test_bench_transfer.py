@@ -1,9 +1,10 @@
 """`baton bench transfer --quick`: the KV transfer benchmark runs end to end, every pull is exact, and it
-writes its results."""
+writes its results; `--cross-node` does so between two nodes of a namespace cluster (root only)."""
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -31,3 +32,38 @@ def test_bench_transfer_quick(tmp_path):
     assert json.loads((tmp_path / "transfer.json").read_text())["shapes"] == result["shapes"]
     png = tmp_path / "transfer.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.bench
+def test_bench_transfer_cross_node(tmp_path):
+    from cluster.netns import unavailable
+    if why := unavailable():
+        pytest.skip(f"no network namespaces: {why}")
+    result = run_bench("transfer", "--cross-node", "--shapes", "default", "--tokens", "32", "--repeats", "2",
+                       "--out", str(tmp_path))
+    (shape,) = result["shapes"].values()
+    assert shape["num_blocks"] == 2 and shape["bytes"] == 2 * shape["block_bytes"]
+    assert result["ucx_tls"] == "tcp"                  # over the veth pairs, not shared memory
+    ips = result["cluster"]["ips"]
+    for where, (producer, consumer) in {"same_node": (1, 1), "cross_node": (1, 2)}.items():
+        r = shape[where]
+        assert r["node_ips"] == [ips[producer], ips[consumer]], where
+        assert r["byte_exact"] and r["gbps"] > 0 and r["ucx_tls"] == "tcp", where
+        assert r["producer_unpinned"] == result["repeats"] + 1 and len(r["pull_s_all"]) == result["repeats"], where
+    assert shape["cross_of_same"] == pytest.approx(shape["cross_node"]["gbps"] / shape["same_node"]["gbps"])
+    assert json.loads((tmp_path / "transfer_cross_node.json").read_text())["shapes"] == result["shapes"]
+    assert (tmp_path / "transfer_cross_node.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "baton-bench-xnode" not in listed, "the benchmark deletes its namespaces"
+
+
+def test_bench_transfer_cross_node_says_why_it_cannot_run(monkeypatch, tmp_path):
+    import cluster.netns
+    from bench import transfer_bench
+    from cli.main import build_parser
+    monkeypatch.setattr(cluster.netns, "unavailable", lambda: "creating network namespaces needs root")
+    args = build_parser("transfer").parse_args(["bench", "transfer", "--cross-node", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--cross-node: creating network namespaces needs root"):
+        transfer_bench.run(args)
