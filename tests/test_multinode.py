@@ -1,7 +1,8 @@
 """Past one machine: a real multi-node Ray cluster built from network namespaces (cluster/netns.py): a head node,
-a prefill node and two decode nodes, each with its own address, pools placed by Ray resources as the chart's
-worker groups place them. KV crosses nodes over NIXL/UCX on TCP; KV events cross to the router on the head;
-a decode node killed outright is replaced on the other one. Needs root; skips with the reason elsewhere."""
+a prefill node, a decode node and a spare that can take either pool, each with its own address, pools placed by
+Ray resources as the chart's worker groups place them. KV crosses nodes over NIXL/UCX on TCP; KV events cross to
+the router on the head; a decode node killed outright, and the prefill node's raylet killed alone, each have
+their pool replaced on the spare. Needs root; skips with the reason elsewhere."""
 from __future__ import annotations
 
 import json
@@ -11,13 +12,13 @@ import pytest
 
 from cluster.netns import NetnsCluster, unavailable
 from engine import LLM, SamplingParams
-from tests.conftest import CLUSTER_ENGINE
+from tests.conftest import CLUSTER_ENGINE, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1500),
               pytest.mark.skipif(unavailable() is not None, reason=f"no network namespaces: {unavailable()}")]
 
 PORT = 8751
-HEAD, PREFILL_NODE, DECODE_NODE, SPARE_NODE = 0, 1, 2, 3
+HEAD, PREFILL_NODE, DECODE_NODE, SPARE_NODE = 0, 1, 2, 3    # the spare joins after the app starts: see `nodes`
 CONFIG = {
     "port": PORT, "ingress": {"num_cpus": 0},
     "prefill": {"num_cpus": 0, "resources": {"baton_pool_prefill": 1}, "engine": CLUSTER_ENGINE},
@@ -25,6 +26,8 @@ CONFIG = {
     "disaggregation": {"min_remote_prefill_tokens": 16},
     "transfer": {"ucx_tls": "tcp"},          # across nodes: the network, not shared memory or cross-memory attach
 }
+# the head declares a node dead after 5 failed health checks: 1 s apart here, not 3 (each kill test waits for it)
+FAST_DEATH = {"RAY_health_check_period_ms": "1000"}
 PROMPT = [{"role": "user", "content": "Name three things a relay team practises before a race."}]
 
 
@@ -69,12 +72,37 @@ PLACEMENT = """
 import ray
 from ray._private import state       # the GCS's actor table (the public state API needs the dashboard)
 ray.init()
-out = {}
-for a in state.actors(actor_state_name="ALIVE").values():
-    for pool in ("prefill", "decode", "ingress"):
-        if (a["Name"] or "").startswith(f"SERVE_REPLICA::baton#{pool}#"):
-            out.setdefault(pool, []).append(a["Address"]["IPAddress"])
+
+def placement() -> dict:
+    out = {}
+    for a in state.actors(actor_state_name="ALIVE").values():
+        for pool in ("prefill", "decode", "ingress"):
+            if (a["Name"] or "").startswith(f"SERVE_REPLICA::baton#{pool}#"):
+                out.setdefault(pool, []).append(a["Address"]["IPAddress"])
+    return out
+out = placement()
 """
+
+
+def replaced(cluster: NetnsCluster, pool: str, ip: str, timeout_s: float = 300) -> None:
+    """Until the pool's one replica runs on `ip` and every deployment is healthy, all its replicas running (a
+    replica still starting when the test ends would be killed by the teardown)."""
+    out = on_head(cluster, PLACEMENT + f"""
+import time
+from ray import serve
+deadline = time.monotonic() + {timeout_s}
+while True:
+    deployments = serve.status().applications["baton"].deployments
+    out = {{"placed": placement(), "replicas": {{k: d.replica_states for k, d in deployments.items()}}}}
+    if out["placed"].get({pool!r}) == [{ip!r}] and all(d.status == "HEALTHY" and set(d.replica_states) == {{"RUNNING"}}
+                                                     for d in deployments.values()):
+        break
+    if time.monotonic() > deadline:
+        out["timeout"] = True
+        break
+    time.sleep(1)
+""", timeout=timeout_s + 120)
+    assert "timeout" not in out, f"{pool} not replaced on {ip}: {out}"
 
 
 def total(m: dict, metric: str, *labels: str) -> float:
@@ -105,10 +133,12 @@ def test_baton_dev_cluster_builds_and_removes_a_multi_node_cluster():
 
 @pytest.fixture(scope="module")
 def nodes():
-    cluster = NetnsCluster(nodes=4, name="baton-test-mn", subnet="10.78.0", cpus_per_node=2,
+    """The spare node, which has both pools' resources, joins once the app runs: the pools start on their own
+    nodes, and each kill test (in either order) has a node to move its pool to."""
+    cluster = NetnsCluster(nodes=4, name="baton-test-mn", subnet="10.78.0", cpus_per_node=2, env=FAST_DEATH,
                            resources={PREFILL_NODE: {"baton_pool_prefill": 1}, DECODE_NODE: {"baton_pool_decode": 1},
-                                      SPARE_NODE: {"baton_pool_decode": 1}})
-    cluster.up()
+                                      SPARE_NODE: {"baton_pool_prefill": 1, "baton_pool_decode": 1}})
+    cluster.up(ray_nodes=SPARE_NODE)
     try:
         on_head(cluster, f"""
             from cluster.config import ClusterConfig
@@ -116,25 +146,31 @@ def nodes():
             start(ClusterConfig.from_dict({CONFIG!r}))
             out = True
         """, timeout=900)
+        cluster.start_node(SPARE_NODE)
+        cluster.wait_nodes(SPARE_NODE + 1)
         yield cluster
     finally:
         cluster.down()
 
 
-def test_pools_on_their_nodes_serve_the_offline_text_with_kv_over_the_network(nodes):
+@pytest.fixture(scope="module")
+def offline_text() -> str:
+    return LLM(None, **CLUSTER_ENGINE).chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text
+
+
+def test_pools_on_their_nodes_serve_the_offline_text_with_kv_over_the_network(nodes, offline_text):
     placement = on_head(nodes, PLACEMENT)
     assert placement["prefill"] == [nodes.ip(PREFILL_NODE)]
-    assert placement["decode"][0] in (nodes.ip(DECODE_NODE), nodes.ip(SPARE_NODE))
-    want = LLM(None, **CLUSTER_ENGINE).chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text
+    assert placement["decode"] == [nodes.ip(DECODE_NODE)]
     before = on_head(nodes, METRICS)
-    assert chat(nodes)["text"] == want
+    assert chat(nodes)["text"] == offline_text
     after = on_head(nodes, METRICS)
     pulled = total(after, "baton_kv_transfer_bytes_total", 'pool="decode"') - \
         total(before, "baton_kv_transfer_bytes_total", 'pool="decode"')
     assert pulled > 0, "the prompt's KV went from the prefill node to the decode node"
     # the same prompt again: the router on the head predicts what the chosen replica caches from the KV events
     # its node sent (the decode replica now holds the prompt, so it may prefill the rest itself)
-    assert chat(nodes)["text"] == want
+    assert chat(nodes)["text"] == offline_text
     again = on_head(nodes, METRICS)
     exact = total(again, "baton_router_cache_predictions_total", 'outcome="exact"') - \
         total(after, "baton_router_cache_predictions_total", 'outcome="exact"')
@@ -143,13 +179,23 @@ def test_pools_on_their_nodes_serve_the_offline_text_with_kv_over_the_network(no
     assert exact >= 1 and predicted > 0, "the index on the head knows what the other nodes cache"
 
 
-def test_a_decode_node_killed_outright_is_replaced_on_the_other(nodes):
-    placement = on_head(nodes, PLACEMENT)
-    (ip,) = placement["decode"]
-    victim = DECODE_NODE if ip == nodes.ip(DECODE_NODE) else SPARE_NODE
-    other = SPARE_NODE if victim == DECODE_NODE else DECODE_NODE
-    assert nodes.kill_node(victim) > 0
-    nodes.wait_nodes(3)
-    out = chat(nodes, retry_s=300)
-    assert "text" in out, out
-    assert on_head(nodes, PLACEMENT)["decode"] == [nodes.ip(other)]
+def test_a_decode_node_killed_outright_is_replaced_on_the_spare(nodes, offline_text):
+    assert on_head(nodes, PLACEMENT)["decode"] == [nodes.ip(DECODE_NODE)]
+    alive = nodes.alive()
+    assert nodes.kill_node(DECODE_NODE) > 0
+    nodes.wait_nodes(alive - 1)
+    replaced(nodes, "decode", nodes.ip(SPARE_NODE))
+    assert chat(nodes, retry_s=60) == {"text": offline_text}
+
+
+def test_a_raylet_killed_alone_has_its_nodes_replicas_replaced_on_the_spare(nodes, offline_text):
+    """Only the prefill node's raylet dies: the node's workers (its replicas among them) exit with it, the head
+    declares the node dead, and Serve starts the prefill replica again on the spare."""
+    assert on_head(nodes, PLACEMENT)["prefill"] == [nodes.ip(PREFILL_NODE)]
+    alive = nodes.alive()
+    nodes.kill_raylet(PREFILL_NODE)
+    nodes.wait_nodes(alive - 1)
+    wait_for(lambda: not [c for c in nodes.processes(PREFILL_NODE).values() if c.startswith("ray::ServeReplica")],
+             60, "the dead node's replica processes to exit")
+    replaced(nodes, "prefill", nodes.ip(SPARE_NODE))
+    assert chat(nodes, retry_s=60) == {"text": offline_text}
