@@ -187,3 +187,26 @@ def test_rope_write_kv_equals_rotate_then_scatter():
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_attention.rope_write_kv(qkv.clone(), cos.view(t, -1), sin.view(t, -1), *views[1],
                                     torch.tensor([0, 1, 2, 3, 64]), heads, kv_heads)
+
+
+def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_process():
+    """A replica SIGKILLed while loading a kernel leaves torch cpp_extension's lock file in the build directory,
+    and load() waits on that lock even when nothing needs building. A later process imports the built module
+    directly instead of hanging (as every engine start on the machine would)."""
+    import subprocess
+    import sys
+
+    from engine.cpp_build import CFLAGS, build_key
+    from engine.loader import cache_dir
+    from tests.conftest import ROOT
+    assert cpu_attention._load() is not None                          # built (and marked whole) by now
+    key = build_key("baton_cpu_attention", cpu_attention.SOURCE, CFLAGS)
+    lock = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{key}" / "lock"
+    lock.touch()
+    try:
+        res = subprocess.run([sys.executable, "-c", "from engine import cpu_attention\n"
+                              "assert cpu_attention._load() is not None"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-2000:]
+    finally:
+        lock.unlink(missing_ok=True)
