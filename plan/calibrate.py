@@ -1,11 +1,14 @@
 """`baton plan calibrate`: a LinearCost for this machine from the engine's own step timings.
 
-1. Steps: the real engine (the cluster config's pool engine, as a replica builds it) runs a grid of batches:
+1. Steps: the real engine (the cluster config's pool engine, as a replica builds it, on the torch threads Ray
+   gives a replica: OMP_NUM_THREADS is its whole CPUs, 1 with none) runs a grid of batches:
    prompts alone and behind a cached prefix (prefill chunks), and decode batches of 1 to 32 sequences at short
    and long contexts. Each step's shape (the scheduler's batch) and its time are recorded; least squares fits
    step = c0 + c_tok T + c_attn A + c_seq S (plan/cost.py).
 2. Contention: the same decode batches again while another process runs prompts on its own engine; the
-   slowdown says how much two replicas sharing these cores slow each other (`contention`).
+   slowdown says how much two replicas sharing these cores slow each other (`contention`). Step 3 measures it
+   again where it matters, served: streams' token gaps while the prefill replica computes long prompts (the
+   ingress, the proxy and the client share the cores too), and keeps that figure.
 3. Overheads: a local disaggregated cluster (1 prefill + 1 decode replica) serves requests one at a time through
    the HTTP API, then 8 at once; TTFT minus the fitted prefill step is the ingress overhead (`request_s`), the
    first token gap minus the pull and the decode step the hand-off overhead (`handoff_s`), and the token gaps
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -72,25 +76,33 @@ def grid(engine, rng: np.random.Generator, log: Callable[[str], None], quick: bo
         rows += step_timings(engine, [prefix + rng.integers(*VOCAB, n).tolist()], 1)
     log(f"prefill: {len(rows)} steps")
     for ctx in (32, 512) if quick else (32, 256, 1024):        # decode batches (their prompts' steps count too)
-        for b in (1, 4, 16) if quick else (1, 2, 4, 8, 16, 32):
+        for b in (1, 4, 16) if quick or ctx > 512 else (1, 2, 4, 8, 16, 32):
             rows += step_timings(engine, [rng.integers(*VOCAB, ctx).tolist() for _ in range(b)], 8 if quick else 16)
         log(f"decode at context {ctx}: {len(rows)} steps")
     return rows
 
 
-def _busy_neighbour(config, stop) -> None:
+def replica_threads(num_cpus: float) -> int:
+    """The torch threads a replica runs with: Ray sets OMP_NUM_THREADS to its whole CPUs, 1 when it has none."""
+    return max(int(num_cpus), 1)
+
+
+def _busy_neighbour(config, stop, threads: int) -> None:
     """Another replica's work on the same cores: prompts on an engine of its own until told to stop."""
+    import torch
+    torch.set_num_threads(threads)
     engine = _engine(config)
     rng = np.random.default_rng(1)
     while not stop.is_set():
         step_timings(engine, [rng.integers(*VOCAB, 512).tolist()], 1)
 
 
-def contention(config, engine, cost: LinearCost, rng: np.random.Generator, log: Callable[[str], None]) -> float:
+def contention(config, engine, cost: LinearCost, rng: np.random.Generator, log: Callable[[str], None],
+               threads: int) -> float:
     """(decode step time with a busy neighbour / alone - 1), from the fitted cost of the same steps."""
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    p = ctx.Process(target=_busy_neighbour, args=(config, stop), daemon=True)
+    p = ctx.Process(target=_busy_neighbour, args=(config, stop, threads), daemon=True)
     p.start()
     try:
         time.sleep(15)                                         # its engine loads, then it computes
@@ -114,11 +126,15 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     rng = np.random.default_rng(2)
     alone = [Req(rng.integers(*VOCAB, 256).tolist(), 16, at=2.0 * i) for i in range(6)]
     together = [Req(rng.integers(*VOCAB, 64).tolist(), 48) for _ in range(8)]
+    # 4 streams decoding while the prefill replica computes two 1,024-token prompts
+    mixed = [Req(rng.integers(*VOCAB, 64).tolist(), 96) for _ in range(4)] + \
+        [Req(rng.integers(*VOCAB, 1024).tolist(), 2, at=1.5 + 0.1 * i) for i in range(2)]
 
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
-        return asyncio.run(drive(base, model, alone))[0], asyncio.run(drive(base, model, together))[0]
-    one, eight = with_cluster(serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
+        return [asyncio.run(drive(base, model, reqs))[0] for reqs in (alone, together, mixed)]
+    one, eight, busy = with_cluster(serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64),
+                                    work)
     ok = [r for r in one if r.ok and r.ttft is not None and len(r.itls) > 2]
     batch = [r for r in eight if r.ok and len(r.itls) > 8]
     if not ok or not batch:
@@ -135,6 +151,20 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     ov.token_s = token_s
     ov.request_s = max(float(np.median([r.ttft for r in ok])) - prefill, 0.0)
     ov.handoff_s = max(float(np.median([r.itls[0] for r in ok])) - step1 - ov.step_s - ov.token_s - pull, 0.0)
+    # contention, served: the streams' gaps while both prompts prefill, against the same gaps predicted alone
+    long_start = min(r.at for r in mixed[4:])
+    long_end = long_start + 2 * cost.step_s(Batch(1024, attention_pairs(1024, 0), 1, 1024))
+    gaps = []
+    for r, res in zip(mixed[:4], busy[:4]):
+        if res.ok and res.ttft is not None:
+            t = r.at + res.ttft + np.cumsum(res.itls)
+            gaps += [g for g, end in zip(res.itls, t) if long_start + 0.2 < end < long_end]
+    if gaps:
+        alone_gap = cost.step_s(Batch(4, 4 * 100, 4, 4 * 100)) + ov.step_s + 4 * ov.token_s
+        served = max(float(np.median(gaps)) / alone_gap - 1.0, 0.0)
+        log(f"served contention: stream gaps {np.median(gaps) * 1e3:.1f} ms while the prefill replica computes, "
+            f"{alone_gap * 1e3:.1f} ms alone: {served:.2f} per busy neighbour (the engines' own: {cost.contention:.2f})")
+        cost.contention = served
     log(f"overheads: request {ov.request_s * 1e3:.1f} ms, hand-off {ov.handoff_s * 1e3:.1f} ms; served gaps "
         f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {step1 * 1e3:.1f} and "
         f"{step8 * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
@@ -144,8 +174,12 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
 def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,
               transfer_gbps: float = 5.5) -> tuple[LinearCost, dict[str, Any]]:
     from bench.cluster_bench import serve_config
+    import torch
     cfg = serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, model=model)
     config = cfg.engine_config("decode")
+    threads = replica_threads(cfg.decode.num_cpus)          # time steps as a replica runs them
+    torch.set_num_threads(threads)
+    log(f"engine steps on {threads} thread(s), as a replica with num_cpus {cfg.decode.num_cpus} runs them")
     engine = _engine(config)
     kv_bytes_per_token = engine.runner.block_bytes // config.block_size
     rng = np.random.default_rng(0)
@@ -154,14 +188,15 @@ def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve:
     cost = LinearCost.fitted(rows, kv_bytes_per_token, shared_device=True,
                              overheads=Overheads(transfer_gbps=transfer_gbps), name="this machine (calibrated)")
     log(f"fit over {len(rows)} steps: step = {cost.c0 * 1e3:.2f} ms + {cost.c_tok * 1e6:.1f} us/token + "
-        f"{cost.c_attn * 1e9:.2f} ns/pair + {cost.c_seq * 1e6:.1f} us/seq (median error "
+        f"{cost.c_attn * 1e9:.2f} ns/pair + {cost.c_ctx * 1e9:.1f} ns/context token + {cost.c_seq * 1e6:.1f} us/seq (median error "
         f"{cost.fit['median_rel_error']:.1%}, p90 {cost.fit['p90_rel_error']:.1%})")
-    cost.contention = contention(config, engine, cost, rng, log)
+    cost.contention = contention(config, engine, cost, rng, log, threads)
+    cost.cores, cost.threads = os.cpu_count() or 1, threads
     engine.shutdown()
     if serve:
         cost.overheads = overheads(cost.overheads, cost, log)
     info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
-            "engine": {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
+            "threads": threads, "engine": {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
                        "max_num_batched_tokens": config.max_num_batched_tokens}}
     return cost, info
 

@@ -8,9 +8,11 @@ A step's time is a function of what the scheduler put in it (engine/scheduler.py
 Two models answer it:
 
 - LinearCost, calibrated on this machine (`baton plan calibrate`: the real engine's step timings over a grid of
-  batches, fitted by least squares): step = c0 + c_tok T + c_attn A + c_seq S. On a CPU the replicas of one
+  batches, fitted by least squares): step = c0 + c_tok T + c_attn A + c_ctx C + c_seq S (a prompt's attention
+  is compute, pairs; a decode's is reading its context's KV). On a CPU the replicas of one
   machine share its cores (`shared_device`): a step that starts while k other engines are busy takes
-  1 + contention x k times as long (contention measured too).
+  max(1, (k + 1) x threads / cores) x (1 + contention x k) times as long: the cores shared out, and the
+  interference of a busy neighbour on a core of its own (memory bandwidth, caches; measured).
 - RooflineCost, for a GPU that was never measured: FLOPs (2 x parameters per token, 4 x layers x heads x
   head_dim per attention pair) at a fraction of peak, against the bytes read (the weights once per step, the
   context's KV) at a fraction of HBM bandwidth; the slower wins, plus a fixed per-step overhead. Presets for
@@ -56,26 +58,29 @@ class Overheads:
 
 @dataclass
 class LinearCost:
-    """step = c0 + c_tok T + c_attn A + c_seq S, calibrated from the engine's step timings on one machine."""
+    """step = c0 + c_tok T + c_attn A + c_ctx C + c_seq S, calibrated from the engine's step timings on one machine."""
     c0: float
     c_tok: float
     c_attn: float
     c_seq: float
     kv_bytes_per_token: int
+    c_ctx: float = 0.0
     overheads: Overheads = field(default_factory=Overheads)
     shared_device: bool = False    # the replicas of this machine share its compute (CPU cores)
     contention: float = 1.0        # with shared_device: a step takes 1 + contention x (other busy engines) as long
+    cores: int = 0                 # with shared_device: the machine's cores (0: not modelled) ...
+    threads: int = 1               # ... and each engine's threads: k busy engines share the cores (k x threads / cores)
     name: str = "calibrated"
     fit: dict[str, Any] = field(default_factory=dict)     # how good the fit was (residuals), for the record
     kind: str = "linear"
 
     def step_s(self, b: Batch) -> float:
-        return self.c0 + self.c_tok * b.tokens + self.c_attn * b.pairs + self.c_seq * b.seqs
+        return self.c0 + self.c_tok * b.tokens + self.c_attn * b.pairs + self.c_ctx * b.context + self.c_seq * b.seqs
 
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first."""
-        ctx = context + batch * np.arange(k, dtype=np.float64)
-        return self.c0 + (self.c_tok + self.c_seq) * batch + self.c_attn * ctx
+        ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)        # each step reads its new token too
+        return self.c0 + (self.c_tok + self.c_seq) * batch + (self.c_attn + self.c_ctx) * ctx
 
     def kv_tokens(self, kv_cache_memory: int | float | None, num_kv_blocks: int | None, block_size: int) -> int:
         """Tokens one replica's KV cache holds (the engine's own rule: blocks, else bytes; a fraction needs a GPU)."""
@@ -92,20 +97,21 @@ class LinearCost:
     def fitted(cls, rows: list[tuple[Batch, float]], kv_bytes_per_token: int, **kw: Any) -> LinearCost:
         """Least squares over measured (batch, seconds), coefficients kept non-negative (a negative one is
         dropped and the rest refitted), so extrapolation never predicts a faster step for more work."""
-        x = np.array([[1.0, b.tokens, b.pairs, b.seqs] for b, _ in rows])
+        x = np.array([[1.0, b.tokens, b.pairs, b.seqs, b.context] for b, _ in rows])
         y = np.array([s for _, s in rows])
-        keep = [0, 1, 2, 3]
+        keep = [0, 1, 2, 3, 4]
         while True:
             coef, *_ = np.linalg.lstsq(x[:, keep] / y[:, None], np.ones(len(y)), rcond=None)   # relative error
             if (coef >= 0).all():
                 break
             keep.pop(int(np.argmin(coef)))
-        full = np.zeros(4)
+        full = np.zeros(5)
         full[keep] = coef
         pred = x @ full
         rel = np.abs(pred - y) / y
         fit = {"steps": len(rows), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90))}
-        return cls(*map(float, full), kv_bytes_per_token=kv_bytes_per_token, fit=fit, **kw)
+        c0, c_tok, c_attn, c_seq, c_ctx = map(float, full)
+        return cls(c0, c_tok, c_attn, c_seq, kv_bytes_per_token=kv_bytes_per_token, c_ctx=c_ctx, fit=fit, **kw)
 
 
 # -- GPUs and models for the roofline -----------------------------------------------------------------
@@ -174,7 +180,7 @@ class RooflineCost:
         return max(flops / (self.peak * self.mfu), read / (self.bandwidth * self.mbu)) + self.step_overhead_s
 
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
-        ctx = context + batch * np.arange(k, dtype=np.float64)
+        ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)
         flops = self.flops_per_token * batch + self.flops_per_pair * ctx
         read = self.params * self.weight_bytes_per_param + self.kv_bytes_per_token * ctx
         return np.maximum(flops / (self.peak * self.mfu), read / (self.bandwidth * self.mbu)) + self.step_overhead_s

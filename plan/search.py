@@ -138,22 +138,23 @@ class Planner:
 
 
 def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: float, plan: dict, slo, min_remote: int,
-            startup_s: float, hours: float, seed: int, log) -> dict[str, Any]:
-    """A day on the diurnal curve: the plan's fixed size against both pools autoscaling up to it x 1.5."""
+            startup_s: float, hours: float, seed: int, log, queued_s: float = 0.5) -> dict[str, Any]:
+    """A day on the diurnal curve: the plan's fixed size against both pools autoscaling up to it x 1.5, the
+    prefill pool's queued-token target `queued_s` of prefill per replica."""
     day = from_mooncake(day_of(rows, peak_rps, hours=hours, seed=seed))
     log(f"day: {len(day):,} requests over {hours:g} h (peak {peak_rps:g} req/s)")
     p, d = plan["disaggregated"]["prefill"], plan["disaggregated"]["decode"]
     scale = {"min_replicas": 1, "upscale_delay_s": 30, "downscale_delay_s": 600, "cooldown_s": startup_s + 30,
              "look_back_period_s": 60, "metrics_interval_s": 10}
     budget = engine.get("max_num_batched_tokens", 2048)
-    half_second = int(0.5 * budget / cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget)))
+    queued = int(queued_s * budget / cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget)))
     out = {}
     # the pools scale on their load signals (utilisation, queued prompt tokens, KV, running sequences), not on
     # p90 latency: at a plan sized for 90% attainment the p90 TTFT sits at the SLO, which would hold the pools
     # at their maximum all day (the first day run showed it)
     for name, auto in (("fixed", None), ("autoscaled", {
             "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0,
-                        "target_queued_prefill_tokens": max(half_second, 1)},     # the knob's meaning, this GPU
+                        "target_queued_prefill_tokens": max(queued, 1)},      # seconds of this GPU's prefill
             "decode": {**scale, "max_replicas": math.ceil(d * 1.5), "initial_replicas": 1, "itl_slo_s": 0}})):
         t = time.perf_counter()
         sim = Simulator(cluster("disaggregated", p, d, engine, min_remote, auto), cost, seed=seed,
@@ -249,6 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--day", action="store_true", help="also a day of the trace on a diurnal curve peaking at --rps, "
                                                       "fixed at the plan against autoscaled")
     p.add_argument("--day-hours", type=float, default=24.0)
+    p.add_argument("--queued-target-s", type=float, default=0.5,
+                   help="day: the prefill pool's target_queued_prefill_tokens as seconds of one replica's prefill "
+                        "(default 0.5, the knob's default meaning)")
     p.add_argument("--startup-s", type=float, default=120.0, help="a new replica's start-up (default 120 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
@@ -302,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
     plots = {"plan": plot}
     if args.day:
         result["day"] = day_run(rows, cost, engine, rps, plan, slo, args.min_remote_prefill_tokens, args.startup_s,
-                                args.day_hours, args.seed, log)
+                                args.day_hours, args.seed, log, args.queued_target_s)
         plots["day"] = plot_day
     result["seconds_taken"] = time.perf_counter() - started
     out_dir = Path(args.out_dir)

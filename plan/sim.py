@@ -516,15 +516,18 @@ class Simulator:
         heapq.heappush(self.queue, (t, self.n, fn))
 
     def slowdown(self, engine: Engine) -> float:
-        """Replicas sharing one machine's compute (LinearCost.shared_device): a step started while k engines are
-        busy takes k x as long; the others' decode runs are cut so that their next steps see it too."""
+        """Replicas sharing one machine's compute (LinearCost.shared_device): a step started while k other engines
+        are busy shares the cores with them and meets their interference (plan/cost.py); the others' decode runs
+        are cut so that their next steps see it too."""
         if not self.cost.shared_device:
             return 1.0
         busy = [e for p in self.pools for e in self.engines[p] if e.busy and e is not engine]
         for e in busy:
             if e.run is not None:
                 e._cut()
-        return 1.0 + getattr(self.cost, "contention", 1.0) * len(busy)
+        k = len(busy)
+        share = max(1.0, (k + 1) * self.cost.threads / self.cost.cores) if self.cost.cores else 1.0
+        return share * (1.0 + self.cost.contention * k)
 
     def live(self, pool: str) -> dict[str, Engine]:
         return {e.rid: e for e in self.engines[pool] if e.ready_at <= self.now and not e.stopping}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -93,7 +94,10 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         t = time.perf_counter()
         sim = simulate(config, cost, from_reqs(reqs, bs), slo, warm=from_reqs(warm, bs))
         sim_s = time.perf_counter() - t
-        measured = measure(config, warm, reqs, slo) if not args.simulate_only else None
+        if args.measured:                                # a previous run's live figures (same cases and flags)
+            measured = json.loads(Path(args.measured).read_text())["cases"][name]["measured"]
+        else:
+            measured = measure(config, warm, reqs, slo) if not args.simulate_only else None
         sim.pop("timeline")
         sim.pop("ttft_points")
         err = errors(measured, sim) if measured else None
@@ -144,6 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-itl-ms", type=float, default=200.0)
     p.add_argument("--simulate-only", action="store_true", help="no live runs: the simulator's figures only")
+    p.add_argument("--measured", default=None, help="take the live figures from this earlier validate.json (same "
+                                                    "cases and workload flags) instead of measuring again")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
     p.add_argument("--json", action="store_true")
 
@@ -159,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stdout(sys.stderr):
-        if not args.simulate_only:
+        if not (args.simulate_only or args.measured):
             ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
                      namespace="baton-plan-validate")
         try:
