@@ -154,23 +154,16 @@ def build_parser(bench: str | None = None, plan: str | None = None) -> argparse.
                     help="print the Serve config (serve deploy / serveConfigV2) of this cluster and exit")
     sv.set_defaults(fn=_serve)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON out, PNG plots)")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    for name, (module_name, text) in BENCHES.items():
-        sp = bsub.add_parser(name, help=text, add_help=name == bench)
-        if name == bench:
-            module = importlib.import_module(module_name)
-            module.add_arguments(sp)
-            sp.set_defaults(fn=_bench, bench_fn=module.run)
-
-    pl = sub.add_parser("plan", help="size a cluster with the discrete-event simulator (plan/sim.py)")
-    plsub = pl.add_subparsers(dest="plan", required=True)
-    for name, (module_name, text) in PLANS.items():
-        sp = plsub.add_parser(name, help=text, add_help=name == plan)
-        if name == plan:
-            module = importlib.import_module(module_name)
-            module.add_arguments(sp)
-            sp.set_defaults(fn=_bench, bench_fn=module.run)
+    for command, text, table, chosen in (("bench", "benchmarks (JSON out, PNG plots)", BENCHES, bench),
+                                         ("plan", "size a cluster with the discrete-event simulator (plan/sim.py)",
+                                          PLANS, plan)):
+        group = sub.add_parser(command, help=text).add_subparsers(dest=command, required=True)
+        for name, (module_name, text) in table.items():
+            sp = group.add_parser(name, help=text, add_help=name == chosen)
+            if name == chosen:                       # only the command that runs imports its module
+                module = importlib.import_module(module_name)
+                module.add_arguments(sp)
+                sp.set_defaults(fn=_bench, bench_fn=module.run)
 
     d = sub.add_parser("dev", help="development tools")
     dsub = d.add_subparsers(dest="dev", required=True)
