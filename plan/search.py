@@ -33,7 +33,8 @@ from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake
 def cluster(mode: str, prefill: int, decode: int, engine: dict[str, Any], min_remote: int,
             autoscaling: dict[str, dict] | None = None) -> ClusterConfig:
     d: dict[str, Any] = {"mode": mode, "decode": {"engine": engine},
-                         "disaggregation": {"min_remote_prefill_tokens": min_remote}}
+                         "disaggregation": {"min_remote_prefill_tokens": min_remote},
+                         "admission": {"enabled": False}}     # sized for the demand: every request served
     if mode == "disaggregated":
         d["prefill"] = {"engine": engine}
     for pool, n in (("prefill", prefill), ("decode", decode)):

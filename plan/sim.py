@@ -8,6 +8,7 @@ What runs is Baton's own code where the decision is Baton's:
 - where a prompt is prefilled: router.orchestrator.prefill_remotely;
 - autoscaling: cluster.autoscaling's CoupledPolicy / PoolPolicy, called with the AutoscalingContext Serve's
   controller builds, on the metrics EngineReplica reports, averaged over look_back_period_s;
+- admission control: router.admission.Admission on the simulator's clock (429s counted, not served);
 - the cluster: one ClusterConfig (mode, pools, engine knobs, router, disaggregation, autoscaling).
 
 What is modelled: an engine is the scheduler's rule (engine/scheduler.py) on block counts instead of tensors:
@@ -19,7 +20,8 @@ says. Steps that only decode are simulated as one run until a sequence finishes 
 is cut at the step in progress), so a day of trace over 1,000 GPUs takes minutes.
 
 Left out, on purpose: LoRA, speculative decoding, the host KV tier, failures and migration, admission
-control (429s); KV events reach the index at once (the real index lags by index_sync_interval_s).
+control's several ingress replicas (one holds the whole budget here); KV events reach the index at once (the
+real index lags by index_sync_interval_s).
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ from engine.sampling_params import SamplingParams
 from plan.cost import Batch, Cost, attention_pairs
 from replica.messages import PoolRequest
 from replica.names import DECODE, POOLS, PREFILL
+from router.admission import Admission
+from router.openai_protocol import OpenAIError
 from router.orchestrator import prefill_remotely
 from router.prefix_index import PrefixIndex
 from router.request_routers import DecodeRouter, PrefixAwareRouter
@@ -60,6 +64,8 @@ class SimRequest:
     last: float | None = None
     tokens: int = 0
     itl_sum: float = 0.0
+    rejected: bool = False       # admission control answered 429
+    ticket: Any = None           # its admission ticket
 
     @property
     def ttft(self) -> float | None:
@@ -343,6 +349,8 @@ class Engine:
             r.itl_sum += float(ends[-1] - ends[0])
             r.tokens += k
             r.last = start + float(ends[-1])
+            if r.ticket is not None:
+                r.ticket.progress(0, k)
             if s.out <= 0:
                 self._done(s)
         self.itls.append((start + float(ends[-1]), float(steps[-1])))
@@ -383,6 +391,8 @@ class Engine:
             self.itls.append((now, gap))
         r.last = now
         r.tokens += 1
+        if r.ticket is not None:
+            r.ticket.progress(0, 1)
         seq.out -= 1
         if seq.out <= 0:
             self._done(seq)
@@ -485,6 +495,12 @@ class Simulator:
             for _ in range(n):
                 self._add_engine(p, ready=0.0)
         self.scaler = _Scaler(self) if any(self._pool(p).autoscaling for p in self.pools) else None
+        self.admission = Admission(config.admission, self._kv_capacity, clock=self._clock) \
+            if config.admission.enabled else None
+
+    def _kv_capacity(self) -> int:
+        """Tokens the decode pool's KV caches hold (the ingress's Orchestrator.kv_capacity_tokens)."""
+        return sum(e.kv.total for e in self.live(DECODE).values()) * self.block_size
 
     # -- config ----------------------------------------------------------------------------------------
     def _pool(self, pool: str):
@@ -534,9 +550,19 @@ class Simulator:
 
     # -- the request path ------------------------------------------------------------------------------
     def arrive(self, r: SimRequest) -> None:
-        """The ingress: at r.at + request_s the prompt goes to the prefill pool or a decode replica."""
+        """The ingress: at r.at + request_s admission control (router/admission.py, when enabled) takes the
+        request or answers 429; the prompt then goes to the prefill pool or a decode replica."""
         hashes = r.hashes
         decode_hit = max(self.index_of(DECODE).match(hashes).values(), default=0)
+        if self.admission is not None:
+            cached = max((max(idx.match(hashes).values(), default=0) for idx in self.mirror.index.values()),
+                         default=0) * self.block_size
+            try:
+                r.ticket = self.admission.admit([max(r.prompt - cached, 0)], [r.prompt], 1)
+            except OpenAIError:
+                r.rejected = True
+                self.finished(r)
+                return
         if not self.colocated and prefill_remotely(r.prompt, decode_hit, self.block_size,
                                                    self.cfg.disaggregation.min_remote_prefill_tokens):
             engine = self._route(PREFILL, r, prefill=False)
@@ -587,6 +613,8 @@ class Simulator:
         self.itl_hist[min(max(np.searchsorted(ITL_BINS, gap) - 1, 0), len(self.itl_hist) - 1)] += 1
 
     def finished(self, r: SimRequest) -> None:
+        if r.ticket is not None:
+            r.ticket.release(0)
         self.done.append(r)
 
     # -- run -------------------------------------------------------------------------------------------
@@ -747,6 +775,7 @@ def summarize(requests: list[SimRequest], sim: Simulator, slo: tuple[float, floa
                            "replica_seconds": {p: round(v, 1) for p, v in sim.replica_seconds.items()}}
     q = sum(v[0] for v in sim.hits.values())
     out["prefix_hit_rate"] = sum(v[1] for v in sim.hits.values()) / q if q else None
+    out["rejected_429"] = sum(r.rejected for r in requests)
     if slo is not None:
         good = [r for r in done if r.ttft <= slo[0] and (r.mean_itl is None or r.mean_itl <= slo[1])]
         out["goodput_rps"] = len(good) / wall if wall else 0.0

@@ -25,7 +25,7 @@ def config(mode: str = "disaggregated", prefill: int = 1, decode: int = 1, polic
            kv_blocks: int = 512, min_remote: int = 0, **extra) -> ClusterConfig:
     engine = {"num_kv_blocks": kv_blocks, "max_model_len": 4096}
     d = {"mode": mode, "decode": {"num_replicas": decode, "engine": engine}, "router": {"policy": policy},
-         "disaggregation": {"min_remote_prefill_tokens": min_remote}, **extra}
+         "disaggregation": {"min_remote_prefill_tokens": min_remote}, "admission": {"enabled": False}, **extra}
     if mode == "disaggregated":
         d["prefill"] = {"num_replicas": prefill, "engine": engine}
     return ClusterConfig.from_dict(d)
@@ -218,3 +218,16 @@ def test_baton_plan_validate_simulates_the_bench_workloads_it_compares(tmp_path,
     assert set(cases) == {"replay", "tenants", "tenants_pow2"}
     assert cases["replay"]["simulated"]["completed"] == 12 and cases["replay"]["measured"] is None
     assert cases["tenants"]["simulated"]["prefix_hit_rate"] > cases["tenants_pow2"]["simulated"]["prefix_hit_rate"]
+
+
+def test_admission_control_in_the_simulator_refuses_the_excess_and_keeps_the_admitted_fast():
+    """Baton's Admission on the simulator's clock: at several times what one prefill replica computes, requests
+    beyond the TTFT objective get a 429 (counted, not served) and the admitted ones start within about it;
+    without it every request is served, late."""
+    rng = np.random.default_rng(5)
+    reqs = [request(i, 0.05 * i, rng.integers(200, 40000, 512).tolist(), 4) for i in range(200)]
+    off = simulate(config(kv_blocks=4096), COST, reqs)
+    on = simulate(config(kv_blocks=4096, admission={"enabled": True, "ttft_slo_s": 2.0}), COST, reqs)
+    assert off["rejected_429"] == 0 and off["completed"] == 200 and off["ttft_ms"]["p90"] > 10_000
+    assert on["rejected_429"] > 50 and on["completed"] == 200 - on["rejected_429"]
+    assert on["ttft_ms"]["p90"] < 4_000
