@@ -88,7 +88,6 @@ class Seq:
     nblocks: int = 0
     hashed: list[int] = field(default_factory=list)   # full blocks it holds under their hash
     cached: int = 0              # prompt tokens found cached
-    pinned: bool = False         # a prefill's blocks, held until the decode replica pulled them
 
 
 class BlockCache:
@@ -383,7 +382,6 @@ class Engine:
         if r.first is None:
             r.first = now
             self.ttfts.append((now, now - r.at))
-            self.sim.ttft_done(r)
         else:
             gap = now - r.last
             r.itl_sum += gap
@@ -400,8 +398,7 @@ class Engine:
     def _done(self, seq: Seq) -> None:
         self.running.remove(seq)
         if self.pool == PREFILL and seq.req.output > 1:
-            seq.pinned = True                           # until the decode replica pulled it
-            self.sim.handoff(self, seq)
+            self.sim.handoff(self, seq)                 # its blocks stay held until the decode replica pulled them
         else:
             self.kv.release(seq)
             self.sim.finished(seq.req)
@@ -477,6 +474,7 @@ class Simulator:
         self.replica_seconds = {p: 0.0 for p in self.pools}
         self.timeline: list[dict[str, Any]] = []
         self.progress = progress
+        self._pins: dict[int, tuple[Engine, Seq]] = {}     # request -> the prefill holding its blocks for the pull
         router = config.router
         self.policy = router.policy
         self.prefill_router = PrefixAwareRouter.offline(
@@ -593,8 +591,6 @@ class Simulator:
             self._route(DECODE, r, prefill=True).add(Seq(r, need=r.prompt, out=r.output - 1, remote=True))
         self.at(self.now + self.cost.overheads.handoff_s, go)
 
-    _pins: dict[int, tuple[Engine, Seq]]
-
     def pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
         ov = self.cost.overheads
         seconds = ov.transfer_latency_s + tokens * self.cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9)
@@ -606,9 +602,6 @@ class Simulator:
             engine.pulled(seq)
         self.at(self.now + seconds, arrived)
 
-    def ttft_done(self, r: SimRequest) -> None:
-        pass
-
     def add_itl(self, gap: float) -> None:
         self.itl_hist[min(max(np.searchsorted(ITL_BINS, gap) - 1, 0), len(self.itl_hist) - 1)] += 1
 
@@ -619,7 +612,6 @@ class Simulator:
 
     # -- run -------------------------------------------------------------------------------------------
     def run(self, requests: list[SimRequest]) -> dict[str, Any]:
-        self._pins = {}
         ov = self.cost.overheads
         for r in requests:
             self.at(r.at + ov.request_s, lambda r=r: self.arrive(r))
