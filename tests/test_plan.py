@@ -170,6 +170,7 @@ def test_a_day_follows_the_diurnal_curve_and_renames_users_per_pass():
     assert len(sims[0].hashes) == 1100 // 512
 
 
+@pytest.mark.slow          # a subprocess or an engine: the full suite
 def test_baton_plan_search_writes_a_plan_table_and_plots(tmp_path):
     res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "search", "--rps", "4", "--seconds", "20",
                           "--out", str(tmp_path), "--json"], capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -186,6 +187,7 @@ def test_baton_plan_search_writes_a_plan_table_and_plots(tmp_path):
     assert "prefill + " in res.stderr and "plan: colocated" in res.stderr       # progress and the answer
 
 
+@pytest.mark.slow          # a subprocess or an engine: the full suite
 def test_calibration_records_each_engine_step_with_the_shape_the_scheduler_gave_it():
     """`baton plan calibrate` times the real engine's steps: a prompt alone is one step of its tokens; a batch of
     decodes is steps of one token per sequence, attending to each one's context."""
@@ -205,6 +207,7 @@ def test_calibration_records_each_engine_step_with_the_shape_the_scheduler_gave_
     engine.shutdown()
 
 
+@pytest.mark.slow          # a subprocess or an engine: the full suite
 def test_baton_plan_validate_simulates_the_bench_workloads_it_compares(tmp_path, smol_path):
     """The comparison's simulated half (the live half is `baton plan validate` itself, minutes long): the bench
     workloads run through the simulator with a given cost model and land in the JSON by case."""
