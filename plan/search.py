@@ -19,6 +19,7 @@ import argparse
 import datetime as dt
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,7 +76,7 @@ class Planner:
 
     @property
     def tp(self) -> int:
-        return getattr(self.cost, "tp", 1)
+        return cost_tp(self.cost)
 
     def fewest(self, run: Callable[[int], dict], lo: int = 1) -> int:
         """The smallest n >= lo whose run meets the target, by doubling then bisection (attainment taken as
@@ -161,10 +162,7 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
         sim = Simulator(cluster("disaggregated", p, d, engine, min_remote, auto), cost, seed=seed,
                         startup_s=startup_s, horizon_s=hours * 3600,
                         progress=lambda m, name=name: log(f"day {name}: {m}"))
-        sim._expected = len(day)
-        reqs = [r for r in day]
-        from dataclasses import replace
-        reqs = [replace(r) for r in reqs]
+        reqs = [replace(r) for r in day]                # each run's results on its own copies
         sim.run(reqs)
         s = summarize(reqs, sim, slo)
         hourly = []

@@ -611,7 +611,9 @@ class Simulator:
         self.done.append(r)
 
     # -- run -------------------------------------------------------------------------------------------
-    def run(self, requests: list[SimRequest]) -> dict[str, Any]:
+    def run(self, requests: list[SimRequest]) -> None:
+        """Every request through the cluster (their results land on them; `summarize` reads them)."""
+        self.expected = len(requests)
         ov = self.cost.overheads
         for r in requests:
             self.at(r.at + ov.request_s, lambda r=r: self.arrive(r))
@@ -632,15 +634,11 @@ class Simulator:
                 next_report = t
             if len(self.done) >= len(requests) and (self.scaler is None or t > (self.horizon or 0)):
                 break
-        return self.summary(requests)
 
     def _account(self, dt: float) -> None:
         if dt > 0:
             for p in self.pools:
                 self.replica_seconds[p] += dt * len(self.engines[p])
-
-    def summary(self, requests: list[SimRequest]) -> dict[str, Any]:
-        return summarize(requests, self)
 
 
 class _Len:
@@ -727,7 +725,7 @@ class _Scaler:
             self._resize(p, int(target))
         sim.timeline.append({"t": now, **{f"{p}_replicas": sum(not e.stopping for e in sim.engines[p])
                                           for p in sim.pools}})
-        if not (len(sim.done) >= sim._expected and now > (sim.horizon or 0)):
+        if not (len(sim.done) >= sim.expected and now > (sim.horizon or 0)):
             sim.at(now + self.interval, self.tick)
 
     def _resize(self, pool: str, target: int) -> None:
@@ -792,7 +790,6 @@ def simulate(config: ClusterConfig, cost: Cost, requests: list[SimRequest], slo:
     warm = [replace(r, first=None, last=None, tokens=0, itl_sum=0.0) for r in warm]
     requests = [replace(r, first=None, last=None, tokens=0, itl_sum=0.0) for r in requests]
     sim = Simulator(config, cost, **kw)
-    sim._expected = len(warm) + len(requests)
     sim.run([*warm, *requests])
     out = summarize(requests, sim, slo)
     out["timeline"] = sim.timeline

@@ -216,8 +216,8 @@ class PrefillRanker:
     pool ranks a local prefill by the same rule, its KV pressure breaking ties first (`tie`).
 
     cheapest first (reason "prefix_hit" when the first has a hit, else "no_hit_least_cost").
-    Ties go to the lower `tie` value (when given), then to the replica caching fewer blocks (room for a new prefix, so new prefixes spread over
-    the pool), then to a stable hash of (prompt's first block, replica): identical prompts stick to
+    Ties go to the lower `tie` value (when given), then to the replica caching fewer blocks (room for a
+    new prefix, so new prefixes spread over the pool), then to a stable hash of (prompt's first block, replica): identical prompts stick to
     one replica, different ones spread, and a replica joining or leaving moves few of them.
 
     Fallback: when max(load) - min(load) > imbalance_threshold tokens, a hot prefix would pile onto

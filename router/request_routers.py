@@ -180,7 +180,7 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         if not by_id:
             return None, "none"
         tiers, reason, load, _ = self._rank(req, by_id)
-        best = next((rid for tier in tiers for rid in tier if rid in by_id), None)
+        best = tiers[0][0] if tiers and tiers[0] else None
         if best is not None and load is not None:
             self.inflight.add(best, load)
         return best, reason
@@ -240,7 +240,7 @@ class DecodeRouter(_PoolRouter):
 
     def initialize_state(self, state_actor: str | None, block_size: int, max_num_seqs: int,
                          index_sync_interval_s: float, host_tier_hit_weight: float, lora_load_cost_tokens: int = 0,
-                         load_weight: float = 1.0, imbalance_threshold_tokens: int = 8192,
+                         *, load_weight: float, imbalance_threshold_tokens: int,
                          mirror=None, clock: Callable[[], float] = time.time):
         """load_weight, imbalance_threshold_tokens: the router section's, for local prefills (PrefillRanker)."""
         self._init_common(state_actor, index_sync_interval_s, block_size, mirror, clock)

@@ -13,6 +13,7 @@ from engine import SamplingParams
 from engine.block_hash import block_hashes
 from kvtransfer import KVHandle, KVHandoff
 from replica.messages import PoolRequest, PrefillResult
+from router.config import RouterConfig
 from router.prefix_index import PrefixIndex
 from router.request_routers import DecodeRouter
 
@@ -48,8 +49,10 @@ def router(cached: dict[str, int] | None = None, max_num_seqs: int = 64) -> Deco
     """A DecodeRouter without Serve's constructor, its index mirror a local index: replica -> leading blocks of
     PROMPT it caches."""
     r = DecodeRouter.__new__(DecodeRouter)
+    cfg = RouterConfig()
     r.initialize_state(state_actor="unused", block_size=BS, max_num_seqs=max_num_seqs, index_sync_interval_s=0.01,
-                       host_tier_hit_weight=0.9)
+                       host_tier_hit_weight=0.9, load_weight=cfg.load_weight,
+                       imbalance_threshold_tokens=cfg.imbalance_threshold_tokens)
     index = PrefixIndex()
     for name, n in (cached or {}).items():
         index.load_snapshot(name, 0, HASHES[:n])

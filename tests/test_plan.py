@@ -97,7 +97,6 @@ def test_blocks_are_all_returned_after_a_run_that_preempts():
     rng = np.random.default_rng(3)
     reqs = [request(i, 0.01 * i, rng.integers(200, 40000, 200).tolist(), 64) for i in range(24)]
     sim = Simulator(config(kv_blocks=64), COST)
-    sim._expected = len(reqs)
     sim.run(reqs)
     assert len(sim.done) == 24 and sim.preemptions > 0
     assert all(r.tokens == 64 for r in reqs)
@@ -129,7 +128,6 @@ def test_local_prefills_sharing_a_system_prompt_spread_over_the_decode_pool():
     system = rng.integers(200, 40000, 256).tolist()
     reqs = [request(i, 0.02 * i, system + rng.integers(200, 40000, 1024).tolist(), 4) for i in range(40)]
     sim = Simulator(config("colocated", decode=4, kv_blocks=2048), COST)
-    sim._expected = len(reqs)
     sim.run(reqs)
     busy = sorted(e.busy_s for e in sim.engines["decode"])
     assert busy[0] > 0.5 * busy[-1], busy
@@ -149,7 +147,6 @@ def test_the_real_autoscaling_policy_follows_a_load_step():
     rng = np.random.default_rng(4)
     reqs = [request(i, 0.05 * i, rng.integers(200, 40000, 1024).tolist(), 32) for i in range(400)]
     sim = Simulator(ClusterConfig.from_dict(d), COST, startup_s=5.0, horizon_s=120.0)
-    sim._expected = len(reqs)
     sim.run(reqs)
     peak = max(x["prefill_replicas"] for x in sim.timeline)
     assert peak >= 2, sim.timeline
