@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 from engine import RemotePrefill
 from engine.outputs import RequestMetrics
-from replica.engine_replica import DRAIN_POLL_S, EngineReplica, run_blocking
+from replica.engine_replica import DRAIN_POLL_S, EngineReplica, export_pinned
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE
 
@@ -67,13 +67,12 @@ class DecodeServer(EngineReplica):
         delta = TokenDelta.of(out, self.replica if first else None)
         if out.kv_blocks:
             try:
-                handoff = await run_blocking(self.link.export, out)
+                handoff = await export_pinned(self.llm, self.link, out)
                 delta.migrate = PrefillResult(self.replica, out.token_ids[-1],
                                               out.logprobs[-1] if out.logprobs else None, 0, handoff)
             except Exception as e:          # noqa: BLE001 - the ingress replays it instead
                 log.warning("decode replica %s: export of drained request %s failed (%s); it will be replayed",
                             self.replica, out.request_id, e)
-                self.llm.call(lambda eng: eng.release_pinned(out.request_id))
         return delta
 
     def _watch_stop(self) -> None:

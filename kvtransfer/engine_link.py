@@ -100,6 +100,13 @@ class KVLink:
         with self._lock:
             return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
 
+    def withdraw(self, request_id: str) -> None:
+        """A pinned request nobody will pull (its export failed, or its caller left before the hand-off went
+        out): end its lease, if it got one, and unpin its blocks now. Call it under the engine lock (AsyncLLM.call)."""
+        with self._lock:
+            self.transport.withdraw(request_id)
+        self.engine.release_pinned(request_id)
+
     def release_finished(self) -> list[str]:
         """Unpin the prompts consumers have pulled (or that expired); call it from the engine loop."""
         with self._lock:

@@ -101,6 +101,11 @@ class KVTransport:
                           expiry, self.kind, self.layout.tp_size, tuple(agents) if len(agents) > 1 else ())
         return KVHandoff(handle, self._payload(handle, payloads))
 
+    def withdraw(self, request_id: str) -> bool:
+        """Drop an export whose hand-off never left the producer (its caller went away): no consumer will pull
+        it, so its pin ends now, not at its TTL. False if it holds no lease."""
+        return self.leases.pop(request_id, None) is not None
+
     def _payload(self, handle: KVHandle, payloads: list | None) -> Any:
         """What a hand-off carries besides its handle (the Ray fallback: the block bytes)."""
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from replica.engine_replica import EngineReplica, run_blocking
+from replica.engine_replica import EngineReplica, export_pinned
 from replica.messages import PoolRequest, PrefillResult
 from replica.names import PREFILL
 
@@ -22,6 +22,6 @@ class PrefillServer(EngineReplica):
             pass
         self.metrics.observe_lora(req.lora, len(req.token_ids), 0)
         self.ttft.observe(time.perf_counter() - t0)
-        handoff = await run_blocking(self.link.export, out, req.block_hashes)    # the Ray fallback copies here
+        handoff = await export_pinned(self.llm, self.link, out, req.block_hashes)
         return PrefillResult(self.replica, out.token_ids[0], out.logprobs[0] if out.logprobs else None,
                              out.metrics.num_cached_tokens, handoff)

@@ -23,8 +23,9 @@ from engine import EngineConfig, LLMEngine, faults
 from engine.async_llm import AsyncLLM
 from engine.errors import InvalidRequestError
 from engine.kv_events import KVEvent, encode_events
+from engine.outputs import RequestOutput
 from engine.parallel import TPWorkerError
-from kvtransfer import KVLink
+from kvtransfer import KVHandoff, KVLink
 from kvtransfer.config import TransferConfig
 from replica.metrics import LatencyWindow, ReplicaMetrics
 from replica.names import get_state_actor
@@ -250,6 +251,26 @@ def _load(engine: LLMEngine) -> dict[str, Any]:
             "busy_seconds": engine.busy_seconds_total, "time": time.time(),
             # the LoRA adapters it holds (keys): one it lacks costs a load (RouterConfig.lora_load_cost_tokens)
             "loras": lora.keys() if lora is not None else []}
+
+
+async def export_pinned(llm: AsyncLLM, link: KVLink, out: RequestOutput, hashes: list[int] | None = None) -> KVHandoff:
+    """The hand-off of a finished request's pinned blocks (KVLink.export, off the event loop: the Ray fallback
+    copies there). The pin never outlives its use: an export that fails is withdrawn at once, and so is one
+    whose caller leaves meanwhile. The export is shielded from that cancellation, since a thread-pool job
+    cancelled before it starts would leave the blocks pinned with no lease to ever end them."""
+    def withdraw(_engine: LLMEngine) -> None:
+        link.withdraw(out.request_id)
+
+    job = asyncio.ensure_future(run_blocking(link.export, out, hashes))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:          # nobody will pull it: withdraw it once the export has ended
+        loop = asyncio.get_running_loop()
+        job.add_done_callback(lambda _: loop.run_in_executor(None, llm.call, withdraw))
+        raise
+    except Exception:
+        await run_blocking(llm.call, withdraw)
+        raise
 
 
 async def run_blocking(fn, *args):

@@ -84,8 +84,9 @@ class _EngineCollector:
                                               "finishing); zero at rest", s.get("num_requests_tracked", 0))
         yield gauge("baton_open_streams", "Output streams open between the engine and its callers; zero at rest",
                     s.get("num_open_streams", 0))
-        yield gauge("baton_kv_pinned_requests", "Prompts whose blocks are pinned for a decode replica's pull",
-                    t["kv_pinned_requests"])
+        yield gauge("baton_kv_pinned_requests", "Prompts whose blocks are pinned for a decode replica's pull "
+                                                "(the engine's pins: one no lease will end shows here too)",
+                    s["num_pinned"])
         released = CounterMetricFamily("baton_kv_pins_released", "Pinned prompts released, by reason",
                                        labels=names + ["reason"])
         released.add_metric(values + ["pulled"], t["kv_released_notified"])

@@ -193,3 +193,61 @@ def test_a_prefill_whose_caller_leaves_as_it_finishes_frees_its_pinned_blocks(sm
         assert llm.engine.kv.pinned == {} and llm.engine.pool.num_used_blocks == 0
     finally:
         llm.shutdown()
+
+
+def test_a_prefill_whose_caller_leaves_during_the_export_or_whose_export_fails_frees_its_pinned_blocks(smol_path):
+    """The race the reliability suite's client disconnects hit under load: the prefill finished and its caller
+    left while the export waited for a thread (the replica's pool busy with stats calls). A cancelled pool job
+    never runs, so no lease would ever end the pin. And an export that raises must unpin too."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pytest
+
+    from engine.async_llm import AsyncLLM
+    from kvtransfer import KVLink
+    from kvtransfer.errors import KVTransferError
+    from replica.engine_replica import export_pinned
+    llm = AsyncLLM(engine=LLMEngine(EngineConfig(smol_path, num_kv_blocks=64, max_model_len=512)))
+    link = KVLink(llm.engine, "producer", kind="ray", ttl_s=600)       # a lease would outlive the test
+    prompt = llm.engine.tokenize("A relay team passes the baton in a twenty-metre zone " * 3)
+
+    async def prefill(rid: str):
+        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), rid, prefill_only=True):
+            pass
+        assert rid in llm.engine.kv.pinned
+        return out
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(1))
+        out = await prefill("left")
+        gate = threading.Event()
+        busy = loop.run_in_executor(None, gate.wait)            # the only thread is taken
+        export = asyncio.create_task(export_pinned(llm, link, out))
+        await asyncio.sleep(0.05)
+        export.cancel()                                         # the client went away before the export ran
+        gate.set()
+        await asyncio.gather(export, busy, return_exceptions=True)
+        for _ in range(1000):                                   # the withdrawal runs in the (one) pool thread
+            if not llm.engine.kv.pinned:
+                break
+            await asyncio.sleep(0.01)
+        assert llm.engine.kv.pinned == {}, "the withdrawn export still pins its blocks"
+        assert link.transport.leases == {}
+
+        out = await prefill("fails")
+        with pytest.raises(KVTransferError):
+            await export_pinned(llm, link, out, hashes=[1, 2, 3, 4, 5, 6, 7, 8, 9])     # wrong number of hashes
+        assert "fails" not in llm.engine.kv.pinned
+
+        out = await prefill("kept")                              # the normal path: pinned until pulled
+        handoff = await export_pinned(llm, link, out)
+        assert handoff.handle.request_id == "kept" and "kept" in llm.engine.kv.pinned
+        llm.call(lambda _: link.withdraw("kept"))
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+        assert llm.engine.kv.pinned == {} and llm.engine.pool.num_used_blocks == 0
+    finally:
+        llm.shutdown()
