@@ -7,6 +7,8 @@ Signals (EngineReplica.record_autoscaling_stats; Serve averages each over look_b
   decode   kv_utilization         used / total KV blocks
            running_seqs           running + waiting sequences (+ pulls waiting for KV room)
            itl_s                  p90 of the time between a sequence's tokens, over the last window
+  both     tokens_in_flight       the tokens of every request it holds: what stopping it would move or
+                                  replay, so a scale-down stops the replica with the fewest (victim_choice)
 
 A pool's demand is the replica count its busiest signal asks for (fractional):
   prefill  max(sum utilization / target_utilization, sum queued tokens / target_queued_prefill_tokens,
@@ -37,6 +39,7 @@ and reaches the cluster state actor by name.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -266,11 +269,60 @@ class _Exporter:
             self._actor = None
 
 
+# -- which replica a scale-down stops --------------------------------------------------------------------
+def victim_choice():
+    """Serve picks the replicas a scale-down stops in DeploymentScheduler._get_replicas_to_stop (a private API;
+    checked against Ray 2.60): replicas not yet running first, then by node (free the node with the fewest
+    replicas), newest first. It has no public hook, so this shim wraps that method once per process (the
+    policies call it in the controller, where it runs): among the running replicas of a deployment whose costs
+    the policy recorded, the cheapest to move go first, i.e. the fewest tokens in flight (a drain pulls their
+    KV or replays them elsewhere). Serve's own pick breaks ties; gang-scheduled deployments and deployments
+    with no costs keep Serve's choice. Returns the class (its `_baton_move_costs`: deployment id -> {replica id:
+    tokens}), or None where Serve's internals differ (then Serve's choice stands)."""
+    try:
+        from ray.serve._private.deployment_scheduler import DeploymentScheduler
+    except ImportError:
+        return None
+    original = DeploymentScheduler._get_replicas_to_stop
+    if getattr(original, "_baton", False):
+        return DeploymentScheduler
+    if list(inspect.signature(original).parameters)[:3] != ["self", "deployment_id", "max_num_to_stop"]:
+        log.warning("baton autoscaler: Serve's replica choice for scale-downs changed; it stays Serve's own")
+        return None
+
+    def get_replicas_to_stop(self, deployment_id, max_num_to_stop, *args, **kwargs):
+        pick = original(self, deployment_id, max_num_to_stop, *args, **kwargs)
+        costs = DeploymentScheduler._baton_move_costs.get(deployment_id)
+        if not costs or args or kwargs.get("gang_id_by_replica") is not None:
+            return pick
+        running = set(self._running_replicas[deployment_id])
+        serve_order: list = []                 # Serve's ranking, one more replica per call (a pool is tens)
+        for k in range(1, len(running | pick) + 1):
+            serve_order += original(self, deployment_id, k) - set(serve_order)
+        rank = {r: i for i, r in enumerate(serve_order)}
+        ranked = sorted(serve_order, key=lambda r: (r in running, costs.get(r, math.inf) if r in running else 0.0,
+                                                    rank[r]))
+        return set(ranked[:len(pick)])
+    get_replicas_to_stop._baton = True
+    DeploymentScheduler._baton_move_costs = {}
+    DeploymentScheduler._get_replicas_to_stop = get_replicas_to_stop
+    return DeploymentScheduler
+
+
+def record_move_costs(ctx) -> None:
+    """Each replica's tokens in flight (as it reports them), where the scale-down's choice reads them."""
+    costs = (ctx.aggregated_metrics or {}).get("tokens_in_flight")
+    scheduler = victim_choice() if costs else None
+    if scheduler is not None:
+        scheduler._baton_move_costs[ctx.deployment_id] = dict(costs)
+
+
 class _Base:
     def __init__(self):
         self.exporter = _Exporter()
 
     def _decide(self, pool: _Pool, ctx, demand: float, reason: str, may_shrink: bool, state: dict) -> tuple[int, dict]:
+        record_move_costs(ctx)
         n, now = ctx.target_num_replicas, _now(ctx)
         target, direction, state = decide(pool.knobs, demand, reason, may_shrink, n, now, state)
         self.exporter.desired.labels(pool.pool).set(demand)

@@ -101,6 +101,7 @@ class EngineReplica:
         return {"queued_prefill_tokens": float(load["queued_prefill_tokens"]), "utilization": utilization,
                 "kv_utilization": load["kv_blocks_used"] / max(load["kv_blocks_total"], 1),
                 "running_seqs": float(load["num_running"] + load["num_waiting"]),
+                "tokens_in_flight": float(load["tokens_in_flight"]),
                 "ttft_s": self.ttft.quantile(0.9), "itl_s": self.itl.quantile(0.9)}
 
     # -- KV events and unpins, off the request path ---------------------------------------------------
@@ -249,6 +250,7 @@ def _load(engine: LLMEngine) -> dict[str, Any]:
     return {"queued_prefill_tokens": queued, "num_running": len(s.running), "num_waiting": len(s.waiting) + len(s.loading),
             "kv_blocks_used": engine.pool.num_used_blocks, "kv_blocks_total": engine.pool.num_blocks,
             "busy_seconds": engine.busy_seconds_total, "time": time.time(),
+            "tokens_in_flight": sum(seq.num_tokens for seq in engine.requests.values()),   # what a stop moves
             # the LoRA adapters it holds (keys): one it lacks costs a load (RouterConfig.lora_load_cost_tokens)
             "loras": lora.keys() if lora is not None else []}
 

@@ -278,3 +278,45 @@ def test_bench_autoscale_writes_json_and_a_plot_and_coupling_wins(tmp_path):
     s = result["summary"]
     assert s["slo_violating_s"]["coupled"] < s["slo_violating_s"]["independent"]
     assert s["cost_ratio_coupled_vs_independent"] <= 1.1 and s["goal_met"] is True
+
+
+def test_a_scale_down_stops_the_replica_with_the_fewest_tokens_in_flight():
+    """Serve's own scheduler class (its choice: the newest replica on the node with the fewest) with the shim the
+    policies install in the controller: once a policy has recorded each replica's tokens in flight, the replica
+    cheapest to move goes first; with none recorded, and for other deployments, Serve's choice stands."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve._private.deployment_scheduler import DeploymentScheduler, SpreadDeploymentSchedulingPolicy
+
+    class Nodes:                                           # Serve's node cache: one worker node, no labels
+        def get_node_labels(self, node_id):
+            return {}
+
+    decode, other = DeploymentID("decode", "baton"), DeploymentID("ingress", "baton")
+    scheduler = DeploymentScheduler(Nodes(), head_node_id="head", create_placement_group_fn=None)
+    ids = {}
+    for dep in (decode, other):
+        scheduler.on_deployment_created(dep, SpreadDeploymentSchedulingPolicy())
+        for name in ("old", "mid", "new"):                 # started in this order, all on node n1
+            ids[dep, name] = ReplicaID(f"{dep.name}-{name}", dep)
+            scheduler.on_replica_running(ids[dep, name], "n1")
+    serve_pick = scheduler._get_replicas_to_stop(decode, 1)
+    assert serve_pick == {ids[decode, "new"]}              # Serve's own rule: newest first
+
+    cfg = scaling(decode={"min_replicas": 1, "initial_replicas": 3})
+    config = AutoscalingConfig(**cfg.deployment_options("decode")["autoscaling_config"])
+    policy = _apply_autoscaling_config(PoolPolicy(**config.policy.policy_kwargs))
+    tokens = {ids[decode, "old"]: 40.0, ids[decode, "mid"]: 900.0, ids[decode, "new"]: 1500.0}
+    ctx = context("decode", 3, {"running_seqs": {r: 1.0 for r in tokens}, "kv_utilization": {r: 0.1 for r in tokens},
+                                "tokens_in_flight": tokens}, config, {}, 1.0)
+    ctx.deployment_id = decode
+    policy(ctx)                                            # records the costs where the scheduler reads them
+    assert scheduler._get_replicas_to_stop(decode, 1) == {ids[decode, "old"]}
+    assert scheduler._get_replicas_to_stop(decode, 2) == {ids[decode, "old"], ids[decode, "mid"]}
+    assert scheduler._get_replicas_to_stop(other, 1) == {ids[other, "new"]}        # no costs: Serve's pick
+    pending = ReplicaID("decode-starting", decode)         # a replica not running yet costs nothing to stop
+    scheduler._launching_replicas[decode][pending] = None
+    assert scheduler._get_replicas_to_stop(decode, 1) == {pending}
+    del scheduler._launching_replicas[decode][pending]
+    tokens[ids[decode, "mid"]] = 40.0                       # a tie: Serve's order decides between them
+    policy(ctx)
+    assert scheduler._get_replicas_to_stop(decode, 1) == {ids[decode, "mid"]}

@@ -86,6 +86,18 @@ def test_decode_pool_scales_up_under_load_and_back_down_after_it(client):
     assert 'baton_autoscaling_decisions_total{direction="up",pool="decode",reason="running_seqs"}' in text
     assert 'baton_autoscaling_target_replicas{pool="decode"} 1.0' in text
     assert running("prefill") == 1                          # its max, held however the coupling pulls
+    # the scale-down's choice: the policy wrapped Serve's replica choice in the controller and feeds it each
+    # replica's tokens in flight (tests/test_autoscaling.py checks the ranking against Serve's own class)
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    def move_costs(_controller) -> dict:
+        from ray.serve._private.deployment_scheduler import DeploymentScheduler
+        costs = getattr(DeploymentScheduler, "_baton_move_costs", {})
+        return {dep.name: {r.unique_id: v for r, v in by.items()} for dep, by in costs.items()}
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    costs = ray.get(controller.__ray_call__.remote(move_costs))
+    assert {"prefill", "decode"} <= set(costs) and costs["decode"], costs
     print(f"scaled up {up_after:.1f} s into the load, down {down_after:.1f} s after it; {len(done)} streams")
 
 
