@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -22,6 +23,9 @@ import torch
 from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
     from engine.quant import QuantWeight
 
 log = logging.getLogger(__name__)
@@ -189,6 +193,86 @@ _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
 
 
+@dataclass
+class GGUFTensor:
+    name: str
+    tensor_type: "GGMLQuantizationType"
+    shape: list[int]                   # ggml's order: the fastest dimension first
+    data: "np.ndarray"                 # mapped from the file, typed as gguf's reader types it
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
+    """A GGUF file's architecture and tensors (little-endian, version 2 or 3), the data mapped from the file.
+    gguf's GGUFReader turns every metadata field into numpy views (4 s for SmolLM2's 49k-token vocabulary and
+    merges, at every replica start); this walks the fields it does not need with struct (0.1 s) and types
+    each tensor's data as GGUFReader does. Raises ValueError for anything else (the caller then uses gguf's)."""
+    import struct
+
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    magic, version = struct.unpack_from("<II", mm, 0)
+    if magic != 0x46554747 or version not in (2, 3):
+        raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic:#x}, version {version})")
+    n_tensors, n_fields = struct.unpack_from("<QQ", mm, 8)
+    pos = 24
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", mm, at)
+        return bytes(mm[at + 8:at + 8 + n]).decode(), at + 8 + n
+
+    def skip(at: int, kind: int) -> int:
+        if kind == _GGUF_STRING:
+            return at + 8 + struct.unpack_from("<Q", mm, at)[0]
+        if kind == _GGUF_ARRAY:
+            item, count = struct.unpack_from("<IQ", mm, at)
+            at += 12
+            if item in _GGUF_SCALARS:
+                return at + count * struct.calcsize(_GGUF_SCALARS[item])
+            for _ in range(count):
+                at = skip(at, item)
+            return at
+        return at + struct.calcsize(_GGUF_SCALARS[kind])
+
+    meta: dict[str, object] = {}
+    for _ in range(n_fields):
+        key, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", mm, pos)
+        pos += 4
+        if key in ("general.architecture", "general.alignment"):
+            meta[key] = string(pos)[0] if kind == _GGUF_STRING else struct.unpack_from(_GGUF_SCALARS[kind], mm, pos)[0]
+        pos = skip(pos, kind)
+    infos = []
+    for _ in range(n_tensors):
+        name, pos = string(pos)
+        (ndim,) = struct.unpack_from("<I", mm, pos)
+        dims = list(struct.unpack_from(f"<{ndim}Q", mm, pos + 4))
+        kind, offset = struct.unpack_from("<IQ", mm, pos + 4 + 8 * ndim)
+        pos += 4 + 8 * ndim + 12
+        infos.append((name, dims, GGMLQuantizationType(kind), offset))
+    align = int(meta.get("general.alignment", 32))
+    start = -(-pos // align) * align
+    typed = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+             "I32": np.int32, "I64": np.int64}
+    tensors = []
+    for name, dims, kind, offset in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        count = int(np.prod(dims))
+        raw = mm[start + offset:start + offset + count * size // block]
+        shape = tuple(reversed(dims))
+        if raw.size != count * size // block:
+            raise ValueError(f"tensor {name} runs past the end of the file")
+        data = raw.view(typed[kind.name]).reshape(shape) if kind.name in typed else \
+            raw.reshape(quant_shape_to_byte_shape(shape, kind))
+        tensors.append(GGUFTensor(name, kind, dims, data))
+    return str(meta.get("general.architecture", "")), tensors
+
+
 def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
     """Yield (HF name, tensor) straight from a GGUF: the packed types (engine/quant.py) as QuantWeights,
     float tensors as fp32, any other type dequantized to fp32 (with a warning naming it). A llama GGUF
@@ -199,15 +283,19 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
 
     from engine.quant import PACKED_GGUF_TYPES, from_gguf
     try:
-        reader = GGUFReader(str(path))
-    except Exception as e:                                 # noqa: BLE001
-        raise ModelLoadError(f"cannot read GGUF {path}: {e}") from e
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+        arch, tensors = read_gguf(path)
+    except Exception:                                      # noqa: BLE001 - big-endian, v1: gguf's reader
+        try:
+            reader = GGUFReader(str(path))
+        except Exception as e:                             # noqa: BLE001
+            raise ModelLoadError(f"cannot read GGUF {path}: {e}") from e
+        arch_field = reader.fields.get("general.architecture")
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+        tensors = [GGUFTensor(t.name, t.tensor_type, t.shape.tolist(), t.data) for t in reader.tensors]
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     unpacked: set[str] = set()
-    for t in reader.tensors:
+    for t in tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
         if parts[0] in _GGUF_SKIP:
@@ -218,7 +306,7 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
             name = f"{_GGUF_TOP[parts[0]]}.{suffix}"
         else:
             raise ModelLoadError(f"GGUF {path.name}: tensor {t.name!r} has no place in a {arch} model")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))       # ggml lists the fastest dim first
+        shape = tuple(int(d) for d in reversed(t.shape))                # ggml lists the fastest dim first
         kind = t.tensor_type.name
         if kind in PACKED_GGUF_TYPES and len(shape) == 2:
             w = from_gguf(t.data, kind, shape)

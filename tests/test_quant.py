@@ -313,3 +313,47 @@ def test_quantized_checkpoints_we_do_not_load_are_named(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ModelLoadError, match=match):
             LLM(path, num_kv_blocks=16)
+
+
+def test_our_gguf_index_reads_what_ggufs_reader_reads(tmp_path):
+    """engine.loader.read_gguf (a struct walk past the metadata: replicas start 3 s sooner) against gguf's own
+    reader: the shipped model, and a file with every tensor type the loader meets, a custom alignment and
+    nested array fields. Same names, types, shapes, dtypes and bytes; a file it cannot read falls back."""
+    import gguf
+
+    from engine.loader import default_gguf, read_gguf
+
+    def same(path: Path) -> None:
+        arch, ours = read_gguf(path)
+        theirs = gguf.GGUFReader(str(path))
+        field = theirs.fields["general.architecture"]
+        assert arch == bytes(field.parts[field.data[0]]).decode()
+        assert [t.name for t in ours] == [t.name for t in theirs.tensors]
+        for a, b in zip(ours, theirs.tensors):
+            assert (a.tensor_type, a.shape, a.data.dtype, a.data.shape) == \
+                (b.tensor_type, b.shape.tolist(), b.data.dtype, b.data.shape), a.name
+            assert np.array_equal(a.data, b.data), a.name
+    same(default_gguf())
+    path = tmp_path / "every.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_custom_alignment(64)
+    w.add_array("test.nested", [[1, 2], ["a", "bc"], [3.5]])
+    w.add_string("test.text", "relay")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    w.add_tensor("f32", x)
+    w.add_tensor("f16", x.astype(np.float16))
+    for kind in ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0"):
+        qtype = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(kind.lower(), gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    for kind in ("Q4_K", "Q6_K"):
+        w.add_tensor(kind.lower(), _raw_kquant(rng, 8, 256, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.add_tensor("vector", x[0])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    same(path)
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x01\x00\x00\x00" + bytes(16))       # version 1: not ours
+    with pytest.raises(ValueError, match="v2/v3"):
+        read_gguf(tmp_path / "bad.gguf")
