@@ -143,6 +143,13 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        context = getattr(pending_request, "routing_context", None)
+        if context is not None:
+            # every round ranks all candidates, so Serve should back off between rounds. Its retry loop does so
+            # only when told (its locality helpers tell it; these routers do not use them): otherwise a request
+            # whose every candidate it left (a draining replica is still listed) retries without ever yielding,
+            # and the router's event loop, shared by every handle in the process, starves (the node-drain test)
+            context.should_backoff = True
         req = request_payload(pending_request)
         if req is None:
             return [candidate_replicas]

@@ -137,8 +137,12 @@ def test_a_moved_request_never_goes_back_to_a_replica_it_left():
     req.args[0] = replace(req.args[0], avoid=("left",))
     r = router(cached={"left": 8})                         # caching the whole prompt does not bring it back
     assert choose(r, replicas, req) == ["other"]
-    # only replicas it left: no answer, and Serve asks again once its replica set changes
+    # only replicas it left: no answer, and Serve asks again once its replica set changes, backing off between
+    # rounds: without the flag its retry loop never yields, and the ingress's handles all hang (a draining
+    # replica stays listed until its successor runs, which that loop would then never hear of)
+    req.routing_context = SimpleNamespace(should_backoff=False)
     assert asyncio.run(r.choose_replicas([replicas[0]], req)) == []
+    assert req.routing_context.should_backoff is True
 
 
 def test_the_routers_cache_prediction_is_observed_against_what_the_engine_found():

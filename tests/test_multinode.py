@@ -2,7 +2,8 @@
 a prefill node, a decode node and a spare that can take either pool, each with its own address, pools placed by
 Ray resources as the chart's worker groups place them. KV crosses nodes over NIXL/UCX on TCP; KV events cross to
 the router on the head; a decode node killed outright, and the prefill node's raylet killed alone, each have
-their pool replaced on the spare. Needs root; skips with the reason elsewhere."""
+their pool replaced on the spare; then the spare, holding both pools, is drained under load and they move back
+without a failed stream. Needs root; skips with the reason elsewhere."""
 from __future__ import annotations
 
 import json
@@ -154,8 +155,13 @@ def nodes():
 
 
 @pytest.fixture(scope="module")
-def offline_text() -> str:
-    return LLM(None, **CLUSTER_ENGINE).chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text
+def reference() -> LLM:
+    return LLM(None, **CLUSTER_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def offline_text(reference) -> str:
+    return reference.chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text
 
 
 def test_pools_on_their_nodes_serve_the_offline_text_with_kv_over_the_network(nodes, offline_text):
@@ -199,3 +205,76 @@ def test_a_raylet_killed_alone_has_its_nodes_replicas_replaced_on_the_spare(node
              60, "the dead node's replica processes to exit")
     replaced(nodes, "prefill", nodes.ip(SPARE_NODE))
     assert chat(nodes, retry_s=60) == {"text": offline_text}
+
+
+def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes, reference):
+    """A Kubernetes node drain as KubeRay's autoscaler (v2) and spot preemption ask for it: the GCS is told to
+    drain the node (`ray drain-node`, the call autoscaler v2 makes). Serve marks the node's replicas for
+    migration, starts successors on other nodes and then stops the old ones gracefully; the decode replica hands
+    its streams over as soon as it is marked (they wait for the successor and continue there, by KV pull or
+    replay), the prefill replica finishes what it holds. Users stream all along: none fails, and every text is
+    the offline engine's. The kill tests above left both pools on the spare: their own nodes come back first,
+    and the spare is drained."""
+    spare = nodes.ip(SPARE_NODE)
+    placed = on_head(nodes, PLACEMENT)
+    assert placed["decode"] == [spare] and placed["prefill"] == [spare], placed
+    alive = nodes.alive()
+    for node in (PREFILL_NODE, DECODE_NODE):
+        nodes.start_node(node)
+    nodes.wait_nodes(alive + 2)
+    expected = reference.chat(PROMPT, SamplingParams(temperature=0, max_tokens=64)).text
+    out = on_head(nodes, f"""
+        import subprocess, threading, time, urllib.request
+        import openai, ray
+        ray.init()
+        spare = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == {spare!r})
+
+        def moves() -> float:
+            text = urllib.request.urlopen("http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("baton_request_moves_total{{") and 'reason="drain"' in line)
+
+        def wait(condition, timeout_s):
+            deadline = time.monotonic() + timeout_s
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            return condition()
+
+        client = openai.OpenAI(base_url="http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
+        texts, errors, stop = [], [], threading.Event()
+
+        def user():
+            while not stop.is_set():
+                try:
+                    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages={PROMPT!r},
+                                                            temperature=0, max_tokens=64, stream=True)
+                    texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+                except Exception as e:
+                    errors.append(repr(e))
+        users = [threading.Thread(target=user, daemon=True) for _ in range(4)]
+        for u in users:
+            u.start()
+        try:
+            warm = wait(lambda: len(texts) >= 4, 120)
+            m0 = moves()
+            drain = subprocess.run(["ray", "drain-node", "--node-id", spare, "--reason",
+                                    "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "kubectl drain",
+                                    "--deadline-remaining-seconds", "600"], capture_output=True, text=True)
+            moved = wait(lambda: moves() > m0, 180)
+            n = len(texts)
+            served_after = wait(lambda: len(texts) >= n + 4, 180)     # the successors serve on
+        finally:
+            stop.set()
+        for u in users:
+            u.join(120)
+        out = {{"warm": warm, "drain": [drain.returncode, drain.stdout[-500:], drain.stderr[-1500:]],
+               "moved": moved, "moves": moves() - m0, "served_after": served_after, "errors": errors[:5],
+               "texts": sorted(set(texts)), "count": len(texts)}}
+    """, timeout=900)
+    assert out["drain"][0] == 0, out["drain"]
+    assert out["warm"] and out["moved"] and out["served_after"], out
+    assert out["errors"] == [], out["errors"]
+    assert out["texts"] == [expected], out["texts"]           # every stream, moved or not, is the offline text
+    replaced(nodes, "decode", nodes.ip(DECODE_NODE))
+    replaced(nodes, "prefill", nodes.ip(PREFILL_NODE))
+    assert chat(nodes) == {"text": reference.chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text}
