@@ -21,7 +21,7 @@ import asyncio
 import datetime as dt
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -212,24 +212,27 @@ def with_cluster(cfgs, fn):
 
 def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
                  slo: tuple[float, float], model: str | None = None,
-                 adapters: dict[str, str] | None = None) -> dict[str, dict]:
+                 adapters: dict[str, str] | None = None, base_policies: list[str] = ()) -> dict[str, dict]:
     """The same tenants' workload under each prefill routing policy, on one Serve start: each policy after the
     first redeploys the app (Serve replaces the prefill replicas, so every policy starts cold). Each prefill
     replica's KV holds 2.5 tenants' prefixes, whatever the model (`model`: default SmolLM2-135M).
     `adapters` (name -> path, one per tenant): tenant t's requests run under the t-th adapter (its prefix is
-    then its adapter's KV); the prefill pool's adapter loads into a slot are reported too."""
+    then its adapter's KV); the prefill pool's adapter loads into a slot are reported too. `base_policies`
+    run first, on the base model with no adapter served (keys "<policy>/base"): both kinds on one start."""
     rng = np.random.default_rng(1)
     warm, reqs = tenants(n, prefix_tokens, rng, len(adapters) if adapters else 4)
+    poisson(reqs, rate, rng)
+    plain = (warm, reqs)
     if adapters:
         names = list(adapters)
-        for t, w in enumerate(warm):
-            w.model = names[t]
-        for i, r in enumerate(reqs):
-            r.model = names[i % len(names)]
-    poisson(reqs, rate, rng)
+        warm = [replace(w, model=names[t]) for t, w in enumerate(warm)]
+        reqs = [replace(r, model=names[i % len(names)]) for i, r in enumerate(reqs)]
     kv = int(2.5 * prefix_tokens / BLOCK * block_bytes(model))
+    runs = [(f"{p}/base", p, None, plain) for p in base_policies] + [(p, p, adapters, (warm, reqs)) for p in policies]
+    workloads = iter([w for *_, w in runs])
 
-    def work(base, model):
+    def work(base: str, model: str) -> dict:
+        warm, reqs = next(workloads)
         for w in warm:                                          # one request per tenant, one at a time
             asyncio.run(drive(base, model, [w]))
         time.sleep(1.0)
@@ -243,15 +246,15 @@ def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
             pool_total(before, "baton_prefix_cache_hit_tokens_total", "prefill")
         out = {**summarize(results, wall, *slo), "prefix_hit_rate": h / q if q else None,
                "prefill_query_tokens": q, "prefill_hit_tokens": h}
-        if adapters:
+        if reqs[0].model is not None:
             out["prefill_lora_loads"] = pool_total(after, "baton_lora_loads_total", "prefill") - \
                 pool_total(before, "baton_lora_loads_total", "prefill")
         return out
     # every prompt goes through the prefill pool (the decode replica would otherwise prefill a tenant's
     # prompt itself once it caches the prefix: conditional disaggregation, but not what is measured here)
     cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20, model=model,
-                         adapters=adapters) for p in policies]
-    return dict(zip(policies, with_cluster(cfgs, work)))
+                         adapters=a) for _, p, a, _ in runs]
+    return dict(zip([name for name, *_ in runs], with_cluster(cfgs, work)))
 
 
 def pd_run(mode: str, n_streams: int, n_long: int, rate: float, slo: tuple[float, float]) -> dict:

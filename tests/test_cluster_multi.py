@@ -1,8 +1,7 @@
 """Scaled-out pools on the real app (conftest's SCALED_OUT): n-gram speculative decoding in the decode pool
-leaves greedy text as the pool without it (conftest's DISAGGREGATED) writes it, and structured outputs and
-tool calls valid; two ingress replicas, each
-routing on its own mirror of one prefix index, send a repeated long prefix to the one prefill replica caching
-it. (The speculative test comes first: it starts from the app test_cluster_e2e.py leaves up.)"""
+leaves greedy text as the offline engine (and so the pool without it) writes it, and structured outputs and
+tool calls valid; two ingress replicas, each routing on its own mirror of one prefix index, send a repeated
+long prefix to the one prefill replica caching it."""
 from __future__ import annotations
 
 import json
@@ -14,8 +13,8 @@ import pytest
 
 from cluster.live_metrics import pool_total, scrape
 from engine.block_hash import block_hashes
-from tests.conftest import (DISAGGREGATED, DISAGGREGATED_ENV, SCALED_OUT, TEST_KEY, ingress_index_matches,
-                            on_ingress_replicas, served_model_key, wait_for)
+from tests.conftest import (CLUSTER_ENGINE, SCALED_OUT, ingress_index_matches, on_ingress_replicas, served_model_key,
+                            wait_for)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -40,20 +39,25 @@ def prefix_hit_decisions() -> dict[str, float]:
     return on_ingress_replicas(count)
 
 
+COUNT = [{"role": "user", "content": "Count from one to twenty in words, comma separated."}]
+REPEAT = "red, green, blue, red, green, blue, red, green, blue, red, green,"     # the n-gram lookup finds drafts
+
+
 def greedy_texts(port: int, api_key: str) -> list[str]:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=120)
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count from one to twenty in words, comma separated."}],
-        temperature=0, max_tokens=48)
-    repeat = client.completions.create(        # a prompt the n-gram lookup finds drafts in
-        model=MODEL, prompt="red, green, blue, red, green, blue, red, green, blue, red, green,", temperature=0,
-        max_tokens=32, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(model=MODEL, messages=COUNT, temperature=0, max_tokens=48)
+    repeat = client.completions.create(model=MODEL, prompt=REPEAT, temperature=0, max_tokens=32,
+                                       extra_body={"ignore_eos": True})
     return [chat.choices[0].message.content, repeat.choices[0].text]
 
 
 def test_speculative_decoding_in_the_decode_pool_keeps_the_greedy_text(shared_cluster):
-    shared_cluster.up(DISAGGREGATED, DISAGGREGATED_ENV)
-    plain = greedy_texts(DISAGGREGATED["port"], TEST_KEY)
+    """The text a pool without speculation writes is the offline engine's (tests/test_cluster_e2e.py and the
+    multi-node tests hold that): the speculative pool must write it too."""
+    from engine import LLM, SamplingParams
+    reference = LLM(None, **CLUSTER_ENGINE)
+    plain = [reference.chat(COUNT, SamplingParams(temperature=0, max_tokens=48)).text,
+             reference.generate(REPEAT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].text]
     cfg = shared_cluster.up(SCALED_OUT)
     assert cfg.decode.engine.speculative_config["method"] == "ngram"
     m0 = scrape(BASE)
