@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import inspect
 import json
 import os
 import platform
@@ -148,9 +149,11 @@ def bench_hf_continuous(model, workload: list[WorkloadRequest], pad_id: int, max
     blocks = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page) for r in workload) + 4
     gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in workload),
                                eos_token_id=-1, pad_token_id=pad_id)
-    cb_cfg = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
-                                      max_requests_per_batch=max_num_seqs)
     try:
+        # the paged cache's page is `page_size` in recent transformers, `block_size` in earlier 5.x (5.17)
+        size_key = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        cb_cfg = ContinuousBatchingConfig(**{size_key: page}, num_blocks=blocks, max_batch_tokens=max_batch_tokens,
+                                          max_requests_per_batch=max_num_seqs)
         t_setup = time.perf_counter()
         # no inference_mode here: the manager's thread updates tensors in place and handles no_grad itself
         with model.continuous_batching_context_manager(
