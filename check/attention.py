@@ -36,6 +36,8 @@ GPU_SEQS = [(2047, 1), (300, 1), (33, 1),      # decodes, one over 64+ pages
             (512, 512),                         # a fresh prefill
             (1200, 200),                        # a prefill chunk on 1000 cached tokens
             (900, 5), (64, 5)]                  # verify steps: the last token and 4 drafts
+# decodes alone: few programs, so the kernel splits the keys (flash-decoding, num_kv_splits) and combines
+GPU_DECODE_SEQS = [(2047, 1), (300, 1), (17, 1)]
 CPU_SEQS = [(37, 1), (70, 1), (9, 9), (40, 24), (53, 5)]
 TOLERANCES = {               # output rounding (half an ulp) plus the kernel's low-precision P @ V
     torch.float32: Tolerance(1e-4, 1e-4),
@@ -51,16 +53,20 @@ class Case:
     dtype: torch.dtype
     block_size: int
     seqs: tuple[tuple[int, int], ...]
+    batch: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}"
+        return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{self.batch}"
 
 
 def cases(cpu: bool) -> list[Case]:
     dtypes = (torch.float32, torch.float16) if cpu else (torch.bfloat16, torch.float16)
     seqs = tuple(CPU_SEQS if cpu else GPU_SEQS)
-    return [Case(model, dtype, bs, seqs) for model in HEAD_SHAPES for dtype in dtypes for bs in (16, 32)]
+    out = [Case(model, dtype, bs, seqs) for model in HEAD_SHAPES for dtype in dtypes for bs in (16, 32)]
+    if not cpu:
+        out += [Case(model, dtype, 16, tuple(GPU_DECODE_SEQS), " decode") for model in HEAD_SHAPES for dtype in dtypes]
+    return out
 
 
 def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int = 0,

@@ -28,7 +28,8 @@ def _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_seqs,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    scale_log2, num_seqs, num_heads, n_rows,
     s_qt, s_qh, s_qd,
     s_ot, s_oh, s_od,
     s_kb, s_ks, s_kh, s_kd,
@@ -37,10 +38,11 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     seq = _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
@@ -79,7 +81,12 @@ def _paged_attention_kernel(
     k_head = k_ptr + kv_head * s_kh
     v_head = v_ptr + kv_head * s_vh
 
-    for t in range(0, num_tiles):
+    # Split-KV (flash-decoding): with NUM_SPLITS > 1 this program takes one slice of the key tiles and
+    # leaves its unnormalised partial (m, l, acc) for _combine_splits.
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    t_first = split * per_split
+    t_last = tl.minimum(num_tiles, t_first + per_split)
+    for t in range(t_first, t_last):
         k_pos = t * TILE_N + n
         k_ok = k_pos < kv_end
         # A tile may span several pages, so look up the page of every key; int64 because
@@ -103,15 +110,65 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    # Padding rows saw no key (l = 0); they are not stored, but avoid 0/0 anyway.
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :] * s_od,
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        prow = split * n_rows + tok * num_heads + head
+        tl.store(part_m_ptr + prow, m_i, mask=row_ok)
+        tl.store(part_l_ptr + prow, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_P + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        # Padding rows saw no key (l = 0); they are not stored, but avoid 0/0 anyway.
+        acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :] * s_od,
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, n_rows, s_ot, s_oh, s_od,
+                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr):
+    """One (token, head) row: the splits' partials rescaled to their common max and normalised once."""
+    row = tl.program_id(0)
+    sp = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_m_ptr + sp * n_rows + row)
+    l = tl.load(part_l_ptr + sp * n_rows + row)
+    m_max = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0))    # a split with no key: -inf -> 0
+    d = tl.arange(0, HEAD_P)
+    acc = tl.load(part_acc_ptr + (sp[:, None] * n_rows + row) * HEAD_P + d[None, :])
+    total = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tok, head = row // num_heads, row % num_heads
+    tl.store(out_ptr + tok * s_ot + head * s_oh + d * s_od, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def num_kv_splits(num_programs: int, max_query_len: int, device: torch.device) -> int:
+    """How many slices of the keys each program's work is split into (flash-decoding). Decode and verify
+    batches launch one program per (sequence, KV head): at batch 1 that is a handful of programs on a GPU of
+    a hundred SMs, each walking the whole context (measured on an H200: 30 us a layer for 8 programs, most
+    SMs idle). Split until there are about two programs per SM, at most 16 slices. Prefills have programs
+    enough. A shape-only rule (the SM count is a host constant): CUDA-graph safe."""
+    if device.type != "cuda" or max_query_len > 8:
+        return 1
+    sms = _sm_count(device)
+    splits = 1
+    while splits < 16 and num_programs * splits < 2 * sms:
+        splits *= 2
+    return splits
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           max_query_len: int, scale: float) -> torch.Tensor:
+                           max_query_len: int, scale: float, num_splits: int | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`.
+    `num_splits`: key slices per program (None: num_kv_splits decides; the tests set it).
 
     CUDA-graph safe: the grid and constexprs follow from shapes (tokens, sequences) and the host int
     max_query_len (the query width of a captured decode/verify step); nothing reads device memory
@@ -142,12 +199,25 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     # fp32 caches are the test path: keep dots exact instead of TF32 (None: backend default).
     dot_prec = "ieee" if k_cache.dtype == torch.float32 else None
 
-    _paged_attention_kernel[grid](
+    splits = num_splits or num_kv_splits(grid[0] * grid[1], max_query_len, q.device)
+    assert splits & (splits - 1) == 0, "num_splits must be a power of two"
+    n_rows = num_tokens * num_heads
+    if splits > 1:
+        part_m = torch.empty((splits, n_rows), dtype=torch.float32, device=q.device)
+        part_l = torch.empty((splits, n_rows), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((splits, n_rows, head_p), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out                  # not read
+    _paged_attention_kernel[grid + (splits,)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        float(scale) * 1.4426950408889634, num_seqs,
+        part_m, part_l, part_acc,
+        float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        DOT_PREC=dot_prec, num_warps=num_warps,
+        DOT_PREC=dot_prec, NUM_SPLITS=splits, num_warps=num_warps,
     )
+    if splits > 1:
+        _combine_splits[(n_rows,)](out, part_m, part_l, part_acc, num_heads, n_rows, *out.stride(),
+                                   NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_P=head_p)
     return out

@@ -14,12 +14,12 @@ from engine.triton_attention import triton_paged_attention
 pytestmark = pytest.mark.triton
 
 
-def _check(q, kv, md, layer=0):
+def _check(q, kv, md, layer=0, num_splits=None):
     k_cache, v_cache = layer_views(kv, layer)                # strided views, as in the engine
     assert not k_cache.is_contiguous()
     scale = q.shape[-1] ** -0.5
     out = triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                 md.query_start_loc, md.max_query_len, scale)
+                                 md.query_start_loc, md.max_query_len, scale, num_splits=num_splits)
     ref = paged_attention_torch(q, k_cache, v_cache, md, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -59,3 +59,27 @@ def test_layer1_strided_cache_and_q():
     # Layer 0 holds different values, so reading the wrong layer could not pass above.
     ref0 = paged_attention_torch(q, *layer_views(kv, 0), md, head_dim ** -0.5)
     assert not torch.allclose(out1, ref0, atol=1e-2)
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize("seqs", [pytest.param([(37, 1), (5, 1), (64, 1)], id="decode"),
+                                  pytest.param([(40, 5), (3, 1), (21, 5)], id="verify"),
+                                  pytest.param(MIXED, id="mixed")])
+def test_split_kv_matches_the_reference(seqs, num_splits):
+    """Flash-decoding's split of the keys (a GPU picks it for decode and verify batches with few programs;
+    forced here): each slice's partial, then the combine, give the unsplit result, also where a slice holds
+    no key of a short sequence (8 slices of a 5-token context)."""
+    q, kv, md = random_batch(seqs, 4, 2, 32, 16, seed=3)
+    _check(q, kv, md, num_splits=num_splits)
+
+
+def test_split_count_follows_the_programs_and_the_query_width(monkeypatch):
+    import engine.triton_attention as ta
+    assert ta.num_kv_splits(8, 1, torch.device("cpu")) == 1               # the CPU interpreter: no split
+    monkeypatch.setitem(ta._SMS, 0, 132)                                   # an H100's or H200's SMs
+    num_kv_splits = ta.num_kv_splits
+    cuda = torch.device("cuda", 0)
+    assert num_kv_splits(8, 1, cuda) == 16                                 # batch 1, 8 KV heads: 128 programs
+    assert num_kv_splits(64 * 8, 1, cuda) == 1                             # batch 64: 512 programs already
+    assert num_kv_splits(32 * 8, 5, cuda) == 2                             # a verify step of 32 sequences
+    assert num_kv_splits(8, 512, cuda) == 1                                # a prefill: never split
