@@ -140,6 +140,13 @@ class EngineReplica:
                 if report is None and time.monotonic() - last_report > REPORT_INTERVAL_S and self._state is not None:
                     last_report = time.monotonic()
                     report = self._state.report.remote(self.pool, self.replica, self.metrics.exposition(), self._seq)
+            except ray.exceptions.RayActorError:
+                # the state actor ended with its owner (the state replica moved off a draining node): find its
+                # successor by name and register again; the next report finds the entry behind and resyncs
+                log.warning("%s replica %s: the cluster state actor is gone; registering with its successor",
+                            self.pool, self.replica)
+                self._state, report = None, None
+                time.sleep(0.5)
             except Exception:                                  # noqa: BLE001 - keep serving, say why
                 log.exception("%s replica %s: background loop", self.pool, self.replica)
             time.sleep(PUBLISH_INTERVAL_S)

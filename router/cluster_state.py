@@ -170,26 +170,41 @@ class ClusterStateOwner:
     actor's; the ingress's /metrics reads the replicas' metrics through it."""
 
     def __init__(self, actor_name: str):
+        self.actor_name = actor_name
+        self.actor = self._actor()
+
+    def _actor(self):
         import ray
-        # get_if_exists: a replacement replica may start while its predecessor's actor is still being
-        # torn down; the health check then fails and Serve starts another replica, which creates a fresh one
-        self.actor = ray.remote(ClusterState).options(name=actor_name, namespace=STATE_NAMESPACE, num_cpus=0,
-                                                      get_if_exists=True).remote()
+        # get_if_exists: a successor (Serve moving this replica off a draining node) finds its predecessor's
+        # actor while that replica lives; the actor ends with its owner, and _call then makes a fresh one
+        return ray.remote(ClusterState).options(name=self.actor_name, namespace=STATE_NAMESPACE, num_cpus=0,
+                                                get_if_exists=True).remote()
+
+    async def _call(self, method: str, *args):
+        """The actor's method; an actor that ended with a former owner is replaced by one this replica owns
+        (empty: replicas re-register and resync on their next report, routers re-read its index)."""
+        from ray.exceptions import RayActorError
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayActorError:
+            log.warning("cluster state actor %s ended with its former owner; starting a new one", self.actor_name)
+            self.actor = self._actor()
+            return await getattr(self.actor, method).remote(*args)
 
     async def check_health(self) -> None:
-        await self.actor.stale.remote()
+        await self._call("stale")
 
     async def metrics_texts(self) -> list[bytes]:
-        return await self.actor.metrics_texts.remote()
+        return await self._call("metrics_texts")
 
     async def lora_adapters(self) -> dict[str, tuple[int, str, str]]:
-        return await self.actor.lora_adapters.remote()
+        return await self._call("lora_adapters")
 
     async def add_lora(self, name: str, path: str, key: str) -> bool:
-        return await self.actor.add_lora.remote(name, path, key)
+        return await self._call("add_lora", name, path, key)
 
     async def remove_lora(self, name: str) -> bool:
-        return await self.actor.remove_lora.remote(name)
+        return await self._call("remove_lora", name)
 
 
 class IndexMirror:

@@ -100,6 +100,7 @@ class Ingress:
         self.migration, self.tools_config, self.lora_config = migration, tools, lora
         self._loras: dict[str, LoRARequest] = {}     # the registry's copy: adapter name -> request
         self._loras_read = 0.0
+        self._lora_refused: set[str] = set()    # configured adapters that failed their check: not retried
         self.tool_format = None             # router.tools.ToolFormat of the served model's chat template
         self.keys = oa.ApiKeys(auth.api_keys_env)
         self.protect_metrics = auth.protect_metrics
@@ -145,6 +146,7 @@ class Ingress:
             try:
                 await self._register_adapter(name, path)
             except oa.OpenAIError as e:
+                self._lora_refused.add(name)
                 log.error("LoRA adapter %r from the cluster config is not served: %s", name, e.message)
 
     async def _register_adapter(self, name: str, path: str) -> None:
@@ -165,6 +167,10 @@ class Ingress:
         """The registry (name -> LoRARequest), reread every LORA_REFRESH_S or when asked."""
         if self.lora_config.on and (refresh or time.monotonic() - self._loras_read > LORA_REFRESH_S):
             reg = await self.state.lora_adapters.remote()
+            if any(name not in reg and name not in self._lora_refused for name in self.lora_config.adapters):
+                # a new state actor (its predecessor ended with the state replica): the config's adapters again
+                await self._load_configured_adapters()
+                reg = await self.state.lora_adapters.remote()
             self._loras = {n: LoRARequest(n, i, path, key) for n, (i, path, key) in reg.items()}
             self._loras_read = time.monotonic()
         return self._loras

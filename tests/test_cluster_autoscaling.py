@@ -124,3 +124,27 @@ def test_deleting_an_app_leaves_no_actor_of_it_behind(client):
     with pytest.raises(ValueError):
         ray.get_actor(state_actor_name(app), namespace=STATE_NAMESPACE)
     assert get_state_actor(state_actor_name("baton"))        # the other app's is untouched
+
+
+def test_a_state_actor_that_ends_is_replaced_and_every_replica_reports_to_its_successor(client):
+    """The cluster state actor ends with the state replica that owns it (a node drain moves that replica). Here
+    it is killed outright: the owner starts a successor at the next call, every replica registers with it and
+    resyncs, and /metrics shows both pools again; requests are served throughout."""
+    import ray
+
+    from replica.names import get_state_actor, state_actor_name
+
+    def pools_reporting() -> set[str]:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
+        except Exception:                     # noqa: BLE001 - the call that finds the actor gone may fail
+            return set()
+        lines = [line for line in text.splitlines() if line.startswith("baton_kv_blocks_total{")]
+        return {p for p in ("prefill", "decode") if any(f'pool="{p}"' in line for line in lines)}
+    assert pools_reporting() == {"prefill", "decode"}
+    old = get_state_actor(state_actor_name("baton"))
+    ray.kill(old, no_restart=True)
+    wait_for(lambda: pools_reporting() == {"prefill", "decode"}, 60, "both pools reporting to a new state actor")
+    assert get_state_actor(state_actor_name("baton"))._actor_id != old._actor_id
+    out = client.completions.create(model=MODEL, prompt="After the state actor", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens == 4
