@@ -283,9 +283,9 @@ def victim_choice():
         from ray.serve._private.deployment_scheduler import DeploymentScheduler
     except ImportError:
         return None
-    original = DeploymentScheduler._get_replicas_to_stop
-    if getattr(original, "_baton", False):
+    if hasattr(DeploymentScheduler, "_baton_move_costs"):        # wrapped already, in this process
         return DeploymentScheduler
+    original = DeploymentScheduler._get_replicas_to_stop
     if list(inspect.signature(original).parameters)[:3] != ["self", "deployment_id", "max_num_to_stop"]:
         log.warning("baton autoscaler: Serve's replica choice for scale-downs changed; it stays Serve's own")
         return None
@@ -303,7 +303,6 @@ def victim_choice():
         ranked = sorted(serve_order, key=lambda r: (r in running, costs.get(r, math.inf) if r in running else 0.0,
                                                     rank[r]))
         return set(ranked[:len(pick)])
-    get_replicas_to_stop._baton = True
     DeploymentScheduler._baton_move_costs = {}
     DeploymentScheduler._get_replicas_to_stop = get_replicas_to_stop
     return DeploymentScheduler

@@ -207,8 +207,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
     """A GGUF file's architecture and tensors (little-endian, version 2 or 3), the data mapped from the file.
-    gguf's GGUFReader turns every metadata field into numpy views (4 s for SmolLM2's 49k-token vocabulary and
-    merges, at every replica start); this walks the fields it does not need with struct (0.1 s) and types
+    gguf's GGUFReader turns every metadata field into numpy views (2.3 s for SmolLM2's 49k-token vocabulary
+    and merges, at every replica start); this walks the fields it does not need with struct (0.02 s) and types
     each tensor's data as GGUFReader does. Raises ValueError for anything else (the caller then uses gguf's)."""
     import struct
 
@@ -262,10 +262,10 @@ def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
     tensors = []
     for name, dims, kind, offset in infos:
         block, size = GGML_QUANT_SIZES[kind]
-        count = int(np.prod(dims))
-        raw = mm[start + offset:start + offset + count * size // block]
+        nbytes = int(np.prod(dims)) * size // block
+        raw = mm[start + offset:start + offset + nbytes]
         shape = tuple(reversed(dims))
-        if raw.size != count * size // block:
+        if raw.size != nbytes:
             raise ValueError(f"tensor {name} runs past the end of the file")
         data = raw.view(typed[kind.name]).reshape(shape) if kind.name in typed else \
             raw.reshape(quant_shape_to_byte_shape(shape, kind))
