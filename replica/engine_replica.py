@@ -33,6 +33,8 @@ from replica.names import get_state_actor
 log = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
+# An idle replica's background loop sleeps until the engine emits a KV event or the next metrics report is due:
+# no polling (nor engine-lock traffic) while nothing is cached, freed or pinned for an export
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
 DRAIN_POLL_S = 0.5              # a draining replica learns it is being stopped within about this long
@@ -57,6 +59,7 @@ class EngineReplica:
         self.served_model_name = served_model_name
         self._events: list[KVEvent] = []
         self._events_lock = threading.Lock()
+        self._bg_wake = threading.Event()               # set by the engine thread when it emits a KV event
         self._seq = 0
         eng = LLMEngine(engine, on_kv_event=self._on_event)
         self.llm = (ReplicaLLM if engine.tensor_parallel_size > 1 else AsyncLLM)(engine=eng)
@@ -108,6 +111,7 @@ class EngineReplica:
     def _on_event(self, event: KVEvent) -> None:          # engine thread
         with self._events_lock:
             self._events.append(event)
+        self._bg_wake.set()
 
     def _state_actor(self):
         try:
@@ -131,7 +135,8 @@ class EngineReplica:
             try:
                 if self._state is None:
                     self._find_state()
-                self.llm.call(lambda _: self.link.release_finished())
+                if self.engine.kv.pinned:             # exports a consumer may have pulled by now
+                    self.llm.call(lambda _: self.link.release_finished())
                 self._publish()
                 if report is not None and ray.wait([report], timeout=0)[0]:    # answered: reading it never waits
                     ref, report = report, None
@@ -149,7 +154,10 @@ class EngineReplica:
                 time.sleep(0.5)
             except Exception:                                  # noqa: BLE001 - keep serving, say why
                 log.exception("%s replica %s: background loop", self.pool, self.replica)
-            time.sleep(PUBLISH_INTERVAL_S)
+            time.sleep(PUBLISH_INTERVAL_S)                     # batches events: one publish per interval at most
+            self._bg_wake.clear()                              # before the check: an event after it wakes the wait
+            if not self._events and not self.engine.kv.pinned:
+                self._bg_wake.wait(max(0.0, last_report + REPORT_INTERVAL_S - time.monotonic()))
 
     def _publish(self) -> None:
         with self._events_lock:

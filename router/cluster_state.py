@@ -33,6 +33,7 @@ from router.prefix_index import PrefixIndex
 log = logging.getLogger(__name__)
 
 LOG_CAPACITY = 4096             # event batches kept for mirrors; older mirrors take a snapshot
+LONG_POLL_S = 1.0               # a mirror's wait_changes call returns after this long when nothing changed
 DEAD_AFTER_S = 15.0
 
 
@@ -48,6 +49,7 @@ class ClusterState:
                                                     # may be alive, only quiet): a few KiB per replica process
         self.loras: dict[str, tuple[int, str, str]] = {}    # LoRA adapters served: name -> (id, path, key)
         self._lora_ids = 0
+        self._changed: asyncio.Event | None = None          # what waiting mirrors wait on; set by the next entry
 
     # -- LoRA adapters (every ingress replica reads the same registry) -------------------------------
     def lora_adapters(self) -> dict[str, tuple[int, str, str]]:
@@ -138,6 +140,9 @@ class ClusterState:
     def _append(self, pool: str, replica: str, seq: int, events: bytes) -> None:
         self.version += 1
         self.log.append((self.version, pool, replica, seq, events))
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def _reap(self) -> None:
         now = self.clock()
@@ -155,6 +160,19 @@ class ClusterState:
         if self.log and since >= self.log[0][0] - 1:
             return self.version, [e for e in self.log if e[0] > since], None
         return self.version, None, {p: idx.snapshot() for p, idx in self.index.items()}
+
+    async def wait_changes(self, since: int, timeout_s: float = LONG_POLL_S) -> tuple[int, list | None, dict | None]:
+        """changes(since), once there is something after `since` or timeout_s has passed: a mirror's long poll.
+        It hears of a batch as soon as it lands, and an idle cluster costs no polling. (This coroutine makes
+        the actor an asyncio actor: every method runs on its one event loop, so none needs a lock.)"""
+        if since == self.version:
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.changes(since)
 
     def metrics_texts(self) -> list[bytes]:
         self._reap()
@@ -242,10 +260,12 @@ class IndexMirror:
                 log.debug("index mirror: %r", e)
                 self._actor = None
                 await asyncio.sleep(0.5)
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.interval_s)        # under load: one sync per interval at most
 
     async def sync_once(self) -> None:
-        version, entries, snapshots = await self._actor.changes.remote(self.version)
+        """One long poll of the state actor: returns at once if the index changed since our version, else when it
+        next changes (or after LONG_POLL_S)."""
+        version, entries, snapshots = await self._actor.wait_changes.remote(self.version)
         if snapshots is not None:
             self.index = {p: PrefixIndex.from_snapshot(s) for p, s in snapshots.items()}
         else:

@@ -23,8 +23,9 @@ class RouterConfig(_Section):
                                                       "prompt tokens it would have to compute")
     imbalance_threshold_tokens: int = Field(8192, ge=0, description="When replicas' queued prefill tokens differ "
                                                                     "by more, route least-loaded first")
-    index_sync_interval_s: float = Field(0.01, gt=0, description="Seconds between pulls of the KV-event index "
-                                                                 "by each router")
+    index_sync_interval_s: float = Field(0.01, gt=0, description="Least seconds between two pulls of the KV-event "
+                                                                 "index by each router while it changes (each pull "
+                                                                 "is a long poll: an idle index costs no polling)")
     host_tier_hit_weight: float = Field(0.9, ge=0, le=1, description="What a prompt block cached only in a "
                                         "replica's host KV tier (kv_offloading_size) is worth to both pools' "
                                         "routers, against one in its device cache (1: the same; 0: nothing): "
