@@ -585,6 +585,7 @@ class Simulator:
     def handoff(self, source: Engine, seq: Seq) -> None:
         """The prefill replica answered: the request goes to a decode replica, which pulls its KV."""
         r = seq.req
+        self.prefill_router.inflight.finish(str(r.id))      # as the orchestrator tells its process's routers
 
         def go() -> None:
             self._pins[r.id] = (source, seq)

@@ -30,7 +30,7 @@ from engine.lora import LoRARequest
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
-from router.request_routers import observe_found
+from router.request_routers import observe_found, prefill_finished
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
@@ -109,7 +109,10 @@ class Orchestrator:
         try:
             if self.remote_prefill(token_ids, hashes):
                 try:
-                    req.prefill = await self.prefill.prefill.remote(req)
+                    try:
+                        req.prefill = await self.prefill.prefill.remote(req)
+                    finally:
+                        prefill_finished(rid)
                     PATHS.labels("remote").inc()
                     observe_found(PREFILL, rid, req.prefill.num_cached_tokens)
                 except Exception as e:              # noqa: BLE001 - the decode replica can prefill it

@@ -82,21 +82,47 @@ def request_payload(pending: PendingRequest | None) -> PoolRequest | None:
 
 
 class _InflightLoad:
-    """Work this router sent that the replica's last stats cannot show yet (they predate it). `clock`: the
-    replicas' stats clock (unix time; the planning simulator's own)."""
+    """What a replica's last stats cannot show yet: work sent to it since (they predate it), less the work
+    that finished since (they still count it). Without the second half a snapshot taken while a long prompt
+    was prefilling would send the next requests of its prefix elsewhere until the next snapshot. `clock`:
+    the replicas' stats clock (unix time; the planning simulator's own)."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
         self.sent: dict[str, list[tuple[float, int]]] = {}
+        self.done: dict[str, list[tuple[float, int]]] = {}
+        self.open: dict[str, tuple[str, int]] = {}      # request id -> (replica, load): routed, not finished
         self.clock = clock
 
-    def add(self, replica: str, tokens: int) -> None:
+    def add(self, replica: str, tokens: int, request_id: str | None = None) -> None:
         self.sent.setdefault(replica, []).append((self.clock(), tokens))
+        if request_id is not None:
+            self.open[request_id] = (replica, tokens)
+            while len(self.open) > MAX_PENDING_PREDICTIONS:         # requests that failed before finishing
+                del self.open[next(iter(self.open))]
+
+    def finish(self, request_id: str) -> None:
+        """The replica is done with the request's load (a prefill answered)."""
+        routed = self.open.pop(request_id, None)
+        if routed is not None:
+            self.done.setdefault(routed[0], []).append((self.clock(), routed[1]))
 
     def extra(self, replica: str, stats_time: float) -> int:
+        """Tokens to add to the replica's stats (negative when more finished than was sent since them)."""
         now = self.clock()
-        items = [(t, n) for t, n in self.sent.get(replica, []) if t > stats_time and now - t < INFLIGHT_TTL_S]
-        self.sent[replica] = items
-        return sum(n for _, n in items)
+
+        def since(items: list[tuple[float, int]]) -> list[tuple[float, int]]:
+            return [(t, n) for t, n in items if t > stats_time and now - t < INFLIGHT_TTL_S]
+        self.sent[replica] = sent = since(self.sent.get(replica, []))
+        self.done[replica] = done = since(self.done.get(replica, []))
+        return sum(n for _, n in sent) - sum(n for _, n in done)
+
+
+_prefill_inflight = _InflightLoad()     # this process's prefill routers' (the orchestrator reports finishes)
+
+
+def prefill_finished(request_id: str) -> None:
+    """A prefill routed from this process answered: its replica's queue no longer holds it."""
+    _live()._prefill_inflight.finish(request_id)
 
 
 class _ForgetsGoneReplicas:
@@ -131,7 +157,8 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         """mirror, clock: the planning simulator's index and clock (in Serve: the state actor's mirror, unix time)."""
         self.mirror = mirror if mirror is not None else IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size = block_size
-        self.inflight = _InflightLoad(clock)
+        # in Serve the prefill pool's is the process's, which the orchestrator tells of finished prefills
+        self.inflight = _live()._prefill_inflight if mirror is None and self.pool == PREFILL else _InflightLoad(clock)
         # Serve request id -> (load it sends, leading blocks the index says each replica caches, blocks usable)
         self._routing: dict[str, tuple[int | None, dict[str, int] | None, int]] = {}
 
@@ -189,7 +216,7 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         tiers, reason, load, _ = self._rank(req, by_id)
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is not None and load is not None:
-            self.inflight.add(best, load)
+            self.inflight.add(best, load, req.request_id if self.pool == PREFILL else None)
         return best, reason
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -197,9 +224,9 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         if routed is None:
             return
         (load, hits, usable), rid = routed, replica_id.unique_id
-        if load is not None:
-            self.inflight.add(rid, load)
         req = request_payload(pending_request)
+        if load is not None:
+            self.inflight.add(rid, load, req.request_id if req is not None and self.pool == PREFILL else None)
         if hits is not None and req is not None:
             _predict(self.pool, req.request_id, min(hits.get(rid, 0), usable) * self.block_size)
 
@@ -229,7 +256,7 @@ class PrefixAwareRouter(_PoolRouter):
         loads, extra = {}, {}
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
-            loads[rid] = stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0))
+            loads[rid] = max(stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0)), 0)
             extra[rid] = lora_load_cost(req, stats, self.lora_cost)
         index = self.mirror.index[self.pool]
         matches, credit = index.match_credit(req.block_hashes, self.host_weight)

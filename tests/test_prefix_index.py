@@ -267,6 +267,78 @@ def test_state_actor_log_and_snapshots_give_mirrors_the_same_index():
     assert mirror.index["prefill"].match(h) == {"p1": 2}
 
 
+def test_a_mirror_long_polls_the_state_actor():
+    """wait_changes answers as soon as a batch lands (not after a poll interval), and after its timeout when
+    nothing changed: an idle cluster's mirrors cost no polling."""
+    import asyncio
+    import time as _time
+    state, rep = ClusterState(), Replica("p0", 16)
+    state.register("prefill", "p0", 0)
+
+    async def scenario():
+        version = state.version
+        t0 = _time.monotonic()
+        idle = await state.wait_changes(version, timeout_s=0.2)
+        waited_idle = _time.monotonic() - t0
+        rep.run_prompt(list(range(8)))
+
+        async def publish_later():
+            await asyncio.sleep(0.05)
+            state.publish("prefill", "p0", *rep.batch())
+        t0 = _time.monotonic()
+        _, got = await asyncio.gather(publish_later(), state.wait_changes(version, timeout_s=5.0))
+        return idle, waited_idle, got, _time.monotonic() - t0
+    idle, waited_idle, got, waited = asyncio.run(scenario())
+    assert idle == (state.version - 1, [], None) and waited_idle >= 0.19
+    version, entries, snap = got
+    assert snap is None and [e[2] for e in entries] == ["p0"] and version == state.version
+    assert waited < 1.0, waited                   # woken by the batch, not by the 5 s timeout
+
+
+def test_a_prefill_that_finished_since_the_stats_no_longer_holds_its_replicas_queue():
+    """Serve's stats snapshot of a replica can be taken while it prefills a long prompt. The requests that
+    follow with the same prefix must still go to it once that prefill has answered: the router takes the
+    finished prefill off the stale queue (and so does the planning simulator, which shares the code)."""
+    from router.config import RouterConfig
+    from router.request_routers import PrefixAwareRouter, _live, prefill_finished
+    from replica.messages import PoolRequest
+    from engine import SamplingParams
+    now = [100.0]
+    state, reps = ClusterState(), [Replica("p0", 64), Replica("p1", 64)]
+    prefix = list(range(1000, 1064))                            # 16 blocks of 4
+    for r in reps:
+        state.register("prefill", r.name, 0)
+    reps[0].run_prompt(prefix)
+    state.publish("prefill", "p0", *reps[0].batch())
+    mirror = IndexMirror("unused", interval_s=0.01)
+    for _, pool, rep, seq, events in state.changes(0)[1]:
+        apply_entry(mirror.index[pool], rep, seq, events)
+    router = PrefixAwareRouter.offline(block_size=BS, router=RouterConfig().model_dump(mode="json"),
+                                       mirror=mirror, clock=lambda: now[0])
+
+    @dataclass
+    class Stats:
+        routing_stats: dict
+
+    # p0 was snapshotted at t=99.5 with the first full prompt (68 tokens) still queued; p1 is idle
+    by_id = {"p0": Stats({"queued_prefill_tokens": 68, "time": 99.5}), "p1": Stats({"queued_prefill_tokens": 0,
+                                                                                       "time": 99.5})}
+    router.inflight.add("p0", 68, "first")
+    router.inflight.sent["p0"][-1] = (99.0, 68)                # it was sent before the snapshot
+    prompt = prefix + [7, 7, 7, 7]
+    req = PoolRequest("second", prompt, block_hashes(prompt, BS, KEY), SamplingParams(max_tokens=1))
+    assert router.route(req, by_id)[0] == "p1"                  # 4 uncached + 68 queued > 68 uncached on p1
+    router.inflight.finish("first")                             # answered at t=100, after the snapshot
+    req2 = PoolRequest("third", prompt, req.block_hashes, SamplingParams(max_tokens=1))
+    router.inflight.finish("second")                            # p1 answered "second" too
+    assert router.route(req2, by_id) == ("p0", "prefix_hit")
+    # in Serve the routers of a process share one account, which the orchestrator tells of finished prefills
+    shared = _live()._prefill_inflight
+    shared.add("pX", 50, "r1")
+    prefill_finished("r1")
+    assert shared.extra("pX", 0.0) == 0 and "r1" not in shared.open
+
+
 def test_a_replica_that_stops_reporting_is_forgotten():
     now = [0.0]
     state, r = ClusterState(clock=lambda: now[0], dead_after_s=15.0), Replica("dead", 16)
