@@ -201,8 +201,39 @@ def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve:
     return cost, info
 
 
+def calibrate_gpu(model: str, gpu: str, quick: bool, log: Callable[[str], None], device: str = "cuda",
+                  dtype: str = "bfloat16") -> tuple[Any, dict[str, Any]]:
+    """The roofline preset of `gpu` for `model` (a checkpoint directory), its mfu, mbu and per-step overhead fitted
+    to the engine's own step timings on this GPU (the grid above, one engine, CUDA graphs as served). No Ray and
+    no cluster: the serving overheads stay the preset's."""
+    from engine.config import EngineConfig
+    from plan.cost import RooflineCost, model_shape
+    config = EngineConfig(model=model, device=device, dtype=dtype, kv_cache_memory=1 << 30)   # the grid needs ~17k tokens
+    engine = _engine(config)
+    preset = RooflineCost(gpu=gpu, model=model_shape(model))
+    log(f"{preset.name}: {preset.params / 1e9:.2f} B parameters, {engine.runner.block_bytes // config.block_size} "
+        f"KV bytes a token; engine on {device} in {dtype}")
+    t = time.perf_counter()
+    rows = grid(engine, np.random.default_rng(0), log, quick)
+    engine.shutdown()
+    cost, report = preset.fitted(rows)
+    for name in ("preset", "fitted"):
+        r = report[name]
+        log(f"{name}: mfu {r['mfu']:.2f}, KV read at {r['kv_mbu']:.2f} of HBM bandwidth (weights at {report['mbu']:.2f}), step overhead {r['step_overhead_s'] * 1e3:.2f} ms "
+            f"(with a prompt chunk {r['prefill_overhead_s'] * 1e3:.2f} ms): median error {r['median_rel_error']:.1%}, "
+            f"p90 {r['p90_rel_error']:.1%} over {len(rows)} steps ({report['prefill_steps']} with prompt tokens: "
+            f"median {r.get('prefill_median_rel_error', 0):.1%})")
+    info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
+            "roofline": report, "device": device, "dtype": dtype}
+    return cost, info
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the served default, SmolLM2-135M-Instruct)")
+    p.add_argument("--gpu", default=None, help="calibrate the roofline preset of this GPU (h100, h200) instead: fit its "
+                                               "mfu, mbu and step overhead to the engine's steps on the GPU here (needs "
+                                               "--model, a checkpoint directory; no cluster is started)")
+    p.add_argument("--device", default="cuda", help="with --gpu: the torch device the engine runs on (default cuda)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests)")
     p.add_argument("--no-serve", action="store_true", help="skip the live cluster (overheads stay 0)")
     p.add_argument("--transfer-gbps", type=float, default=5.5,
@@ -215,10 +246,18 @@ def run(args: argparse.Namespace) -> dict:
     import contextlib
     import sys
 
-    import ray
-
     from bench.engine_bench import machine_info, make_logger
     log = make_logger("plan calibrate")
+    if args.gpu is not None:
+        if args.model is None:
+            raise SystemExit("plan calibrate --gpu needs --model (a checkpoint directory)")
+        dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+        cost, info = calibrate_gpu(args.model, args.gpu, args.quick, log, device=args.device, dtype=dtype)
+        save_cost(cost, args.out, machine=machine_info(), calibration=info)
+        log(f"wrote {args.out}")
+        return {"cost": cost.to_dict(), "path": str(args.out), "roofline": info["roofline"]}
+
+    import ray
     with contextlib.redirect_stdout(sys.stderr):
         if not args.no_serve:
             ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,

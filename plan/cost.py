@@ -151,8 +151,11 @@ class RooflineCost:
     weight_bytes_per_param: float = 2.0       # bf16; 1 for FP8 weights
     kv_bytes_per_value: float = 2.0           # bf16 KV; 1 for an fp8 cache
     mfu: float = 0.5                          # of peak FLOP/s a prefill reaches (vLLM-class engines: 0.4-0.6)
-    mbu: float = 0.75                         # of HBM bandwidth a decode step reaches
+    mbu: float = 0.75                         # of HBM bandwidth a decode step reaches reading the weights
+    kv_mbu: float | None = None               # ... and reading the KV cache (attention; None: mbu)
     step_overhead_s: float = 0.003            # scheduling, sampling, launches per step (CUDA graphs: ~2-4 ms)
+    prefill_overhead_s: float | None = None   # the same for a step with a prompt chunk, which runs without CUDA
+                                              # graphs (None: step_overhead_s; measured on an H200: ~12 ms, 1B)
     overheads: Overheads = field(default_factory=lambda: Overheads(request_s=0.01, handoff_s=0.005,
                                                                    transfer_gbps=25.0, transfer_latency_s=0.001))
     shared_device: bool = False
@@ -174,16 +177,79 @@ class RooflineCost:
         self.peak, self.bandwidth, self.memory = g["flops"] * self.tp, g["bandwidth"] * self.tp, g["memory"] * self.tp
         self.name = f"{self.tp}x {g['name']}, {m.get('name', 'model')}"
 
+    def read_s(self, context: int | np.ndarray) -> float | np.ndarray:
+        """Reading the weights once and `context` tokens of KV, at their fractions of HBM bandwidth."""
+        kv_mbu = self.mbu if self.kv_mbu is None else self.kv_mbu
+        return (self.params * self.weight_bytes_per_param / self.mbu
+                + self.kv_bytes_per_token * context / kv_mbu) / self.bandwidth
+
     def step_s(self, b: Batch) -> float:
         flops = self.flops_per_token * b.tokens + self.flops_per_pair * b.pairs
-        read = self.params * self.weight_bytes_per_param + self.kv_bytes_per_token * b.context
-        return max(flops / (self.peak * self.mfu), read / (self.bandwidth * self.mbu)) + self.step_overhead_s
+        return max(flops / (self.peak * self.mfu), self.read_s(b.context)) + self.overhead_s(b)
+
+    def overhead_s(self, b: Batch) -> float:
+        """Per-step overhead: a step with prompt tokens (more tokens than sequences) pays the prefill one."""
+        if b.tokens > b.seqs and self.prefill_overhead_s is not None:
+            return self.prefill_overhead_s
+        return self.step_overhead_s
 
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)
         flops = self.flops_per_token * batch + self.flops_per_pair * ctx
-        read = self.params * self.weight_bytes_per_param + self.kv_bytes_per_token * ctx
-        return np.maximum(flops / (self.peak * self.mfu), read / (self.bandwidth * self.mbu)) + self.step_overhead_s
+        return np.maximum(flops / (self.peak * self.mfu), self.read_s(ctx)) + self.step_overhead_s
+
+    def fitted(self, rows: list[tuple[Batch, float]]) -> tuple[RooflineCost, dict[str, Any]]:
+        """This roofline with mfu, kv_mbu and the two step overheads fitted to measured (batch, seconds) steps of the
+        same model on the same GPU (`baton plan calibrate --gpu`): a grid over the two fractions, each overhead the
+        median of what they leave unexplained in its kind of step, the least error kept (each kind of step
+        counting alike; a step's error capped at 100%, so a stray slow step cannot steer it). mbu stays this
+        roofline's: every decode step of one model reads the same weights, so their read time and the fixed
+        per-step overhead cannot be told apart from its steps (only their sum); the overhead takes the rest.
+        Returns the fit and a report of both models' errors."""
+        flops = np.array([self.flops_per_token * b.tokens + self.flops_per_pair * b.pairs for b, _ in rows])
+        weights = self.params * self.weight_bytes_per_param
+        kv = np.array([self.kv_bytes_per_token * b.context for b, _ in rows], dtype=np.float64)
+        y = np.array([t for _, t in rows])
+        prefill = np.array([b.tokens > b.seqs for b, _ in rows])        # the two kinds of step (see overhead_s)
+        kinds = [k for k in (prefill, ~prefill) if k.any()]
+        mbu = self.mbu
+
+        def errors(mfu: float, kv_mbu: float, decode_s: float, prefill_s: float) -> np.ndarray:
+            bound = np.maximum(flops / (self.peak * mfu), (weights / mbu + kv / kv_mbu) / self.bandwidth)
+            return np.abs(bound + np.where(prefill, prefill_s, decode_s) - y) / y
+
+        def score(e: np.ndarray) -> float:
+            return float(np.mean([np.minimum(e[k], 1.0).mean() for k in kinds]))
+        best = None
+        for mfu in np.linspace(0.02, 0.8, 40):              # 0.8: above what any engine reaches
+            compute = flops / (self.peak * mfu)
+            for kv_mbu in np.linspace(0.02, 1.0, 50):
+                bound = np.maximum(compute, (weights / mbu + kv / kv_mbu) / self.bandwidth)
+                over = [max(float(np.median((y - bound)[k])), 0.0) if k.any() else 0.0 for k in (prefill, ~prefill)]
+                fit = (score(errors(mfu, kv_mbu, over[1], over[0])), float(mfu), float(kv_mbu), over[1], over[0])
+                if best is None or fit[0] < best[0]:
+                    best = fit
+        _, mfu, kv_mbu, decode_s, prefill_s = best
+        fit = RooflineCost(gpu=self.gpu, model=self.model, tp=self.tp, weight_bytes_per_param=self.weight_bytes_per_param,
+                           kv_bytes_per_value=self.kv_bytes_per_value, mfu=mfu, mbu=mbu, kv_mbu=kv_mbu,
+                           step_overhead_s=decode_s, prefill_overhead_s=prefill_s, overheads=self.overheads,
+                           shared_device=self.shared_device)
+
+        def summary(e: np.ndarray) -> dict[str, float]:
+            out = {"median_rel_error": float(np.median(e)), "p90_rel_error": float(np.percentile(e, 90))}
+            if prefill.any():
+                out["prefill_median_rel_error"] = float(np.median(e[prefill]))
+            if (~prefill).any():
+                out["decode_median_rel_error"] = float(np.median(e[~prefill]))
+            return out
+        preset = (self.mfu, self.mbu if self.kv_mbu is None else self.kv_mbu, self.step_overhead_s,
+                  self.step_overhead_s if self.prefill_overhead_s is None else self.prefill_overhead_s)
+        names = ("mfu", "kv_mbu", "step_overhead_s", "prefill_overhead_s")
+        report = {"steps": len(rows), "prefill_steps": int(prefill.sum()), "mbu": mbu,
+                  "preset": {**dict(zip(names, preset)), **summary(errors(*preset))},
+                  "fitted": {**dict(zip(names, (mfu, kv_mbu, decode_s, prefill_s))),
+                             **summary(errors(mfu, kv_mbu, decode_s, prefill_s))}}
+        return fit, report
 
     def kv_tokens(self, kv_cache_memory: int | float | None, num_kv_blocks: int | None, block_size: int) -> int:
         """Bytes given, or a fraction (default 0.9) of the replica's HBM less the weights."""
@@ -199,7 +265,8 @@ class RooflineCost:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "gpu": self.gpu, "model": self.model, "tp": self.tp, "mfu": self.mfu,
-                "mbu": self.mbu, "step_overhead_s": self.step_overhead_s,
+                "mbu": self.mbu, "kv_mbu": self.kv_mbu, "step_overhead_s": self.step_overhead_s,
+                "prefill_overhead_s": self.prefill_overhead_s,
                 "weight_bytes_per_param": self.weight_bytes_per_param, "kv_bytes_per_value": self.kv_bytes_per_value,
                 "overheads": asdict(self.overheads), "name": self.name}
 

@@ -67,6 +67,51 @@ def test_the_roofline_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill(
         RooflineCost(model=model_shape("llama-3.1-70b")).kv_tokens(0.9, None, 16)
 
 
+def test_a_roofline_fitted_to_steps_it_generated_recovers_its_parameters():
+    """`baton plan calibrate --gpu` fits the preset's fractions and overheads to measured steps: steps made by a
+    known roofline give it back (to the grid's resolution), and the fit explains them better than the preset."""
+    truth = RooflineCost(gpu="h200", model=model_shape("llama-3.1-8b"), mfu=0.34, kv_mbu=0.3,
+                         step_overhead_s=0.0045, prefill_overhead_s=0.012)
+    batches = [Batch(n, attention_pairs(n, c), 1, n + c) for n in (128, 512, 2048, 8192) for c in (0, 1024)]
+    batches += [Batch(b, b * ctx, b, b * ctx) for b in (1, 4, 16, 64) for ctx in (256, 4096)]
+    rows = [(b, truth.step_s(b)) for b in batches]
+    fit, report = RooflineCost(gpu="h200", model=model_shape("llama-3.1-8b")).fitted(rows)
+    assert report["steps"] == len(rows)
+    assert report["fitted"]["median_rel_error"] < 0.02, report
+    assert report["preset"]["median_rel_error"] > 0.2, report            # mfu 0.5 / mbu 0.75 / 3 ms miss these
+    assert fit.mfu == pytest.approx(0.34, abs=0.02) and fit.mbu == 0.75              # mbu is the preset's
+    assert fit.kv_mbu == pytest.approx(0.3, abs=0.02)                      # attention reads KV slower than GEMMs
+    assert fit.step_overhead_s == pytest.approx(0.0045, abs=0.001)
+    assert fit.prefill_overhead_s == pytest.approx(0.012, abs=0.002)       # a prompt chunk's step runs eager
+    assert load_cost_roundtrip(fit).mbu == fit.mbu
+
+
+def load_cost_roundtrip(cost):
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        save_cost(cost, Path(d) / "c.json")
+        return load_cost(Path(d) / "c.json")
+
+
+@pytest.mark.slow          # a subprocess and an engine: the full suite
+def test_baton_plan_calibrate_gpu_fits_the_roofline_to_the_engines_steps(tmp_path):
+    """The GPU calibration's whole path, run on the CPU with a tiny checkpoint (the figures mean nothing here; on a
+    GPU they are docs/benchmarks.md's): the grid's steps, both models' errors, a cost file the planner loads."""
+    from bench.models import make_tiny_checkpoint
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", vocab_size=40000, max_position_embeddings=2048)
+    out = tmp_path / "cost.json"
+    res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "calibrate", "--gpu", "h100", "--device", "cpu",
+                          "--model", model, "--quick", "--out", str(out), "--json"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout)["roofline"]
+    assert report["steps"] > 30
+    assert report["fitted"]["median_rel_error"] <= report["preset"]["median_rel_error"]
+    cost = load_cost(out)
+    assert isinstance(cost, RooflineCost) and cost.gpu == "h100" and cost.model["vocab_size"] == 40000
+    assert "fitted: mfu" in res.stderr                                       # progress and the answer
+
 def test_cost_models_round_trip_through_their_file(tmp_path):
     for cost in (COST, RooflineCost(gpu="h200", model=model_shape("qwen2.5-32b"), tp=2)):
         save_cost(cost, tmp_path / "c.json")
