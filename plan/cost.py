@@ -115,9 +115,9 @@ class LinearCost:
 
 
 # -- GPUs and models for the roofline -----------------------------------------------------------------
-GPUS = {      # dense bf16 tensor-core FLOP/s, HBM bytes/s, HBM bytes (SXM parts, vendor figures)
-    "h100": {"flops": 989e12, "bandwidth": 3.35e12, "memory": 80e9, "name": "NVIDIA H100 SXM 80GB"},
-    "h200": {"flops": 989e12, "bandwidth": 4.8e12, "memory": 141e9, "name": "NVIDIA H200 SXM 141GB"},
+GPUS = {      # dense bf16 tensor-core FLOP/s, HBM bytes/s, HBM bytes, NVLink bytes/s each way (SXM parts, vendor figures)
+    "h100": {"flops": 989e12, "bandwidth": 3.35e12, "memory": 80e9, "link": 450e9, "name": "NVIDIA H100 SXM 80GB"},
+    "h200": {"flops": 989e12, "bandwidth": 4.8e12, "memory": 141e9, "link": 450e9, "name": "NVIDIA H200 SXM 141GB"},
 }
 MODELS = {    # Hugging Face config fields of models operators size clusters for
     "llama-3.1-8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -156,6 +156,8 @@ class RooflineCost:
     step_overhead_s: float = 0.003            # scheduling, sampling, launches per step (CUDA graphs: ~2-4 ms)
     prefill_overhead_s: float | None = None   # the same for a step with a prompt chunk, which runs without CUDA
                                               # graphs (None: step_overhead_s; measured on an H200: ~12 ms, 1B)
+    link_efficiency: float = 0.8              # of NVLink bandwidth a ring all-reduce reaches (NCCL's bus bandwidth)
+    allreduce_latency_s: float = 15e-6        # one small all-reduce across the replica's GPUs (NCCL over NVSwitch)
     overheads: Overheads = field(default_factory=lambda: Overheads(request_s=0.01, handoff_s=0.005,
                                                                    transfer_gbps=25.0, transfer_latency_s=0.001))
     shared_device: bool = False
@@ -175,6 +177,8 @@ class RooflineCost:
         self.kv_bytes_per_token = int(2 * layers * kv_heads * d * self.kv_bytes_per_value)
         g = GPUS[self.gpu]
         self.peak, self.bandwidth, self.memory = g["flops"] * self.tp, g["bandwidth"] * self.tp, g["memory"] * self.tp
+        self.link = g["link"]
+        self.layers, self.hidden = layers, h
         self.name = f"{self.tp}x {g['name']}, {m.get('name', 'model')}"
 
     def read_s(self, context: int | np.ndarray) -> float | np.ndarray:
@@ -185,7 +189,17 @@ class RooflineCost:
 
     def step_s(self, b: Batch) -> float:
         flops = self.flops_per_token * b.tokens + self.flops_per_pair * b.pairs
-        return max(flops / (self.peak * self.mfu), self.read_s(b.context)) + self.overhead_s(b)
+        return max(flops / (self.peak * self.mfu), self.read_s(b.context)) + self.overhead_s(b) + self.comm_s(b.tokens)
+
+    def comm_s(self, tokens: int | np.ndarray) -> float | np.ndarray:
+        """Tensor parallelism's all-reduces, not overlapped with compute (as in Baton's and vLLM's TP): two a layer
+        (after attention and after the MLP) of the step's activations (tokens x hidden, bf16), each a ring over
+        the tp GPUs: 2 (tp - 1) / tp of the bytes over NVLink, plus a fixed latency. None at tp 1."""
+        if self.tp == 1:
+            return 0.0
+        size = tokens * self.hidden * 2.0
+        one = self.allreduce_latency_s + 2 * (self.tp - 1) / self.tp * size / (self.link * self.link_efficiency)
+        return 2 * self.layers * one
 
     def overhead_s(self, b: Batch) -> float:
         """Per-step overhead: a step with prompt tokens (more tokens than sequences) pays the prefill one."""
@@ -196,7 +210,7 @@ class RooflineCost:
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)
         flops = self.flops_per_token * batch + self.flops_per_pair * ctx
-        return np.maximum(flops / (self.peak * self.mfu), self.read_s(ctx)) + self.step_overhead_s
+        return np.maximum(flops / (self.peak * self.mfu), self.read_s(ctx)) + self.step_overhead_s + self.comm_s(batch)
 
     def fitted(self, rows: list[tuple[Batch, float]]) -> tuple[RooflineCost, dict[str, Any]]:
         """This roofline with mfu, kv_mbu and the two step overheads fitted to measured (batch, seconds) steps of the
@@ -210,13 +224,14 @@ class RooflineCost:
         weights = self.params * self.weight_bytes_per_param
         kv = np.array([self.kv_bytes_per_token * b.context for b, _ in rows], dtype=np.float64)
         y = np.array([t for _, t in rows])
+        comm = np.array([self.comm_s(b.tokens) for b, _ in rows], dtype=np.float64)     # TP's all-reduces, if any
         prefill = np.array([b.tokens > b.seqs for b, _ in rows])        # the two kinds of step (see overhead_s)
         kinds = [k for k in (prefill, ~prefill) if k.any()]
         mbu = self.mbu
 
         def errors(mfu: float, kv_mbu: float, decode_s: float, prefill_s: float) -> np.ndarray:
             bound = np.maximum(flops / (self.peak * mfu), (weights / mbu + kv / kv_mbu) / self.bandwidth)
-            return np.abs(bound + np.where(prefill, prefill_s, decode_s) - y) / y
+            return np.abs(bound + comm + np.where(prefill, prefill_s, decode_s) - y) / y
 
         def score(e: np.ndarray) -> float:
             return float(np.mean([np.minimum(e[k], 1.0).mean() for k in kinds]))
@@ -225,7 +240,8 @@ class RooflineCost:
             compute = flops / (self.peak * mfu)
             for kv_mbu in np.linspace(0.02, 1.0, 50):
                 bound = np.maximum(compute, (weights / mbu + kv / kv_mbu) / self.bandwidth)
-                over = [max(float(np.median((y - bound)[k])), 0.0) if k.any() else 0.0 for k in (prefill, ~prefill)]
+                over = [max(float(np.median((y - comm - bound)[k])), 0.0) if k.any() else 0.0
+                        for k in (prefill, ~prefill)]
                 fit = (score(errors(mfu, kv_mbu, over[1], over[0])), float(mfu), float(kv_mbu), over[1], over[0])
                 if best is None or fit[0] < best[0]:
                     best = fit
@@ -266,7 +282,8 @@ class RooflineCost:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "gpu": self.gpu, "model": self.model, "tp": self.tp, "mfu": self.mfu,
                 "mbu": self.mbu, "kv_mbu": self.kv_mbu, "step_overhead_s": self.step_overhead_s,
-                "prefill_overhead_s": self.prefill_overhead_s,
+                "prefill_overhead_s": self.prefill_overhead_s, "link_efficiency": self.link_efficiency,
+                "allreduce_latency_s": self.allreduce_latency_s,
                 "weight_bytes_per_param": self.weight_bytes_per_param, "kv_bytes_per_value": self.kv_bytes_per_value,
                 "overheads": asdict(self.overheads), "name": self.name}
 

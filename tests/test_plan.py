@@ -67,6 +67,21 @@ def test_the_roofline_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill(
         RooflineCost(model=model_shape("llama-3.1-70b")).kv_tokens(0.9, None, 16)
 
 
+def test_tensor_parallel_replicas_pay_their_all_reduces():
+    """A TP-8 replica's step adds two ring all-reduces a layer of its activations over NVLink: a latency-bound
+    few hundred microseconds at decode, a large share of a long prefill; TP 1 pays nothing."""
+    one = RooflineCost(gpu="h100", model=model_shape("llama-3.1-70b"), tp=8)
+    assert RooflineCost(gpu="h100", model=model_shape("llama-3.1-8b")).comm_s(8192) == 0.0
+    decode = one.comm_s(64)
+    assert decode == pytest.approx(2 * 80 * (15e-6 + 2 * 7 / 8 * 64 * 8192 * 2 / (450e9 * 0.8)), rel=1e-9)
+    assert 2e-3 < decode < 4e-3                                             # 160 all-reduces, mostly latency
+    prefill = Batch(8192, attention_pairs(8192, 0), 1, 8192)
+    free = RooflineCost(gpu="h100", model=model_shape("llama-3.1-70b"), tp=8, allreduce_latency_s=0.0,
+                        link_efficiency=1e12)                             # as if communication were free
+    share = (one.step_s(prefill) - free.step_s(prefill)) / one.step_s(prefill)
+    assert 0.15 < share < 0.35, share                                       # TP's known cost on a long prompt
+    assert one.decode_steps_s(64, 1000, 3)[0] == pytest.approx(free.decode_steps_s(64, 1000, 3)[0] + decode)
+
 def test_a_roofline_fitted_to_steps_it_generated_recovers_its_parameters():
     """`baton plan calibrate --gpu` fits the preset's fractions and overheads to measured steps: steps made by a
     known roofline give it back (to the grid's resolution), and the fit explains them better than the preset."""
