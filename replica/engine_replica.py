@@ -33,8 +33,6 @@ from replica.names import get_state_actor
 log = logging.getLogger(__name__)
 
 PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags by about this much
-# An idle replica's background loop sleeps until the engine emits a KV event or the next metrics report is due:
-# no polling (nor engine-lock traffic) while nothing is cached, freed or pinned for an export
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
 DRAIN_POLL_S = 0.5              # a draining replica learns it is being stopped within about this long
@@ -129,6 +127,9 @@ class EngineReplica:
         self._state = state
 
     def _background(self) -> None:
+        """KV events to the state actor, unpins of pulled exports, metrics reports. While busy it runs every
+        PUBLISH_INTERVAL_S; idle, it sleeps until the engine emits a KV event or the next report is due (no
+        polling, nor engine-lock traffic, while nothing is cached, freed or pinned for an export)."""
         import ray
         last_report, report = 0.0, None
         while not self._closed:
