@@ -201,14 +201,15 @@ def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve:
     return cost, info
 
 
-def calibrate_gpu(model: str, gpu: str, quick: bool, log: Callable[[str], None], device: str = "cuda",
-                  dtype: str = "bfloat16") -> tuple[Any, dict[str, Any]]:
+def calibrate_gpu(model: str, gpu: str, quick: bool, log: Callable[[str], None], device: str = "cuda"
+                  ) -> tuple[Any, dict[str, Any]]:
     """The roofline preset of `gpu` for `model` (a checkpoint directory), its mfu, mbu and per-step overhead fitted
     to the engine's own step timings on this GPU (the grid above, one engine, CUDA graphs as served). No Ray and
     no cluster: the serving overheads stay the preset's."""
     from engine.config import EngineConfig
     from plan.cost import RooflineCost, model_shape
-    config = EngineConfig(model=model, device=device, dtype=dtype, kv_cache_memory=1 << 30)   # the grid needs ~17k tokens
+    config = EngineConfig(model=model, device=device, kv_cache_memory=1 << 30)   # the grid needs ~17k tokens
+    dtype = str(config.torch_dtype).removeprefix("torch.")              # bf16 on CUDA, fp32 on CPU
     engine = _engine(config)
     preset = RooflineCost(gpu=gpu, model=model_shape(model))
     log(f"{preset.name}: {preset.params / 1e9:.2f} B parameters, {engine.runner.block_bytes // config.block_size} "
@@ -219,8 +220,9 @@ def calibrate_gpu(model: str, gpu: str, quick: bool, log: Callable[[str], None],
     cost, report = preset.fitted(rows)
     for name in ("preset", "fitted"):
         r = report[name]
-        log(f"{name}: mfu {r['mfu']:.2f}, KV read at {r['kv_mbu']:.2f} of HBM bandwidth (weights at {report['mbu']:.2f}), step overhead {r['step_overhead_s'] * 1e3:.2f} ms "
-            f"(with a prompt chunk {r['prefill_overhead_s'] * 1e3:.2f} ms): median error {r['median_rel_error']:.1%}, "
+        log(f"{name}: mfu {r['mfu']:.2f}, KV read at {r['kv_mbu']:.2f} of HBM bandwidth (weights at "
+            f"{report['mbu']:.2f}), step overhead {r['step_overhead_s'] * 1e3:.2f} ms (with a prompt chunk "
+            f"{r['prefill_overhead_s'] * 1e3:.2f} ms): median error {r['median_rel_error']:.1%}, "
             f"p90 {r['p90_rel_error']:.1%} over {len(rows)} steps ({report['prefill_steps']} with prompt tokens: "
             f"median {r.get('prefill_median_rel_error', 0):.1%})")
     info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
@@ -251,8 +253,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.gpu is not None:
         if args.model is None:
             raise SystemExit("plan calibrate --gpu needs --model (a checkpoint directory)")
-        dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-        cost, info = calibrate_gpu(args.model, args.gpu, args.quick, log, device=args.device, dtype=dtype)
+        cost, info = calibrate_gpu(args.model, args.gpu, args.quick, log, device=args.device)
         save_cost(cost, args.out, machine=machine_info(), calibration=info)
         log(f"wrote {args.out}")
         return {"cost": cost.to_dict(), "path": str(args.out), "roofline": info["roofline"]}

@@ -25,7 +25,7 @@ the serving path the engine does not see: ingress to first step (`request_s`), p
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,47 +224,33 @@ class RooflineCost:
         weights = self.params * self.weight_bytes_per_param
         kv = np.array([self.kv_bytes_per_token * b.context for b, _ in rows], dtype=np.float64)
         y = np.array([t for _, t in rows])
-        comm = np.array([self.comm_s(b.tokens) for b, _ in rows], dtype=np.float64)     # TP's all-reduces, if any
+        rest = y - np.array([self.comm_s(b.tokens) for b, _ in rows], dtype=np.float64)   # less TP's all-reduces
         prefill = np.array([b.tokens > b.seqs for b, _ in rows])        # the two kinds of step (see overhead_s)
         kinds = [k for k in (prefill, ~prefill) if k.any()]
-        mbu = self.mbu
-
-        def errors(mfu: float, kv_mbu: float, decode_s: float, prefill_s: float) -> np.ndarray:
-            bound = np.maximum(flops / (self.peak * mfu), (weights / mbu + kv / kv_mbu) / self.bandwidth)
-            return np.abs(bound + comm + np.where(prefill, prefill_s, decode_s) - y) / y
-
-        def score(e: np.ndarray) -> float:
-            return float(np.mean([np.minimum(e[k], 1.0).mean() for k in kinds]))
         best = None
         for mfu in np.linspace(0.02, 0.8, 40):              # 0.8: above what any engine reaches
             compute = flops / (self.peak * mfu)
             for kv_mbu in np.linspace(0.02, 1.0, 50):
-                bound = np.maximum(compute, (weights / mbu + kv / kv_mbu) / self.bandwidth)
-                over = [max(float(np.median((y - comm - bound)[k])), 0.0) if k.any() else 0.0
-                        for k in (prefill, ~prefill)]
-                fit = (score(errors(mfu, kv_mbu, over[1], over[0])), float(mfu), float(kv_mbu), over[1], over[0])
-                if best is None or fit[0] < best[0]:
-                    best = fit
+                bound = np.maximum(compute, (weights / self.mbu + kv / kv_mbu) / self.bandwidth)
+                over = [max(float(np.median((rest - bound)[k])), 0.0) if k.any() else 0.0 for k in (prefill, ~prefill)]
+                e = np.abs(bound + np.where(prefill, over[0], over[1]) - rest) / y
+                score = float(np.mean([np.minimum(e[k], 1.0).mean() for k in kinds]))
+                if best is None or score < best[0]:
+                    best = (score, float(mfu), float(kv_mbu), over[1], over[0])
         _, mfu, kv_mbu, decode_s, prefill_s = best
-        fit = RooflineCost(gpu=self.gpu, model=self.model, tp=self.tp, weight_bytes_per_param=self.weight_bytes_per_param,
-                           kv_bytes_per_value=self.kv_bytes_per_value, mfu=mfu, mbu=mbu, kv_mbu=kv_mbu,
-                           step_overhead_s=decode_s, prefill_overhead_s=prefill_s, overheads=self.overheads,
-                           shared_device=self.shared_device)
+        fit = replace(self, mfu=mfu, kv_mbu=kv_mbu, step_overhead_s=decode_s, prefill_overhead_s=prefill_s)
 
-        def summary(e: np.ndarray) -> dict[str, float]:
-            out = {"median_rel_error": float(np.median(e)), "p90_rel_error": float(np.percentile(e, 90))}
-            if prefill.any():
-                out["prefill_median_rel_error"] = float(np.median(e[prefill]))
-            if (~prefill).any():
-                out["decode_median_rel_error"] = float(np.median(e[~prefill]))
+        def summary(cost: RooflineCost) -> dict[str, float]:
+            e = np.abs(np.array([cost.step_s(b) for b, _ in rows]) - y) / y
+            out = {"mfu": cost.mfu, "kv_mbu": cost.kv_mbu or cost.mbu, "step_overhead_s": cost.step_overhead_s,
+                   "prefill_overhead_s": cost.overhead_s(Batch(2, 0, 1, 2)),     # a step with a prompt token
+                   "median_rel_error": float(np.median(e)), "p90_rel_error": float(np.percentile(e, 90))}
+            for name, k in (("prefill", prefill), ("decode", ~prefill)):
+                if k.any():
+                    out[f"{name}_median_rel_error"] = float(np.median(e[k]))
             return out
-        preset = (self.mfu, self.mbu if self.kv_mbu is None else self.kv_mbu, self.step_overhead_s,
-                  self.step_overhead_s if self.prefill_overhead_s is None else self.prefill_overhead_s)
-        names = ("mfu", "kv_mbu", "step_overhead_s", "prefill_overhead_s")
-        report = {"steps": len(rows), "prefill_steps": int(prefill.sum()), "mbu": mbu,
-                  "preset": {**dict(zip(names, preset)), **summary(errors(*preset))},
-                  "fitted": {**dict(zip(names, (mfu, kv_mbu, decode_s, prefill_s))),
-                             **summary(errors(mfu, kv_mbu, decode_s, prefill_s))}}
+        report = {"steps": len(rows), "prefill_steps": int(prefill.sum()), "mbu": self.mbu,
+                  "preset": summary(self), "fitted": summary(fit)}
         return fit, report
 
     def kv_tokens(self, kv_cache_memory: int | float | None, num_kv_blocks: int | None, block_size: int) -> int:

@@ -82,7 +82,7 @@ def test_tensor_parallel_replicas_pay_their_all_reduces():
     assert 0.15 < share < 0.35, share                                       # TP's known cost on a long prompt
     assert one.decode_steps_s(64, 1000, 3)[0] == pytest.approx(free.decode_steps_s(64, 1000, 3)[0] + decode)
 
-def test_a_roofline_fitted_to_steps_it_generated_recovers_its_parameters():
+def test_a_roofline_fitted_to_steps_it_generated_recovers_its_parameters(tmp_path):
     """`baton plan calibrate --gpu` fits the preset's fractions and overheads to measured steps: steps made by a
     known roofline give it back (to the grid's resolution), and the fit explains them better than the preset."""
     truth = RooflineCost(gpu="h200", model=model_shape("llama-3.1-8b"), mfu=0.34, kv_mbu=0.3,
@@ -98,15 +98,8 @@ def test_a_roofline_fitted_to_steps_it_generated_recovers_its_parameters():
     assert fit.kv_mbu == pytest.approx(0.3, abs=0.02)                      # attention reads KV slower than GEMMs
     assert fit.step_overhead_s == pytest.approx(0.0045, abs=0.001)
     assert fit.prefill_overhead_s == pytest.approx(0.012, abs=0.002)       # a prompt chunk's step runs eager
-    assert load_cost_roundtrip(fit).mbu == fit.mbu
-
-
-def load_cost_roundtrip(cost):
-    import tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        save_cost(cost, Path(d) / "c.json")
-        return load_cost(Path(d) / "c.json")
+    save_cost(fit, tmp_path / "c.json")
+    assert load_cost(tmp_path / "c.json").mbu == fit.mbu
 
 
 @pytest.mark.slow          # a subprocess and an engine: the full suite
