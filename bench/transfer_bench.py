@@ -19,6 +19,10 @@ and transports in the one process; every consumer rank pulls its heads from the 
 them (kvtransfer/tp_plan.py), the pull's time is until all are done. `descriptors_per_block` counts the
 READ descriptors of one block over all consumer ranks (1 for TP 1 -> 1).
 
+--kv-cache-dtypes auto,int8 (the default): each shape is measured with each KV cache dtype, as entries named
+`<shape>` (auto) and `<shape> kv-<dtype>`; a quantized block (engine/kv_layout.py) is about a quarter of fp32's bytes,
+its scales in it, so its `bytes` and GB/s say what a hand-off of the same prompt costs in that format.
+
 --cross-node (root): the NIXL pulls of step 3 between two nodes of a 3-node Ray cluster built from network
 namespaces (cluster/netns.py), producer on node 1 and consumer on node 2, against both on node 1, in one run
 with the same shapes, blocks and TP sizes. UCX_TLS is tcp unless --ucx-tls says otherwise, as
@@ -61,11 +65,11 @@ class Endpoint:
     """One engine's KV cache (random bytes, the engine's layout [blocks, heads, ...]) and its transport, in its
     own process; with tp > 1, its ranks' shards of that cache and one transport each."""
 
-    def __init__(self, kind: str, prefix: str, shape: tuple[int, ...], seed: int, tp: int = 1):
+    def __init__(self, kind: str, prefix: str, shape: tuple[int, ...], seed: int, tp: int = 1,
+                 dtype: str = "float32"):
         from engine.kv_layout import KVHeadLayout
         from kvtransfer import make_transport
-        torch.manual_seed(seed)
-        kv = torch.randn(shape)
+        kv = random_cache(shape, dtype, seed)
         self.layout = KVHeadLayout(shape[1], tp)
         shards = [kv] if tp == 1 else [kv[:, list(self.layout.heads_of(r))].clone() for r in range(tp)]
         self.ts = [make_transport(shard, prefix, "bench:" + "x".join(map(str, shape[1:])), kind=kind,
@@ -111,6 +115,14 @@ class Endpoint:
         return {"UCX_TLS": os.environ.get("UCX_TLS"), "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
 
 
+def random_cache(shape: tuple[int, ...], dtype: str, seed: int) -> torch.Tensor:
+    """Random contents of a cache: fp32 values, or a quantized cache's bytes (uint8)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == "uint8":
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    return torch.randn(shape, generator=g, dtype=getattr(torch, dtype))
+
+
 def _peer_metadata(agent: str) -> bytes:
     """A rank's agent is `<actor>.r<rank>-<uuid>` (TP > 1), else `<actor>-<uuid>`."""
     import ray
@@ -127,32 +139,34 @@ def descriptors_per_block(heads: int, producer_tp: int, consumer_tp: int) -> int
 
 
 # -- measurements -----------------------------------------------------------------------------------
-def measure_prefill(model: str, tokens: int) -> dict:
+def measure_prefill(model: str, tokens: int, kv_cache_dtype: str = "auto") -> dict:
     """TTFT of one cold prompt of `tokens` random ids (after a short warm-up request), and the engine's KV layout."""
     from engine import LLM, SamplingParams
     dummy = model not in (None, "default") and model.startswith("llama-")
     llm = LLM(None if model == "default" else model, load_format="dummy" if dummy else "auto",
               max_model_len=tokens + 16, kv_cache_memory=None, num_kv_blocks=-(-(tokens + 16) // BLOCK_SIZE) + 8,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.runner
     rng = np.random.default_rng(0)
     vocab = llm.engine.hf_config.vocab_size
     one = SamplingParams(temperature=0, max_tokens=1)
     llm.generate([rng.integers(100, vocab - 100, 32).tolist()], one)                # warm-up
     out = llm.generate([rng.integers(100, vocab - 100, tokens).tolist()], one)[0]
+    cache = runner.kv_cache
     res = {"model": llm.engine.model_path, "prefill_s": out.metrics.ttft, "tokens": tokens,
-           "kv_block_shape": list(runner.kv_shape(1)[1:]), "dtype": str(runner.dtype).removeprefix("torch."),
+           "kv_block_shape": list(cache.shape[1:]), "kv_dtype": str(cache.dtype).removeprefix("torch."),
+           "dtype": str(runner.dtype).removeprefix("torch."), "kv_cache_dtype": kv_cache_dtype,
            "block_bytes": runner.block_bytes, "weight_bytes": runner.weight_bytes}
     del llm, runner
     gc.collect()
     return res
 
 
-def measure_copy_bound(num_blocks: int, block_shape: tuple[int, ...], repeats: int) -> dict:
+def measure_copy_bound(num_blocks: int, block_shape: tuple[int, ...], repeats: int, dtype: str = "float32") -> dict:
     """The same bytes copied within one process: one contiguous copy_, and block by block between caches."""
     rng = np.random.default_rng(1)
     cache = 2 * num_blocks + 8
-    src, dst = torch.randn((cache, *block_shape)), torch.randn((cache, *block_shape))
+    src, dst = random_cache((cache, *block_shape), dtype, 1), random_cache((cache, *block_shape), dtype, 2)
     s_ids, d_ids = rng.permutation(cache)[:num_blocks].tolist(), rng.permutation(cache)[:num_blocks].tolist()
     flat_src, flat_dst = src[:num_blocks].clone(), torch.empty_like(src[:num_blocks])
     contiguous, per_block = [], []
@@ -169,7 +183,8 @@ def measure_copy_bound(num_blocks: int, block_shape: tuple[int, ...], repeats: i
 
 
 def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: tuple[int, ...],
-                      repeats: int, tps: tuple[int, int] = (1, 1), nodes: tuple[int, int] | None = None) -> dict:
+                      repeats: int, tps: tuple[int, int] = (1, 1), nodes: tuple[int, int] | None = None,
+                      dtype: str = "float32") -> dict:
     """`nodes`: the producer's and the consumer's node in a NetnsCluster (its `baton_node_<i>` resources);
     None: wherever Ray puts them."""
     import ray
@@ -178,10 +193,10 @@ def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: 
     src, dst = rng.permutation(cache)[:num_blocks].tolist(), rng.permutation(cache)[:num_blocks].tolist()
     actor = ray.remote(Endpoint)
     where = f"-n{nodes[0]}n{nodes[1]}" if nodes else ""
-    names = [f"{p}-{kind}-{shape_name}{where}".replace("_", "") for p in ("producer", "consumer")]
+    names = [f"{p}-{kind}-{shape_name}{where}".replace("_", "").replace(" ", "-") for p in ("producer", "consumer")]
     producer, consumer = (
         actor.options(name=n, num_cpus=0, resources={f"baton_node_{nodes[i]}": 0.01} if nodes else None)
-        .remote(kind, n, (cache, *block_shape), i, tps[i]) for i, n in enumerate(names))
+        .remote(kind, n, (cache, *block_shape), i, tps[i], dtype) for i, n in enumerate(names))
     try:
         penv, env = ray.get([producer.env.remote(), consumer.env.remote()])
         times = []
@@ -202,18 +217,24 @@ def measure_transport(kind: str, shape_name: str, num_blocks: int, block_shape: 
             "ucx_tls": env["UCX_TLS"] if kind == "nixl" else None, "node_ips": [penv["node_ip"], env["node_ip"]]}
 
 
-def bench_shape(shape: str, tokens: int, repeats: int, tps: tuple[int, int] = (1, 1)) -> dict:
+def entry_name(shape: str, kv_cache_dtype: str) -> str:
+    return shape if kv_cache_dtype == "auto" else f"{shape} kv-{kv_cache_dtype}"
+
+
+def bench_shape(shape: str, tokens: int, repeats: int, tps: tuple[int, int] = (1, 1),
+                kv_cache_dtype: str = "auto") -> dict:
+    model, shape = shape, entry_name(shape, kv_cache_dtype)
     log(f"{shape}: prefill of {tokens} tokens")
-    pre = measure_prefill(shape, tokens)
-    num_blocks, block_shape = -(-tokens // BLOCK_SIZE), tuple(pre["kv_block_shape"])
+    pre = measure_prefill(model, tokens, kv_cache_dtype)
+    num_blocks, block_shape, dtype = -(-tokens // BLOCK_SIZE), tuple(pre["kv_block_shape"]), pre["kv_dtype"]
     nbytes = num_blocks * pre["block_bytes"]
     log(f"{shape}: prefill {pre['prefill_s']:.2f} s; KV {nbytes / 1e6:.1f} MB in {num_blocks} blocks")
-    bound = measure_copy_bound(num_blocks, block_shape, repeats)
+    bound = measure_copy_bound(num_blocks, block_shape, repeats, dtype)
     res: dict[str, Any] = {**pre, "num_blocks": num_blocks, "bytes": nbytes,
                            "copy_bound_gbps": nbytes / bound["contiguous_s"] / 1e9,
                            "per_block_copy_gbps": nbytes / bound["per_block_s"] / 1e9, **bound}
     for kind in ("nixl", "ray"):
-        r = measure_transport(kind, shape, num_blocks, block_shape, repeats, tps)
+        r = measure_transport(kind, shape, num_blocks, block_shape, repeats, tps, dtype=dtype)
         r["gbps"] = nbytes / r["pull_s"] / 1e9
         log(f"{shape}: {kind} TP {tps[0]} -> {tps[1]} {r['gbps']:.2f} GB/s (median of {repeats}; first pull "
             f"{r['first_pull_s'] * 1e3:.0f} ms), {r['descriptors_per_block']} descriptors/block, exact {r['byte_exact']}")
@@ -264,6 +285,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed pulls per transport (default 10)")
     p.add_argument("--ucx-tls", default=None,
                    help="UCX_TLS for the NIXL actors (default: kvtransfer's choice; tcp with --cross-node)")
+    p.add_argument("--kv-cache-dtypes", default="auto,int8",
+                   help="comma-separated KV cache dtypes to measure each shape with: auto, int8, fp8 (default auto,int8)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, default model only, 3 repeats")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/transfer",
                    help="directory for transfer.json and transfer.png (default bench_out/transfer)")
@@ -286,7 +309,8 @@ def run(args: argparse.Namespace) -> dict:
              logging_level="WARNING", runtime_env={"env_vars": env} if env else None)
     try:
         tps = (args.producer_tp, args.consumer_tp)
-        per_shape = {s: bench_shape(s, tokens, repeats, tps) for s in shapes}
+        per_shape = {entry_name(s, kv): bench_shape(s, tokens, repeats, tps, kv)
+                     for s in shapes for kv in _kv_dtypes(args)}
     finally:
         ray.shutdown()
     result: dict[str, Any] = {
@@ -308,6 +332,14 @@ def run(args: argparse.Namespace) -> dict:
     log(f"goals: {result['goals']}")
     log(f"wrote {result['json_path']} and {result['plots']['gbps']} in {time.perf_counter() - started:.0f} s")
     return result
+
+
+def _kv_dtypes(args: argparse.Namespace) -> list[str]:
+    from engine.kv_layout import KV_CACHE_DTYPES
+    kinds = [k.strip() for k in args.kv_cache_dtypes.split(",") if k.strip()]
+    if bad := [k for k in kinds if k not in KV_CACHE_DTYPES]:
+        raise SystemExit(f"--kv-cache-dtypes: {', '.join(bad)} unknown (choose from {', '.join(KV_CACHE_DTYPES)})")
+    return kinds
 
 
 def _sizes(args: argparse.Namespace) -> tuple[int, int, list[str], Path]:
@@ -332,16 +364,19 @@ def run_cross_node(args: argparse.Namespace) -> dict:
     tokens, repeats, shapes, out_dir = _sizes(args)
     ucx_tls = args.ucx_tls or "tcp"
     per_shape: dict[str, dict] = {}
-    for shape in shapes:
-        log(f"{shape}: prefill of {tokens} tokens (for the KV layout)")
-        pre = measure_prefill(shape, tokens)
-        num_blocks = -(-tokens // BLOCK_SIZE)
-        per_shape[shape] = {**pre, "num_blocks": num_blocks, "bytes": num_blocks * pre["block_bytes"]}
+    for model in shapes:
+        for kv in _kv_dtypes(args):
+            shape = entry_name(model, kv)
+            log(f"{shape}: prefill of {tokens} tokens (for the KV layout)")
+            pre = measure_prefill(model, tokens, kv)
+            num_blocks = -(-tokens // BLOCK_SIZE)
+            per_shape[shape] = {**pre, "num_blocks": num_blocks, "bytes": num_blocks * pre["block_bytes"]}
     cluster = NetnsCluster(nodes=3, name="baton-bench-xnode", subnet="10.79.0")
     try:
         log(f"starting a {cluster.nodes}-node Ray cluster in network namespaces {cluster.ns(0)}..{cluster.ns(2)}")
         cluster.up()
-        layouts = {s: {k: r[k] for k in ("num_blocks", "kv_block_shape", "bytes")} for s, r in per_shape.items()}
+        layouts = {s: {k: r[k] for k in ("num_blocks", "kv_block_shape", "kv_dtype", "bytes")}
+                   for s, r in per_shape.items()}
         tps = (args.producer_tp, args.consumer_tp)
         code = (f"import json; from bench.transfer_bench import cross_node_pulls\n"
                 f"print('OUT' + json.dumps(cross_node_pulls({layouts!r}, {repeats}, {ucx_tls!r}, {tps!r})))")
@@ -391,7 +426,7 @@ def cross_node_pulls(layouts: dict[str, dict], repeats: int, ucx_tls: str,
             for where, nodes in PLACEMENTS.items():
                 log(f"{shape}: NIXL pulls, {where} (node {nodes[0]} -> node {nodes[1]}), UCX_TLS={ucx_tls}")
                 r = measure_transport("nixl", shape, lay["num_blocks"], tuple(lay["kv_block_shape"]), repeats,
-                                      tps, nodes)
+                                      tps, nodes, lay["kv_dtype"])
                 r["gbps"] = lay["bytes"] / r["pull_s"] / 1e9
                 log(f"{shape}: {where} {r['gbps']:.2f} GB/s (median of {repeats}; first pull "
                     f"{r['first_pull_s'] * 1e3:.0f} ms), {r['node_ips'][0]} -> {r['node_ips'][1]}, "

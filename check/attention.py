@@ -24,7 +24,7 @@ import torch
 from check.compare import Tolerance, error_stats
 from check.report import FAIL, PASS, Row, row_from_dict, row_to_dict
 from engine.attention import AttentionMetadata, paged_attention_torch
-from engine.kv_layout import kv_cache_shape, layer_views
+from engine.kv_layout import KVCacheSpec, dequantize_kv, kv_cache_shape, layer_views, quantize_kv
 
 NUM_LAYERS = 2               # the cache is one tensor of all layers: a layer's K/V are strided views
 HEAD_SHAPES = {              # (query heads, KV heads, head dim)
@@ -54,10 +54,12 @@ class Case:
     block_size: int
     seqs: tuple[tuple[int, int], ...]
     batch: str = ""
+    kv_cache_dtype: str = "auto"             # int8 / fp8: the kernel reads a quantized cache and its scales
 
     @property
     def name(self) -> str:
-        return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{self.batch}"
+        kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
+        return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{kv}{self.batch}"
 
 
 def cases(cpu: bool) -> list[Case]:
@@ -66,6 +68,8 @@ def cases(cpu: bool) -> list[Case]:
     out = [Case(model, dtype, bs, seqs) for model in HEAD_SHAPES for dtype in dtypes for bs in (16, 32)]
     if not cpu:
         out += [Case(model, dtype, 16, tuple(GPU_DECODE_SEQS), " decode") for model in HEAD_SHAPES for dtype in dtypes]
+    # a quantized cache (kv_cache_dtype): codes and scales, against the values they stand for
+    out += [Case(model, dtypes[0], 16, seqs, kv_cache_dtype=kv) for model in HEAD_SHAPES for kv in ("int8", "fp8")]
     return out
 
 
@@ -112,6 +116,23 @@ def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_s
     return q, kv, md
 
 
+def quantized_cache(kv: torch.Tensor, kv_cache_dtype: str) -> tuple[KVCacheSpec, torch.Tensor, torch.Tensor]:
+    """kv (a full cache in the model's layout, as random_batch makes it) stored in a quantized cache: returns its
+    spec, the cache (bytes) and, in fp32 and kv's layout, the values its codes and scales stand for (the
+    reference a kernel reading the quantized cache is judged against)."""
+    nb, heads, layers, _, bs, d = kv.shape
+    spec = KVCacheSpec(heads, layers, bs, d, kv.dtype, kv_cache_dtype)
+    cache, ref = spec.allocate(nb, torch.device("cpu")), torch.empty(kv.shape)
+    for layer, views in enumerate(spec.layers(cache)):
+        for src, codes_view, scale_view, dst in zip(layer_views(kv, layer), views[:2], views[2:],
+                                                    layer_views(ref, layer)):
+            codes, scale = quantize_kv(src, kv_cache_dtype)
+            codes_view.view(torch.uint8).copy_(codes.view(torch.uint8))
+            scale_view.copy_(scale)
+            dst.copy_(dequantize_kv(codes, scale, torch.float32))
+    return spec, cache, ref
+
+
 def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     return AttentionMetadata(md.slot_mapping.to(device), md.block_tables.to(device), md.seq_lens.to(device),
                              md.query_start_loc.to(device), md.max_query_len, md.max_seq_len,
@@ -119,16 +140,17 @@ def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadat
 
 
 # -- kernels ----------------------------------------------------------------------------------------
-def triton_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
+def triton_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
     from engine.triton_attention import triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                  md.max_query_len, scale)
+                                  md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
 
 
-def cpu_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The C++ CPU kernel (engine/cpu_attention.py); fp32 only."""
+def cpu_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
+    """The C++ CPU kernel (engine/cpu_attention.py); fp32 queries, fp32 or quantized caches."""
     from engine.cpu_attention import paged_attention_varlen
-    return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+    return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                                  k_scale, v_scale)
 
 
 KERNELS: dict[str, Kernel] = {"triton": triton_kernel, "cpu": cpu_kernel}
@@ -141,14 +163,20 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     q, kv, md = random_batch(case.seqs, heads, kv_heads, head_dim, case.block_size)
     q, kv = q.to(case.dtype), kv.to(case.dtype)                  # round once; the reference sees the same values
     scale = head_dim ** -0.5
-    ref = paged_attention_torch(q.float(), *layer_views(kv.float(), layer), md, scale)
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
-    kv_dev = kv.to(device)
-    out = fn(q.to(device), *layer_views(kv_dev, layer), metadata_to(md, device), scale)
+    if case.kv_cache_dtype == "auto":
+        ref = paged_attention_torch(q.float(), *layer_views(kv.float(), layer), md, scale)
+        out = fn(q.to(device), *layer_views(kv.to(device), layer), metadata_to(md, device), scale)
+    else:
+        spec, cache, deq = quantized_cache(kv, case.kv_cache_dtype)
+        ref = paged_attention_torch(q.float(), *layer_views(deq, layer), md, scale)
+        k, v, ks, vs = spec.layers(cache.to(device))[layer]
+        out = fn(q.to(device), k, v, metadata_to(md, device), scale, k_scale=ks, v_scale=vs)
     tol = TOLERANCES[case.dtype]
     stats = error_stats(out, ref, tol)
     data = {"model": case.model, "heads": [heads, kv_heads, head_dim], "dtype": str(case.dtype).removeprefix("torch."),
-            "block_size": case.block_size, "seqs": [list(s) for s in case.seqs], "tokens": q.shape[0],
+            "block_size": case.block_size, "kv_cache_dtype": case.kv_cache_dtype,
+            "seqs": [list(s) for s in case.seqs], "tokens": q.shape[0],
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "__name__", "custom"),
             "out_dtype_ok": out.dtype == case.dtype, "tolerance": {"atol": tol.atol, "rtol": tol.rtol},
             **stats.as_dict()}

@@ -36,7 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         spec = json.loads(args.speculative_config) if args.speculative_config else None
         llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=spec,
-                  quantization=args.quantization)
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
@@ -140,6 +140,8 @@ def build_parser(bench: str | None = None, plan: str | None = None) -> argparse.
     g.add_argument("--quantization", default="auto",
                    help="weights: auto (a GGUF, the default model included, or a GPTQ/AWQ checkpoint runs packed "
                         "on CPU), none (fp32), gguf, gptq, awq, int8 (quantized at load), fp8")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="KV cache: auto (the model's dtype), int8 or fp8 (a byte a value, a scale per token and head)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM-style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.set_defaults(fn=_generate)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.autoscaling import Autoscaling, Coupling, DecodeAutoscaling, PrefillAutoscaling, policy_kwargs
 from engine.config import DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.errors import ConfigError
+from engine.kv_layout import KV_CACHE_DTYPES
 from engine.quant import QUANTIZATIONS
 from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
@@ -101,6 +102,10 @@ class EngineKnobs(_Schema):
         "kv_offloading_size", "GiB of host memory per replica (summed over its TP ranks) for a second KV tier: "
                               "prefix blocks the KV cache evicts are kept there and copied back on a hit instead "
                               "of recomputed (0: off)", ge=0)
+    kv_cache_dtype: Literal[tuple(KV_CACHE_DTYPES)] | None = _knob(
+        "kv_cache_dtype", "KV cache format: auto (the model's dtype), int8 or fp8 (e4m3): a byte a value and a scale "
+                          "per token and head, about a quarter of fp32's bytes and half of bf16's, moved as is "
+                          "between the pools; the same in both pools")
     seed: int | None = _knob("seed", "Seed of dummy weights and of requests that give none")
     enforce_eager: bool | None = _knob("enforce_eager", "On CUDA, run every step eagerly: no CUDA graphs for "
                                                         "decode and verify steps (they are captured at start-up)")
@@ -351,10 +356,11 @@ class ClusterConfig(_Schema):
         if self.mode == "disaggregated":
             if self.prefill is None:
                 raise ValueError("prefill: mode disaggregated needs a prefill pool")
-            sizes = {name: self.engine_config(name).block_size for name in POOLS}
-            if sizes["prefill"] != sizes["decode"]:
-                raise ValueError(f"prefill.engine.block_size ({sizes['prefill']}) and decode.engine.block_size "
-                                 f"({sizes['decode']}) must match: KV blocks move between the pools whole")
+            for knob in ("block_size", "kv_cache_dtype"):
+                values = {name: getattr(self.engine_config(name), knob) for name in POOLS}
+                if values["prefill"] != values["decode"]:
+                    raise ValueError(f"prefill.engine.{knob} ({values['prefill']}) and decode.engine.{knob} "
+                                     f"({values['decode']}) must match: KV blocks move between the pools whole")
         return self
 
     # -- loading and saving -----------------------------------------------------------------------

@@ -8,6 +8,10 @@ Contract shared by the torch reference (CPU) and the Triton kernel (CUDA), vLLM-
   query_start_loc [num_seqs + 1] int32                 sequence i owns q[qsl[i]:qsl[i+1]], the last
                                                        tokens of its context (causal within them)
 The new tokens' K/V are written to the cache (write_kv) before attention reads it.
+
+A quantized cache (kv_cache_dtype int8 / fp8, engine/kv_layout.py) adds k_scale/v_scale [num_blocks, block_size,
+num_kv_heads] (fp32, strided views too): write_kv stores codes and scales, and every reader turns a row back into
+floats as it reads it. A prompt's own new tokens attend to each other unquantized (k_new/v_new), as vLLM's do.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.block_pool import blocks_for
+from engine.kv_layout import quantize_kv
 
 
 # Queries of at most this many tokens (decodes, speculative verify steps of k+1 tokens, short
@@ -42,19 +47,45 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots (quantized, with a scale per
+    token and head, where the cache has scales)."""
     bs, heads, d = k_cache.shape[1:]
     if v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches must have the same strides")
     idx = None
-    for cache, x in ((k_cache, k), (v_cache, v)):
-        rows, base, block_stride, head_stride = _row_view(cache, d)
+    for cache, x, sc in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        rows, base, block_stride, head_stride = _row_view(_bytes(cache), d)
         if idx is None:                   # each (token, head)'s row, relative to base: one index for K and V
             slot_stride = cache.stride(1) // d                             # whole rows in any layout
             tok = (slot_mapping // bs) * block_stride + (slot_mapping % bs) * slot_stride
             idx = (tok.unsqueeze(1) + _head_offsets(heads, head_stride, tok.device)).flatten()
-        rows.index_copy_(0, idx + base, x.reshape(idx.shape[0], d).to(rows.dtype))
+        if sc is not None:
+            x, scale = quantize_kv(x, _KV_DTYPE_NAMES[cache.dtype])
+            _scale_rows(sc).index_copy_(0, _scale_index(sc, slot_mapping), scale.flatten())
+        rows.index_copy_(0, idx + base, _bytes(x.reshape(idx.shape[0], d).to(cache.dtype)))
+
+
+_KV_DTYPE_NAMES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes (CPU index ops do not take fp8); anything else as it is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _scale_rows(scale: torch.Tensor) -> torch.Tensor:
+    """A flat view of the storage under a scale view [blocks, block_size, kv_heads] (fp32)."""
+    return scale.as_strided((scale.untyped_storage().nbytes() // 4,), (1,), 0)
+
+
+def _scale_index(scale: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """[num_tokens * kv_heads] flat indices (into _scale_rows) of each token's heads' scales."""
+    bs, heads = scale.shape[1:]
+    s0, s1, s2 = scale.stride()
+    tok = scale.storage_offset() + (slot_mapping // bs) * s0 + (slot_mapping % bs) * s1
+    return (tok.unsqueeze(1) + _head_offsets(heads, s2, tok.device)).flatten()
 
 
 @functools.cache
@@ -80,25 +111,29 @@ def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, in
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                    k_new=None, v_new=None, one_kernel: bool = False) -> torch.Tensor:
+                    k_new=None, v_new=None, one_kernel: bool = False, k_scale=None, v_scale=None) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. `one_kernel` (CPU): every query, long
     prefill chunks too, goes to the C++ kernel, whose rows do not depend on how a prompt was chunked or how
     much of it was cached. Models with quantized activations need that to stay equal to themselves: there a
-    last-bit difference between SDPA and the kernel can move an int8 code, and the greedy path with it."""
+    last-bit difference between SDPA and the kernel can move an int8 code, and the greedy path with it.
+    k_scale/v_scale: a quantized cache's scales (module docstring)."""
     if q.is_cuda:
         from engine.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                      md.query_start_loc, md.max_query_len, scale)
+                                      md.query_start_loc, md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
     from engine import cpu_attention
-    kernel = q.dtype == torch.float32 and k_cache.dtype == torch.float32 and cpu_attention.available()
+    kernel = q.dtype == torch.float32 and (k_cache.dtype == torch.float32 or k_scale is not None) \
+        and cpu_attention.available()
     if kernel and one_kernel:
         return cpu_attention.paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                    md.query_start_loc, scale)
-    return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel)
+                                                    md.query_start_loc, scale, k_scale, v_scale)
+    return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                          k_new=None, v_new=None, decode_kernel: bool = False) -> torch.Tensor:
+                          k_new=None, v_new=None, decode_kernel: bool = False,
+                          k_scale=None, v_scale=None) -> torch.Tensor:
     """Reference: single-token queries batched in one SDPA call, longer queries one by one.
 
     `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather;
@@ -109,12 +144,13 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     qsl = [0]
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
+    scales = (k_scale, v_scale)
     if decode_kernel:
         from engine.cpu_attention import paged_attention_varlen
         short = [i for i, n in enumerate(md.query_lens_list) if n <= SHORT_QUERY]
         if len(short) == md.num_seqs:                     # decode / verify steps: no copy, no scatter
             return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                          md.query_start_loc, scale)
+                                          md.query_start_loc, scale, *scales)
         out = torch.empty_like(q)
         if short:
             rows = torch.tensor([t for i in short for t in range(qsl[i], qsl[i + 1])])
@@ -124,18 +160,18 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
             sel = torch.tensor(short)
             o = paged_attention_varlen(q.index_select(0, rows), k_cache, v_cache,
                                        md.block_tables.index_select(0, sel), md.seq_lens.index_select(0, sel),
-                                       torch.tensor(sub_qsl, dtype=torch.int32), scale)
+                                       torch.tensor(sub_qsl, dtype=torch.int32), scale, *scales)
             out.index_copy_(0, rows, o)
         rest = [i for i, n in enumerate(md.query_lens_list) if n > SHORT_QUERY]
     else:
         decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
         if len(decodes) == md.num_seqs:                   # the common all-decode step: no scatter
-            return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale)
+            return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, *scales)
         out = torch.empty_like(q)
         if decodes:
             rows = torch.tensor([qsl[i] for i in decodes])
             out[rows] = _decode_attention(q[rows], k_cache, v_cache, md.block_tables[decodes],
-                                          md.seq_lens[decodes], scale)
+                                          md.seq_lens[decodes], scale, *scales)
         rest = [i for i, n in enumerate(md.query_lens_list) if n != 1]
     for i in rest:
         n, ctx, s, e = md.query_lens_list[i], md.seq_lens_list[i], qsl[i], qsl[i + 1]
@@ -143,24 +179,36 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
             k, v = k_new[s:e].transpose(0, 1), v_new[s:e].transpose(0, 1)
         else:
             bt = md.block_tables[i:i + 1]
-            k, v = _gather(k_cache, bt, ctx)[0], _gather(v_cache, bt, ctx)[0]
+            k = _gather(k_cache, bt, ctx, k_scale, q.dtype)[0]
+            v = _gather(v_cache, bt, ctx, v_scale, q.dtype)[0]
         out[s:e] = _prefill_attention(q[s:e], k, v, scale)
     return out
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """The first n_tokens of K (or V) of each sequence, heads first: [num_seqs, kv_heads, n_tokens, D].
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int, scale: torch.Tensor | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The first n_tokens of K (or V) of each sequence, heads first: [num_seqs, kv_heads, n_tokens, D]; a quantized
+    cache's rows times their scales, in `dtype`.
 
     A block's tokens of one head and layer are contiguous (engine/kv_layout.py), so each
-    (block, head) is one row of block_size x D."""
+    (block, head) is one row of block_size x D (and one of block_size scales)."""
     bs, heads, d = cache.shape[1:]
     if cache.stride(1) != d:
         raise ValueError(f"KV cache strides {cache.stride()}: a block's tokens of a head must be contiguous")
-    rows, base, block_stride, head_stride = _row_view(cache, bs * d)
+    rows, base, block_stride, head_stride = _row_view(_bytes(cache), bs * d)
     nb = blocks_for(n_tokens, bs)
     blocks = block_tables[:, :nb].long().unsqueeze(1) * block_stride          # [S, 1, nb]
     idx = base + blocks + (torch.arange(heads) * head_stride).unsqueeze(-1)  # [S, heads, nb]
-    out = rows.index_select(0, idx.flatten()).view(block_tables.shape[0], heads, nb * bs, d)
+    out = rows.index_select(0, idx.flatten()).view(cache.dtype).view(block_tables.shape[0], heads, nb * bs, d)
+    if scale is not None:
+        s0, s1, s2 = scale.stride()
+        if s1 != 1:
+            raise ValueError(f"KV scale strides {scale.stride()}: a block's scales of a head must be contiguous")
+        sidx = scale.storage_offset() + block_tables[:, :nb].long().unsqueeze(1) * s0 \
+            + (torch.arange(heads) * s2).unsqueeze(-1)                          # [S, heads, nb]: rows of bs
+        flat = _scale_rows(scale)
+        sc = flat.as_strided((flat.numel() - bs + 1, bs), (1, 1)).index_select(0, sidx.flatten())
+        out = (out.float() * sc.view(block_tables.shape[0], heads, nb * bs, 1)).to(dtype or torch.float32)
     return out[:, :, :n_tokens]
 
 
@@ -177,12 +225,12 @@ def _prefill_attention(q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale):
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale, k_scale=None, v_scale=None):
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
     lens = seq_lens.tolist()
     max_len = max(lens)
-    k = _gather(k_cache, block_tables, max_len)                        # [B, Hkv, max_len, D]
-    v = _gather(v_cache, block_tables, max_len)
+    k = _gather(k_cache, block_tables, max_len, k_scale, q.dtype)                # [B, Hkv, max_len, D]
+    v = _gather(v_cache, block_tables, max_len, v_scale, q.dtype)
     mask = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
                                        scale=scale, enable_gqa=True)

@@ -33,6 +33,7 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None  # bytes (int) or fraction of device memory (float)
     num_kv_blocks: int | None = None          # overrides kv_cache_memory (tests, transfer peers)
     kv_offloading_size: float = 0.0           # GiB of host memory for blocks evicted from the KV cache (0: off)
+    kv_cache_dtype: str = "auto"              # auto (the model's dtype) | int8 | fp8: 1 byte a value, per-token scales
     seed: int = 0                             # for dummy weights and unseeded sampling
     enforce_eager: bool = False               # CUDA: no CUDA graphs for decode and verify steps
     tensor_parallel_size: int = 1             # ranks one model is sharded over (KV heads: engine/kv_layout.py)
@@ -65,6 +66,9 @@ class EngineConfig:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
             raise ConfigError(f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}")
+        from engine.kv_layout import KV_CACHE_DTYPES
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if isinstance(self.kv_offloading_size, bool) or not isinstance(self.kv_offloading_size, (int, float)) \
                 or not self.kv_offloading_size >= 0:
             raise ConfigError(f"kv_offloading_size is GiB of host memory, >= 0, got {self.kv_offloading_size!r}")

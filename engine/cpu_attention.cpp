@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define BATON_SIMD 1
@@ -261,10 +262,74 @@ inline float softmax_simd(float* s, int64_t n) { return softmax_scalar(s, n); }
 inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) { pv_tile_scalar(p, v, D, o); }
 #endif
 
+// A quantized cache's codes to float: int8 as is, fp8 (e4m3fn: 1 sign, 4 exponent bits of bias 7, 3 mantissa
+// bits, no infinities, 0x7f/0xff NaN) through a table of its 256 values.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(m / 8.f, -6) : std::ldexp(1.f + m / 8.f, e - 7);
+      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
+      v[b] = b & 128 ? -x : x;
+    }
+  }
+};
+const Fp8Table FP8;
+struct Fp8 { uint8_t bits; };
+// One row of a quantized cache as floats: dst[d] = code[d] * scale (vectorised for int8, the CPU's format; fp8
+// goes through the table, one value at a time).
+inline void dequant_row(const int8_t* row, float scale, int64_t D, float* dst) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; d + 16 <= D; d += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
+  }
+#elif defined(BATON_SIMD)                          // AVX2
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(row[d]) * scale;
+}
+// fp8 e4m3fn by bits: its exponent and mantissa moved to fp32's places read as (1 + m/8) * 2^(e - 127) (an fp32
+// subnormal for e = 0, which is e4m3's subnormal scaled the same way), so a multiply by 2^120 gives the value.
+// Exact for every code the cache stores (quantize_kv clamps; 0x7f, NaN, is never written).
+inline void dequant_row(const Fp8* row, float scale, int64_t D, float* dst) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(row);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale), up = _mm512_set1_ps(0x1p120f);
+  const __m512i mag = _mm512_set1_epi32(0x7f), sign = _mm512_set1_epi32(0x80);
+  for (; d + 16 <= D; d += 16) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + d)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, mag), 20),
+                                         _mm512_slli_epi32(_mm512_and_si512(x, sign), 24));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), up), s));
+  }
+#elif defined(BATON_SIMD)                          // AVX2
+  const __m256 s = _mm256_set1_ps(scale), up = _mm256_set1_ps(0x1p120f);
+  const __m256i mag = _mm256_set1_epi32(0x7f), sign = _mm256_set1_epi32(0x80);
+  for (; d + 8 <= D; d += 8) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + d)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, mag), 20),
+                                         _mm256_slli_epi32(_mm256_and_si256(x, sign), 24));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), up), s));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = FP8.v[b[d]] * scale;
+}
+
 struct Problem {
   const float* q; int64_t qs0, qs1;               // q [T, Hq, D], last dim contiguous
-  const float* k; int64_t ks0, ks1, ks2;          // k_cache [blocks, block_size, Hkv, D]
-  const float* v; int64_t vs0, vs1, vs2;
+  const void* k; int64_t ks0, ks1, ks2;           // k_cache [blocks, block_size, Hkv, D] (float, int8 or fp8)
+  const void* v; int64_t vs0, vs1, vs2;
+  const float* ksc; int64_t kss0, kss1, kss2;     // quantized caches: their scales [blocks, block_size, Hkv]
+  const float* vsc; int64_t vss0, vss1, vss2;
   const int32_t* bt; int64_t bts0;                // block_tables [S, max_blocks]
   const int32_t* seq_lens;                        // [S]
   const int32_t* qsl;                             // [S + 1]; nullptr: one query per sequence
@@ -274,15 +339,16 @@ struct Problem {
 };
 
 struct Scratch {
-  std::vector<float> q, s, o, inv;
+  std::vector<float> q, s, o, inv, rows;          // rows: a quantized tile's rows of one head, as floats
 };
 
 // Sequence b, kv heads [h0, h1): for each head its n query tokens x G query heads (R = n*G rows)
 // against the L cached tokens. Each cached K and V row is read once for all the rows: one sweep
 // scores tile by tile (every head of the run per tile, so whole token rows stream in together),
 // a softmax per row over its causal range, then a second sweep for the weighted V sums.
-template <bool SIMD>
+template <bool SIMD, class T>
 void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
+  constexpr bool QUANT = !std::is_same<T, float>::value;
   const int64_t q0 = P.qsl ? P.qsl[b] : b;
   const int64_t n = P.qsl ? P.qsl[b + 1] - q0 : 1;
   const int64_t L = P.seq_lens[b];
@@ -293,6 +359,7 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
   w.s.resize(RR * Lp);
   w.o.assign(RR * D, 0.f);
   w.inv.resize(RR);
+  if (QUANT) w.rows.resize(TILE * D);
   float* qb = w.q.data();
   float* sb = w.s.data();
   float* ob = w.o.data();
@@ -305,32 +372,50 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * P.scale;
       }
   const int32_t* table = P.bt + b * P.bts0;
-  const float* rows[TILE];
+  const T* rows[TILE];
   const float* hrows[TILE];
   // the tile's cached token rows (at head h0); past the context's end, repeat its last row (scored,
   // then given weight 0), so every tile is full
-  auto tile_rows = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
+  auto tile_rows = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
     for (int i = 0; i < TILE; ++i) {
       const int64_t t = std::min(t0 + i, L - 1);
       rows[i] = base + (int64_t)table[t / P.bs] * s0 + (t % P.bs) * s1 + h0 * s2;
     }
   };
+  // head h's rows of the tile as floats: in place for a float cache; a quantized one's codes times their
+  // token's scale, into scratch (the cache is read once, at a quarter of fp32's bytes for int8)
+  auto head_rows = [&](int64_t s2, const float* sc, int64_t ss0, int64_t ss1, int64_t ss2, int64_t t0, int64_t h) {
+    for (int i = 0; i < TILE; ++i) {
+      const T* row = rows[i] + (h - h0) * s2;
+      if constexpr (QUANT) {
+        const int64_t t = std::min(t0 + i, L - 1);
+        float* dst = w.rows.data() + i * D;
+        dequant_row(row, sc[(int64_t)table[t / P.bs] * ss0 + (t % P.bs) * ss1 + h * ss2], D, dst);
+        hrows[i] = dst;
+      } else {
+        hrows[i] = row;
+      }
+    }
+  };
   // Ask for the rows PREFETCH tiles ahead (every head of the run): a decode is bound by the latency of
   // cold cache lines, and a head's span in a block (heads-outer cache) is too short for the hardware
   // prefetcher to run far enough ahead.
-  auto prefetch_tile = [&](const float* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
+  constexpr int64_t LINE = 64 / sizeof(T);
+  auto prefetch_tile = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
     for (int i = 0; i < TILE && t0 + i < L; ++i) {
-      const float* row = base + (int64_t)table[(t0 + i) / P.bs] * s0 + ((t0 + i) % P.bs) * s1 + h0 * s2;
+      const T* row = base + (int64_t)table[(t0 + i) / P.bs] * s0 + ((t0 + i) % P.bs) * s1 + h0 * s2;
       for (int64_t h = 0; h < h1 - h0; ++h)
-        for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + h * s2 + d, 0, 2);
+        for (int64_t d = 0; d < D; d += LINE) __builtin_prefetch(row + h * s2 + d, 0, 2);
     }
   };
-  for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(P.k, P.ks0, P.ks1, P.ks2, t0);
+  const T* K = static_cast<const T*>(P.k);
+  const T* V = static_cast<const T*>(P.v);
+  for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(K, P.ks0, P.ks1, P.ks2, t0);
   for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
-    tile_rows(P.k, P.ks0, P.ks1, P.ks2, t0);
-    prefetch_tile(P.k, P.ks0, P.ks1, P.ks2, t0 + PREFETCH * TILE);
+    tile_rows(K, P.ks0, P.ks1, P.ks2, t0);
+    prefetch_tile(K, P.ks0, P.ks1, P.ks2, t0 + PREFETCH * TILE);
     for (int64_t h = h0; h < h1; ++h) {
-      for (int i = 0; i < TILE; ++i) hrows[i] = rows[i] + (h - h0) * P.ks2;
+      head_rows(P.ks2, P.ksc, P.kss0, P.kss1, P.kss2, t0, h);
       for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
         if (SIMD) qk_tile_simd(qb + r * D, hrows, D, sb + r * Lp + t0);
         else qk_tile_scalar(qb + r * D, hrows, D, sb + r * Lp + t0);
@@ -343,12 +428,12 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
     std::fill(s + L - n + (r % R) / G + 1, s + Lp, -INFINITY);
     w.inv[r] = 1.f / (SIMD ? softmax_simd(s, Lp) : softmax_scalar(s, Lp));
   }
-  for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(P.v, P.vs0, P.vs1, P.vs2, t0);
+  for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0);
   for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
-    tile_rows(P.v, P.vs0, P.vs1, P.vs2, t0);
-    prefetch_tile(P.v, P.vs0, P.vs1, P.vs2, t0 + PREFETCH * TILE);
+    tile_rows(V, P.vs0, P.vs1, P.vs2, t0);
+    prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0 + PREFETCH * TILE);
     for (int64_t h = h0; h < h1; ++h) {
-      for (int i = 0; i < TILE; ++i) hrows[i] = rows[i] + (h - h0) * P.vs2;
+      head_rows(P.vs2, P.vsc, P.vss0, P.vss1, P.vss2, t0, h);
       for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
         if (SIMD) pv_tile_simd(sb + r * Lp + t0, hrows, D, ob + r * D);
         else pv_tile_scalar(sb + r * Lp + t0, hrows, D, ob + r * D);
@@ -366,16 +451,34 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
       }
 }
 
+// The cache's element type: fp32, or a quantized cache's int8 / fp8 codes (then with scales).
+enum class Cache { F32, I8, FP8 };
+
+Cache cache_kind(const torch::Tensor& c) {
+  if (c.scalar_type() == torch::kFloat) return Cache::F32;
+  if (c.scalar_type() == torch::kChar) return Cache::I8;
+  TORCH_CHECK(c.scalar_type() == at::ScalarType::Float8_e4m3fn, "caches: fp32, int8 or fp8 (e4m3fn)");
+  return Cache::FP8;
+}
+
 torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                  const c10::optional<torch::Tensor>& query_start_loc, double scale) {
+                  const c10::optional<torch::Tensor>& query_start_loc, double scale,
+                  const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "q [T, H, D], caches [blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "fp32 only");
+  const Cache kind = cache_kind(k_cache);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q fp32, K and V caches of one dtype");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V caches differ in shape");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "K/V head rows must be contiguous");
+  const bool quant = kind != Cache::F32;
+  TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()), "a quantized cache comes with its scales");
+  if (quant)
+    TORCH_CHECK(k_scale->scalar_type() == torch::kFloat && v_scale->scalar_type() == torch::kFloat &&
+                k_scale->dim() == 3 && k_scale->sizes() == k_cache.sizes().slice(0, 3) &&
+                v_scale->sizes() == k_scale->sizes(), "scales: fp32 [blocks, block_size, kv_heads]");
   const int64_t Hq = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D, "head_dim of q and the cache differ");
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
@@ -406,9 +509,14 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
   }
   auto out = torch::empty_like(q);
   if (T == 0) return out;
+  const float* ksc = quant ? k_scale->data_ptr<float>() : nullptr;
+  const float* vsc = quant ? v_scale->data_ptr<float>() : nullptr;
+  auto st = [&](const c10::optional<torch::Tensor>& t, int i) { return quant ? t->stride(i) : 0; };
   Problem P{q.data_ptr<float>(), q.stride(0), q.stride(1),
-            k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            ksc, st(k_scale, 0), st(k_scale, 1), st(k_scale, 2),
+            vsc, st(v_scale, 0), st(v_scale, 1), st(v_scale, 2),
             btp, maxb, slp, qslp, out.data_ptr<float>(), out.stride(0), out.stride(1),
             Hkv, Hq / Hkv, D, bs, static_cast<float>(scale)};
   const bool simd = VW > 0 && D % VW == 0;
@@ -424,8 +532,16 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
     Scratch w;
     for (int64_t i = begin; i < end;) {
       const int64_t b = i / Hkv, h0 = i % Hkv, h1 = std::min({Hkv, h0 + (end - i), h0 + run_heads});
-      if (simd) attend<true>(P, b, h0, h1, w);
-      else attend<false>(P, b, h0, h1, w);
+      if (kind == Cache::F32) {
+        if (simd) attend<true, float>(P, b, h0, h1, w);
+        else attend<false, float>(P, b, h0, h1, w);
+      } else if (kind == Cache::I8) {
+        if (simd) attend<true, int8_t>(P, b, h0, h1, w);
+        else attend<false, int8_t>(P, b, h0, h1, w);
+      } else {
+        if (simd) attend<true, Fp8>(P, b, h0, h1, w);
+        else attend<false, Fp8>(P, b, h0, h1, w);
+      }
       i += h1 - h0;
     }
   });
@@ -438,14 +554,16 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
 // context, causal among themselves.
 torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     torch::Tensor query_start_loc, double scale) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale);
+                                     torch::Tensor query_start_loc, double scale,
+                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale);
 }
 
 // One query token per sequence (the n = 1 case).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale);
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                           c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale, k_scale, v_scale);
 }
 
 // Structured output (engine/structured.py): logits[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is 0.
@@ -523,15 +641,35 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return out;
 }
 
+// One head's row x [D] into int8 codes and its scale, as engine/kv_layout.py's quantize_kv does it (the same
+// float operations, so both give the same bytes): scale = max|x| / 127 (1 for a zero row), codes round(x / scale).
+inline void quantize_row(const float* x, int64_t D, int8_t* codes, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  float s = amax / 127.f;
+  if (!(s > 0.f)) s = 1.f;
+  for (int64_t d = 0; d < D; ++d)
+    codes[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / s))));
+  *scale = s;
+}
+
 // In place on qkv [T, (H + 2G) * D]: rotate its H query and G key heads by cos/sin [T, D/2] (HF's rotate_half:
 // d pairs with d + D/2), then store the keys and the values at their slots of one layer's caches
 // [blocks, block_size, G, D] (any strides, rows contiguous). Replaces rotate, concatenate and two scatters.
+// An int8 cache stores codes, and each row's scale at its slot of k_scale / v_scale [blocks, block_size, G].
 void rope_write_kv(torch::Tensor qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
-                   torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t H, int64_t G) {
+                   torch::Tensor v_cache, const torch::Tensor& slot_mapping, int64_t H, int64_t G,
+                   c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat, "qkv: contiguous fp32");
+  const bool quant = k_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1 &&
-              k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
-              "caches: fp32 [blocks, block_size, G, D], K and V alike, rows contiguous");
+              (k_cache.scalar_type() == torch::kFloat || quant) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "caches: fp32 or int8 [blocks, block_size, G, D], K and V alike, rows contiguous");
+  TORCH_CHECK(quant == (k_scale.has_value() && v_scale.has_value()), "an int8 cache comes with its scales");
+  if (quant)
+    TORCH_CHECK(k_scale->scalar_type() == torch::kFloat && k_scale->dim() == 3 &&
+                k_scale->sizes() == k_cache.sizes().slice(0, 3) && k_scale->strides() == v_scale->strides() &&
+                v_scale->sizes() == k_scale->sizes(), "scales: fp32 [blocks, block_size, G], K and V alike");
   const int64_t T = qkv.size(0), D = k_cache.size(3), half = D / 2, bs = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == G && qkv.size(1) == (H + 2 * G) * D && D % 2 == 0, "qkv width != (H + 2G) * D");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * half && sin.numel() == T * half &&
@@ -544,9 +682,14 @@ void rope_write_kv(torch::Tensor qkv, const torch::Tensor& cos, const torch::Ten
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t el = k_cache.element_size();
   const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2), W = (H + 2 * G) * D;
+  float* ks = quant ? k_scale->data_ptr<float>() : nullptr;
+  float* vs = quant ? v_scale->data_ptr<float>() : nullptr;
+  const int64_t ss0 = quant ? k_scale->stride(0) : 0, ss1 = quant ? k_scale->stride(1) : 0,
+                ss2 = quant ? k_scale->stride(2) : 0;
   at::parallel_for(0, T, 4, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       float* row = base + t * W;
@@ -560,10 +703,18 @@ void rope_write_kv(torch::Tensor qkv, const torch::Tensor& cos, const torch::Ten
           x[d + half] = bb * c[d] + a * s[d];
         }
       }
-      const int64_t slot = (sp[t] / bs) * s0 + (sp[t] % bs) * s1;
+      const int64_t blk = sp[t] / bs, off = sp[t] % bs, slot = blk * s0 + off * s1;
       for (int64_t g = 0; g < G; ++g) {
-        std::memcpy(kc + slot + g * s2, row + (H + g) * D, D * sizeof(float));
-        std::memcpy(vc + slot + g * s2, row + (H + G + g) * D, D * sizeof(float));
+        const float* krow = row + (H + g) * D;
+        const float* vrow = row + (H + G + g) * D;
+        if (quant) {
+          const int64_t si = blk * ss0 + off * ss1 + g * ss2;
+          quantize_row(krow, D, reinterpret_cast<int8_t*>(kc) + slot + g * s2, ks + si);
+          quantize_row(vrow, D, reinterpret_cast<int8_t*>(vc) + slot + g * s2, vs + si);
+        } else {
+          std::memcpy(kc + (slot + g * s2) * el, krow, D * sizeof(float));
+          std::memcpy(vc + (slot + g * s2) * el, vrow, D * sizeof(float));
+        }
       }
     }
   });
@@ -573,12 +724,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: -inf where a token's bit is 0",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention_varlen", &paged_attention_varlen, "queries of any length over the paged cache",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode", &paged_decode, "one query token per sequence over the paged cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, with an optional residual added first (in place)",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_kv", &rope_write_kv, "rotate q and k in place, store k and v at their cache slots",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

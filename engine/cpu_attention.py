@@ -45,17 +45,21 @@ def available() -> bool:
 
 
 def paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale: float) -> torch.Tensor:
+                           scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D], fp32; the contract of engine/attention.py: sequence i owns
     q[qsl[i]:qsl[i+1]], the last tokens of its seq_lens[i]-token context, causal among themselves.
     Any mix of query lengths; meant for short ones (a long prefill chunk scores into an
-    [n * G, context] buffer per task and is better served by SDPA)."""
-    return _load().paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    [n * G, context] buffer per task and is better served by SDPA). A quantized cache (int8 or fp8 codes,
+    engine/kv_layout.py) comes with its scales [blocks, block_size, kv_heads]; each tile of a head's rows is
+    turned into floats once, as it is read."""
+    return _load().paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                          k_scale, v_scale)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                           k_scale=None, v_scale=None) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) -> [B, H, D]: the n = 1 case of the above."""
-    return _load().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _load().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
@@ -71,7 +75,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """In place on qkv [T, (H + 2G) * D]: rotate the q and k heads by cos/sin [T, D/2], then store k and v at
-    their slots of one layer's caches [blocks, block_size, G, D]."""
-    _load().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    their slots of one layer's caches [blocks, block_size, G, D]: fp32 as they are, or (an int8 cache, with its
+    scales) quantized as engine/kv_layout.py's quantize_kv does, to the same bytes."""
+    _load().rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, k_scale, v_scale)

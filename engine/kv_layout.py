@@ -17,10 +17,21 @@ A whole block is one contiguous span (a same-layout pull is one descriptor per b
 head's K and V for every layer of a block, and a run of heads: a pull across TP sizes moves each
 (block, source rank) run of heads as one span instead of one per (block, layer, K/V, token).
 Attention reads layer l through the strided views of `layer_views`.
+
+A quantized cache (`kv_cache_dtype` "int8" or "fp8", see KVCacheSpec) keeps one byte per value and an fp32
+scale per (token, head, layer, K/V). The scales live inside the head's span of the block, after its values:
+
+    kv_cache[num_blocks, num_kv_heads, span] (bytes): values [num_layers, 2, block_size, head_dim],
+                                                      then scales [num_layers, 2, block_size] (fp32, padded)
+
+so everything that moves blocks or runs of heads as bytes (the transports, the host tier, cross-TP pulls)
+moves a block's scales with it, unchanged.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +40,107 @@ from engine.errors import ConfigError
 # Part of every hand-off's compatibility hash: bump it when the bytes of a block change meaning.
 # 1: [blocks, layers, 2, block_size, heads, head_dim]; 2: heads outer (above).
 KV_LAYOUT_VERSION = 2
+
+# kv_cache_dtype (vLLM's name): "auto" keeps the model's dtype; "int8" and "fp8" (e4m3) keep one byte per value
+# with a per-token, per-head scale: the largest |x| of the token's head maps to the format's largest value.
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+KV_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+class LayerKV(NamedTuple):
+    """One layer's cache as attention reads it: K and V views [num_blocks, block_size, kv_heads, head_dim] and, for
+    a quantized cache, their scales [num_blocks, block_size, kv_heads] (fp32; None for kv_cache_dtype "auto")."""
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """One rank's cache geometry and format: what a block holds, how many bytes it takes, and the per-layer
+    views attention reads (`layers`)."""
+    num_kv_heads: int           # the rank's
+    num_layers: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype          # the model's (the cache's when kv_cache_dtype is "auto")
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
+    @property
+    def _values(self) -> int:
+        """Values per head span: K and V of every layer of a block."""
+        return self.num_layers * 2 * self.block_size * self.head_dim
+
+    @property
+    def _scale_bytes(self) -> int:
+        """The scales' share of a head span, padded so a span stays whole rows of block_size x head_dim
+        (engine/attention.py reads the cache in such rows)."""
+        row = self.block_size * self.head_dim
+        return -(-self.num_layers * 2 * self.block_size * 4 // row) * row
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head's span of a block (every layer's K and V, and their scales)."""
+        if not self.quantized:
+            return self._values * torch.finfo(self.dtype).bits // 8
+        return self._values + self._scale_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_kv_heads * self.head_bytes
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        if not self.quantized:
+            return kv_cache_shape(num_blocks, self.num_kv_heads, self.num_layers, self.block_size, self.head_dim)
+        return (num_blocks, self.num_kv_heads, self.head_bytes)
+
+    def allocate(self, num_blocks: int, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+        """A zeroed cache of num_blocks blocks: the model's dtype in the layout above, or bytes (quantized)."""
+        dtype = self.dtype if not self.quantized else torch.uint8
+        if pin_memory:
+            return torch.zeros(self.shape(num_blocks), dtype=dtype, pin_memory=True)
+        return allocate_kv_cache(self.shape(num_blocks), dtype, device)
+
+    def layers(self, kv_cache: torch.Tensor) -> list[LayerKV]:
+        """Every layer's views of `kv_cache` (a tensor `allocate` made, or its leading blocks)."""
+        if not self.quantized:
+            return [LayerKV(*layer_views(kv_cache, layer)) for layer in range(self.num_layers)]
+        nb, h, L, bs, d = kv_cache.shape[0], self.num_kv_heads, self.num_layers, self.block_size, self.head_dim
+        values = kv_cache[:, :, :self._values].view(self.storage_dtype).view(nb, h, L, 2, bs, d)
+        scales = kv_cache[:, :, self._values:self._values + L * 2 * bs * 4].view(torch.float32).view(nb, h, L, 2, bs)
+        return [LayerKV(values[:, :, layer, 0].transpose(1, 2), values[:, :, layer, 1].transpose(1, 2),
+                        scales[:, :, layer, 0].transpose(1, 2), scales[:, :, layer, 1].transpose(1, 2))
+                for layer in range(L)]
+
+
+def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (codes in the cache's dtype, fp32 scales [...]): one scale per row, x ~ codes * scale."""
+    qmax = KV_QMAX[kv_cache_dtype]
+    x = x.float()
+    scale = x.abs().amax(-1) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = x / scale.unsqueeze(-1)
+    if kv_cache_dtype == "int8":
+        return y.round_().clamp_(-qmax, qmax).to(torch.int8), scale
+    return y.clamp_(-qmax, qmax).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 def kv_cache_shape(num_blocks: int, num_kv_heads: int, num_layers: int, block_size: int,

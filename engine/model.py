@@ -20,7 +20,7 @@ from torch import nn
 from engine import cpu_attention
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
-from engine.kv_layout import layer_views
+from engine.kv_layout import LayerKV
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
 from engine.quant import QuantWeight, quantize_int8
 
@@ -157,22 +157,25 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, md: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: list[LayerKV], md: AttentionMetadata):
         qkv = self.qkv_proj(x)
-        k_cache, v_cache = layer_views(kv_cache, self.layer_idx)
-        if _cpu_kernel(qkv) and _cpu_kernel(k_cache[:0]):     # rotate and store in one op
+        k_cache, v_cache, k_scale, v_scale = kv_cache[self.layer_idx]
+        # rotate and store in one op: fp32 caches, and int8 ones (fp8 codes are written by write_kv)
+        fused = _cpu_kernel(qkv) and k_cache.dtype in (torch.float32, torch.int8)
+        if fused:
             t = qkv.shape[0]
             cpu_attention.rope_write_kv(qkv, rope[0].view(t, -1), rope[1].view(t, -1), k_cache, v_cache,
-                                        md.slot_mapping, self.num_heads, self.num_kv_heads)
+                                        md.slot_mapping, self.num_heads, self.num_kv_heads, k_scale, v_scale)
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         else:
             qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(x.shape[0], -1, self.head_dim), *rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]        # one rotation for q and k
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if not _cpu_kernel(qkv) or not _cpu_kernel(k_cache[:0]):
-            write_kv(k_cache, v_cache, k, v, md.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel)
+        if not fused:
+            write_kv(k_cache, v_cache, k, v, md.slot_mapping, k_scale, v_scale)
+        o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel,
+                            k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -302,7 +305,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions, kv_cache, md, logits_indices) -> logits of the chosen rows
-    (None on TP ranks other than 0)."""
+    (None on TP ranks other than 0). kv_cache: every layer's views of the cache (KVCacheSpec.layers)."""
 
     def __init__(self, config, max_positions: int, tp: TPGroup | None = None):
         super().__init__()

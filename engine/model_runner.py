@@ -13,7 +13,7 @@ from engine.block_pool import blocks_for
 from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, pad_step, padding_step, verify_widths
 from engine.errors import ConfigError
-from engine.kv_layout import allocate_kv_cache, kv_cache_shape
+from engine.kv_layout import KVCacheSpec
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
 from engine.loader import (DUMMY_SHAPES, gguf_source, init_dummy_weights, iter_gguf_weights, iter_hf_quant_weights,
                            iter_weights, names_gguf)
@@ -83,8 +83,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # One block more than the pool's: the padding block of CUDA-graph padding rows. The model
         # gets all of them; the pool and the transports see only the first num_blocks (kv_cache).
-        self.kv_blocks = allocate_kv_cache(self.kv_shape(num_blocks + 1), self.dtype, self.device)
+        self.kv_blocks = self.kv_spec.allocate(num_blocks + 1, self.device)
         self.kv_cache = self.kv_blocks[:num_blocks]
+        self.kv_layers = self.kv_spec.layers(self.kv_blocks)          # what the model's layers read and write
         self.padding_block = num_blocks
         c, max_blocks = self.config, blocks_for(self.max_model_len, self.block_size)
         self.inputs = InputBatch(c.max_num_batched_tokens, c.max_num_seqs, max_blocks, self.block_size, self.device)
@@ -97,11 +98,7 @@ class ModelRunner:
         """The host tier's cache: the same layout in host memory (pinned on CUDA, so copies are async)."""
         self.host_kv = None
         if num_blocks > 0:
-            shape = self.kv_shape(num_blocks)
-            if self.device.type == "cuda":
-                self.host_kv = torch.empty(shape, dtype=self.dtype, pin_memory=True)
-            else:
-                self.host_kv = allocate_kv_cache(shape, self.dtype, torch.device("cpu"))
+            self.host_kv = self.kv_spec.allocate(num_blocks, torch.device("cpu"), pin_memory=self.device.type == "cuda")
 
     def host_block_count(self) -> int:
         """Host-tier blocks of this rank's share of kv_offloading_size (GiB, summed over the TP ranks)."""
@@ -120,17 +117,18 @@ class ModelRunner:
                 self.kv_cache[dst].copy_(self.host_kv[src], non_blocking=True)
 
     # -- KV cache ---------------------------------------------------------------------------------
-    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """This rank's cache: its KV heads, the model's layers and head size, the block size and kv_cache_dtype."""
         m = self.model
-        return kv_cache_shape(num_blocks, m.num_kv_heads, m.num_layers, self.block_size, m.head_dim)
+        return KVCacheSpec(m.num_kv_heads, m.num_layers, self.block_size, m.head_dim, self.dtype,
+                           self.config.kv_cache_dtype)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: K and V for every layer, contiguous (one transfer descriptor)."""
-        n = 1
-        for d in self.kv_shape(1):
-            n *= d
-        return n * torch.finfo(self.dtype).bits // 8
+        """Bytes of one block: K and V for every layer (and a quantized cache's scales), contiguous (one transfer
+        descriptor)."""
+        return self.kv_spec.block_bytes
 
     def weight_fingerprint(self) -> str:
         """A cheap content hash of the weights (a few embedding rows): same checkpoint, same key,
@@ -250,7 +248,7 @@ class ModelRunner:
         return graph.logits[:shape.num_tokens]
 
     def _model(self, x: StepInputs, num_layers: int | None = None) -> torch.Tensor:
-        return self.model(x.input_ids, x.positions, self.kv_blocks, x.md, x.logits_indices, num_layers=num_layers)
+        return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers)
 
 
 def plan_kv_blocks(config: EngineConfig, budget: int, block_bytes: int,

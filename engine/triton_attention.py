@@ -28,14 +28,15 @@ def _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr,
     scale_log2, num_seqs, num_heads, n_rows,
     s_qt, s_qh, s_qd,
     s_ot, s_oh, s_od,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
     s_bt0, s_bt1,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    s_ksb, s_kss, s_ksh, s_vsb, s_vss, s_vsh,
+    QUANT: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -97,6 +98,11 @@ def _paged_attention_kernel(
                     mask=k_ok[None, :] & d_ok[:, None], other=0.0)           # [HEAD_P, TILE_N]
         v = tl.load(v_head + blk[:, None] * s_vb + off[:, None] * s_vs + d[None, :] * s_vd,
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)           # [TILE_N, HEAD_P]
+        if QUANT:      # int8 / fp8 codes times their token's scale (engine/kv_layout.py)
+            ksc = tl.load(ks_ptr + kv_head * s_ksh + blk * s_ksb + off * s_kss, mask=k_ok, other=0.0)
+            vsc = tl.load(vs_ptr + kv_head * s_vsh + blk * s_vsb + off * s_vss, mask=k_ok, other=0.0)
+            k = (k.to(tl.float32) * ksc[None, :]).to(q.dtype)
+            v = (v.to(tl.float32) * vsc[:, None]).to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2             # log2 domain for exp2
         s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
@@ -166,9 +172,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           max_query_len: int, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           max_query_len: int, scale: float, num_splits: int | None = None,
+                           k_scale=None, v_scale=None) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`.
-    `num_splits`: key slices per program (None: num_kv_splits decides; the tests set it).
+    `num_splits`: key slices per program (None: num_kv_splits decides; the tests set it). A quantized cache
+    (int8 or fp8 codes) comes with its scales [blocks, block_size, kv_heads] (k_scale, v_scale).
 
     CUDA-graph safe: the grid and constexprs follow from shapes (tokens, sequences) and the host int
     max_query_len (the query width of a captured decode/verify step); nothing reads device memory
@@ -197,7 +205,11 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     # 64 x 128 fp32 accumulator plus per-key K/V addresses spill at 4 warps (ptxas, sm_90).
     num_warps = 8 if block_m * head_p >= 64 * 128 else 4
     # fp32 caches are the test path: keep dots exact instead of TF32 (None: backend default).
-    dot_prec = "ieee" if k_cache.dtype == torch.float32 else None
+    dot_prec = "ieee" if q.dtype == torch.float32 else None
+    quant = k_scale is not None
+    assert quant == (k_cache.dtype in (torch.int8, torch.float8_e4m3fn)), "a quantized cache comes with scales"
+    ks, vs = (k_scale, v_scale) if quant else (out, out)                   # not read unless quantized
+    scale_strides = (*k_scale.stride(), *v_scale.stride()) if quant else (0,) * 6
 
     splits = num_splits or num_kv_splits(grid[0] * grid[1], max_query_len, q.device)
     assert splits & (splits - 1) == 0, "num_splits must be a power of two"
@@ -210,10 +222,10 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         part_m = part_l = part_acc = out                  # not read
     _paged_attention_kernel[grid + (splits,)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_m, part_l, part_acc,
+        part_m, part_l, part_acc, ks, vs,
         float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
+        *scale_strides, QUANT=quant, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         DOT_PREC=dot_prec, NUM_SPLITS=splits, num_warps=num_warps,
     )

@@ -142,6 +142,15 @@ def model_shape(model: str | dict) -> dict[str, Any]:
     return {**json.loads(path.read_text()), "name": str(model)}
 
 
+def kv_value_bytes(kv_cache_dtype: str, model: dict[str, Any], dtype_bytes: float = 2.0) -> float:
+    """Bytes one cached K or V value takes: the model's dtype ("auto"), or a byte and its share of the per-token,
+    per-head fp32 scale (int8, fp8: engine/kv_layout.py)."""
+    if kv_cache_dtype == "auto":
+        return dtype_bytes
+    d = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    return 1.0 + 4.0 / d
+
+
 @dataclass
 class RooflineCost:
     """A GPU replica of `tp` GPUs: step = max(FLOPs / (peak x mfu), bytes / (bandwidth x mbu)) + step_overhead_s."""
@@ -149,7 +158,7 @@ class RooflineCost:
     model: dict[str, Any] = field(default_factory=lambda: model_shape("llama-3.1-8b"))
     tp: int = 1
     weight_bytes_per_param: float = 2.0       # bf16; 1 for FP8 weights
-    kv_bytes_per_value: float = 2.0           # bf16 KV; 1 for an fp8 cache
+    kv_bytes_per_value: float = 2.0           # bf16 KV; an fp8 / int8 cache: kv_value_bytes
     mfu: float = 0.5                          # of peak FLOP/s a prefill reaches (vLLM-class engines: 0.4-0.6)
     mbu: float = 0.75                         # of HBM bandwidth a decode step reaches reading the weights
     kv_mbu: float | None = None               # ... and reading the KV cache (attention; None: mbu)

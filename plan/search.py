@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cluster.config import ClusterConfig
-from plan.cost import Batch, Cost, RooflineCost, attention_pairs, load_cost, model_shape
+from plan.cost import Batch, Cost, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape
 from plan.sim import Simulator, simulate, summarize
 from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake
 
@@ -239,6 +239,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu", type=float, default=0.5, help="roofline: share of peak FLOP/s reached (default 0.5)")
     p.add_argument("--mbu", type=float, default=0.75, help="roofline: share of HBM bandwidth reached (default 0.75)")
     p.add_argument("--step-overhead-ms", type=float, default=3.0, help="roofline: fixed cost of a step (default 3)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="roofline: the KV cache's format (auto: bf16; fp8/int8: a byte a value plus its scale)")
     p.add_argument("--cost", default=None, help="a cost model file instead (`baton plan calibrate`)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -271,8 +273,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.cost:
         cost = load_cost(args.cost)
     else:
-        cost = RooflineCost(gpu=args.gpu, model=model_shape(args.model), tp=args.tp, mfu=args.mfu, mbu=args.mbu,
-                            step_overhead_s=args.step_overhead_ms / 1e3)
+        shape = model_shape(args.model)
+        cost = RooflineCost(gpu=args.gpu, model=shape, tp=args.tp, mfu=args.mfu, mbu=args.mbu,
+                            step_overhead_s=args.step_overhead_ms / 1e3,
+                            kv_bytes_per_value=kv_value_bytes(args.kv_cache_dtype, shape))
     engine = {"block_size": MOONCAKE_BLOCK, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens}
     if isinstance(cost, RooflineCost):

@@ -16,16 +16,21 @@ from tests.conftest import run_bench
 @pytest.mark.bench
 def test_bench_transfer_quick(tmp_path):
     result = run_bench("transfer", "--quick", "--out", str(tmp_path))
-    (shape,) = result["shapes"].values()
-    assert shape["num_blocks"] == 256 // 16 and shape["bytes"] == 16 * shape["block_bytes"]
-    assert shape["block_bytes"] == 30 * 2 * 16 * 3 * 64 * 4          # SmolLM2-135M's fp32 block layout
-    assert shape["prefill_s"] > 0
-    for kind in ("nixl", "ray"):
-        r = shape[kind]
-        assert r["byte_exact"], kind
-        assert r["producer_unpinned"] == result["repeats"] + 1, kind  # every pull released its pin
-        assert r["gbps"] > 0 and len(r["pull_s_all"]) == result["repeats"], kind
-        assert r["descriptors_per_block"] == 1, kind                   # same layout: one descriptor per block
+    assert list(result["shapes"]) == ["default", "default kv-int8"]           # each KV cache dtype, by default
+    fp32, int8 = result["shapes"]["default"], result["shapes"]["default kv-int8"]
+    assert fp32["block_bytes"] == 30 * 2 * 16 * 3 * 64 * 4          # SmolLM2-135M's fp32 block layout
+    assert int8["block_bytes"] == 3 * (30 * 2 * 16 * 64 + 4096)     # a byte a value, and each head's scales
+    assert int8["kv_cache_dtype"] == "int8" and int8["kv_dtype"] == "uint8" and fp32["kv_dtype"] == "float32"
+    for shape in (fp32, int8):
+        assert shape["num_blocks"] == 256 // 16 and shape["bytes"] == 16 * shape["block_bytes"]
+        assert shape["prefill_s"] > 0
+        for kind in ("nixl", "ray"):
+            r = shape[kind]
+            assert r["byte_exact"], kind
+            assert r["producer_unpinned"] == result["repeats"] + 1, kind  # every pull released its pin
+            assert r["gbps"] > 0 and len(r["pull_s_all"]) == result["repeats"], kind
+            assert r["descriptors_per_block"] == 1, kind                   # same layout: one descriptor per block
+    shape = fp32
     assert shape["nixl"]["ucx_tls"] == os.environ.get("UCX_TLS", "shm,tcp")      # kvtransfer's CPU default
     assert set(shape["ratios"]) == {"nixl_of_copy_bound", "nixl_of_per_block_copy", "nixl_vs_fallback",
                                     "nixl_pull_of_prefill"}
@@ -41,8 +46,8 @@ def test_bench_transfer_cross_node(tmp_path):
     from cluster.netns import unavailable
     if why := unavailable():
         pytest.skip(f"no network namespaces: {why}")
-    result = run_bench("transfer", "--cross-node", "--shapes", "default", "--tokens", "32", "--repeats", "2",
-                       "--out", str(tmp_path))
+    result = run_bench("transfer", "--cross-node", "--shapes", "default", "--kv-cache-dtypes", "auto", "--tokens", "32",
+                       "--repeats", "2", "--out", str(tmp_path))
     (shape,) = result["shapes"].values()
     assert shape["num_blocks"] == 2 and shape["bytes"] == 2 * shape["block_bytes"]
     assert result["ucx_tls"] == "tcp"                  # over the veth pairs, not shared memory

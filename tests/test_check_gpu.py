@@ -54,8 +54,10 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
         rows.setdefault(r["part"], []).append(r)
 
     attention = rows["attention"]
-    assert {(r["data"]["model"], r["data"]["dtype"], r["data"]["block_size"]) for r in attention} == {
-        (m, d, b) for m in ("SmolLM2-135M", "Llama-3-8B") for d in ("float32", "float16") for b in (16, 32)}
+    models = ("SmolLM2-135M", "Llama-3-8B")
+    assert {(r["data"]["model"], r["data"]["dtype"], r["data"]["block_size"], r["data"]["kv_cache_dtype"])
+            for r in attention} == {(m, d, b, "auto") for m in models for d in ("float32", "float16") for b in (16, 32)} \
+        | {(m, "float32", 16, kv) for m in models for kv in ("int8", "fp8")}           # a quantized cache
     assert all(r["data"]["kernel"] == "triton" and r["data"]["max_abs_err"] < 1e-2 for r in attention)
 
     models = {r["case"]: r["data"] for r in rows["models"]}

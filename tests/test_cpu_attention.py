@@ -106,9 +106,9 @@ def test_short_queries_and_a_long_chunk_in_one_batch(monkeypatch):
     seen = []
     real = cpu_attention.paged_attention_varlen
 
-    def spy(q_, k_, v_, bt, sl, qsl, scale):
+    def spy(q_, k_, v_, bt, sl, qsl, scale, *scales):
         seen.append((sl.tolist(), qsl.tolist()))
-        return real(q_, k_, v_, bt, sl, qsl, scale)
+        return real(q_, k_, v_, bt, sl, qsl, scale, *scales)
 
     monkeypatch.setattr(cpu_attention, "paged_attention_varlen", spy)
     want = paged_attention_torch(q, k, v, md, 0.125)
@@ -124,6 +124,9 @@ def test_kernel_rejects_bad_metadata():
         cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc, 0.125)
     with pytest.raises(RuntimeError, match="fp32"):
         cpu_attention.paged_attention_varlen(q.double(), k, v, md.block_tables, md.seq_lens,
+                                             md.query_start_loc, 0.125)
+    with pytest.raises(RuntimeError, match="a quantized cache comes with its scales"):
+        cpu_attention.paged_attention_varlen(q, k.to(torch.int8), v.to(torch.int8), md.block_tables, md.seq_lens,
                                              md.query_start_loc, 0.125)
 
 

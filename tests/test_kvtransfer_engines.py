@@ -1,6 +1,6 @@
 """The baton pass between two engines in two processes: one prefills (blocks pinned), the other pulls
 the KV over the transport and decodes; greedy tokens equal one engine doing both. NIXL and the Ray
-fallback, on the default model."""
+fallback, on the default model; and over NIXL an int8 KV cache, whose blocks carry their scales."""
 from __future__ import annotations
 
 import sys
@@ -33,8 +33,8 @@ def _peer_metadata(agent: str) -> bytes:
 class EngineHost:
     """A pool replica in miniature: one engine and its KVLink, in its own process."""
 
-    def __init__(self, kind: str, prefix: str, model: str):
-        self.engine = LLMEngine(EngineConfig(model, **ENGINE))
+    def __init__(self, kind: str, prefix: str, model: str, kv_cache_dtype: str = "auto"):
+        self.engine = LLMEngine(EngineConfig(model, kv_cache_dtype=kv_cache_dtype, **ENGINE))
         self.link = KVLink(self.engine, prefix, kind=kind, peer_metadata=_peer_metadata)
 
     def metadata(self) -> bytes:
@@ -77,20 +77,28 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def reference(smol_path):
-    llm = LLM(smol_path, **ENGINE)
+def references(smol_path):
+    """One engine doing both, per KV cache dtype (built when first asked for)."""
+    llms: dict[str, LLM] = {}
 
-    def greedy(prompt: list[int], n: int) -> list[int]:
-        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
-    return llm.engine.tokenize, greedy
+    def reference(kv_cache_dtype: str):
+        if kv_cache_dtype not in llms:
+            llms[kv_cache_dtype] = LLM(smol_path, kv_cache_dtype=kv_cache_dtype, **ENGINE)
+        llm = llms[kv_cache_dtype]
+
+        def greedy(prompt: list[int], n: int) -> list[int]:
+            return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0].token_ids
+        return llm.engine.tokenize, greedy
+    return reference
 
 
-@pytest.mark.parametrize("kind", ["nixl", "ray"])
-def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(kind, cluster, reference, smol_path):
-    tokenize, greedy = reference
-    host = ray.remote(EngineHost)
-    prefill = host.options(name=f"prefill-{kind}", num_cpus=0).remote(kind, f"prefill-{kind}", smol_path)
-    decode = host.options(name=f"decode-{kind}", num_cpus=0).remote(kind, f"decode-{kind}", smol_path)
+@pytest.mark.parametrize("kind,kv", [("nixl", "auto"), ("ray", "auto"), ("nixl", "int8")])
+def test_prefill_in_one_process_decode_in_another_gives_the_same_greedy_tokens(kind, kv, cluster, references,
+                                                                               smol_path):
+    tokenize, greedy = references(kv)
+    host, name = ray.remote(EngineHost), f"{kind}-{kv}"
+    prefill = host.options(name=f"prefill-{name}", num_cpus=0).remote(kind, f"prefill-{name}", smol_path, kv)
+    decode = host.options(name=f"decode-{name}", num_cpus=0).remote(kind, f"decode-{name}", smol_path, kv)
     try:
         prompt = tokenize(STORY)                               # 50-odd tokens: 3 full blocks and a partial one
         want = greedy(prompt, 24)

@@ -11,7 +11,8 @@ import pytest
 
 from cluster.config import ClusterConfig
 from engine.block_hash import block_hashes
-from plan.cost import Batch, LinearCost, Overheads, RooflineCost, attention_pairs, load_cost, model_shape, save_cost
+from plan.cost import (Batch, LinearCost, Overheads, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape,
+                       save_cost)
 from plan.sim import SimRequest, Simulator, simulate
 from plan.workload import KEY, day_of, diurnal, from_mooncake
 from tests.conftest import ROOT
@@ -65,6 +66,12 @@ def test_the_roofline_is_bandwidth_bound_in_decode_and_compute_bound_in_prefill(
     assert 300_000 < h100.kv_tokens(0.9, None, 16) < 500_000
     with pytest.raises(ValueError, match="weights do not fit"):
         RooflineCost(model=model_shape("llama-3.1-70b")).kv_tokens(0.9, None, 16)
+    # an fp8 cache: a byte a value and a 4-byte scale per token and head (engine/kv_layout.py)
+    shape = model_shape("llama-3.1-8b")
+    fp8 = RooflineCost(gpu="h100", model=shape, kv_bytes_per_value=kv_value_bytes("fp8", shape))
+    assert kv_value_bytes("auto", shape) == 2.0 and fp8.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4)
+    assert 1.9 < fp8.kv_tokens(0.9, None, 16) / h100.kv_tokens(0.9, None, 16) < 2.0
+    assert fp8.decode_steps_s(64, 4000, 1)[0] < h100.decode_steps_s(64, 4000, 1)[0]
 
 
 def test_tensor_parallel_replicas_pay_their_all_reduces():

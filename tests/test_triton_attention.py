@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: CP
 import pytest
 import torch
 
-from check.attention import random_batch
+from check.attention import quantized_cache, random_batch
 from engine.attention import paged_attention_torch
 from engine.kv_layout import layer_views
 from engine.triton_attention import triton_paged_attention
@@ -83,3 +83,17 @@ def test_split_count_follows_the_programs_and_the_query_width(monkeypatch):
     assert num_kv_splits(64 * 8, 1, cuda) == 1                             # batch 64: 512 programs already
     assert num_kv_splits(32 * 8, 5, cuda) == 2                             # a verify step of 32 sequences
     assert num_kv_splits(8, 512, cuda) == 1                                # a prefill: never split
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("seqs,num_splits", [(MIXED, None), ([(37, 1), (5, 1), (64, 1)], 4)], ids=["mixed", "split"])
+def test_a_quantized_cache_matches_the_reference_over_the_values_it_stands_for(kv_cache_dtype, seqs, num_splits):
+    """int8 / fp8 codes with a scale per token and head (engine/kv_layout.py), read by the kernel in its loop."""
+    q, kv, md = random_batch(seqs, 4, 2, 32, 16, seed=2)
+    spec, cache, values = quantized_cache(kv, kv_cache_dtype)
+    k, v, k_scale, v_scale = spec.layers(cache)[1]
+    scale = 32 ** -0.5
+    out = triton_paged_attention(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
+                                 scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    ref = paged_attention_torch(q, *layer_views(values, 1), md, scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
