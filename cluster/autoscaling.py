@@ -24,7 +24,11 @@ Latency only pushes up (it is not linear in replicas); it also blocks a scale-do
 Decision (decide): up to ceil(demand) when that exceeds the current target; down to ceil(demand / (1 -
 hysteresis)) when that is below it. A direction must persist upscale_delay_s / downscale_delay_s before it
 acts, and nothing acts within cooldown_s of the last change. Then min/max. Ray's own delays are set to 0:
-these are the delays.
+these are the delays. A scale-up that undoes a recent scale-down (a reversal, within reversal_window_s)
+doubles the downscale delay, up to MAX_DOWNSCALE_BACKOFF times; each window without one halves it. Demand is
+not invariant to the pool's size (a decode pool shrunk to one replica runs slower, so its sequences hold their
+KV longer and its demand rises past one): hysteresis alone let the planning simulator's day flap 1 <-> 2
+every 10-15 minutes at the peak.
 
 Coupling (CoupledPolicy, Serve's application-level policy, sees both pools at once): the prefill:decode
 demand ratio r is an EWMA of samples taken while both pools carry load and neither is over its target (so
@@ -52,6 +56,7 @@ from replica.names import DECODE, POOLS, PREFILL, STATE_NAMESPACE
 log = logging.getLogger("ray.serve")
 
 EXPORT_INTERVAL_S = 1.0
+MAX_DOWNSCALE_BACKOFF = 8.0      # reversals stretch downscale_delay_s at most this many times
 _EPS = 1e-9
 
 
@@ -80,6 +85,11 @@ class Autoscaling(_Schema):
     hysteresis: float = Field(0.2, ge=0, lt=1, description="Scale down only if the smaller pool would still run at "
                                                            "most (1 - hysteresis) of its targets, so that a load "
                                                            "near a boundary does not flap")
+    reversal_window_s: float = Field(1800.0, ge=0, description="A scale-up within this many seconds of a "
+                                     "scale-down, back to the size the pool shrank from, is a reversal: the signals "
+                                     "at the smaller size said the shrink was wrong (a smaller decode pool runs each "
+                                     "sequence slower, so its KV and sequences pile up). Each reversal doubles "
+                                     f"downscale_delay_s, up to {2 ** 3}x; a window without one halves it (0: off)")
     look_back_period_s: float = Field(30.0, gt=0, description="Seconds over which Serve averages each replica's "
                                                               "reported metrics (Ray Serve's default)")
     metrics_interval_s: float = Field(10.0, gt=0, description="Seconds between a replica's metric reports to "
@@ -186,8 +196,15 @@ def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, floa
 
 def decide(knobs: Autoscaling, demand: float, reason: str, may_shrink: bool, n: int, now: float,
            state: dict[str, Any]) -> tuple[int, str, dict[str, Any]]:
-    """(new target, direction up|down|hold, new state). state keys: want (+1/-1/0), since, last_change."""
+    """(new target, direction up|down|hold, new state). state keys: want (+1/-1/0), since, last_change; and for
+    reversals: backoff (the downscale delay's multiplier), shrunk (size before the last scale-down, its time),
+    reversed (time of the last reversal, or of the last halving)."""
     state = dict(state)
+    backoff, window = state.get("backoff", 1.0), knobs.reversal_window_s
+    if backoff > 1 and now - state.get("reversed", now) >= window:   # a quiet window: halve it
+        backoff = max(1.0, backoff / 2)
+        state["reversed"] = now
+    state["backoff"] = backoff
     up = min(max(math.ceil(demand - _EPS), knobs.min_replicas), knobs.max_replicas)
     down = min(max(math.ceil(demand / (1 - knobs.hysteresis) - _EPS), knobs.min_replicas), knobs.max_replicas)
     if n < knobs.min_replicas or n > knobs.max_replicas:        # bounds changed under us: obey at once
@@ -196,7 +213,7 @@ def decide(knobs: Autoscaling, demand: float, reason: str, may_shrink: bool, n: 
     if up > n:
         want, target, delay = 1, up, knobs.upscale_delay_s
     elif down < n and may_shrink:
-        want, target, delay = -1, down, knobs.downscale_delay_s
+        want, target, delay = -1, down, knobs.downscale_delay_s * backoff
     else:
         state.update(want=0, since=None)
         return n, "hold", state
@@ -206,6 +223,13 @@ def decide(knobs: Autoscaling, demand: float, reason: str, may_shrink: bool, n: 
     if now - state["since"] + _EPS < delay or (last is not None and now - last + _EPS < knobs.cooldown_s):
         return n, "hold", state
     state.update(want=0, since=None, last_change=now)
+    shrunk = state.get("shrunk")
+    if want < 0:
+        state["shrunk"] = [n, now]
+    elif shrunk is not None and window > 0 and target >= shrunk[0] and now - shrunk[1] <= window:
+        state.update(backoff=min(backoff * 2, MAX_DOWNSCALE_BACKOFF), reversed=now, shrunk=None)
+        log.info("baton autoscaler: a scale-up %d -> %d undid the scale-down %.0f s ago; the downscale delay is "
+                 "now %.0fx", n, target, now - shrunk[1], state["backoff"])
     return target, "up" if want > 0 else "down", state
 
 

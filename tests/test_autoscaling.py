@@ -134,10 +134,29 @@ def test_load_oscillating_around_a_boundary_does_not_flap():
     slow.run(400)
     assert slow.changes("decode") == [(45.0, 2)]                # up once; 9 seqs on 1 replica is inside the band
     no_band = Sim(scaling(decode={"target_running_seqs": 10, "upscale_delay_s": 5, "downscale_delay_s": 5,
-                                  "cooldown_s": 5, "hysteresis": 0}),
+                                  "cooldown_s": 5, "hysteresis": 0, "reversal_window_s": 0}),
                   decode_seqs(lambda t: 12.0 if int(t // 40) % 2 else 9.0))
     no_band.run(400)
-    assert len(no_band.changes("decode")) >= 8                  # what the hysteresis prevents
+    assert len(no_band.changes("decode")) >= 8                  # what the hysteresis prevents (reversals not backed off)
+
+
+def test_a_load_that_grows_when_the_pool_shrinks_backs_off_instead_of_flapping():
+    """The planning simulator's decode pool at the peak: at 2 replicas its sequences are 0.6 of a replica's
+    target, so it shrinks; at 1 they run slower and pile up to 1.3, so it grows back. Each reversal doubles the
+    downscale delay (up to 8x), and a quiet reversal window halves it again."""
+    def flaps(window: float) -> tuple[list[float], Sim]:
+        sim = Sim(scaling(decode={"target_running_seqs": 10, "initial_replicas": 2, "reversal_window_s": window}),
+                  decode_seqs(lambda t: (6.0 if sim.n["decode"] >= 2 else 13.0) if t < 1500 else 1.0))
+        sim.run(1500)
+        return [t for t, n in sim.changes("decode") if n == 1], sim
+    plain, _ = flaps(0.0)                                   # off: every delay + cooldown, a change each way
+    downs, sim = flaps(300.0)
+    assert len(plain) >= 20
+    gaps = [b - a for a, b in zip(downs, downs[1:])]
+    assert len(downs) <= 8 and gaps == sorted(gaps) and gaps[-1] >= 8 * 30     # 30 s, 60, 120, 240, then 240
+    assert sim.state["decode"]["backoff"] == 8
+    sim.run(3 * 300 + 60)                                   # the load is gone: three quiet windows halve it to 1
+    assert sim.n["decode"] == 1 and sim.state["decode"]["backoff"] == 1
 
 
 def test_max_replicas_caps_a_huge_load_and_the_cooldown_spaces_changes():
