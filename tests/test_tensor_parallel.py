@@ -18,7 +18,7 @@ from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.parallel import TPWorkerError
 from engine.sampling_params import SamplingParams
-from greedy import TOP_K, baton_greedy, check_greedy_close
+from greedy import MAX_LOGPROB_GAP, TOP_K, baton_greedy, check_greedy_close
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
 PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 100] + [4] * 30 + [250], list(range(40, 90))]
@@ -46,12 +46,12 @@ def generate(eng: LLMEngine, prompts, params=GREEDY) -> list:
     return [done[i] for i in ids]
 
 
-def assert_same_greedy(ref: list, out: list) -> None:
+def assert_same_greedy(ref: list, out: list, max_gap: float = MAX_LOGPROB_GAP) -> None:
     """Equal tokens; an all-reduce sums in another order than one matmul, so a near-tie may part them
     (check/compare.py's rule), never more."""
     for r, o in zip(ref, out):
         if o.token_ids != r.token_ids:
-            check_greedy_close(baton_greedy(o), baton_greedy(r))
+            check_greedy_close(baton_greedy(o), baton_greedy(r), max_gap)
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +109,20 @@ def test_the_host_kv_tier_copies_every_ranks_share(tiny_paths):
 
 
 @pytest.mark.slow                # the real model at TP 1 and 2 (the tiny shapes above run in the fast tier)
-def test_smollm2_tp2_equals_tp1(smol_path):
-    """SmolLM2's 3 KV heads split unevenly (rank 0: 1, rank 1: 2), 9 query heads 3 and 6."""
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_smollm2_tp2_equals_tp1(smol_path, kv):
+    """SmolLM2's 3 KV heads split unevenly (rank 0: 1, rank 1: 2), 9 query heads 3 and 6; each rank's share of an
+    int8 cache is its heads' codes and scales. The all-reduce's last-bit differences can move an int8 code, so a
+    near-tie there may be wider (tests/test_kv_quant.py's bound)."""
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=TOP_K)
-    tp1 = engine(smol_path, 1, num_kv_blocks=32)
+    tp1 = engine(smol_path, 1, num_kv_blocks=32, kv_cache_dtype=kv)
     ref = generate(tp1, prompts, params)
-    tp2 = engine(smol_path, 2, num_kv_blocks=32)
+    tp2 = engine(smol_path, 2, num_kv_blocks=32, kv_cache_dtype=kv)
     try:
         assert tp2.runner.model.num_kv_heads == 1 and tp2.runner.kv_cache.shape[1] == 1
         out = generate(tp2, prompts, params)
-        assert_same_greedy(ref, out)
+        assert_same_greedy(ref, out, MAX_LOGPROB_GAP if kv == "auto" else 0.3)
     finally:
         tp2.shutdown()
 
