@@ -8,7 +8,10 @@ prefill's own time), `max_tokens` each. Three engines run the same requests:
   document before it comes round again, so every revisit is recomputed),
 - tiered: the same cache plus a host tier (kv_offloading_size) that holds the working set: a revisit copies
   its document's blocks back instead of computing them,
-- roomy: a cache holding the whole working set (the ceiling: every revisit is a device hit).
+- roomy: a cache holding the whole working set (the ceiling: every revisit is a device hit),
+- int8: the device engine's bytes with kv_cache_dtype int8 (3.75x its blocks for SmolLM2): how much of the
+  working set a quantized cache keeps on the device in the same memory. Its tokens are compared with the
+  others' (greedy agreement), not required equal: the cache's rounding may part them at a near-tie.
 
 Reported per engine: TTFT of the revisits (median, p90), the prompt tokens computed, hits by tier, blocks and
 bytes moved between tiers, wall time; and the revisit TTFT ratios device/tiered (what the tier buys) and
@@ -79,10 +82,11 @@ def _run(name: str, model: str, cfg: dict, reqs: list, **engine: Any) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
-    names = ["device", "tiered", "roomy"]
     r = result["engines"]
+    names = [n for n in ("device", "tiered", "roomy", "int8") if n in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    bars = a.bar(names, [r[n]["revisit_ttft_ms_median"] for n in names], color=["tab:gray", "tab:blue", "tab:green"])
+    bars = a.bar(names, [r[n]["revisit_ttft_ms_median"] for n in names],
+                 color=["tab:gray", "tab:blue", "tab:green", "tab:purple"][:len(names)])
     a.bar_label(bars, fmt="%.1f", fontsize=8)
     a.set_ylabel("revisit TTFT, median (ms)")
     w = result["workload"]
@@ -117,8 +121,12 @@ def run(args: argparse.Namespace) -> dict:
         "device": _run("device", model, cfg, reqs, num_kv_blocks=device_blocks),
         "tiered": _run("tiered", model, cfg, reqs, num_kv_blocks=device_blocks, kv_offloading_size=host_gib),
         "roomy": _run("roomy", model, cfg, reqs, num_kv_blocks=2 * cfg["docs"] * per_doc),
+        "int8": _run("int8", model, cfg, reqs, kv_cache_memory=device_blocks * block_bytes(model),
+                     kv_cache_dtype="int8"),
     }
     same = engines["device"]["_tokens"] == engines["tiered"]["_tokens"] == engines["roomy"]["_tokens"]
+    pairs = [(a, b) for x, y in zip(engines["int8"]["_tokens"], engines["device"]["_tokens"]) for a, b in zip(x, y)]
+    engines["int8"]["token_agreement_with_fp32"] = sum(a == b for a, b in pairs) / len(pairs)
     for e in engines.values():
         del e["_tokens"]
     result: dict[str, Any] = {
@@ -129,8 +137,11 @@ def run(args: argparse.Namespace) -> dict:
                                            / engines["tiered"]["revisit_ttft_ms_median"],
         "revisit_ttft_tiered_over_roomy": engines["tiered"]["revisit_ttft_ms_median"]
                                           / engines["roomy"]["revisit_ttft_ms_median"],
+        "revisit_ttft_device_over_int8": engines["device"]["revisit_ttft_ms_median"]
+                                         / engines["int8"]["revisit_ttft_ms_median"],
     }
     write_result(result, out / "kv_tiers.json", {"kv_tiers": ("kv_tiers.png", plot)})
     log(f"revisit TTFT: device-only / tiered {result['revisit_ttft_device_over_tiered']:.2f}x, tiered / all-device "
-        f"{result['revisit_ttft_tiered_over_roomy']:.2f}x; same tokens: {same}; wrote {result['json_path']}")
+        f"{result['revisit_ttft_tiered_over_roomy']:.2f}x, device-only / int8 KV in the same memory "
+        f"{result['revisit_ttft_device_over_int8']:.2f}x; same tokens: {same}; wrote {result['json_path']}")
     return result

@@ -1,6 +1,7 @@
 """`baton bench engine --kv-tiers --quick`: the KV-tier benchmark runs end to end and writes its results: with
 the host tier, revisits are served from host memory (nothing of a revisited document recomputed), without it
-they are recomputed, and all three engines give the same tokens."""
+they are recomputed, and all three engines give the same tokens; an int8 KV cache in the device engine's bytes
+keeps the whole working set on the device."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,9 @@ def test_bench_kv_tiers_quick(tmp_path):
     assert e["tiered"]["computed_tokens"] == e["roomy"]["computed_tokens"] < e["device"]["computed_tokens"]
     assert e["tiered"]["moved_bytes"] > 0 and result["same_tokens"] is True
     assert result["revisit_ttft_device_over_tiered"] > 0
+    int8 = e["int8"]
+    assert int8["kv_blocks"] >= 3.7 * e["device"]["kv_blocks"] and int8["hit_tokens_device"] == revisited
+    assert int8["computed_tokens"] == e["roomy"]["computed_tokens"] and int8["token_agreement_with_fp32"] > 0.5
     assert json.loads((tmp_path / "kv_tiers.json").read_text())["engines"] == e
     png = tmp_path / "kv_tiers.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
