@@ -113,20 +113,21 @@ class KVCacheManager:
             seq.block_hashes.extend(block_hashes(seq.token_ids[known * bs:num_blocks * bs], bs, key, parent))
 
     # -- imports (decode role) --------------------------------------------------------------------
-    def reserve_prompt(self, seq: Sequence) -> int | None:
-        """Blocks for the whole prompt of a sequence whose K/V will be transferred: leading blocks in
-        the local prefix cache are reused, the rest are fresh. Returns how many were cached here
-        (they need no transfer), or None, holding nothing, if the pool lacks room."""
-        bs = self.block_size
-        self._hash_blocks(seq, seq.num_tokens // bs)
-        found = self.pool.find(seq.block_hashes, seq.token_ids)
+    def reserve_prompt(self, seq: Sequence, num_tokens: int | None = None) -> int | None:
+        """Blocks for the whole prompt (or its first `num_tokens`, whole blocks: a prefix pull) of a sequence
+        whose K/V will be transferred: leading blocks in the local prefix cache are reused, the rest are
+        fresh. Returns how many were cached here (they need no transfer), or None, holding nothing, if the
+        pool lacks room."""
+        bs, n = self.block_size, seq.num_tokens if num_tokens is None else num_tokens
+        self._hash_blocks(seq, n // bs)
+        found = self.pool.find(seq.block_hashes[:n // bs], seq.token_ids)
         on_device = sum(tier == DEVICE for tier, _ in found)
-        if not self.pool.can_allocate(blocks_for(seq.num_tokens, bs) - on_device):
+        if not self.pool.can_allocate(blocks_for(n, bs) - on_device):
             return None
         hit, from_host = self.pool.acquire(found)
         num_hit, seq.block_table = len(hit), hit
         _changed(seq)
-        self.grow(seq.block_table, seq.num_tokens)
+        self.grow(seq.block_table, n)
         self.flush_copies()                         # the transfer writes these blocks before the next step
         self.pool.record_query(seq.num_tokens, num_hit * bs, from_host * bs)
         return num_hit
@@ -140,6 +141,22 @@ class KVCacheManager:
         blocks, seq.block_table = seq.block_table, []
         _changed(seq)
         self.pinned[seq.request_id] = blocks
+        return blocks
+
+    def pin_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int]) -> list[int]:
+        """Pin the leading run of `hashes` (token ids checked) this engine caches on the device, for another
+        engine to pull (a prefix pull): a reference on each block under `pin_id` until unpin. Host-tier blocks
+        end the run (their copy back would race the pull). Returns the block ids (none: nothing to export)."""
+        blocks = []
+        for tier, bid in self.pool.find(hashes, token_ids):
+            if tier != DEVICE:
+                break
+            blocks.append(bid)
+        if blocks:
+            if pin_id in self.pinned:
+                raise ValueError(f"{pin_id!r} already holds pinned blocks")
+            self.pool.touch(blocks)
+            self.pinned[pin_id] = blocks
         return blocks
 
     def unpin(self, request_id: str) -> bool:

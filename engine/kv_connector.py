@@ -6,6 +6,8 @@ and what the scheduler asks of the transport that brings them (KVConnector; kvtr
                -> connector.start_load(...)                    the request is WAITING_FOR_REMOTE_KVS
     each step: connector.finished_loads() -> the request runs from its transferred K/V (first token
                appended), or, if the load failed or its deadline passed first, prefills locally
+A prefix pull (RemotePrefill.num_tokens: the leading blocks another replica caches) takes the same way; once
+they are in place the request runs as a prefill whose prefix is computed, and its other tokens are computed here.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ class RemotePrefill:
     first_logprobs: dict[int, float] | None
     deadline: float                   # unix time after which no load may start (the source goes soon after):
                                       # prefill locally instead
+    num_tokens: int | None = None     # None: the source covers the whole prompt (a prefill's hand-off). A
+                                      # prefix pull: the source covers these leading tokens (whole blocks, with
+                                      # block_hashes theirs), the rest is prefilled here (no first_token)
 
 
 @dataclass

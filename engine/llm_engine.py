@@ -179,10 +179,19 @@ class LLMEngine:
             seq.guide = self.grammars().matcher(params.structured)
         if resume is not None:
             self._replay(seq, resume)
-        hashes = remote.block_hashes if remote is not None else block_hashes
-        if remote is not None and len(hashes) != seq.num_tokens // self.block_size:
+        prefix = remote is not None and remote.num_tokens is not None
+        hashes = remote.block_hashes if remote is not None and not prefix else block_hashes
+        if remote is not None and not prefix and len(hashes) != seq.num_tokens // self.block_size:
             raise InvalidRequestError(f"{len(hashes)} block hashes for {seq.num_tokens // self.block_size} full "
                                       f"blocks to import")
+        if prefix:
+            n, bs = remote.num_tokens, self.block_size
+            if n <= 0 or n % bs or n >= seq.num_tokens or len(remote.block_hashes) != n // bs \
+                    or remote.first_token is not None or resume is not None:
+                raise InvalidRequestError(f"a prefix pull covers whole blocks short of the prompt ({n} of "
+                                          f"{seq.num_tokens} tokens, {len(remote.block_hashes)} hashes), no first token")
+            if hashes is not None and list(hashes[:n // bs]) != list(remote.block_hashes):
+                raise InvalidRequestError("the prefix pull's block hashes are not this prompt's")
         seq.block_hashes = list(hashes or [])
         seq.sampling_seed = self.sampler.request_seed(params.seed)
         self.requests[request_id] = seq
@@ -427,6 +436,11 @@ class LLMEngine:
                               seq.kv_import.blocks, seq.kv_import.seconds, seq.kv_import.error)
 
     # -- roles for the pools ----------------------------------------------------------------------
+    def pin_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int]) -> list[int]:
+        """Another engine's prefix pull: pin the leading blocks of `hashes` cached here on the device, under
+        `pin_id` (release_pinned ends it). Returns their block ids (possibly none)."""
+        return self.kv.pin_prefix(pin_id, hashes, token_ids)
+
     def release_pinned(self, request_id: str) -> bool:
         """Prefill role: the transfer is done (or timed out); unpin the prompt's blocks."""
         return self.kv.unpin(request_id)
@@ -438,6 +452,8 @@ class LLMEngine:
         for seq in loaded:
             seq.first_scheduled_time = now
             remote, seq.remote = seq.remote, None
+            if remote.num_tokens is not None:   # a prefix pull: the rest of the prompt is computed here
+                continue
             if seq.pending_token is not None:   # a resumed import: its first token was checked and sent
                 seq.restore_pending()
                 continue

@@ -11,6 +11,8 @@ A request whose prompt K/V come from another engine (decode role, `seq.remote`) 
 queue, in the same order. Admitted, it takes a slot (max_num_seqs) and blocks for its whole prompt,
 and waits WAITING_FOR_REMOTE_KVS while the connector fills them; then it runs (and may be preempted)
 like any other. If its deadline passes before it is admitted, or the load fails, it is prefilled here.
+A prefix pull (`seq.remote.num_tokens`) reserves and fills only the leading blocks another engine caches;
+then the sequence runs as a prefill with those tokens computed.
 """
 from __future__ import annotations
 
@@ -158,14 +160,19 @@ class Scheduler:
         if self.clock() >= seq.remote.deadline:
             self._fall_back(seq, "no KV room before the source's deadline")
             return True
-        num_local = self.kv.reserve_prompt(seq)
+        covered = seq.remote.num_tokens or seq.num_tokens       # a prefix pull covers its leading blocks only
+        num_local = self.kv.reserve_prompt(seq, covered)
         if num_local is None:
             return False
+        if num_local * self.kv.block_size >= covered < seq.num_tokens:  # a prefix cached here meanwhile
+            self.kv.free(seq)
+            seq.remote = None                           # nothing to pull: the admission loop prefills it
+            return True
         try:
             if self.connector is None:
                 raise RuntimeError("this engine has no KV connector")
-            self.connector.start_load(seq.request_id, seq.remote.source, list(seq.block_table), seq.block_hashes,
-                                      seq.num_tokens, num_local)
+            self.connector.start_load(seq.request_id, seq.remote.source, list(seq.block_table),
+                                      seq.block_hashes[:covered // self.kv.block_size], covered, num_local)
         except Exception as e:                          # noqa: BLE001 - any failure means: compute it here
             self.kv.free(seq)
             self._fall_back(seq, f"{type(e).__name__}: {e}")
@@ -198,7 +205,7 @@ class Scheduler:
                 continue
             seq.kv_import.transferred = True
             seq.kv_import.seconds = time.monotonic() - seq.kv_import.started
-            self.on_computed(seq, seq.num_tokens)      # registers the transferred full blocks
+            self.on_computed(seq, seq.remote.num_tokens or seq.num_tokens)   # registers the transferred full blocks
             seq.status = Status.RUNNING
             self.running.append(seq)
             loaded.append(seq)

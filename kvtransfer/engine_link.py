@@ -100,6 +100,24 @@ class KVLink:
         with self._lock:
             return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
 
+    def export_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int]) -> KVHandoff | None:
+        """A prefix pull's source side: pin the leading blocks of `hashes` (a prompt's full-block hashes, its
+        `token_ids` checked) this engine caches on the device and hand them off under `pin_id`, as a prefill's
+        blocks are (lease, notification, expiry). None when none is cached here. Call it under the engine
+        lock (AsyncLLM.call)."""
+        blocks = self.engine.pin_prefix(pin_id, hashes, token_ids)
+        if not blocks:
+            return None
+        n, bs = len(blocks), self.engine.block_size
+        try:
+            if self.ranks is not None:
+                return self.ranks.export(self._lock, pin_id, blocks, list(hashes[:n]), n * bs, self.ttl_s)
+            with self._lock:
+                return self.transport.export(pin_id, blocks, list(hashes[:n]), n * bs, self.ttl_s)
+        except BaseException:
+            self.engine.release_pinned(pin_id)
+            raise
+
     def withdraw(self, request_id: str) -> None:
         """A pinned request nobody will pull (its export failed, or its caller left before the hand-off went
         out): end its lease, if it got one, and unpin its blocks now. Call it under the engine lock (AsyncLLM.call)."""

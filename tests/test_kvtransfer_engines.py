@@ -9,6 +9,7 @@ import pytest
 import ray
 
 from engine import LLM, EngineConfig, LLMEngine, RemotePrefill, SamplingParams
+from engine.errors import InvalidRequestError
 from engine.block_hash import block_hashes
 from engine.block_pool import blocks_for
 from kvtransfer import KVHandoff, KVLink
@@ -170,3 +171,66 @@ def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_p
     finally:
         link.close()
         links["p"].close()
+
+
+def test_a_prefix_pull_takes_the_blocks_another_engine_caches_and_computes_only_the_rest(tmp_path):
+    """Cross-replica prefix reuse, engine to engine over NIXL: the source pins the leading blocks of a prompt it
+    caches (KVLink.export_prefix); the puller reserves only those, pulls them, then prefills the rest. Tokens
+    equal a third engine computing the whole prompt; the source's pin ends when the puller says it pulled. A
+    pull that cannot start is computed in full, and nothing leaks on either side."""
+    import time
+
+    from tests.conftest import make_tiny_checkpoint, wait_for
+    model = make_tiny_checkpoint(tmp_path / "m", "llama")
+    source, puller, alone = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(3))
+    links: dict[str, KVLink] = {}
+    links["s"] = KVLink(source, "prefix-source", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    links["p"] = KVLink(puller, "prefix-puller", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(engine: LLMEngine, prompt: list[int], rid: str, **kw):
+        engine.add_request(prompt, greedy, rid, **kw)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[0]
+    try:
+        shared = list(range(10, 74))                                  # 4 full blocks
+        prompt = shared + list(range(100, 120))
+        run(source, shared + [5, 6, 7], "a")                         # the source caches the 4 blocks
+        hashes = block_hashes(prompt, 16, source.model_key)
+        handoff = links["s"].export_prefix("pin-1", hashes, prompt)
+        assert handoff.handle.num_tokens == 64 and len(handoff.handle.block_ids) == 4
+        assert source.pool.num_used_blocks == 4                      # pinned for the pull
+
+        want = run(alone, prompt, "alone").token_ids
+        before = puller.num_computed_tokens_total
+        pulled = run(puller, prompt, "b", block_hashes=hashes, remote=RemotePrefill(
+            handoff, hashes[:4], None, None, deadline=handoff.handle.expiry - 2, num_tokens=64))
+        assert pulled.token_ids == want
+        assert pulled.metrics.kv_transferred and pulled.metrics.kv_transfer_blocks == 4
+        assert puller.num_computed_tokens_total - before == len(prompt) - 64 + greedy.max_tokens - 1
+        wait_for(lambda: "pin-1" in links["s"].release_finished(), 10, "the source to hear the pull ended")
+        assert source.pool.num_used_blocks == 0 and puller.pool.num_used_blocks == 0
+
+        # a pull that cannot start in time: the whole prompt is computed here, same tokens
+        puller.pool.reset_prefix_cache()
+        late = links["s"].export_prefix("pin-2", hashes, prompt)
+        before = puller.num_computed_tokens_total
+        out = run(puller, prompt, "c", block_hashes=hashes, remote=RemotePrefill(
+            late, hashes[:4], None, None, deadline=time.time() - 1, num_tokens=64))
+        assert out.token_ids == want and not out.metrics.kv_transferred and "deadline" in out.metrics.kv_transfer_error
+        assert puller.num_computed_tokens_total - before == len(prompt) + greedy.max_tokens - 1
+        links["s"].withdraw("pin-2")                                  # nobody pulls it: the source lets go
+        assert source.pool.num_used_blocks == 0 and puller.pool.num_used_blocks == 0
+
+        # nothing cached at the source: nothing to export; a hand-off for another prompt is refused at once
+        other = list(range(120, 200))
+        assert links["s"].export_prefix("pin-3", block_hashes(other, 16, source.model_key), other) is None
+        with pytest.raises(InvalidRequestError, match="not this prompt's"):
+            puller.add_request(other, greedy, "d", block_hashes=block_hashes(other, 16, puller.model_key),
+                               remote=RemotePrefill(handoff, hashes[:4], None, None, deadline=time.time() + 9,
+                                                    num_tokens=64))
+    finally:
+        links["p"].close()
+        links["s"].close()
