@@ -18,12 +18,11 @@ from typing import AsyncIterator
 
 from engine import RemotePrefill
 from engine.outputs import RequestMetrics
-from replica.engine_replica import DRAIN_POLL_S, EngineReplica, export_pinned
+from replica.engine_replica import DRAIN_POLL_S, RESERVE_MARGIN_S, EngineReplica, export_pinned
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE
 
 log = logging.getLogger(__name__)
-RESERVE_MARGIN_S = 2.0          # start no pull this close to the producer's unpin: prefill locally instead
 MIGRATED = "migrated"
 
 
@@ -41,7 +40,8 @@ class DecodeServer(EngineReplica):
         if self.draining:               # a router that has not heard yet: hand it back untouched
             yield TokenDelta([], "", True, replica=self.replica, finish_reason=MIGRATED)
             return
-        remote = _remote(req.prefill, req.block_hashes) if req.prefill is not None else None
+        # the hand-off of a prefill, or for a local prefill a pull of its prefix from a prefill replica caching it
+        remote = _remote(req.prefill, req.block_hashes) if req.prefill is not None else await self.prefix_remote(req)
         first, last = True, time.perf_counter()
         async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
                                            block_hashes=req.block_hashes, resume=req.resume, lora_request=req.lora):
@@ -55,7 +55,10 @@ class DecodeServer(EngineReplica):
                 self.itl.observe((now - last) / len(out.new_token_ids))
             last = now
             if first and remote is not None:          # the import has ended (loaded or fallen back) by now
-                self._observe_import(out.metrics)
+                if remote.num_tokens is not None:
+                    self.observe_prefix_pull(out.metrics)
+                else:
+                    self._observe_import(out.metrics)
             if out.finished:
                 self.metrics.observe_lora(req.lora, len(out.prompt_token_ids), len(out.token_ids))
             yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)

@@ -100,13 +100,16 @@ class KVLink:
         with self._lock:
             return self.transport.export(out.request_id, out.kv_blocks, hashes, len(ids), self.ttl_s)
 
-    def export_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int]) -> KVHandoff | None:
+    def export_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int],
+                      min_blocks: int = 1) -> KVHandoff | None:
         """A prefix pull's source side: pin the leading blocks of `hashes` (a prompt's full-block hashes, its
         `token_ids` checked) this engine caches on the device and hand them off under `pin_id`, as a prefill's
-        blocks are (lease, notification, expiry). None when none is cached here. Call it under the engine
-        lock (AsyncLLM.call)."""
+        blocks are (lease, notification, expiry). None when fewer than `min_blocks` are cached here. Call it
+        under the engine lock (AsyncLLM.call)."""
         blocks = self.engine.pin_prefix(pin_id, hashes, token_ids)
-        if not blocks:
+        if len(blocks) < max(min_blocks, 1):
+            if blocks:
+                self.engine.release_pinned(pin_id)
             return None
         n, bs = len(blocks), self.engine.block_size
         try:

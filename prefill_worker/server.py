@@ -1,5 +1,7 @@
 """PrefillServer: a prefill-pool replica. It computes a prompt up to its first token, keeps the prompt's
-blocks pinned and answers with a PrefillResult: the first token and the KVHandoff a decode replica pulls."""
+blocks pinned and answers with a PrefillResult: the first token and the KVHandoff a decode replica pulls. A
+prompt whose prefix another prefill replica caches (PoolRequest.prefix_source) may have that prefix pulled from
+there first (EngineReplica.prefix_remote); it also answers such pulls (export_prefix)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +19,13 @@ class PrefillServer(EngineReplica):
         """The first token is sampled here with the request's own parameters; decode continues from it."""
         params = dataclasses.replace(req.sampling, max_tokens=1)
         out, t0 = None, time.perf_counter()
+        remote = await self.prefix_remote(req)         # the prefix another prefill replica caches, pulled
         async for out in self.llm.generate(req.token_ids, params, req.request_id, prefill_only=True,
-                                           block_hashes=req.block_hashes, lora_request=req.lora):
+                                           block_hashes=req.block_hashes, lora_request=req.lora, remote=remote):
             pass
+        pulled = self.observe_prefix_pull(out.metrics) if remote is not None else 0
         self.metrics.observe_lora(req.lora, len(req.token_ids), 0)
         self.ttft.observe(time.perf_counter() - t0)
         handoff = await export_pinned(self.llm, self.link, out, req.block_hashes)
         return PrefillResult(self.replica, out.token_ids[0], out.logprobs[0] if out.logprobs else None,
-                             out.metrics.num_cached_tokens, handoff)
+                             out.metrics.num_cached_tokens, handoff, pulled)

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from engine import EngineConfig, LLMEngine, faults
+from engine import EngineConfig, LLMEngine, RemotePrefill, faults
 from engine.async_llm import AsyncLLM
 from engine.errors import InvalidRequestError
 from engine.kv_events import KVEvent, encode_events
@@ -27,8 +27,9 @@ from engine.outputs import RequestOutput
 from engine.parallel import TPWorkerError
 from kvtransfer import KVHandoff, KVLink
 from kvtransfer.config import TransferConfig
+from replica.messages import PoolRequest, PrefixExport
 from replica.metrics import LatencyWindow, ReplicaMetrics
-from replica.names import get_state_actor
+from replica.names import PREFILL, get_state_actor
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /
 DRAIN_POLL_S = 0.5              # a draining replica learns it is being stopped within about this long
 PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
 TP_FAILURE_GRACE_S = 3.0        # a failed step waits this long for Ray to report a dead TP worker (about 1 s)
+RESERVE_MARGIN_S = 2.0          # an import must start this long before its hand-off's lease ends
+PREFIX_EXPORT_TIMEOUT_S = 2.0   # asking another replica for a prefix pull's hand-off: past this, compute it
+PREFIX_PULL_OVERHEAD_S = 0.01   # a prefix pull's fixed cost (the export call, the pull's set-up): 5-15 ms here
 
 
 def replica_id() -> str:
@@ -64,6 +68,9 @@ class EngineReplica:
         self.engine = eng
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
                            peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
+        self.transfer = transfer
+        self._prefill_handle = None                     # the prefill pool, for prefix pulls (made on first use)
+        self._pulled = [0, 0.0]                         # bytes and seconds of this replica's prefix pulls
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
         self.itl = LatencyWindow(LATENCY_WINDOW_S)       # between a sequence's tokens
@@ -88,6 +95,70 @@ class EngineReplica:
         Returns its key (the KV namespace)."""
         await run_blocking(self.engine.load_lora, lora)
         return {"key": lora.key}
+
+    # -- prefix pulls: reuse of a prompt's prefix cached on another prefill replica --------------------------
+    async def export_prefix(self, req: PrefixExport) -> KVHandoff | None:
+        """Another replica pulls a prompt's prefix from here: the hand-off of its leading blocks cached on this
+        replica's device, pinned until pulled or expired; None when fewer than req.min_blocks are."""
+        def export(_engine: LLMEngine) -> KVHandoff | None:
+            return self.link.export_prefix(req.pin_id, req.block_hashes, req.token_ids, req.min_blocks)
+        return await run_blocking(self.llm.call, export)
+
+    async def prefix_remote(self, req: PoolRequest) -> RemotePrefill | None:
+        """For a prompt this replica is about to prefill: a prefix pull from req.prefix_source (the prefill
+        replica the router's index says caches most of it), or None to compute it all. A pull must bring
+        transfer.prefix_pull_min_blocks beyond what this replica caches, and be estimated faster than
+        computing them: PREFIX_PULL_OVERHEAD_S + bytes / bandwidth (this replica's measured pulls, else
+        transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate."""
+        src, bs = req.prefix_source, self.engine.block_size
+        if src is None or not self.transfer.prefix_pull or src[0] == self.replica or req.resume is not None:
+            return None
+        usable = min(src[1], (len(req.token_ids) - 1) // bs, len(req.block_hashes))   # the last token is computed
+        hashes, ids = req.block_hashes[:usable], req.token_ids[:usable * bs]
+        local = await run_blocking(self.llm.call, lambda e: len(e.pool.find(hashes, ids)))
+        gain = usable - local
+        if gain < self.transfer.prefix_pull_min_blocks:
+            return None
+        if not self._pull_pays(gain):
+            self.metrics.prefix_pull("computed")
+            return None
+        ask = PrefixExport(f"{req.request_id}-prefix", hashes, ids, local + self.transfer.prefix_pull_min_blocks,
+                           src[0])
+        try:
+            handoff = await asyncio.wait_for(self._prefill_pool().export_prefix.remote(ask), PREFIX_EXPORT_TIMEOUT_S)
+        except Exception as e:                      # noqa: BLE001 - the source is gone or slow: compute it
+            log.warning("%s replica %s: prefix export from %s failed (%s); computing it", self.pool, self.replica,
+                        src[0], type(e).__name__)
+            self.metrics.prefix_pull("failed")
+            return None
+        if handoff is None:
+            self.metrics.prefix_pull("none")
+            return None
+        h = handoff.handle
+        return RemotePrefill(handoff, h.block_hashes, None, None, deadline=h.expiry - RESERVE_MARGIN_S,
+                             num_tokens=h.num_tokens)
+
+    def observe_prefix_pull(self, m) -> int:
+        """After a request added with a prefix pull: count it, and learn the bandwidth. Returns tokens pulled."""
+        if not m.kv_transferred:
+            self.metrics.prefix_pull("failed")
+            return 0
+        nbytes, tokens = m.kv_transfer_blocks * self.link.transport.block_bytes, m.kv_transfer_blocks * self.engine.block_size
+        self._pulled = [self._pulled[0] + nbytes, self._pulled[1] + m.kv_transfer_seconds]
+        self.metrics.observe_transfer(nbytes, m.kv_transfer_seconds)
+        self.metrics.prefix_pull("pulled", tokens)
+        return tokens
+
+    def _pull_pays(self, blocks: int) -> bool:
+        e = self.engine
+        return prefix_pull_pays(blocks, self.link.transport.block_bytes, e.block_size, self._pulled,
+                                self.transfer.prefix_pull_gbps, e.num_computed_tokens_total, e.busy_seconds_total)
+
+    def _prefill_pool(self):
+        if self._prefill_handle is None:
+            from ray import serve
+            self._prefill_handle = serve.get_deployment_handle(PREFILL, serve.get_replica_context().app_name)
+        return self._prefill_handle
 
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -254,6 +325,20 @@ class ReplicaLLM(AsyncLLM):
         while (failure := tp_failure(self.engine)) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return failure
+
+
+def prefix_pull_pays(blocks: int, block_bytes: int, block_size: int, pulled: tuple[float, float] | list,
+                     default_gbps: float, computed_tokens: int, busy_seconds: float) -> bool:
+    """Whether pulling `blocks` cached blocks beats computing their tokens: PREFIX_PULL_OVERHEAD_S plus their
+    bytes at the bandwidth this replica's pulls reached (`pulled`: bytes, seconds; default_gbps before any)
+    against their tokens at the rate its engine computes (tokens per busy second; before a second of it is
+    measured, pull: a cached block is never slower to move than to compute on any engine measured here)."""
+    nbytes, seconds = pulled
+    bandwidth = nbytes / seconds if seconds > 0 else default_gbps * 1e9
+    if busy_seconds < 1.0:
+        return True
+    pull_s = PREFIX_PULL_OVERHEAD_S + blocks * block_bytes / bandwidth
+    return pull_s < blocks * block_size / (computed_tokens / busy_seconds)
 
 
 def _load(engine: LLMEngine) -> dict[str, Any]:

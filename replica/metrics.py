@@ -152,6 +152,12 @@ class ReplicaMetrics:
         self.transfer_fallbacks = Counter("baton_kv_transfer_fallbacks", "Requests whose KV pull failed and that "
                                           "were prefilled locally instead", names,
                                           registry=self.registry).labels(**self.labels)
+        self.prefix_pulls = Counter("baton_prefix_pulls", "Prompts whose cached prefix another replica holds, by "
+                                    "what this replica did: pulled, computed (not worth a pull), none (the source "
+                                    "no longer had enough of it), failed (the pull fell back to computing)",
+                                    names + ["outcome"], registry=self.registry)
+        self.prefix_pull_tokens = Counter("baton_prefix_pull_tokens", "Prompt tokens pulled from other replicas "
+                                          "instead of computed", names, registry=self.registry).labels(**self.labels)
         self.lora_requests = Counter("baton_lora_requests", "Requests served under each LoRA adapter (base: the "
                                      "base model)", names + ["adapter"], registry=self.registry)
         self.lora_tokens = Counter("baton_lora_tokens", "Tokens of those requests: prompt (prefilled here) and "
@@ -183,6 +189,11 @@ class ReplicaMetrics:
         self.transfer_fallbacks.inc()
         with self._lock:
             self._counts["fallbacks"] += 1
+
+    def prefix_pull(self, outcome: str, tokens: int = 0) -> None:
+        self.prefix_pulls.labels(**self.labels, outcome=outcome).inc()
+        if tokens:
+            self.prefix_pull_tokens.inc(tokens)
 
     def transfer_stats(self) -> dict:
         with self._lock:

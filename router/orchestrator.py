@@ -1,7 +1,8 @@
 """Orchestrator: one request's way through the prefill and decode pools, behind the HTTP layer (router/ingress.py).
 
     token ids + SamplingParams + block hashes (hashed once, by the ingress, with `hashes`)
-      -> a PoolRequest (replica/messages.py)
+      -> a PoolRequest (replica/messages.py), naming the prefill replica that caches most of the prompt
+         (prefix_source): the replica that prefills it may pull that prefix instead of computing it
       -> disaggregated?  uncached part on the best decode replica > min_remote_prefill_tokens
            yes: prefill pool (PrefixAwareRouter) -> PrefillResult (first token + KVHandoff) -> decode pool pulls
            no:  decode pool prefills itself (DecodeRouter prefers the replica that caches most)
@@ -82,6 +83,16 @@ class Orchestrator:
             hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
         return prefill_remotely(len(token_ids), hit, self.model["block_size"], self.min_remote)
 
+    def prefix_source(self, hashes: list[int]) -> tuple[str, int] | None:
+        """The prefill replica the index says caches most of the prompt's leading blocks, and how many: where the
+        replica that prefills it (either pool's) may pull that prefix from (EngineReplica.prefix_remote)."""
+        if self.mirror is None or self.prefill is None or not hashes:
+            return None
+        self.mirror.start()
+        matches = self.mirror.index[PREFILL].match(hashes)
+        best = max(matches.items(), key=lambda m: (m[1], m[0]), default=None)
+        return best if best is not None and best[1] > 0 else None
+
     def cached_tokens(self, hashes: list[int]) -> int:
         """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""
         if self.mirror is None:
@@ -103,7 +114,7 @@ class Orchestrator:
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = hashes if hashes is not None else self.hashes(token_ids, lora)
-        req = PoolRequest(rid, token_ids, hashes, params, lora=lora)
+        req = PoolRequest(rid, token_ids, hashes, params, lora=lora, prefix_source=self.prefix_source(hashes))
         status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:

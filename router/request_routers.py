@@ -6,6 +6,7 @@ they routed themselves since), and return ranked tiers like Serve's own routers.
   by queued prefill tokens (router.prefix_index.PrefillRanker states the rule and its fallback).
 - DecodeRouter (decode pool): a request that brings its KV goes to the replica with the most free KV
   and fewest running sequences; one that prefills locally prefers the replica caching most of it.
+A PrefixExport (one replica asking another for a cached prefix) goes to its target, and nowhere else.
 Requests without routing fields (control calls) go to any replica.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from engine.block_pool import blocks_for
-from replica.messages import PoolRequest
+from replica.messages import PoolRequest, PrefixExport
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
 from router.config import RouterConfig
@@ -179,6 +180,10 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
             context.should_backoff = True
         req = request_payload(pending_request)
         if req is None:
+            target = pending_request.args[0].target if pending_request is not None and pending_request.args \
+                and isinstance(pending_request.args[0], PrefixExport) else None
+            if target is not None:              # none while the target is not listed: Serve asks again
+                return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
             return [candidate_replicas]
         self.mirror.start()
         t0 = time.perf_counter()

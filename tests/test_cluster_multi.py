@@ -115,3 +115,42 @@ def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(
     final = wait_for(lambda: (lambda v: v if v[0] == v[1] else None)(views()), 10, "the two mirrors to agree")
     assert [r for r, n in final[0].items() if n == 16] == [r for r, n in first[0].items() if n == 16]
     assert sum(n == 16 for n in final[0].values()) == 1, final
+
+
+def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_it(shared_cluster):
+    """Cross-replica prefix reuse (issue 21): a prompt whose first 12 blocks one prefill replica caches, sent to
+    the other (as a request avoiding the first is): that replica pulls the 12 blocks from it (here over the Ray
+    fallback transport), computes only the rest, and the decode pool writes the offline engine's text. Both
+    replicas' pins end: the source's when the pull is done, the puller's when the decode replica pulled."""
+    from dataclasses import replace
+
+    from ray import serve
+
+    from engine import LLM, SamplingParams
+    from replica.messages import PoolRequest
+    shared_cluster.up(SCALED_OUT)
+    rng = random.Random(21)
+    prefix = [rng.randrange(200, 40000) for _ in range(12 * BLOCK)]
+    complete(prefix + [rng.randrange(200, 40000) for _ in range(5)])     # one prefill replica caches the prefix
+    key = served_model_key()
+    hashes = block_hashes(prefix, BLOCK, key)
+    view = wait_for(lambda: next((v for v in ingress_index_matches("prefill", hashes).values()
+                                  if v is not None and max(v.values(), default=0) == 12 and len(v) == 2), None),
+                    10, "an ingress mirror to see both prefill replicas and the one caching the prefix")
+    source = next(r for r, n in view.items() if n == 12)
+    m0 = scrape(BASE)
+    prompt = prefix + [rng.randrange(200, 40000) for _ in range(20)]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    req = PoolRequest("prefix-pull-test", prompt, block_hashes(prompt, BLOCK, key), greedy, avoid=(source,),
+                      prefix_source=(source, 12))
+    result = serve.get_deployment_handle("prefill", "baton").prefill.remote(req).result(timeout_s=120)
+    assert result.replica != source and result.num_pulled_tokens == 12 * BLOCK
+    deltas = serve.get_deployment_handle("decode", "baton").options(stream=True).generate.remote(
+        replace(req, prefill=result))
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == LLM(None, **CLUSTER_ENGINE).generate([prompt], greedy)[0].token_ids
+    m = wait_for(lambda: (lambda m: m if all(pool_total(m, "baton_kv_blocks_used", p) == 0
+                                             for p in ("prefill", "decode")) else None)(scrape(BASE)),
+                 20, "every pin of the pull and of the hand-off to end")
+    assert pool_total(m, "baton_prefix_pull_tokens_total", "prefill") - \
+        pool_total(m0, "baton_prefix_pull_tokens_total", "prefill") == 12 * BLOCK

@@ -123,3 +123,41 @@ def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
     assert third.resume.token_ids == ANSWER[:5] and third.avoid == ("d0", "d1")
     # the KV it pulls is prompt + sent[:-1]: that is what the hashes cover
     assert third.block_hashes == block_hashes(PROMPT + ANSWER[:4], BS, KEY)
+
+
+def test_the_prefix_source_is_the_prefill_replica_caching_most_of_the_prompt():
+    """What the ingress names in PoolRequest.prefix_source (a replica that prefills the prompt may pull from it):
+    the prefill replica with the longest cached run of its leading blocks; none when no replica caches any, or
+    when there is no prefill pool."""
+    from router.prefix_index import PrefixIndex
+
+    class Mirror:
+        def __init__(self):
+            self.index = {"prefill": PrefixIndex(), "decode": PrefixIndex()}
+
+        def start(self):
+            pass
+    prompt = list(range(100, 200))                                  # 6 full blocks
+    hashes = block_hashes(prompt, BS, KEY)
+    o = Orchestrator(object(), FakeDecodePool([]), {"block_size": BS, "model_key": KEY}, "", 0, 0.01)
+    assert o.prefix_source(hashes) is None                          # no index (no state actor)
+    o.mirror = Mirror()
+    o.mirror.index["prefill"].load_snapshot("a", 0, hashes[:2])
+    o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:5] + [7])
+    o.mirror.index["decode"].load_snapshot("d", 0, hashes)          # decode replicas are not sources
+    assert o.prefix_source(hashes) == ("b", 5)
+    assert o.prefix_source(block_hashes(list(range(300, 340)), BS, KEY)) is None
+    o.prefill = None                                                # colocated: no prefill pool to pull from
+    assert o.prefix_source(hashes) is None
+
+
+def test_a_prefix_pull_is_taken_when_moving_the_blocks_beats_computing_them():
+    from replica.engine_replica import prefix_pull_pays
+    smol = 737_280                                                  # SmolLM2's fp32 block
+    # this CPU: ~1,000 prompt tokens/s, pulls at 4 GB/s: 8 blocks are 128 ms to compute, 11.5 ms to pull
+    assert prefix_pull_pays(8, smol, 16, (4e9, 1.0), 1.0, 10_000, 10.0)
+    # a GPU computing 20,000 tokens/s over a measured 0.1 GB/s link: 6.4 ms to compute, 69 ms to pull
+    assert not prefix_pull_pays(8, smol, 16, (1e8, 1.0), 1.0, 200_000, 10.0)
+    # before any pull is measured the configured bandwidth counts; before a second of compute, pull
+    assert not prefix_pull_pays(8, smol, 16, (0, 0.0), 0.01, 200_000, 10.0)
+    assert prefix_pull_pays(8, smol, 16, (1e8, 1.0), 1.0, 0, 0.2)
