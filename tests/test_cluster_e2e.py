@@ -228,3 +228,35 @@ def test_structured_outputs_and_tool_calls_hold_across_the_prefill_decode_hand_o
     after = _metrics()        # constrained prompts went through the prefill pool and its KV hand-off
     remote = 'baton_disaggregation_decisions_total{path="remote"}'
     assert after.get(remote, 0.0) > before.get(remote, 0.0)
+
+
+def test_a_decode_replica_prefilling_locally_pulls_the_prefix_a_prefill_replica_caches(server, offline):
+    """The decode pool's conditional prefill with cross-replica reuse: a prompt the decode replica prefills
+    itself, whose first 12 blocks the prefill replica caches (an earlier prompt's, still pinned for its own
+    hand-off), has them pulled over NIXL and computes only the rest: the offline engine's text. The earlier
+    hand-off is then consumed too, and every pin ends."""
+    import random
+    from dataclasses import replace
+
+    from ray import serve
+
+    from replica.messages import PoolRequest
+    rng = random.Random(33)
+    prefix = [rng.randrange(200, 40000) for _ in range(12 * 16)]
+    first, prompt = (prefix + [rng.randrange(200, 40000) for _ in range(n)] for n in (5, 20))
+    key, greedy = served_model_key(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prefill, decode = (serve.get_deployment_handle(pool, "baton") for pool in ("prefill", "decode"))
+    stream = decode.options(stream=True)
+    a = PoolRequest("prefix-a", first, block_hashes(first, 16, key), greedy)
+    a = replace(a, prefill=prefill.prefill.remote(a).result(timeout_s=120))      # cached (and pinned) there only
+    m0 = _metrics()
+    b = PoolRequest("prefix-b", prompt, block_hashes(prompt, 16, key), greedy, prefix_source=(a.prefill.replica, 12))
+    assert [t for d in stream.generate.remote(b) for t in d.token_ids] == \
+        offline.generate([prompt], greedy)[0].token_ids
+    assert [t for d in stream.generate.remote(a) for t in d.token_ids] == \
+        offline.generate([first], greedy)[0].token_ids
+    m = wait_for(lambda: (lambda m: m if all(_pool_sum(m, "baton_kv_blocks_used", p) == 0
+                                             for p in ("prefill", "decode")) else None)(_metrics()),
+                 20, "every pin to end")
+    assert _pool_sum(m, "baton_prefix_pull_tokens_total", "decode") - \
+        _pool_sum(m0, "baton_prefix_pull_tokens_total", "decode") == 12 * 16
