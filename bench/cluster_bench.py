@@ -169,16 +169,18 @@ def summarize(results: list[Result], wall: float, slo_ttft: float, slo_itl: floa
 # -- one cluster at a time ----------------------------------------------------------------------------
 def serve_config(mode: str, policy: str, prefill: int, decode: int, kv_bytes: int, min_remote: int = 64,
                  decode_kv_bytes: int | None = None, admission: dict | None = None, model: str | None = None,
-                 adapters: dict[str, str] | None = None) -> Any:
+                 adapters: dict[str, str] | None = None, host_gib: float = 0.0, prefix_pull: bool = True,
+                 max_model_len: int = 2048) -> Any:
     """`adapters`: LoRA adapters served (name -> path); each prefill replica then holds two (max_loras and
-    max_cpu_loras 2), so a third adapter's request evicts one and reads its files again."""
+    max_cpu_loras 2), so a third adapter's request evicts one and reads its files again. `host_gib`: each
+    replica's host KV tier; `prefix_pull`: cross-replica prefix pulls (transfer.prefix_pull)."""
     from cluster.config import ClusterConfig
-    engine = {"kv_cache_memory": kv_bytes, "max_model_len": 2048}
+    engine = {"kv_cache_memory": kv_bytes, "max_model_len": max_model_len, "kv_offloading_size": host_gib}
     d: dict[str, Any] = {"port": PORT, **({"model": model} if model else {}), "mode": mode, "ingress": {"num_cpus": 0},
                          "decode": {"num_replicas": decode, "num_cpus": 0,
                                     "engine": {**engine, "kv_cache_memory": decode_kv_bytes or kv_bytes}},
                          "router": {"policy": policy}, "disaggregation": {"min_remote_prefill_tokens": min_remote},
-                         "admission": admission or {"enabled": False}}
+                         "admission": admission or {"enabled": False}, "transfer": {"prefix_pull": prefix_pull}}
     if mode == "disaggregated":
         d["prefill"] = {"num_replicas": prefill, "num_cpus": 0, "engine": engine}
     if adapters:
@@ -212,23 +214,21 @@ def with_cluster(cfgs, fn):
 
 def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
                  slo: tuple[float, float], model: str | None = None,
-                 adapters: dict[str, str] | None = None, base_policies: list[str] = ()) -> dict[str, dict]:
+                 adapters: dict[str, str] | None = None) -> dict[str, dict]:
     """The same tenants' workload under each prefill routing policy, on one Serve start: each policy after the
     first redeploys the app (Serve replaces the prefill replicas, so every policy starts cold). Each prefill
     replica's KV holds 2.5 tenants' prefixes, whatever the model (`model`: default SmolLM2-135M).
     `adapters` (name -> path, one per tenant): tenant t's requests run under the t-th adapter (its prefix is
-    then its adapter's KV); the prefill pool's adapter loads into a slot are reported too. `base_policies`
-    run first, on the base model with no adapter served (keys "<policy>/base"): both kinds on one start."""
+    then its adapter's KV); the prefill pool's adapter loads into a slot are reported too."""
     rng = np.random.default_rng(1)
     warm, reqs = tenants(n, prefix_tokens, rng, len(adapters) if adapters else 4)
     poisson(reqs, rate, rng)
-    plain = (warm, reqs)
     if adapters:
         names = list(adapters)
         warm = [replace(w, model=names[t]) for t, w in enumerate(warm)]
         reqs = [replace(r, model=names[i % len(names)]) for i, r in enumerate(reqs)]
     kv = int(2.5 * prefix_tokens / BLOCK * block_bytes(model))
-    runs = [(f"{p}/base", p, None, plain) for p in base_policies] + [(p, p, adapters, (warm, reqs)) for p in policies]
+    runs = [(p, p, adapters, (warm, reqs)) for p in policies]
     workloads = iter([w for *_, w in runs])
 
     def work(base: str, model: str) -> dict:
@@ -255,6 +255,135 @@ def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
     cfgs = [serve_config("disaggregated", p, 2, 1, kv, min_remote=0, decode_kv_bytes=256 << 20, model=model,
                          adapters=a) for _, p, a, _ in runs]
     return dict(zip([name for name, *_ in runs], with_cluster(cfgs, work)))
+
+
+# name -> (host tier on, cross-replica prefix pulls on, workload): "spread" visits the tenants in turn under
+# prefix-aware routing, their prefixes 4x one prefill replica's KV; "pow2" sends 3 of 4 requests to one tenant
+# under Serve's power-of-two routing (load only), every prefix fits: a tenant's prompt often lands on the
+# replica that has not computed its prefix, which computes it, or pulls it from the one that has
+TIERS_RUNS = {"baseline": (False, False, "spread"), "host_tier": (True, False, "spread"),
+              "prefix_pull": (False, True, "spread"), "both": (True, True, "spread"),
+              "pow2": (False, False, "pow2"), "pow2_pull": (False, True, "pow2")}
+
+
+def tiers_runs(n: int, rate: float, prefix_tokens: int, num_tenants: int, slo: tuple[float, float],
+               model: str | None = None, names: list[str] | None = None) -> dict[str, dict]:
+    """`--workload tiers`: `num_tenants` tenants' shared prefixes on 2 prefill replicas (prefix-aware routing)
+    and 1 decode replica; the runs of TIERS_RUNS (`names`: some of them) on one Serve start, each after the
+    first redeploying the app so that it starts cold. Per run: the prefill pool's prefix reuse (tokens found
+    in its own cache, either tier, or pulled from the other replica, over prompt tokens asked), TTFT
+    percentiles and output tokens/s."""
+    names = names or list(TIERS_RUNS)
+    rng = np.random.default_rng(3)
+    warm, spread = tenants(n, prefix_tokens, rng, num_tenants)
+    poisson(spread, rate, rng)
+    hot = [replace(r, prompt=warm[0].prompt[:prefix_tokens] + r.prompt[prefix_tokens:]) if i % 4 else r
+           for i, r in enumerate(spread)]                      # 3 of 4 requests: tenant 0's prefix
+    per_tenant = -(-(prefix_tokens + 32) // BLOCK)
+    small = int(num_tenants * per_tenant / 4 * block_bytes(model))            # a quarter of the prefixes
+    roomy = int(1.25 * num_tenants * per_tenant * block_bytes(model))        # all of them
+    host_gib = roomy / 2**30
+    longest = prefix_tokens + 32 + 16                                            # prompt and answer
+    cfgs = [serve_config("disaggregated", "prefix_aware" if TIERS_RUNS[name][2] == "spread" else "pow2", 2, 1,
+                         small if TIERS_RUNS[name][2] == "spread" else roomy,
+                         min_remote=0, decode_kv_bytes=256 << 20, model=model,
+                         host_gib=host_gib if TIERS_RUNS[name][0] else 0.0, prefix_pull=TIERS_RUNS[name][1],
+                         max_model_len=longest) for name in names]
+    workloads = iter([spread if TIERS_RUNS[name][2] == "spread" else hot for name in names])
+    # (with pow2 routing the warm-up, one request per tenant, lands each prefix on one replica or the other)
+
+    def work(base: str, model_name: str) -> dict:
+        reqs = next(workloads)
+        for w in warm:                                          # each tenant once, one at a time
+            asyncio.run(drive(base, model_name, [w]))
+        time.sleep(1.0)
+        before = scrape(base)
+        results, wall = asyncio.run(drive(base, model_name, reqs))
+        time.sleep(1.5)                                         # replicas report every 0.5 s
+        after = scrape(base)
+
+        def grew(metric: str, label: str = "") -> float:
+            """Per series (replica), after less before: a replica of the previous run that the ingress still
+            lists in `before` must not count against this run's."""
+            return sum(v - before.get(k, 0.0) for k, v in after.items()
+                       if k.startswith(metric + "{") and 'pool="prefill"' in k and label in k)
+        q, h = grew("baton_prefix_cache_query_tokens_total"), grew("baton_prefix_cache_hit_tokens_total")
+        host = grew("baton_prefix_cache_hits_by_tier_tokens_total", 'tier="host"')
+        pulled = grew("baton_prefix_pull_tokens_total")
+        return {**summarize(results, wall, *slo), "prefill_query_tokens": q, "prefill_hit_tokens": h,
+                "prefill_host_hit_tokens": host, "prefill_pulled_tokens": pulled,
+                "prefix_hit_rate": h / q if q else None, "prefix_reuse_rate": (h + pulled) / q if q else None}
+    out = dict(zip(names, with_cluster(cfgs, work)))
+    for name, r in out.items():
+        log(f"tiers {name}: reuse {r['prefix_reuse_rate'] or 0:.1%} (hits {r['prefill_hit_tokens']:.0f}, of them "
+            f"host {r['prefill_host_hit_tokens']:.0f}; pulled {r['prefill_pulled_tokens']:.0f} of "
+            f"{r['prefill_query_tokens']:.0f} tokens), TTFT {r['ttft_ms']}")
+    return out
+
+
+def tiers_run(args: argparse.Namespace, slo: tuple[float, float], out_dir: Path, started: float) -> dict:
+    model = None
+    if args.quick:
+        from bench.chaos_bench import tiny_model
+        model = tiny_model(str(out_dir / "tiny"))
+    names = [n.strip() for n in args.tiers_runs.split(",") if n.strip()] if args.tiers_runs else list(TIERS_RUNS)
+    if bad := [n for n in names if n not in TIERS_RUNS]:
+        raise SystemExit(f"--tiers-runs: {', '.join(bad)} unknown (choose from {', '.join(TIERS_RUNS)})")
+    tenants_n = 8
+    log(f"KV tiers: {tenants_n} tenants x {args.prefix_tokens}-token prefixes; {args.requests} requests at "
+        f"{args.rate}/s per run; runs {', '.join(names)}")
+    runs = tiers_runs(args.requests, args.rate, args.prefix_tokens, tenants_n, slo, model, names)
+
+    def ratio(a: str, b: str, key: str = "p50") -> float | None:
+        if a not in runs or b not in runs:
+            return None
+        x, y = runs[a]["ttft_ms"], runs[b]["ttft_ms"]
+        return x[key] / y[key] if x and y and y[key] else None
+
+    def gain(a: str, b: str, key: str) -> float | None:
+        if a not in runs or b not in runs:
+            return None
+        return (runs[b][key] or 0) / max(runs[a][key] or 0, 1e-9)
+    result = {"benchmark": "cluster-tiers", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "quick": args.quick, "model": model or "default", "rate_rps": args.rate,
+              "prefix_tokens": args.prefix_tokens, "tenants": tenants_n, "requests": args.requests,
+              "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}, "runs": runs,
+              "host_tier_hit_rate_gain": gain("baseline", "host_tier", "prefix_hit_rate"),
+              "host_tier_ttft_p50_ratio": ratio("baseline", "host_tier"),
+              "prefix_pull_reuse_gain": gain("baseline", "prefix_pull", "prefix_reuse_rate"),
+              "pow2_pull_reuse_gain": gain("pow2", "pow2_pull", "prefix_reuse_rate"),
+              "pow2_pull_ttft_p50_ratio": ratio("pow2", "pow2_pull"),
+              "method_notes": {"spread": "the tenants in turn; each prefill replica's device KV holds about a quarter "
+                                         "of their prefixes, the host tier (when on) all of them",
+                               "pow2": "power-of-two routing (load only); 3 of 4 requests share tenant 0's prefix; "
+                                       "every prefix fits in each replica's KV",
+                               "reuse": "prompt tokens the prefill pool found cached (either tier) or pulled from the "
+                                        "other prefill replica, over the prompt tokens it was asked",
+                               "ratios": "the first run's TTFT over the second's: > 1 means the second is faster"}}
+    write_result(result, out_dir / "tiers.json", {"tiers": plot_tiers})
+    log(f"wrote {result['json_path']} in {time.perf_counter() - started:.0f} s")
+    return result
+
+
+def plot_tiers(result: dict, path: Path) -> None:
+    plt = pyplot()
+    runs = result["runs"]
+    names = list(runs)
+    colors = (["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:brown", "tab:red"] * 2)[:len(names)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    hit = [100 * (runs[n]["prefix_hit_rate"] or 0) for n in names]
+    pulled = [100 * ((runs[n]["prefix_reuse_rate"] or 0) - (runs[n]["prefix_hit_rate"] or 0)) for n in names]
+    a.bar(names, hit, color=colors, label="found cached (either tier)")
+    a.bar(names, pulled, bottom=hit, color="tab:purple", label="pulled from the other replica")
+    a.set_ylabel("prefill prompt tokens reused, %")
+    a.legend(fontsize=8)
+    for i, q in enumerate(("p50", "p90", "p99")):
+        b.bar(np.arange(len(names)) + (i - 1) * 0.25, [runs[n]["ttft_ms"][q] if runs[n]["ttft_ms"] else 0
+                                                       for n in names], 0.25, label=q)
+    b.set_xticks(np.arange(len(names)), names)
+    b.set_ylabel("TTFT, ms")
+    b.legend(fontsize=8)
+    save(fig, path)
 
 
 def pd_run(mode: str, n_streams: int, n_long: int, rate: float, slo: tuple[float, float]) -> dict:
@@ -425,10 +554,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prompts", type=int, default=6, help="long prompts mixed in (default 6)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: TTFT at most (default 2000)")
     p.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput SLO: mean ITL at most (default 200)")
-    p.add_argument("--workload", choices=["default", "lora"], default="default",
+    p.add_argument("--workload", choices=["default", "lora", "tiers"], default="default",
                    help="lora: only the routing comparison, each tenant under its own LoRA adapter (made with PEFT), "
                         "prefix- and adapter-aware routing against power-of-two: hit rate, TTFT and adapter "
-                        "loads, to lora.json")
+                        "loads, to lora.json. tiers: 8 tenants' prefixes, 4x one prefill replica's KV, with the "
+                        "host tier and cross-replica prefix pulls off and on: reuse, TTFT, to tiers.json")
+    p.add_argument("--tiers-runs", default=None, help="with --workload tiers: which runs, comma-separated "
+                                                      "(baseline, host_tier, prefix_pull, both, pow2, pow2_pull; "
+                                                      "default all)")
     p.add_argument("--skip-pd", action="store_true", help="leave out the disaggregated vs colocated comparison")
     p.add_argument("--quick", action="store_true", help="a smoke run: 12 tenants requests, 256-token prefixes, "
                                                         "4 streams, 2 long prompts")
@@ -454,9 +587,9 @@ def run(args: argparse.Namespace) -> dict:
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-cluster")
-    if args.workload == "lora":
+    if args.workload in ("lora", "tiers"):
         try:
-            return lora_run(args, slo, out_dir, started)
+            return (lora_run if args.workload == "lora" else tiers_run)(args, slo, out_dir, started)
         finally:
             ray.shutdown()
     if args.overload:

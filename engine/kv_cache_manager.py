@@ -144,18 +144,19 @@ class KVCacheManager:
         return blocks
 
     def pin_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int]) -> list[int]:
-        """Pin the leading run of `hashes` (token ids checked) this engine caches on the device, for another
-        engine to pull (a prefix pull): a reference on each block under `pin_id` until unpin. Host-tier blocks
-        end the run (their copy back would race the pull). Returns the block ids (none: nothing to export)."""
-        blocks = []
-        for tier, bid in self.pool.find(hashes, token_ids):
-            if tier != DEVICE:
-                break
-            blocks.append(bid)
+        """Pin the leading run of `hashes` (token ids checked) this engine caches, for another engine to pull (a
+        prefix pull): a reference on each block under `pin_id` until unpin, as a prefix hit takes them. Blocks
+        found only in the host tier are copied back into device blocks first (the copies are run here; on CUDA
+        the caller waits for them before anything reads the blocks). Returns the block ids (none: nothing to
+        export)."""
+        if pin_id in self.pinned:
+            raise ValueError(f"{pin_id!r} already holds pinned blocks")
+        found = self.pool.find(hashes, token_ids)
+        if not found:
+            return []
+        blocks, _ = self.pool.acquire(found)
+        self.flush_copies()
         if blocks:
-            if pin_id in self.pinned:
-                raise ValueError(f"{pin_id!r} already holds pinned blocks")
-            self.pool.touch(blocks)
             self.pinned[pin_id] = blocks
         return blocks
 

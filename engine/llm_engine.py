@@ -437,9 +437,12 @@ class LLMEngine:
 
     # -- roles for the pools ----------------------------------------------------------------------
     def pin_prefix(self, pin_id: str, hashes: list[int], token_ids: list[int]) -> list[int]:
-        """Another engine's prefix pull: pin the leading blocks of `hashes` cached here on the device, under
-        `pin_id` (release_pinned ends it). Returns their block ids (possibly none)."""
-        return self.kv.pin_prefix(pin_id, hashes, token_ids)
+        """Another engine's prefix pull: pin the leading blocks of `hashes` cached here (a host-tier block is
+        copied back first), under `pin_id` (release_pinned ends it). Returns their block ids (possibly none)."""
+        blocks = self.kv.pin_prefix(pin_id, hashes, token_ids)
+        if blocks and self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)          # host-tier copies land before another process reads
+        return blocks
 
     def release_pinned(self, request_id: str) -> bool:
         """Prefill role: the transfer is done (or timed out); unpin the prompt's blocks."""

@@ -29,3 +29,25 @@ def test_bench_kv_tiers_quick(tmp_path):
     assert json.loads((tmp_path / "kv_tiers.json").read_text())["engines"] == e
     png = tmp_path / "kv_tiers.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.cluster                        # the benchmark starts a local Ray of its own
+@pytest.mark.bench
+def test_bench_cluster_tiers_quick(tmp_path):
+    """`baton bench cluster --workload tiers --quick` (the tiny model), three of its runs on one Serve start.
+    Without the host tier the prefill pool reuses almost nothing (the prefixes outgrow its caches and each
+    tenant stays on its replica); with it, revisited prefixes come from host memory. The power-of-two run with
+    prefix pulls serves every request (whether a pull pays for a model this small is the cost rule's call)."""
+    result = run_bench("cluster", "--workload", "tiers", "--quick", "--tiers-runs", "baseline,host_tier,pow2_pull",
+                       "--out", str(tmp_path))
+    runs = result["runs"]
+    assert list(runs) == ["baseline", "host_tier", "pow2_pull"]
+    for name, r in runs.items():
+        assert r["ok"] == r["requests"] == result["requests"], (name, r["errors"])
+        assert r["prefill_query_tokens"] > 0 and 0 <= r["prefix_reuse_rate"] <= 1, (name, r)
+    assert runs["baseline"]["prefill_host_hit_tokens"] == 0 and runs["host_tier"]["prefill_host_hit_tokens"] > 0
+    assert result["host_tier_hit_rate_gain"] >= 2
+    assert runs["baseline"]["prefill_pulled_tokens"] == runs["host_tier"]["prefill_pulled_tokens"] == 0
+    assert json.loads((tmp_path / "tiers.json").read_text())["runs"] == runs
+    assert (tmp_path / "tiers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,23 +18,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.bench, pytest.m
 
 
 def test_prefix_and_adapter_aware_routing_keep_tenants_on_their_replica(tmp_path):
-    """Three runs of 16 tenants' requests on the tiny model, one Serve start (redeployed between them): prefix-aware
-    routing on the base model, then with an adapter per tenant, prefix-aware and Serve's pow2. Every request is
-    served; prefix-aware keeps a hit rate of 90% or more either way, 15 points above pow2, and loads adapters less."""
+    """Two runs of 16 tenants' requests on the tiny model, each tenant under its own adapter, one Serve start
+    (redeployed between them): prefix- and adapter-aware routing, then Serve's pow2. Every request is served;
+    prefix-aware keeps a hit rate of 90% or more, 15 points above pow2, and loads adapters less. (The base
+    model's prefix routing in a live cluster: tests/test_cluster_multi.py.)"""
     from bench.chaos_bench import tiny_model
     model = tiny_model(str(tmp_path / "tiny"))
     loras = {f"tenant{t}": make_lora_adapter(model, tmp_path / f"tenant{t}", rank=4, seed=t + 1) for t in range(4)}
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="test-routing")
     try:
-        runs = routing_runs(["prefix_aware", "pow2"], 16, 2.0, 1024, (5.0, 1.0), model=model, adapters=loras,
-                            base_policies=["prefix_aware"])
+        runs = routing_runs(["prefix_aware", "pow2"], 16, 2.0, 1024, (5.0, 1.0), model=model, adapters=loras)
     finally:
         ray.shutdown()
-    base, aware, pow2 = runs["prefix_aware/base"], runs["prefix_aware"], runs["pow2"]
-    assert base["ok"] == aware["ok"] == pow2["ok"] == 16, (base["errors"], aware["errors"], pow2["errors"])
-    assert base["prefix_hit_rate"] >= 0.90, base
-    assert "prefill_lora_loads" not in base                       # the base run served no adapter
+    aware, pow2 = runs["prefix_aware"], runs["pow2"]
+    assert aware["ok"] == pow2["ok"] == 16, (aware["errors"], pow2["errors"])
     assert aware["prefix_hit_rate"] >= 0.90, aware
     assert aware["prefix_hit_rate"] - pow2["prefix_hit_rate"] >= 0.15, (aware, pow2)
     assert aware["prefill_lora_loads"] < pow2["prefill_lora_loads"], (aware, pow2)     # after the warm-up

@@ -234,3 +234,45 @@ def test_a_prefix_pull_takes_the_blocks_another_engine_caches_and_computes_only_
     finally:
         links["p"].close()
         links["s"].close()
+
+
+def test_a_prefix_the_source_keeps_in_its_host_tier_is_copied_back_and_pulled(tmp_path):
+    """The source's device cache evicted the prefix to its host tier: export_prefix copies the blocks back into
+    device blocks, pins and hands them off; the puller's tokens equal one engine computing everything."""
+    from engine.kv_events import HOST
+    from tests.conftest import make_tiny_checkpoint, wait_for
+    model = make_tiny_checkpoint(tmp_path / "m", "llama")
+    tiny_block = 3 * 2 * 2 * 16 * 16 * 4            # layers x KV heads x (K, V) x 16 tokens x head_dim, fp32
+    source = LLMEngine(EngineConfig(model, num_kv_blocks=12, max_model_len=128,
+                                    kv_offloading_size=32 * tiny_block / 2**30))
+    puller, alone = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=128)) for _ in range(2))
+    assert source.pool.host_blocks == 32, "the tiny model's block size changed: fix tiny_block"
+    links: dict[str, KVLink] = {}
+    links["s"] = KVLink(source, "host-source", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    links["p"] = KVLink(puller, "host-puller", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(engine: LLMEngine, prompt: list[int], rid: str, **kw):
+        engine.add_request(prompt, greedy, rid, **kw)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[0]
+    try:
+        prompt = list(range(10, 74)) + list(range(100, 110))         # 4 full blocks and a partial one
+        run(source, prompt, "a")
+        for k in range(3):                                            # fillers push it out of the 12 device blocks
+            run(source, list(range(120 + 60 * k, 120 + 60 * k + 50)), f"fill{k}")
+        hashes = block_hashes(prompt, 16, source.model_key)
+        assert [tier for tier, _ in source.pool.find(hashes, prompt)] == [HOST] * 4
+        handoff = links["s"].export_prefix("pin-h", hashes, prompt)
+        assert handoff is not None and handoff.handle.num_tokens == 64
+        pulled = run(puller, prompt, "b", block_hashes=hashes, remote=RemotePrefill(
+            handoff, hashes[:4], None, None, deadline=handoff.handle.expiry - 2, num_tokens=64))
+        assert pulled.metrics.kv_transferred and pulled.metrics.kv_transfer_blocks == 4
+        assert pulled.token_ids == run(alone, prompt, "alone").token_ids
+        wait_for(lambda: "pin-h" in links["s"].release_finished(), 10, "the source to hear the pull ended")
+        assert source.pool.num_used_blocks == 0 and puller.pool.num_used_blocks == 0
+    finally:
+        links["p"].close()
+        links["s"].close()
