@@ -90,9 +90,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    result = args.bench_fn(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
+    """With --json, stdout is the result alone: whatever the run prints there (Ray echoes its workers' and
+    raylet's messages to the driver's stdout) goes to stderr instead, so `... --json | jq` always parses."""
+    import contextlib
+    if not args.json:
+        args.bench_fn(args)
+        return 0
+    with contextlib.redirect_stdout(sys.stderr):
+        result = args.bench_fn(args)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -35,19 +35,16 @@ def test_bench_kv_tiers_quick(tmp_path):
 @pytest.mark.cluster                        # the benchmark starts a local Ray of its own
 @pytest.mark.bench
 def test_bench_cluster_tiers_quick(tmp_path):
-    """`baton bench cluster --workload tiers --quick` (the tiny model), three of its runs on one Serve start.
-    Without the host tier the prefill pool reuses almost nothing (the prefixes outgrow its caches and each
-    tenant stays on its replica); with it, revisited prefixes come from host memory. The power-of-two run with
-    prefix pulls serves every request (whether a pull pays for a model this small is the cost rule's call)."""
-    result = run_bench("cluster", "--workload", "tiers", "--quick", "--tiers-runs", "baseline,host_tier,pow2_pull",
+    """`baton bench cluster --workload tiers --quick` (the tiny model), its host-tier run alone (each run is a
+    deployment, and the effect of the tier against none is asserted at the engine, above): every request is
+    served, revisited prefixes come from host memory, nothing is pulled (each tenant stays on its replica), and
+    the JSON on stdout parses although Ray prints while the cluster stops."""
+    result = run_bench("cluster", "--workload", "tiers", "--quick", "--tiers-runs", "host_tier",
                        "--out", str(tmp_path))
-    runs = result["runs"]
-    assert list(runs) == ["baseline", "host_tier", "pow2_pull"]
-    for name, r in runs.items():
-        assert r["ok"] == r["requests"] == result["requests"], (name, r["errors"])
-        assert r["prefill_query_tokens"] > 0 and 0 <= r["prefix_reuse_rate"] <= 1, (name, r)
-    assert runs["baseline"]["prefill_host_hit_tokens"] == 0 and runs["host_tier"]["prefill_host_hit_tokens"] > 0
-    assert result["host_tier_hit_rate_gain"] >= 2
-    assert runs["baseline"]["prefill_pulled_tokens"] == runs["host_tier"]["prefill_pulled_tokens"] == 0
-    assert json.loads((tmp_path / "tiers.json").read_text())["runs"] == runs
+    (run,) = result["runs"].values()
+    assert run["ok"] == run["requests"] == result["requests"], run["errors"]
+    assert run["prefill_query_tokens"] > 0 and run["prefill_host_hit_tokens"] > 0.5 * run["prefill_query_tokens"]
+    assert run["prefill_pulled_tokens"] == 0 and run["prefix_reuse_rate"] == run["prefix_hit_rate"] <= 1
+    assert result["host_tier_hit_rate_gain"] is None                 # no baseline run to compare with
+    assert json.loads((tmp_path / "tiers.json").read_text())["runs"] == result["runs"]
     assert (tmp_path / "tiers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
