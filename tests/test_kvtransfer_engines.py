@@ -172,6 +172,22 @@ def test_a_cancelled_import_keeps_its_blocks_until_the_read_in_flight_ends(tmp_p
         link.close()
         links["p"].close()
 
+def _finish(engine: LLMEngine, prompt: list[int], rid: str, params: SamplingParams, **kw):
+    """Add one request and step the engine until it has finished; its output."""
+    engine.add_request(prompt, params, rid, **kw)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    return outs[0]
+
+
+def _prefix_links(source: LLMEngine, puller: LLMEngine, name: str) -> dict[str, KVLink]:
+    """NIXL links of a prefix pull's source ("s") and puller ("p") in this process."""
+    links: dict[str, KVLink] = {}
+    links["s"] = KVLink(source, f"{name}-source", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    links["p"] = KVLink(puller, f"{name}-puller", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    return links
+
 
 def test_a_prefix_pull_takes_the_blocks_another_engine_caches_and_computes_only_the_rest(tmp_path):
     """Cross-replica prefix reuse, engine to engine over NIXL: the source pins the leading blocks of a prompt it
@@ -183,17 +199,11 @@ def test_a_prefix_pull_takes_the_blocks_another_engine_caches_and_computes_only_
     from tests.conftest import make_tiny_checkpoint, wait_for
     model = make_tiny_checkpoint(tmp_path / "m", "llama")
     source, puller, alone = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=256)) for _ in range(3))
-    links: dict[str, KVLink] = {}
-    links["s"] = KVLink(source, "prefix-source", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
-    links["p"] = KVLink(puller, "prefix-puller", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    links = _prefix_links(source, puller, "prefix")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run(engine: LLMEngine, prompt: list[int], rid: str, **kw):
-        engine.add_request(prompt, greedy, rid, **kw)
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += [o for o in engine.step() if o.finished]
-        return outs[0]
+        return _finish(engine, prompt, rid, greedy, **kw)
     try:
         shared = list(range(10, 74))                                  # 4 full blocks
         prompt = shared + list(range(100, 120))
@@ -247,17 +257,11 @@ def test_a_prefix_the_source_keeps_in_its_host_tier_is_copied_back_and_pulled(tm
                                     kv_offloading_size=32 * tiny_block / 2**30))
     puller, alone = (LLMEngine(EngineConfig(model, num_kv_blocks=32, max_model_len=128)) for _ in range(2))
     assert source.pool.host_blocks == 32, "the tiny model's block size changed: fix tiny_block"
-    links: dict[str, KVLink] = {}
-    links["s"] = KVLink(source, "host-source", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
-    links["p"] = KVLink(puller, "host-puller", kind="nixl", peer_metadata=lambda agent: links["s"].metadata())
+    links = _prefix_links(source, puller, "host")
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     def run(engine: LLMEngine, prompt: list[int], rid: str, **kw):
-        engine.add_request(prompt, greedy, rid, **kw)
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += [o for o in engine.step() if o.finished]
-        return outs[0]
+        return _finish(engine, prompt, rid, greedy, **kw)
     try:
         prompt = list(range(10, 74)) + list(range(100, 110))         # 4 full blocks and a partial one
         run(source, prompt, "a")
