@@ -1,7 +1,7 @@
 """PrefillServer: a prefill-pool replica. It computes a prompt up to its first token, keeps the prompt's
 blocks pinned and answers with a PrefillResult: the first token and the KVHandoff a decode replica pulls. A
-prompt whose prefix another prefill replica caches (PoolRequest.prefix_source) may have that prefix pulled from
-there first (EngineReplica.prefix_remote); it also answers such pulls (export_prefix)."""
+prompt whose prefix another replica caches (PoolRequest.prefix_source) may have that prefix pulled from there
+first (EngineReplica.prefix_remote); every replica also answers such pulls (export_prefix)."""
 from __future__ import annotations
 
 import dataclasses

@@ -29,7 +29,7 @@ from kvtransfer import KVHandoff, KVLink
 from kvtransfer.config import TransferConfig
 from replica.messages import PoolRequest, PrefixExport
 from replica.metrics import LatencyWindow, ReplicaMetrics
-from replica.names import PREFILL, get_state_actor
+from replica.names import get_state_actor
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class EngineReplica:
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
                            peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
         self.transfer = transfer
-        self._prefill_handle = None                     # the prefill pool, for prefix pulls (made on first use)
+        self._pool_handles: dict[str, Any] = {}          # pool -> deployment handle, for prefix pulls
         self._pulled = [0, 0.0]                         # bytes and seconds of this replica's prefix pulls
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
@@ -105,15 +105,16 @@ class EngineReplica:
         return await run_blocking(self.llm.call, export)
 
     async def prefix_remote(self, req: PoolRequest) -> RemotePrefill | None:
-        """For a prompt this replica is about to prefill: a prefix pull from req.prefix_source (the prefill
-        replica the router's index says caches most of it), or None to compute it all. A pull must bring
+        """For a prompt this replica is about to prefill: a prefix pull from req.prefix_source (the replica, of
+        either pool, the router's index says caches most of it), or None to compute it all. A pull must bring
         transfer.prefix_pull_min_blocks beyond what this replica caches, and be estimated faster than
         computing them: PREFIX_PULL_OVERHEAD_S + bytes / bandwidth (this replica's measured pulls, else
         transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate."""
         src, bs = req.prefix_source, self.engine.block_size
-        if src is None or not self.transfer.prefix_pull or src[0] == self.replica or req.resume is not None:
+        if src is None or not self.transfer.prefix_pull or src[1] == self.replica or req.resume is not None:
             return None
-        usable = min(src[1], (len(req.token_ids) - 1) // bs, len(req.block_hashes))   # the last token is computed
+        pool, source, blocks = src
+        usable = min(blocks, (len(req.token_ids) - 1) // bs, len(req.block_hashes))   # the last token is computed
         hashes, ids = req.block_hashes[:usable], req.token_ids[:usable * bs]
         local = await run_blocking(self.llm.call, lambda e: len(e.pool.find(hashes, ids)))
         gain = usable - local
@@ -123,12 +124,12 @@ class EngineReplica:
             self.metrics.prefix_pull("computed")
             return None
         ask = PrefixExport(f"{req.request_id}-prefix", hashes, ids, local + self.transfer.prefix_pull_min_blocks,
-                           src[0])
+                           source)
         try:
-            handoff = await asyncio.wait_for(self._prefill_pool().export_prefix.remote(ask), PREFIX_EXPORT_TIMEOUT_S)
+            handoff = await asyncio.wait_for(self._pool_handle(pool).export_prefix.remote(ask), PREFIX_EXPORT_TIMEOUT_S)
         except Exception as e:                      # noqa: BLE001 - the source is gone or slow: compute it
-            log.warning("%s replica %s: prefix export from %s failed (%s); computing it", self.pool, self.replica,
-                        src[0], type(e).__name__)
+            log.warning("%s replica %s: prefix export from %s replica %s failed (%s); computing it", self.pool,
+                        self.replica, pool, source, type(e).__name__)
             self.metrics.prefix_pull("failed")
             return None
         if handoff is None:
@@ -154,11 +155,12 @@ class EngineReplica:
         return prefix_pull_pays(blocks, self.link.transport.block_bytes, e.block_size, self._pulled,
                                 self.transfer.prefix_pull_gbps, e.num_computed_tokens_total, e.busy_seconds_total)
 
-    def _prefill_pool(self):
-        if self._prefill_handle is None:
+    def _pool_handle(self, pool: str):
+        """A handle to one of the app's pools (made on first use)."""
+        if pool not in self._pool_handles:
             from ray import serve
-            self._prefill_handle = serve.get_deployment_handle(PREFILL, serve.get_replica_context().app_name)
-        return self._prefill_handle
+            self._pool_handles[pool] = serve.get_deployment_handle(pool, serve.get_replica_context().app_name)
+        return self._pool_handles[pool]
 
     # -- routing stats (Serve polls record_routing_stats) ---------------------------------------------
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -3,8 +3,8 @@
     ingress process (router/ingress.py -> router/orchestrator.py)
       tokenizes once, hashes the prompt's full blocks once, builds a PoolRequest
         |-- PoolRequest ------------------> prefill replica (PrefillServer.prefill)
-        |                                   (prefix_source: it may pull the prompt's cached prefix from that
-        |                                   prefill replica first: PrefixExport -> KVHandoff, then a pull)
+        |                                   (prefix_source: it may pull the prompt's cached prefix from the
+        |                                   replica named there first: PrefixExport -> KVHandoff, then a pull)
         |<- PrefillResult ----------------  first token + the KVHandoff of the pinned prompt blocks
         |-- PoolRequest(prefill=result) --> decode replica (DecodeServer.generate)
         |                                   (prefill=None: the decode replica prefills the prompt itself)
@@ -54,19 +54,19 @@ class PoolRequest:
     num_moves: int = 0                          # times it moved (replica died or drained): the retry budget
     lora: LoRARequest | None = None             # the adapter it runs under (None: the base model); block_hashes
                                                 # are chained under its key (engine.block_hash.namespace_key)
-    prefix_source: tuple[str, int] | None = None  # (prefill replica, leading blocks the index says it caches):
+    prefix_source: tuple[str, str, int] | None = None  # (pool, replica, leading blocks the index says it caches):
                                                 # where the replica that prefills may pull the prefix from
 
 
 @dataclass(slots=True)
 class PrefixExport:
-    """A replica's request to the prefill replica `target` for the leading blocks of a prompt it caches (a
-    prefix pull): at least `min_blocks` of them on its device, else nothing (None comes back)."""
+    """A replica's request to the replica `target` (of either pool) for the leading blocks of a prompt it caches
+    (a prefix pull): at least `min_blocks` of them, else nothing (None comes back)."""
     pin_id: str
     block_hashes: list[int]
     token_ids: list[int]                        # the blocks' tokens (checked against the cached ones)
     min_blocks: int
-    target: str                                 # Serve's id of the replica asked (the prefill router obeys it)
+    target: str                                 # Serve's id of the replica asked (both pools' routers obey it)
 
 
 @dataclass(slots=True)

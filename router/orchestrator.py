@@ -1,7 +1,7 @@
 """Orchestrator: one request's way through the prefill and decode pools, behind the HTTP layer (router/ingress.py).
 
     token ids + SamplingParams + block hashes (hashed once, by the ingress, with `hashes`)
-      -> a PoolRequest (replica/messages.py), naming the prefill replica that caches most of the prompt
+      -> a PoolRequest (replica/messages.py), naming the replica (of either pool) that caches most of the prompt
          (prefix_source): the replica that prefills it may pull that prefix instead of computing it
       -> disaggregated?  uncached part on the best decode replica > min_remote_prefill_tokens
            yes: prefill pool (PrefixAwareRouter) -> PrefillResult (first token + KVHandoff) -> decode pool pulls
@@ -83,15 +83,17 @@ class Orchestrator:
             hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
         return prefill_remotely(len(token_ids), hit, self.model["block_size"], self.min_remote)
 
-    def prefix_source(self, hashes: list[int]) -> tuple[str, int] | None:
-        """The prefill replica the index says caches most of the prompt's leading blocks, and how many: where the
-        replica that prefills it (either pool's) may pull that prefix from (EngineReplica.prefix_remote)."""
-        if self.mirror is None or self.prefill is None or not hashes:
+    def prefix_source(self, hashes: list[int]) -> tuple[str, str, int] | None:
+        """(pool, replica, blocks): the replica of either pool the index says caches most of the prompt's leading
+        blocks, and how many (a prefill replica on a tie): where the replica that prefills it may pull that
+        prefix from (EngineReplica.prefix_remote)."""
+        if self.mirror is None or not hashes:
             return None
         self.mirror.start()
-        matches = self.mirror.index[PREFILL].match(hashes)
-        best = max(matches.items(), key=lambda m: (m[1], m[0]), default=None)
-        return best if best is not None and best[1] > 0 else None
+        pools = ((PREFILL, 1), (DECODE, 0)) if self.prefill is not None else ((DECODE, 0),)
+        best = max(((n, rank, rid, pool) for pool, rank in pools
+                    for rid, n in self.mirror.index[pool].match(hashes).items()), default=None)
+        return (best[3], best[2], best[0]) if best is not None and best[0] > 0 else None
 
     def cached_tokens(self, hashes: list[int]) -> int:
         """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""

@@ -156,6 +156,9 @@ class SharedCluster:
 
     def down(self) -> None:
         import ray
+
+        from router.cluster_state import IndexMirror
+        IndexMirror.stop_all()          # a test that routed through its own handles started one in this process
         if self.key is not None:
             from cluster.serving import stop
             self.key = None

@@ -250,7 +250,7 @@ def test_a_decode_replica_prefilling_locally_pulls_the_prefix_a_prefill_replica_
     a = PoolRequest("prefix-a", first, block_hashes(first, 16, key), greedy)
     a = replace(a, prefill=prefill.prefill.remote(a).result(timeout_s=120))      # cached (and pinned) there only
     m0 = _metrics()
-    b = PoolRequest("prefix-b", prompt, block_hashes(prompt, 16, key), greedy, prefix_source=(a.prefill.replica, 12))
+    b = PoolRequest("prefix-b", prompt, block_hashes(prompt, 16, key), greedy, prefix_source=("prefill", a.prefill.replica, 12))
     assert [t for d in stream.generate.remote(b) for t in d.token_ids] == \
         offline.generate([prompt], greedy)[0].token_ids
     assert [t for d in stream.generate.remote(a) for t in d.token_ids] == \

@@ -121,7 +121,8 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
     """Cross-replica prefix reuse (issue 21): a prompt whose first 12 blocks one prefill replica caches, sent to
     the other (as a request avoiding the first is): that replica pulls the 12 blocks from it (here over the Ray
     fallback transport), computes only the rest, and the decode pool writes the offline engine's text. Both
-    replicas' pins end: the source's when the pull is done, the puller's when the decode replica pulled."""
+    replicas' pins end: the source's when the pull is done, the puller's when the decode replica pulled. Then
+    a prompt only the decode replica caches (it prefilled it itself) is pulled from there by a prefill replica."""
     from dataclasses import replace
 
     from ray import serve
@@ -142,7 +143,7 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
     prompt = prefix + [rng.randrange(200, 40000) for _ in range(20)]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     req = PoolRequest("prefix-pull-test", prompt, block_hashes(prompt, BLOCK, key), greedy, avoid=(source,),
-                      prefix_source=(source, 12))
+                      prefix_source=("prefill", source, 12))
     result = serve.get_deployment_handle("prefill", "baton").prefill.remote(req).result(timeout_s=120)
     assert result.replica != source and result.num_pulled_tokens == 12 * BLOCK
     deltas = serve.get_deployment_handle("decode", "baton").options(stream=True).generate.remote(
@@ -154,3 +155,18 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
                  20, "every pin of the pull and of the hand-off to end")
     assert pool_total(m, "baton_prefix_pull_tokens_total", "prefill") - \
         pool_total(m0, "baton_prefix_pull_tokens_total", "prefill") == 12 * BLOCK
+
+    # a source in the other pool: a prompt the decode replica prefilled itself, pulled by a prefill replica
+    decode = serve.get_deployment_handle("decode", "baton").options(stream=True)
+    other = [rng.randrange(200, 40000) for _ in range(10 * BLOCK + 3)]
+    local = PoolRequest("prefix-decode-source", other, block_hashes(other, BLOCK, key), greedy)
+    want = [t for d in decode.generate.remote(local) for t in d.token_ids]          # cached on the decode replica
+    holder = wait_for(lambda: next((r for v in ingress_index_matches("decode", block_hashes(other, BLOCK, key)).values()
+                                    if v for r, n in v.items() if n == 10), None), 10, "the index to see it")
+    req = PoolRequest("prefix-pull-from-decode", other, block_hashes(other, BLOCK, key), greedy,
+                      prefix_source=("decode", holder, 10))
+    result = serve.get_deployment_handle("prefill", "baton").prefill.remote(req).result(timeout_s=120)
+    assert result.num_pulled_tokens == 10 * BLOCK
+    assert [t for d in decode.generate.remote(replace(req, prefill=result)) for t in d.token_ids] == want
+    wait_for(lambda: all(pool_total(scrape(BASE), "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")),
+             20, "every pin to end")

@@ -125,10 +125,10 @@ def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
     assert third.block_hashes == block_hashes(PROMPT + ANSWER[:4], BS, KEY)
 
 
-def test_the_prefix_source_is_the_prefill_replica_caching_most_of_the_prompt():
+def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     """What the ingress names in PoolRequest.prefix_source (a replica that prefills the prompt may pull from it):
-    the prefill replica with the longest cached run of its leading blocks; none when no replica caches any, or
-    when there is no prefill pool."""
+    the replica of either pool with the longest cached run of its leading blocks, a prefill replica on a tie;
+    none when no replica caches any."""
     from router.prefix_index import PrefixIndex
 
     class Mirror:
@@ -137,18 +137,21 @@ def test_the_prefix_source_is_the_prefill_replica_caching_most_of_the_prompt():
 
         def start(self):
             pass
-    prompt = list(range(100, 200))                                  # 6 full blocks
+    prompt = list(range(100, 200))
     hashes = block_hashes(prompt, BS, KEY)
     o = Orchestrator(object(), FakeDecodePool([]), {"block_size": BS, "model_key": KEY}, "", 0, 0.01)
     assert o.prefix_source(hashes) is None                          # no index (no state actor)
     o.mirror = Mirror()
     o.mirror.index["prefill"].load_snapshot("a", 0, hashes[:2])
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:5] + [7])
-    o.mirror.index["decode"].load_snapshot("d", 0, hashes)          # decode replicas are not sources
-    assert o.prefix_source(hashes) == ("b", 5)
+    o.mirror.index["decode"].load_snapshot("d", 0, hashes[:5])
+    assert o.prefix_source(hashes) == ("prefill", "b", 5)          # a tie: the prefill replica
+    o.mirror.index["decode"].load_snapshot("d", 0, hashes)
+    assert o.prefix_source(hashes) == ("decode", "d", len(hashes))
     assert o.prefix_source(block_hashes(list(range(300, 340)), BS, KEY)) is None
-    o.prefill = None                                                # colocated: no prefill pool to pull from
-    assert o.prefix_source(hashes) is None
+    o.prefill = None                                                # colocated: decode replicas only
+    o.mirror.index["prefill"].load_snapshot("b", 0, hashes)
+    assert o.prefix_source(hashes) == ("decode", "d", len(hashes))
 
 
 def test_a_prefix_pull_is_taken_when_moving_the_blocks_beats_computing_them():
