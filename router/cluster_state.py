@@ -262,8 +262,8 @@ class IndexMirror:
     async def _run(self) -> None:
         while True:
             try:
-                if self._actor is None:
-                    self._actor = get_state_actor(self.actor_name)
+                if self._actor is None:     # off the loop: a Ray call that blocks must not stall the routers'
+                    self._actor = await asyncio.to_thread(get_state_actor, self.actor_name)
                 await self.sync_once()
             except asyncio.CancelledError:
                 raise
