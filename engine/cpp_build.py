@@ -26,16 +26,18 @@ _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
 
 
-def load_extension(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
-    """The compiled module `name` from `source`, or None when it cannot be built (logged once as a warning
-    naming `what`, the kernel the caller falls back from)."""
+def load_extension(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] = (),
+                   includes: tuple[Path, ...] = ()) -> ModuleType | None:
+    """The compiled module `name` from `source` (and the sources it #includes, `includes`, which key its build
+    too), or None when it cannot be built (logged once as a warning naming `what`, what the caller falls back
+    from)."""
     with _lock:
         if name not in _loaded:
             try:
                 from torch.utils.cpp_extension import load
                 from engine.loader import cache_dir
                 cflags = CFLAGS + list(extra_cflags)
-                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{build_key(name, source, cflags)}"
+                build = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{build_key(name, source, cflags, includes)}"
                 build.mkdir(parents=True, exist_ok=True)
                 built = build / f"{name}.so"
                 if (build / READY).exists() and built.exists():
@@ -61,13 +63,13 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def build_key(name: str, source: Path, cflags: list[str]) -> str:
-    """The build directory's key: the module's name, the source's content, the flags and the CPU's feature flags."""
+def build_key(name: str, source: Path, cflags: list[str], includes: tuple[Path, ...] = ()) -> str:
+    """The build directory's key: the module's name, the sources' content, the flags and the CPU's feature flags."""
     flags = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return hashlib.blake2b(name.encode() + source.read_bytes() + " ".join(cflags).encode() + flags.encode(),
-                           digest_size=6).hexdigest()
+    code = b"".join(p.read_bytes() for p in (source, *includes))
+    return hashlib.blake2b(name.encode() + code + " ".join(cflags).encode() + flags.encode(), digest_size=6).hexdigest()

@@ -1,5 +1,6 @@
-// The CPU paged-attention kernel, and the grammar-mask apply of structured output; engine/cpu_attention.py
-// builds and loads them (its docstring says how they work).
+// The CPU paged-attention kernel, rms_norm, rope + KV store, and the grammar-mask apply of structured output;
+// engine/cpu_attention.py says how they work. Built as part of engine/cpu_model.cpp (one extension, which
+// defines the Python module).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -718,24 +719,4 @@ void rope_write_kv(torch::Tensor qkv, const torch::Tensor& cos, const torch::Ten
       }
     }
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("apply_token_bitmask", &apply_token_bitmask, "grammar masks: -inf where a token's bit is 0",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("paged_attention_varlen", &paged_attention_varlen, "queries of any length over the paged cache",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("paged_decode", &paged_decode, "one query token per sequence over the paged cache",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows, with an optional residual added first (in place)",
-        py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("residual") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rope_write_kv", &rope_write_kv, "rotate q and k in place, store k and v at their cache slots",
-        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

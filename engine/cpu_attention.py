@@ -9,9 +9,9 @@ weighted sum of the V rows, so each cached row is read once for all of them. A t
 range of pairs sequence by sequence, every head of the range in one sweep where a token's heads are
 one row (whole token rows stream in at once), a head at a time in the heads-outer cache (a head's
 tokens are one span there), and a single sequence still spreads its kv heads over the threads.
-Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++ otherwise) with
-engine/cpp_build.py from engine/cpu_attention.cpp (cached per source and CPU); if no compiler is there, the torch
-reference is used and a warning says so.
+Compiled once per machine (-march=native: AVX-512 or AVX2 inner loops, plain C++ otherwise) from
+engine/cpu_attention.cpp as part of the one CPU extension (engine/cpu_model.py); if no compiler is there, the
+torch reference is used and a warning says so.
 
 Beside it, two ops of the CPU forward that torch runs as many small ones (each layer's overhead at decode
 batch sizes is mostly op dispatch): rms_norm (with the residual add fused, as vLLM's fused_add_rms_norm) and
@@ -23,25 +23,12 @@ tokens a grammar forbids, where xgrammar's CPU path and any torch expression tou
 """
 from __future__ import annotations
 
-import functools
-import os
-from pathlib import Path
-
 import torch
 
-from engine.cpp_build import load_extension
+from engine.cpu_model import available, kernels as _load      # engine/cpu_attention.cpp is built as part of it
 
-SOURCE = Path(__file__).with_suffix(".cpp")          # engine/cpu_attention.cpp, shipped as package data
-
-
-def _load():
-    return load_extension("baton_cpu_attention", SOURCE, "CPU paged-attention kernel")
-
-
-@functools.cache
-def available() -> bool:
-    """Decided once per process (it is asked on every layer of every step)."""
-    return os.environ.get("BATON_CPU_KERNEL", "1") != "0" and _load() is not None
+__all__ = ["available", "paged_attention_varlen", "paged_decode_attention", "apply_token_bitmask", "rms_norm",
+           "rope_write_kv"]
 
 
 def paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

@@ -321,6 +321,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None       # built by materialize(), on the real device
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
         vocab = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[1]
         self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tie_weights()
@@ -341,9 +342,15 @@ class LlamaForCausalLM(nn.Module):
                 num_layers: int | None = None):
         """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts)."""
         h, residual = self.model.embed_tokens(input_ids), None
-        rope = self.rope.tables(positions)
-        for layer in self.model.layers[:num_layers]:
-            h, residual = layer(h, residual, rope, kv_cache, md)
+        stack = self.cpu_stack(h, kv_cache)
+        if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
+            h, residual = stack.forward(h, self.rope.cos[positions], self.rope.sin[positions], md.slot_mapping,
+                                        md.block_tables, md.seq_lens, md.query_start_loc,
+                                        -1 if num_layers is None else num_layers)
+        else:
+            rope = self.rope.tables(positions)
+            for layer in self.model.layers[:num_layers]:
+                h, residual = layer(h, residual, rope, kv_cache, md)
         if residual is not None:
             h = residual.add_(h)
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
@@ -351,6 +358,41 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(h).float()
         logits = self.tp.gather_to_driver(self.lm_head(h))
         return None if logits is None else logits[:, :self.config.vocab_size].float()
+
+    def cpu_stack(self, x: torch.Tensor, kv_cache: list[LayerKV]):
+        """The C++ DecoderStack (engine/cpu_model.py) for this forward, or None where the modules run it: it takes a
+        CPU fp32 model at TP 1 whose every linear is packed for the kernel (LoRA adapters wrap them, so an engine
+        with enable_lora runs the modules) and an fp32 or int8 cache. Built at the first forward (after the
+        engine's set-up swapped in what it swaps); the cache's views are handed over when they change."""
+        from engine import cpu_model
+        if self._stack is None:
+            self._stack = self._build_cpu_stack() or False
+        if not self._stack or x.dtype != torch.float32 or x.device.type != "cpu" or not kv_cache \
+                or kv_cache[0].k.dtype not in (torch.float32, torch.int8):
+            return None
+        if self._stack_kv is not kv_cache:
+            self._stack.set_kv([c.k for c in kv_cache], [c.v for c in kv_cache],
+                               [c.k_scale for c in kv_cache], [c.v_scale for c in kv_cache])
+            self._stack_kv = kv_cache
+        return self._stack if cpu_model.stack_enabled() else None
+
+    def _build_cpu_stack(self):
+        from engine import cpu_model
+        layers = self.model.layers
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        linears = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
+        if self.tp is not None or not cpu_model.available() or not all(la.self_attn.one_kernel for la in layers) \
+                or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None for ms in linears for m in ms):
+            return None
+        norm = layers[0].input_layernorm
+        stack = cpu_model.kernels().DecoderStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate,
+                                                 norm.eps, attn.scale)
+        for la, ms in zip(layers, linears):
+            parts = [([(p, kind == "q4", group, n) for (kind, group, n, _k), (p,) in zip(m.calls, m.packed)], m.bias)
+                     for m in ms]
+            stack.add_layer(la.input_layernorm.weight.detach(), la.post_attention_layernorm.weight.detach(),
+                            *[a for part in parts for a in part])
+        return stack
 
     def embedding_rows(self, n: int) -> torch.Tensor:
         """The first n rows of the token embedding, as numbers (packed or not): the weights' fingerprint."""

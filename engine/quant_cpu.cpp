@@ -8,6 +8,7 @@
 // accumulates its blocks in order b = 0, 1, ... with the same float ops (p = dot * d; acc = fma(p, s_a, acc);
 // acc = fma(min, s_a * sum(q_a), acc)) whatever the tile shape, path or thread count, so a row's result does
 // not depend on which rows share the call (bitwise M-invariance). Threads own disjoint tiles of output rows.
+// Built as part of engine/cpu_model.cpp (one extension, which defines the Python module).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -280,17 +281,3 @@ torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, bool q4, int64_t gro
 }
 
 }  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matmul", &matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights",
-        py::call_guard<py::gil_scoped_release>());    // like torch's own ops: the asyncio thread runs meanwhile
-  m.def("isa", [] {
-#if defined(__AVX512VNNI__)
-    return "avx512vnni";
-#elif defined(__AVX2__)
-    return "avx2";
-#else
-    return "scalar";
-#endif
-  });
-}

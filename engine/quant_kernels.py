@@ -16,26 +16,11 @@ whichever rows share the call and however many threads run it. `emulate` is that
 """
 from __future__ import annotations
 
-import functools
-import os
-from pathlib import Path
-
 import torch
 
-from engine.cpp_build import load_extension
+from engine.cpu_model import available, kernels as _load      # engine/quant_cpu.cpp is built as part of it
 
-SOURCE = Path(__file__).with_name("quant_cpu.cpp")
 TILE = 16                              # output rows per packed weight tile
-
-
-@functools.cache
-def _load():
-    return load_extension("baton_quant_cpu", SOURCE, "CPU quantized matmul kernel", ("-ffp-contract=off",))
-
-
-@functools.cache
-def available() -> bool:
-    return os.environ.get("BATON_CPU_KERNEL", "1") != "0" and _load() is not None
 
 
 def _unpack_q4(qs: torch.Tensor) -> torch.Tensor:

@@ -199,11 +199,12 @@ def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_process():
     import subprocess
     import sys
 
+    from engine import cpu_model
     from engine.cpp_build import CFLAGS, build_key
     from engine.loader import cache_dir
     from tests.conftest import ROOT
     assert cpu_attention._load() is not None                          # built (and marked whole) by now
-    key = build_key("baton_cpu_attention", cpu_attention.SOURCE, CFLAGS)
+    key = build_key(cpu_model.NAME, cpu_model.SOURCE, CFLAGS + list(cpu_model.CFLAGS), cpu_model.INCLUDES)
     lock = cache_dir() / "torch_extensions" / f"torch{torch.__version__}-{key}" / "lock"
     lock.touch()
     try:

@@ -1,0 +1,178 @@
+// Baton's CPU kernels, built as one extension (engine/cpu_kernels.py), and the decoder stack that chains them.
+//
+// The kernels live in their own sources, included here each in a namespace of its own: the paged attention,
+// rms_norm and rope ops (engine/cpu_attention.cpp) and the packed-weight matmul (engine/quant_cpu.cpp). One
+// build, one set of flags: the model's ops and its fused stack run the same machine code, so either gives the
+// same bits.
+//
+// DecoderStack: the layers of a Llama-family model whose linears are packed for the matmul kernel, run in one
+// call. The Python forward (engine/model.py) spends about as long dispatching a layer's dozen small ops as the
+// ops take at decode batch sizes, and holds the GIL while it does, which a server's event loop in the same
+// process needs for every token it streams. Here a layer is rms_norm -> qkv matmul -> rope + KV store ->
+// paged attention -> o matmul -> rms_norm (residual added) -> gate_up matmul -> silu(gate) * up (ATen's own
+// ops, the same ones the Python path calls) -> down matmul: exactly the Python path's ops in its order, so the
+// two give bitwise equal results (tests/test_cpu_model.py). The GIL is released for the whole stack.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+namespace attn {
+#include "cpu_attention.cpp"
+}  // namespace attn
+namespace quant {
+#include "quant_cpu.cpp"
+}  // namespace quant
+
+namespace {
+
+// One linear's packed weights: one part per kind (a Q4_K_M checkpoint's Q6_K v beside its Q4_K q and k),
+// their outputs side by side, then the bias if any.
+struct Part { torch::Tensor packed; bool q4; int64_t group, n; };
+struct Linear {
+  std::vector<Part> parts;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    if (parts.size() == 1) {
+      const Part& p = parts[0];
+      y = quant::matmul(x, p.packed, p.q4, p.group, p.n);
+    } else {
+      std::vector<torch::Tensor> ys;
+      for (const Part& p : parts) ys.push_back(quant::matmul(x, p.packed, p.q4, p.group, p.n));
+      y = torch::cat(ys, -1);
+    }
+    return bias.has_value() ? y + *bias : y;
+  }
+};
+
+Linear make_linear(const std::vector<std::tuple<torch::Tensor, bool, int64_t, int64_t>>& parts,
+                   c10::optional<torch::Tensor> bias) {
+  Linear l;
+  for (const auto& [packed, q4, group, n] : parts) l.parts.push_back(Part{packed, q4, group, n});
+  TORCH_CHECK(!l.parts.empty(), "a linear needs at least one packed part");
+  l.bias = std::move(bias);
+  return l;
+}
+
+struct Layer {
+  torch::Tensor in_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+               double scale)
+      : H_(num_heads), G_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale) {}
+
+  using Parts = std::vector<std::tuple<torch::Tensor, bool, int64_t, int64_t>>;
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, const Parts& qkv, c10::optional<torch::Tensor> qkv_bias,
+                 const Parts& o, c10::optional<torch::Tensor> o_bias, const Parts& gate_up,
+                 c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias) {
+    layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), make_linear(qkv, qkv_bias),
+                            make_linear(o, o_bias), make_linear(gate_up, gate_up_bias), make_linear(down, down_bias)});
+  }
+
+  // Each layer's K and V cache views, and for an int8 cache its scales (engine/kv_layout.py's LayerKV), kept
+  // until the next call: they change only when the engine allocates its cache.
+  void set_kv(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+              std::vector<c10::optional<torch::Tensor>> k_scale, std::vector<c10::optional<torch::Tensor>> v_scale) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == k.size() && k_scale.size() == k.size() &&
+                v_scale.size() == k.size(), "one K, V (and scale) view per layer");
+    k_ = std::move(k), v_ = std::move(v), ks_ = std::move(k_scale), vs_ = std::move(v_scale);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden]: the embeddings. Runs the first `num_layers` layers (all: -1) and returns (the last layer's
+  // output, the residual stream), which the caller adds before the final norm, as engine/model.py does.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                                   const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                                                   const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                                                   int64_t num_layers) const {
+    const int64_t L = num_layers < 0 ? this->num_layers() : std::min(num_layers, this->num_layers());
+    TORCH_CHECK(static_cast<int64_t>(k_.size()) == this->num_layers(), "set_kv before forward");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x: fp32 [T, hidden]");
+    const int64_t T = x.size(0);
+    x = x.contiguous();
+    torch::Tensor residual;
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = attn::rms_norm(x, l.in_norm, eps_, c10::nullopt);
+      } else {
+        h = attn::rms_norm(x, l.in_norm, eps_, residual);
+      }
+      torch::Tensor qkv = l.qkv(h);
+      attn::rope_write_kv(qkv, cos, sin, k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
+      torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
+      torch::Tensor o = attn::paged_attention_varlen(q, k_[i], v_[i], block_tables, seq_lens, query_start_loc,
+                                                     scale_, ks_[i], vs_[i]);
+      h = attn::rms_norm(l.o(o.reshape({T, H_ * D_})), l.post_norm, eps_, residual);
+      torch::Tensor gu = l.gate_up(h);
+      torch::Tensor act = at::silu(gu.narrow(1, 0, I_)) * gu.narrow(1, I_, I_);
+      x = l.down(act);
+    }
+    return {x, residual.defined() ? residual : x};
+  }
+
+ private:
+  int64_t H_, G_, D_, I_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+  std::vector<torch::Tensor> k_, v_;
+  std::vector<c10::optional<torch::Tensor>> ks_, vs_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the kernels (engine/cpu_attention.py, engine/quant_kernels.py); each releases the GIL while it runs, like
+  // torch's own ops, so a server's asyncio thread runs beside the forward
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("apply_token_bitmask", &attn::apply_token_bitmask, "grammar masks: -inf where a token's bit is 0", nogil);
+  m.def("paged_attention_varlen", &attn::paged_attention_varlen, "queries of any length over the paged cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), nogil);
+  m.def("paged_decode", &attn::paged_decode, "one query token per sequence over the paged cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), nogil);
+  m.def("rms_norm", &attn::rms_norm, "RMSNorm of rows, with an optional residual added first (in place)",
+        py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("residual") = py::none(), nogil);
+  m.def("rope_write_kv", &attn::rope_write_kv, "rotate q and k in place, store k and v at their cache slots",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), nogil);
+  m.def("matmul", &quant::matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights", nogil);
+  m.def("isa", [] {
+#if defined(__AVX512VNNI__)
+    return "avx512vnni";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+  });
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"))
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("set_kv", &DecoderStack::set_kv)
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_layers") = -1,
+           nogil);
+}

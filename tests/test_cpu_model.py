@@ -1,0 +1,77 @@
+"""The C++ decoder stack (engine/cpu_model.py) runs a packed model's layers with the same kernels and ATen ops as the
+Python modules, so an engine gives the same bits either way: teacher-forced logits over a prefill and a cached
+chunk, and greedy tokens with their logprobs, on the default model (fp32 and int8 KV caches), on a GGUF whose
+fused q/k/v mixes three packed types beside biases (qwen2), and on int8 weights. Where it does not apply (LoRA
+adapters wrap the linears; fp8 KV) the modules run, and the text is the same."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from check.models import engine_logprobs
+from engine import LLM, SamplingParams, cpu_model
+from tests.conftest import make_tiny_checkpoint
+from tests.gguf_files import write_gguf
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+# every layer packed: a q/k/v of three kinds (three kernel calls, their outputs side by side), Q8_0 o_proj
+ALL_PACKED = {"token_embd": "Q8_0", "attn_q": "Q4_K", "attn_k": "Q4_0", "attn_v": "Q6_K", "attn_output": "Q8_0",
+              "ffn_gate": "Q4_1", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "output": "Q8_0"}
+
+pytestmark = pytest.mark.skipif(not cpu_model.available(), reason="no C++ compiler: the kernels are not built")
+
+
+def _set_stack(monkeypatch, on: bool) -> None:
+    monkeypatch.setenv("BATON_CPU_STACK", "1" if on else "0")
+    cpu_model.stack_enabled.cache_clear()
+
+
+def _run(llm: LLM, seqs: list[list[int]]):
+    logits = engine_logprobs(llm, seqs)
+    llm.engine.pool.reset_prefix_cache()
+    outs = llm.generate(seqs, PARAMS)
+    return logits, [(o.token_ids, o.logprobs) for o in outs]
+
+
+@pytest.fixture
+def stack_switch(monkeypatch):
+    yield lambda on: _set_stack(monkeypatch, on)
+    monkeypatch.undo()
+    cpu_model.stack_enabled.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", pytest.param("qwen2 gguf mixed", marks=pytest.mark.slow),
+                                  "llama int8"])          # slow: transformers converts the written GGUF (~13 s)
+def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
+    if case.startswith("smollm2"):
+        llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512,
+                  kv_cache_dtype="int8" if "int8" in case else "auto")
+    elif case.startswith("qwen2"):
+        llm = LLM(str(write_gguf(tmp_path / "q.gguf", ALL_PACKED, arch="qwen2", hidden=256, intermediate=512)),
+                  num_kv_blocks=64, max_model_len=512)
+    else:
+        llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), quantization="int8", num_kv_blocks=64)
+    g = torch.Generator().manual_seed(1)
+    vocab = min(llm.engine.hf_config.vocab_size, 30000)
+    seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 30, 53)]
+    stack_switch(True)
+    stacked = _run(llm, seqs)
+    assert llm.engine.runner.model._stack, "the stack did not run"
+    stack_switch(False)
+    modules = _run(llm, seqs)
+    for a, b in zip(stacked[0], modules[0]):
+        assert torch.equal(a, b)
+    assert stacked[1] == modules[1]
+
+
+def test_where_the_stack_does_not_apply_the_modules_run_the_same_text(tmp_path):
+    seqs = [list(range(100, 140))]
+    base = LLM(None, kv_cache_memory=64 << 20, max_model_len=512)
+    want = [o.token_ids for o in base.generate(seqs, PARAMS)]
+    assert base.engine.runner.model._stack
+    lora = LLM(None, kv_cache_memory=64 << 20, max_model_len=512, enable_lora=True, max_lora_rank=8)
+    assert [o.token_ids for o in lora.generate(seqs, PARAMS)] == want        # no adapter: the base model's text
+    assert lora.engine.runner.model._stack is False                          # LoRA wraps the linears
+    fp8 = LLM(None, kv_cache_memory=64 << 20, max_model_len=512, kv_cache_dtype="fp8")
+    fp8.generate(seqs, PARAMS)
+    assert fp8.engine.runner.model.cpu_stack(torch.zeros(1, 1), fp8.engine.runner.kv_layers) is None
