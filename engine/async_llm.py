@@ -3,14 +3,21 @@
 One background thread runs engine steps while there is work; asyncio callers get their outputs
 through per-request queues. A consumer that stops iterating (client gone, task cancelled) aborts
 its request, which frees its blocks before the next step.
+
+That thread also builds the engine and runs `call()`s, so the model's parallel ops all start from one thread.
+OpenMP (torch's intra-op pool) keeps a team of worker threads per thread that ever ran a parallel op, and once
+the process holds more of them than it has cores, libgomp stops letting idle workers spin: every parallel
+region then pays a futex wake-up. A model loaded on one thread and stepped on another decoded a token in 12.5
+ms instead of 7 on this 2-core machine (docs/benchmarks.md, "Serving overhead").
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import threading
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -22,15 +29,24 @@ LOAD_POLL_S = 5e-4          # while the only work is K/V arriving: wait this lon
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, engine: LLMEngine | None = None, **kwargs: Any):
-        self.engine = engine or LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+    def __init__(self, model: str | None = None, engine: LLMEngine | None = None, *,
+                 build: Callable[[], LLMEngine] | None = None, **kwargs: Any):
+        """The engine given, or one built on the engine thread: by `build()`, else from model and kwargs (the
+        module docstring says why there). A build that fails raises here."""
         self._lock = threading.Lock()                 # guards the engine: steps vs add/abort
         self._delivering = threading.Lock()           # outputs reach their streams in the order made
         self._wake = threading.Event()
+        self._calls: list[tuple[concurrent.futures.Future, Callable, tuple, dict]] = []   # call()s for the thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self.engine = engine
+        if engine is None:
+            build = build or (lambda: LLMEngine(EngineConfig.from_kwargs(model, **kwargs)))
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(build, built), name="baton-engine", daemon=True)
         self._thread.start()
+        if build is not None:
+            built.result()                            # the build's exception, if it failed
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, **kwargs: Any) -> AsyncIterator[RequestOutput]:
@@ -92,9 +108,25 @@ class AsyncLLM:
         return outputs
 
     def call(self, fn, *args, **kwargs):
-        """Run fn(engine, ...) under the engine lock (release pinned blocks, stats)."""
+        """fn(engine, ...) run on the engine thread between two steps (pins, exports, stats), its result or its
+        exception returned here; blocks the calling thread until then."""
+        if threading.current_thread() is self._thread or self._closed:
+            with self._lock:
+                return fn(self.engine, *args, **kwargs)
+        done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            return fn(self.engine, *args, **kwargs)
+            self._calls.append((done, fn, args, kwargs))
+        self._wake.set()
+        return done.result()
+
+    def _run_calls(self) -> None:
+        """The call()s waiting (the engine lock held)."""
+        calls, self._calls = self._calls, []
+        for done, fn, args, kwargs in calls:
+            try:
+                done.set_result(fn(self.engine, *args, **kwargs))
+            except BaseException as e:                   # noqa: BLE001 - the caller gets it
+                done.set_exception(e)
 
     def stats(self) -> dict:
         with self._lock:
@@ -105,12 +137,25 @@ class AsyncLLM:
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=10)
+        with self._lock:
+            for done, *_ in self._calls:
+                done.set_exception(RuntimeError("engine is shut down"))
+            self._calls.clear()
         self.engine.shutdown()                   # tensor-parallel workers go with the engine
 
     # -- engine thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine] | None, built: concurrent.futures.Future) -> None:
+        if build is not None:
+            try:
+                self.engine = build()
+            except BaseException as e:                   # noqa: BLE001 - raised by the constructor
+                built.set_exception(e)
+                return
+            built.set_result(None)
         while not self._closed:
             with self._lock:
+                if self._calls:
+                    self._run_calls()
                 busy = self.engine.has_unfinished_requests()
                 try:
                     outputs, error = (self.engine.step() if busy else []), None

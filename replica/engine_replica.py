@@ -63,9 +63,10 @@ class EngineReplica:
         self._events_lock = threading.Lock()
         self._bg_wake = threading.Event()               # set by the engine thread when it emits a KV event
         self._seq = 0
-        eng = LLMEngine(engine, on_kv_event=self._on_event)
-        self.llm = (ReplicaLLM if engine.tensor_parallel_size > 1 else AsyncLLM)(engine=eng)
-        self.engine = eng
+        # built on the engine's own thread, which runs every step and call (engine/async_llm.py says why)
+        self.llm = (ReplicaLLM if engine.tensor_parallel_size > 1 else AsyncLLM)(
+            build=lambda: LLMEngine(engine, on_kv_event=self._on_event))
+        self.engine = eng = self.llm.engine
         self.link = KVLink(eng, f"{self.pool}.{self.replica}", kind=transfer.backend,
                            peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
         self.transfer = transfer

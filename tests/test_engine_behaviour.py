@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -254,8 +255,17 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
                                                                    ignore_eos=True))[0].token_ids == o1.token_ids
         final = llm.stats()
         assert final["kv_blocks_used"] == 0 and final["num_running"] == 0
+        # one thread built the engine and runs its steps and calls (engine/async_llm.py: OpenMP teams)
+        assert llm.call(lambda engine: threading.current_thread()) is llm._thread
+        with pytest.raises(ZeroDivisionError):
+            llm.call(lambda engine: 1 / 0)                    # the caller gets the call's exception
     finally:
         llm.shutdown()
+
+
+def test_an_async_engine_that_fails_to_build_raises_where_it_was_made(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        AsyncLLM(str(tmp_path / "missing"))
 
 
 # -- the command line -----------------------------------------------------------------------------
