@@ -201,7 +201,7 @@ def test_malformed_and_abusive_bodies_get_4xx_and_nothing_breaks(cluster):
 
 
 def test_fuzzing_the_openapi_spec_gets_no_5xx_and_kills_no_replica(cluster):
-    """About 900 requests generated from the ingress's own OpenAPI document, valid and invalid (schemathesis
+    """About 600 requests generated from the ingress's own OpenAPI document, valid and invalid (schemathesis
     over hypothesis), half with the served model's name so they reach the pools: never a 5xx."""
     import random
 
@@ -227,8 +227,8 @@ def test_fuzzing_the_openapi_spec_gets_no_5xx_and_kills_no_replica(cluster):
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, (case.method, case.path, str(case.body)[:300], r.status_code, r.text[:300])
 
-    ops = [("/v1/completions", "POST", 400), ("/v1/chat/completions", "POST", 400),
-           ("/v1/models", "GET", 40), ("/health", "GET", 20), ("/metrics", "GET", 20)]
+    ops = [("/v1/completions", "POST", 260), ("/v1/chat/completions", "POST", 260),
+           ("/v1/models", "GET", 30), ("/health", "GET", 15), ("/metrics", "GET", 15)]
     for path, method, n in ops:
         op = schema[path][method]
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if method == "POST" else (GenerationMode.POSITIVE,)
@@ -242,7 +242,7 @@ def test_fuzzing_the_openapi_spec_gets_no_5xx_and_kills_no_replica(cluster):
                 check(case)
             run()
     total = sum(seen.values())
-    assert total >= 800, seen
+    assert total >= 540, seen
     assert seen.get(200, 0) >= 50, seen                        # some reached the engines and were served
     assert {p: replicas(p) for p in ("prefill", "decode")} == before   # no replica died or restarted
     assert complete("after the fuzz", 3)["usage"]["completion_tokens"] == 3
@@ -400,13 +400,13 @@ def test_lost_kv_events_cost_cache_misses_not_failures_and_the_index_resyncs(clu
 
 # -- the soak (CI version; `baton bench soak` runs longer) --------------------------------------------
 @pytest.mark.bench
-def test_soak_a_thousand_mixed_requests_leak_nothing_and_restart_nothing(cluster):
+def test_soak_six_hundred_mixed_requests_leak_nothing_and_restart_nothing(cluster):
     before = {p: replicas(p) for p in ("prefill", "decode")}
-    result = soak(BASE, MODEL, n=1000, concurrency=12, seed=7, max_body=cluster.limits.max_body_bytes, warmup=100)
+    result = soak(BASE, MODEL, n=600, concurrency=12, seed=7, max_body=cluster.limits.max_body_bytes, warmup=60)
     print(json.dumps({k: result[k] for k in ("requests", "wall_s", "requests_per_s", "outcomes", "rss_mb",
                                              "heap_mb", "heap_growth_mb", "rss_growth_mb_max")}, indent=1))
     # the run completed: every request has an outcome, every replica (2 + 2) a memory series
-    assert result["requests"] == 1000 and sum(result["outcomes"].values()) == 1000, result["outcomes"]
+    assert result["requests"] == 600 and sum(result["outcomes"].values()) == 600, result["outcomes"]
     assert result["wall_s"] > 0 and len(result["replicas_before"]) >= 4
     assert result["num_failures"] == 0, result["failures"]
     oc = result["outcomes"]
