@@ -110,7 +110,9 @@ class AsyncLLM:
     def call(self, fn, *args, **kwargs):
         """fn(engine, ...) run on the engine thread between two steps (pins, exports, stats), its result or its
         exception returned here; blocks the calling thread until then."""
-        if threading.current_thread() is self._thread or self._closed:
+        if threading.current_thread() is self._thread:      # from a step's or a call's own code: it holds the lock
+            return fn(self.engine, *args, **kwargs)
+        if self._closed:
             with self._lock:
                 return fn(self.engine, *args, **kwargs)
         done: concurrent.futures.Future = concurrent.futures.Future()

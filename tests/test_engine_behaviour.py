@@ -257,6 +257,7 @@ def test_async_streams_deltas_and_abort_frees_blocks_at_once(smol_path):
         assert final["kv_blocks_used"] == 0 and final["num_running"] == 0
         # one thread built the engine and runs its steps and calls (engine/async_llm.py: OpenMP teams)
         assert llm.call(lambda engine: threading.current_thread()) is llm._thread
+        assert llm.call(lambda engine: llm.call(lambda e: e is engine))     # a call from a call runs in place
         with pytest.raises(ZeroDivisionError):
             llm.call(lambda engine: 1 / 0)                    # the caller gets the call's exception
     finally:
