@@ -1,11 +1,40 @@
 """Small GGUF checkpoints the tests write with the `gguf` package: a tiny llama or qwen2 with random
-weights in the quantized types we ask for, and SmolLM2's tokenizer (copied from the default GGUF, so
-transformers can read the file for the dequantized reference)."""
+weights in the quantized types we ask for, and SmolLM2's tokenizer cut to its first VOCAB tokens and the merges
+among them (copied from the default GGUF, so transformers can read the file for the dequantized reference; the
+whole 49k-token vocabulary made each of gguf's three parses of a file take seconds)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
+
+VOCAB = 4096          # token ids of a written file are below this
+
+
+@functools.cache
+def _tokenizer_fields() -> list[tuple[str, object, object, object]]:
+    """(key, value, type, sub-type) of the default GGUF's tokenizer, its vocabulary cut to VOCAB tokens."""
+    import gguf
+
+    from engine.loader import default_gguf
+    src = gguf.GGUFReader(str(default_gguf()))
+    tokens = src.fields["tokenizer.ggml.tokens"].contents()[:VOCAB]
+    kept = set(tokens)
+    out = []
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key == "tokenizer.ggml.tokens":
+            value = tokens
+        elif key == "tokenizer.ggml.token_type":
+            value = value[:VOCAB]
+        elif key == "tokenizer.ggml.merges":     # a merge stays when both parts and the result are kept
+            value = [m for m in value if (p := m.split(" ", 1)) and len(p) == 2 and p[0] + p[1] in kept
+                     and p[0] in kept and p[1] in kept]
+        out.append((key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None))
+    return out
 
 
 def _raw_kquant(rng, rows: int, cols: int, type_name: str) -> np.ndarray:
@@ -29,10 +58,8 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     import gguf
     from gguf.quants import quantize
 
-    from engine.loader import default_gguf
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(default_gguf()))
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    vocab = VOCAB
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(2048)
@@ -43,10 +70,8 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(hidden // heads)
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[-1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, value, kind, sub in _tokenizer_fields():
+        w.add_key_value(key, value, kind, sub)
 
     def add(name: str, role: str, rows: int, cols: int) -> None:
         kind = types.get(role, "F32")

@@ -40,8 +40,7 @@ def stack_switch(monkeypatch):
     cpu_model.stack_enabled.cache_clear()
 
 
-@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", pytest.param("qwen2 gguf mixed", marks=pytest.mark.slow),
-                                  "llama int8"])          # slow: transformers converts the written GGUF (~13 s)
+@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "llama int8"])
 def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
     if case.startswith("smollm2"):
         llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512,

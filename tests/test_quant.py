@@ -19,7 +19,7 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.model import QuantEmbedding, QuantLinear
 from engine.quant import PACKED_GGUF_TYPES, from_gguf, quantize_int8, resolve_quantization
 from tests.conftest import make_tiny_checkpoint
-from tests.gguf_files import _raw_kquant, write_gguf
+from tests.gguf_files import VOCAB, _raw_kquant, write_gguf
 from tests.greedy import TOP_K, baton_greedy, check_greedy_close
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
@@ -68,7 +68,7 @@ def mixed_file(tmp_path_factory):
 
 def _prompts(n=3):
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 40000, (k,), generator=g).tolist() for k in (9, 23, 40)[:n]]
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in (9, 23, 40)[:n]]
 
 
 @pytest.mark.slow                        # ~18 s each: transformers converts the file for the reference
