@@ -12,10 +12,16 @@ and the teacher-forced log-probabilities of every position of prompt + continuat
   tolerance.
 - Greedy: the engine's greedy tokens, all prompts in one batch, with CUDA graphs and with enforce_eager,
   against the reference up to near-ties (check/compare.py: check_greedy_close) with that tolerance as the gap.
-- A quantized KV cache (kv_cache_dtype int8 and fp8, the first model, CUDA graphs): teacher-forced against the
-  same reference, whose mean error must stay under KV_MEAN_TOL (the cache's rounding, not a kernel's bug: the
-  CPU dry mode's tiny models measure 0.006-0.011 int8, 0.030-0.050 fp8), and a greedy batch that completes
-  with finite log-probabilities; its agreement with the reference is reported.
+- A quantized KV cache (kv_cache_dtype int8 and fp8, the first model, CUDA graphs). The cache's rounding alone
+  moves the log-probabilities: the engine in fp32 with that cache, teacher-forced against the reference, must
+  stay under KV_MEAN_TOL in mean. On a GPU every token is read back from the quantized cache, a prefill's own
+  new tokens too (as vLLM V1's paged attention does), while the CPU path attends to a context-free prefill's
+  fresh K/V: the GPU's tolerance is wider. Measured in fp32: the 1B model on an H100 0.085 int8, 0.359 fp8
+  (2026-11-26); the same shape on CPU (other random weights) 0.038 and 0.161; the dry mode's tiny models
+  0.006-0.011 and 0.030-0.050. On a GPU the engine's run in its low dtype with the same cache is then judged
+  against that fp32 run, which holds the same rounding, with the teacher-forced row's tolerance: what is left
+  is the low dtype's error, and a kernel's bug. A greedy batch must complete with finite log-probabilities; its
+  agreement with the reference is reported.
 
 The final norm's weight is scaled so logits have a standard deviation of about 4, as a trained model's do:
 with std-0.02 weights throughout, logits are nearly flat and every greedy token is a near-tie.
@@ -53,7 +59,8 @@ CPU_MODELS = {
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
 CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12
-KV_MEAN_TOL = {"int8": 0.05, "fp8": 0.2}                 # nats, mean over positions (see above)
+KV_MEAN_TOL = {"int8": 0.05, "fp8": 0.2}                 # nats, mean over positions, CPU (see above)
+GPU_KV_MEAN_TOL = {"int8": 0.15, "fp8": 0.6}             # every token through the cache
 LOGIT_STD = 4.0
 TOL_FACTOR = 3.0                                          # x transformers' own low-precision error
 FLOORS = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (0.05, 0.005), torch.float16: (0.02, 0.002)}  # max, mean
@@ -208,23 +215,34 @@ def compare_greedy(name: str, llm, ref: Reference, label: str) -> Row:
     return Row("models", f"{name} greedy, {label}", result, FAIL if errors else PASS, data=data)
 
 
-def compare_quantized_kv(name: str, llm, ref: Reference, kv_cache_dtype: str) -> Row:
-    """A quantized cache: teacher-forced mean error under KV_MEAN_TOL, and a greedy batch that completes."""
+def compare_quantized_kv(name: str, llm, ref: Reference, kv_cache_dtype: str,
+                         fp32_same_cache: list[torch.Tensor] | None = None) -> Row:
+    """A quantized cache: the fp32 run's mean error against the reference under KV_MEAN_TOL; on a GPU, the low
+    dtype's run against that fp32 run (`fp32_same_cache`) within the teacher-forced tolerance; and a greedy batch
+    that completes."""
     import math
 
     from engine import SamplingParams
-    stats = _stats(engine_logprobs(llm, ref.sequences()), ref.logprobs, Tolerance(float("inf")))
+    ours = engine_logprobs(llm, ref.sequences())
+    tol = (GPU_KV_MEAN_TOL if fp32_same_cache is not None else KV_MEAN_TOL)[kv_cache_dtype]
+    rounding = _stats(fp32_same_cache if fp32_same_cache is not None else ours, ref.logprobs, Tolerance(float("inf")))
+    ok = rounding.passed and rounding.mean_abs <= tol                   # passed: no NaN
+    result = f"fp32 with the cache: err mean {rounding.mean_abs:.3g} (tol {tol:g}), max {rounding.max_abs:.3g}"
+    data = {"rounding": rounding.as_dict(), "kv_cache_dtype": kv_cache_dtype, "tol_mean": tol}
+    if fp32_same_cache is not None:
+        low = _stats(ours, fp32_same_cache, Tolerance(ref.tol_max))
+        ok = ok and low.passed and low.mean_abs <= ref.tol_mean
+        result += f"; low dtype vs it: max {low.max_abs:.3g}, mean {low.mean_abs:.3g} (tol {ref.tol_max:.3g} / {ref.tol_mean:.3g})"
+        data |= {"low_vs_fp32": low.as_dict(), "tol_max": ref.tol_max, "tol_mean_low": ref.tol_mean,
+                 "total": _stats(ours, ref.logprobs, Tolerance(float("inf"))).as_dict()}
     n = len(ref.greedy[0].tokens)
     outs = llm.generate(ref.prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=TOP_K))
     complete = all(len(o.token_ids) == n and all(math.isfinite(v) for lp in o.logprobs for v in lp.values())
                    for o in outs)
     agree = sum(a == b for o, want in zip(outs, ref.greedy) for a, b in zip(o.token_ids, want.tokens))
-    tol = KV_MEAN_TOL[kv_cache_dtype]
-    ok = complete and stats.passed and stats.mean_abs <= tol            # passed: no NaN
-    result = (f"logprob err mean {stats.mean_abs:.3g} (tol {tol:g}), max {stats.max_abs:.3g}; greedy "
-              f"{agree}/{n * len(outs)} tokens as the reference{'' if complete else ', INCOMPLETE'}")
-    data = {**stats.as_dict(), "kv_cache_dtype": kv_cache_dtype, "tol_mean": tol, "greedy_complete": complete,
-            "greedy_agreement": agree / (n * len(outs)), "passed": ok}
+    ok = ok and complete
+    result += f"; greedy {agree}/{n * len(outs)} tokens as the reference{'' if complete else ', INCOMPLETE'}"
+    data |= {"greedy_complete": complete, "greedy_agreement": agree / (n * len(outs)), "passed": ok}
     return Row("models", f"{name} kv {kv_cache_dtype}", result, PASS if ok else FAIL, data=data)
 
 
@@ -248,9 +266,16 @@ def check_models(paths: dict[str, str], cpu: bool, log: Callable[[str], None] = 
             _free(device)
         if name == next(iter(paths)):
             for kv in KV_MEAN_TOL:
+                fp32 = None
+                if dtype != torch.float32:
+                    log(f"models: {name}: engine in fp32, kv_cache_dtype={kv}")
+                    llm = engine_for(path, ref, torch.float32, device, enforce_eager=False, kv_cache_dtype=kv)
+                    fp32 = engine_logprobs(llm, ref.sequences())
+                    del llm
+                    _free(device)
                 log(f"models: {name}: engine, kv_cache_dtype={kv}")
                 llm = engine_for(path, ref, dtype, device, enforce_eager=False, kv_cache_dtype=kv)
-                rows.append(compare_quantized_kv(name, llm, ref, kv))
+                rows.append(compare_quantized_kv(name, llm, ref, kv, fp32))
                 del llm
                 _free(device)
     return rows

@@ -63,7 +63,7 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
     models = {r["case"]: r["data"] for r in rows["models"]}
     for kv in ("int8", "fp8"):                                       # the first model with a quantized cache
         quant = models[f"llama-tiny kv {kv}"]
-        assert quant["greedy_complete"] and 0 < quant["mean_abs_err"] <= quant["tol_mean"], quant
+        assert quant["greedy_complete"] and 0 < quant["rounding"]["mean_abs_err"] <= quant["tol_mean"], quant
     for name in ("llama-tiny", "qwen2-tiny"):
         assert models[f"{name} teacher-forced"]["max_abs_err"] <= models[f"{name} teacher-forced"]["tol_max"]
         for eager in (False, True):
