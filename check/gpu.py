@@ -1,9 +1,11 @@
 """`baton check gpu`: one command that shows Baton's CUDA path right on one NVIDIA GPU, and how fast it is.
 
-Five parts, each a module of this package: the Triton attention kernel against the torch reference
+Six parts, each a module of this package: the Triton attention kernel against the torch reference
 (attention.py), the engine against transformers on random-weight models (models.py), throughput and batch-1
 latency against transformers and the HBM bound (speed.py), a NIXL KV pull between two processes (kv_pull.py),
-and tensor parallelism over two GPUs against one (tp.py; skipped on a one-GPU machine).
+tensor parallelism over two GPUs against one (tp.py; skipped on a one-GPU machine), and quantized weights:
+the Triton and FP8 matmuls in every packed layout, and GPTQ, int8 and fp8 models against their exact weights
+(quant.py).
 It needs only the repository and a stock CUDA PyTorch image: no Ray, no hub download, NIXL only for part 4.
 It prints a table and writes every figure as JSON (--out). It exits 1 when a correctness row fails; a missed
 performance goal is printed, not failed. `--cpu` runs the same code paths on the CPU with tiny sizes, so the
@@ -24,7 +26,7 @@ import torch
 
 from check.report import FAIL, Row, part_summary, row_to_dict, table, write_json
 
-PARTS = ("attention", "models", "speed", "kv_pull", "tp")
+PARTS = ("attention", "models", "speed", "kv_pull", "tp", "quant")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +65,9 @@ def run_part(part: str, cpu: bool, checkpoints: Checkpoints, log: Callable[[str]
     if part == "speed":
         from check.speed import check_speed
         return check_speed(next(iter(checkpoints.paths().values())), cpu, log)
+    if part == "quant":
+        from check.quant import check_quant
+        return check_quant(next(iter(checkpoints.paths().values())), cpu, log)
     if part == "kv_pull":
         from check.kv_pull import check_kv_pull
         return check_kv_pull(cpu, log)

@@ -330,29 +330,37 @@ def _unrotate(rows: int, n_head: int) -> "torch.Tensor":
 
 
 def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
-    """A GPTQ or AWQ checkpoint's tensors: each quantized linear's qweight, qzeros and scales as one packed
-    "<linear>.weight" (engine/quant.py; fp32 when `dequantize`), every other tensor as it is."""
-    from engine.quant import from_gptq_awq, hf_quant_method
+    """A GPTQ, AWQ or FP8 checkpoint's tensors: each quantized linear (GPTQ/AWQ: its qweight, qzeros and scales;
+    FP8: its e4m3 weight and weight_scale) as one packed "<linear>.weight" (engine/quant.py; fp32 when
+    `dequantize`), every other tensor as it is. An FP8 checkpoint's static input_scale is not used: activations
+    are scaled per token."""
+    from engine.quant import from_fp8, from_gptq_awq, hf_quant_method
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method, group = hf_quant_method(q), q.get("group_size", q.get("q_group_size"))
+    leaves = ("weight", "weight_scale") if method == "fp8" else ("qweight", "qzeros", "scales")
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iter_weights(model):
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "g_idx":                                # without act-order: k // group, nothing to use
+        if leaf in ("g_idx", "input_scale"):               # g_idx without act-order: k // group, nothing to use
             continue
-        if leaf not in ("qweight", "qzeros", "scales"):
+        if leaf == "weight_scale_inv":
+            raise ModelLoadError(f"{model}: {name} is a block-wise FP8 scale, which this engine does not load: "
+                                 f"FP8 with per-tensor or per-channel weight_scale loads")
+        if leaf not in leaves or (method == "fp8" and leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
             yield name, tensor
             continue
         got = parts.setdefault(prefix, {})
         got[leaf] = tensor
-        if len(got) == 3:
-            qw = from_gptq_awq(method, got["qweight"], got["qzeros"], got["scales"], group,
-                               gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2")
+        if len(got) == len(leaves):
+            if method == "fp8":
+                qw = from_fp8(got["weight"], got["weight_scale"])
+            else:
+                qw = from_gptq_awq(method, got["qweight"], got["qzeros"], got["scales"], group,
+                                   gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2")
             yield f"{prefix}.weight", qw.dequantize() if dequantize else qw
             del parts[prefix]
     if parts:
-        raise ModelLoadError(f"{model}: quantized layers without all of qweight, qzeros and scales: "
-                             f"{sorted(parts)[:3]}")
+        raise ModelLoadError(f"{model}: quantized layers without all of {', '.join(leaves)}: {sorted(parts)[:3]}")
 
 
 def read_slice(fh, name: str, dim: int, start: int, stop: int) -> torch.Tensor:

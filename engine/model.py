@@ -22,7 +22,7 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import LayerKV
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
-from engine.quant import QuantWeight, quantize_int8
+from engine.quant import QuantWeight, fp8_matmul, fp8_gemm_supported, quantize_fp8, quantize_int8
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -249,19 +249,33 @@ def _quant_kernels():
 
 
 class QuantLinear(nn.Module):
-    """A Linear over packed quantized weights (engine/quant.py), which the C++ kernel reads once per call
-    (engine/quant_kernels.py). Parts of different kinds (a Q4_K_M GGUF's Q6_K v beside its Q4_K q and k)
-    run one call each. Without a compiler the weight is dequantized once and runs as an fp32 Linear."""
+    """A Linear over packed quantized weights (engine/quant.py), read as stored on every call: on CPU by the C++
+    kernel (engine/quant_kernels.py), on CUDA by the Triton kernel (engine/quant_triton.py); FP8 by torch's
+    `_scaled_mm` (e4m3 activations), and on CUDA at decode-sized batches by the Triton kernel (weight-only: the
+    FP8 GEMM is slower than bf16 there). Parts of different kinds (a Q4_K_M GGUF's Q6_K v beside its Q4_K q and k) run one call each.
+    On CPU without a compiler the weight is dequantized once and runs as an fp32 Linear."""
 
-    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None):
+    def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, device: torch.device | None = None,
+                 triton: bool | None = None):
         super().__init__()
+        device = torch.device(device) if device is not None else parts[0].qs.device
+        triton = device.type != "cpu" if triton is None else triton   # True on CPU: the interpreter (tests)
         same = all((p.kind, p.group) == (parts[0].kind, parts[0].group) for p in parts)
         weights = [QuantWeight.cat(parts)] if same and len(parts) > 1 else list(parts)
         self.sources = [p.source for p in parts]
         self.calls = [(w.kind, w.group, *w.shape) for w in weights]      # what each kernel call computes
-        self.bias = None if bias is None else bias.detach()
+        self.bias = None if bias is None else bias.detach().to(device)
+        self.kernels = None
+        self.packed, self.dense, self.weights = [], None, []
+        if any(w.kind == "f8" for w in weights) or triton:
+            self.weights = [w.to(device) for w in weights]              # GPU kernels and FP8 read them as stored
+            self.fp8 = [(w.scales.view(1, -1).contiguous(), fp8_gemm_supported(device) and (
+                device.type != "cuda" or w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0))    # CUDA's GEMM: 16s
+                if w.kind == "f8" else None for w in self.weights]
+            # decode-sized batches read e4m3 weights in the Triton kernel (Triton converts e4m3 on CUDA 8.9+)
+            self.f8_kernel = triton and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9))
+            return
         self.kernels = _quant_kernels()
-        self.packed, self.dense = [], None
         if self.kernels is not None:         # the kernel's own layout replaces the loader's
             self.packed = [self.kernels.prepare(w.kind, w.qs, w.scales, w.mins, w.group) for w in weights]
         else:                                # no compiler: dequantized once
@@ -272,9 +286,19 @@ class QuantLinear(nn.Module):
     def tensors(self) -> list[torch.Tensor]:
         """What it holds in memory (weight_bytes)."""
         held = [t for p in self.packed for t in p] + ([] if self.dense is None else [self.dense])
+        held += [t for w in self.weights for t in (w.qs, w.scales, w.mins) if t is not None]
         return held + ([] if self.bias is None else [self.bias])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weights:
+            from engine.quant_triton import FP8_WEIGHT_ONLY_MAX_M, wo_matmul
+            x2 = x.reshape(-1, x.shape[-1])
+            small = x2.shape[0] <= FP8_WEIGHT_ONLY_MAX_M and self.f8_kernel
+            ys = [wo_matmul(x2, w) if f8 is None or small else fp8_matmul(x2, w, *f8)
+                  for w, f8 in zip(self.weights, self.fp8)]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.dense is not None:
             return self.fallback(x.float()).to(x.dtype)
         x32 = x.float().contiguous()
@@ -284,17 +308,18 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings kept packed: a lookup dequantizes only the rows it reads."""
+    """Token embeddings kept packed: a lookup dequantizes only the rows it reads, to the model's dtype."""
 
-    def __init__(self, weight: QuantWeight):
+    def __init__(self, weight: QuantWeight, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.qweight = weight
+        self.qweight = weight if device is None else weight.to(device)
+        self.dtype = dtype
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.qweight.qs, self.qweight.scales, self.qweight.mins) if t is not None]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight.dequantize(ids)
+        return self.qweight.dequantize(ids).to(self.dtype)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -405,15 +430,17 @@ class LlamaForCausalLM(nn.Module):
                                          for t in m.tensors()]
         return sum({t.data_ptr(): t.numel() * t.element_size() for t in held}.values())
 
-    def quantize_linears(self) -> int:
-        """quantization="int8": every Linear (the head too; a tied embedding stays as it is for lookups)
-        becomes int8 with one scale per output row. Returns how many."""
+    def quantize_linears(self, method: str = "int8") -> int:
+        """quantization="int8": every Linear (the head too; a tied embedding stays as it is for lookups) becomes
+        int8 with one scale per output row. "fp8": every Linear but the head (as vLLM) becomes e4m3 with one scale
+        per output row. Returns how many."""
         if self.tp is not None:
-            raise ModelLoadError("quantization='int8' runs at tensor_parallel_size 1 only")
+            raise ModelLoadError(f"quantization={method!r} runs at tensor_parallel_size 1 only")
+        quantize = {"int8": quantize_int8, "fp8": quantize_fp8}[method]
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
-                 if isinstance(child, nn.Linear)]
+                 if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)]
         for parent, name, child in swaps:
-            setattr(parent, name, QuantLinear([quantize_int8(child.weight)], child.bias))
+            setattr(parent, name, QuantLinear([quantize(child.weight)], child.bias, child.weight.device))
         self._attention_in_one_kernel()
         return len(swaps)
 
@@ -493,9 +520,10 @@ class LlamaForCausalLM(nn.Module):
         the embedding's packed rows). A fused module with a part that came as floats stays float."""
         for module, parts in packed.items():
             if module == "model.embed_tokens":
-                self.model.embed_tokens = QuantEmbedding(parts[0][0])
+                old = self.model.embed_tokens.weight
+                self.model.embed_tokens = QuantEmbedding(parts[0][0], old.device, old.dtype)
                 if self.tie_word_embeddings:
-                    self.lm_head = QuantLinear([parts[0][0]], None)
+                    self.lm_head = QuantLinear([parts[0][0]], None, old.device)
                 continue
             whole = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
             old = self.get_submodule(module)
@@ -506,7 +534,8 @@ class LlamaForCausalLM(nn.Module):
                     self._copy_in(params[target], qw.dequantize(), target, shard if whole > 1 else None, name)
                 continue
             parent, _, attr = module.rpartition(".")
-            setattr(self.get_submodule(parent), attr, QuantLinear([parts[i][0] for i in range(whole)], old.bias))
+            setattr(self.get_submodule(parent), attr,
+                    QuantLinear([parts[i][0] for i in range(whole)], old.bias, old.weight.device))
         if any(isinstance(m, QuantLinear) for m in self.modules()):
             self._attention_in_one_kernel()
 

@@ -60,8 +60,8 @@ class ModelRunner:
             self.model.load_weights(iter_hf_quant_weights(model_path, quant_config, self.quantization == "none"))
         else:
             self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
-        if self.quantization == "int8":
-            self.model.quantize_linears()
+        if hf_method is None and self.quantization in ("int8", "fp8"):   # a float checkpoint quantized at load
+            self.model.quantize_linears(self.quantization)
         self.weight_bytes = self.model.weight_bytes()
         if can_prepack(self.device, self.dtype):
             self.model.prepack_linears()

@@ -6,11 +6,13 @@ Two packed kinds cover every format we load, each re-expressed without loss:
 - "q8": int8 codes, w = scale * q per group. GGUF Q8_0 (group 32), Q6_K (6-bit codes - 32, group 16) and
   `quantization="int8"` (an fp16/bf16/fp32 checkpoint quantized at load, one scale per output row).
 GPTQ and AWQ checkpoints (4-bit, zero points, groups of a multiple of 32) land in "q4" too: min = -scale * zero.
+A third kind, "f8", holds FP8 e4m3 weights with one fp32 scale per output row (`quantization="fp8"` of a float
+checkpoint, or an FP8 checkpoint's per-tensor or per-channel `weight_scale`); its GEMM is torch's `_scaled_mm`.
 
 `qs` holds the codes row by row: q8 as int8 [N, K]; q4 as uint8 [N, K / 2] where each 32-column block is
 16 bytes, the low nibbles its columns 0..15 and the high nibbles 16..31 (GGUF's Q4_0/Q4_1 order).
-`scales` (and q4's `mins`) are fp32 [N, K / group]. The kernels (engine/quant_kernels.py) take these
-tensors; `dequantize` is the reference every format is checked against.
+`scales` (and q4's `mins`) are fp32 [N, K / group]. The kernels (engine/quant_kernels.py on CPU,
+engine/quant_triton.py on a GPU) take these tensors; `dequantize` is the reference every format is checked against.
 """
 from __future__ import annotations
 
@@ -22,16 +24,17 @@ import torch
 from engine.errors import ConfigError, ModelLoadError
 
 QUANTIZATIONS = ("auto", "none", "gguf", "gptq", "awq", "int8", "fp8")   # EngineConfig.quantization
-HF_METHODS = ("gptq", "awq")            # Hugging Face quantization_config methods whose weights load packed
+HF_METHODS = ("gptq", "awq", "fp8")     # Hugging Face quantization_config methods whose weights load packed
 
 # GGUF types kept packed (the rest of a GGUF's tensors are dequantized to fp32 on load, with a warning).
 PACKED_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+FP8_MAX = 448.0                         # the largest finite e4m3fn
 
 
 @dataclass
 class QuantWeight:
-    kind: str                     # "q4" | "q8"
-    qs: torch.Tensor              # q4: uint8 [N, K // 2]; q8: int8 [N, K]
+    kind: str                     # "q4" | "q8" | "f8"
+    qs: torch.Tensor              # q4: uint8 [N, K // 2]; q8: int8 [N, K]; f8: float8_e4m3fn [N, K]
     scales: torch.Tensor          # fp32 [N, K // group]
     mins: torch.Tensor | None     # q4: fp32 [N, K // group]; q8: None
     group: int                    # columns per scale: 16, 32, ..., K
@@ -44,6 +47,10 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.scales, self.mins) if t is not None)
+
+    def to(self, device: torch.device) -> "QuantWeight":
+        move = (lambda t: None if t is None else t.to(device))
+        return QuantWeight(self.kind, move(self.qs), move(self.scales), move(self.mins), self.group, self.source)
 
     def rows(self, index) -> "QuantWeight":
         """The rows `index` (a slice, a permutation): a head's share, or q/k rows in HF order."""
@@ -61,9 +68,9 @@ class QuantWeight:
                            cat([p.mins for p in parts]), a.group, "+".join(sorted({p.source for p in parts})))
 
     def codes(self, index=slice(None)) -> torch.Tensor:
-        """The integer codes of rows `index` as [n, K] (q4 unpacked to 0..15)."""
+        """The codes of rows `index` as [n, K] (q4 unpacked to 0..15; f8 as e4m3)."""
         qs = self.qs[index]
-        if self.kind == "q8":
+        if self.kind in ("q8", "f8"):
             return qs
         blocks = qs.view(qs.shape[0], -1, 16)
         return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(qs.shape[0], -1)
@@ -81,37 +88,32 @@ class QuantWeight:
 def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device, tp_size: int,
                          hf_method: str | None = None) -> str:
     """What the weights run as. "auto": a model named as a GGUF (the default model included) stays in its
-    packed types on CPU, as llama.cpp runs it, and so does a GPTQ or AWQ checkpoint (`hf_method`); anything
-    else runs in the model's dtype ("none", which dequantizes those). `gguf` is the GGUF the weights can load
-    from (None for a dummy or a Hugging Face checkpoint)."""
-    packed_ok = device.type == "cpu" and tp_size == 1
+    packed types, as llama.cpp and vLLM run it, and so does a GPTQ, AWQ or FP8 checkpoint (`hf_method`);
+    anything else runs in the model's dtype ("none", which dequantizes those). Packed weights run on CPU (C++
+    kernels) and CUDA (Triton; FP8 through torch's `_scaled_mm`) at tensor_parallel_size 1. `gguf` is the GGUF the
+    weights can load from (None for a dummy or a Hugging Face checkpoint)."""
+    packed_ok = device.type in ("cpu", "cuda") and tp_size == 1
     if hf_method is not None:
         if requested in ("auto", hf_method):
             if packed_ok:
                 return hf_method
             if requested == hf_method:
-                raise ConfigError(f"quantization={hf_method!r} has CPU kernels at tensor_parallel_size 1 only so "
-                                  f"far; quantization='none' dequantizes the checkpoint")
+                raise ConfigError(f"quantization={hf_method!r} runs at tensor_parallel_size 1 on CPU or CUDA only "
+                                  f"so far; quantization='none' dequantizes the checkpoint")
             return "none"
         if requested != "none":
             raise ConfigError(f"the checkpoint holds {hf_method} weights: quantization must be auto, "
                               f"{hf_method} or none (dequantized), not {requested!r}")
         return "none"
-    if requested in HF_METHODS:
+    if requested in ("gptq", "awq"):                # fp8 also quantizes a float checkpoint at load
         raise ConfigError(f"quantization={requested!r} needs a checkpoint whose config.json says quant_method "
                           f"{requested!r}")
-    if requested == "fp8":
-        raise ConfigError("quantization='fp8' needs FP8 GEMMs on a CUDA GPU, which this build does not have "
-                          "yet; on CPU use quantization='int8' or a GGUF model")
     if requested == "auto":
-        return "gguf" if gguf is not None and named_gguf and device.type == "cpu" and tp_size == 1 else "none"
+        return "gguf" if gguf is not None and named_gguf and packed_ok else "none"
     if requested == "gguf" and gguf is None:
         raise ConfigError("quantization='gguf' needs a GGUF model (a .gguf file or the default model)")
-    if requested in ("gguf", "int8") and device.type != "cpu":
-        raise ConfigError(f"quantization={requested!r} has CPU kernels only so far; on {device.type} use "
-                          f"quantization='none'")
-    if requested in ("gguf", "int8") and tp_size > 1:
-        raise ConfigError(f"quantization={requested!r} runs at tensor_parallel_size 1 only so far")
+    if requested in ("gguf", "int8", "fp8") and not packed_ok:
+        raise ConfigError(f"quantization={requested!r} runs at tensor_parallel_size 1 on CPU or CUDA only so far")
     return requested
 
 
@@ -182,19 +184,22 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # AutoAWQ's GEMM packing: nibble i 
 
 
 def hf_quant_method(quant_config) -> str | None:
-    """The method of a checkpoint's quantization_config that loads packed ("gptq", "awq"), None without one; a
-    ModelLoadError naming the method or the option we do not load."""
+    """The method of a checkpoint's quantization_config that loads packed ("gptq", "awq", "fp8"), None without
+    one; a ModelLoadError naming the method or the option we do not load."""
     if not quant_config:
         return None
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method = q.get("quant_method")
-    if method == "fp8":
-        raise ModelLoadError("this checkpoint holds fp8 weights, which need FP8 GEMMs on a CUDA GPU (not built "
-                             "yet): give the unquantized checkpoint, a GGUF, or a GPTQ/AWQ 4-bit one")
     if method not in HF_METHODS:
         raise ModelLoadError(f"this checkpoint holds {method or 'quantized'} weights (quantization_config in its "
-                             f"config.json), which this engine does not load: GPTQ and AWQ (4-bit), GGUF and "
-                             f"unquantized checkpoints load")
+                             f"config.json), which this engine does not load: GPTQ and AWQ (4-bit), FP8 (e4m3, "
+                             f"per-tensor or per-channel scales), GGUF and unquantized checkpoints load")
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise ModelLoadError(f"this fp8 checkpoint has block-wise scales (weight_block_size "
+                                 f"{q['weight_block_size']}), which this engine does not load: FP8 with per-tensor "
+                                 f"or per-channel weight_scale loads")
+        return method
     bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
     problems = []
     if bits != 4:
@@ -246,3 +251,49 @@ def _pack_nibbles_t(q: torch.Tensor) -> torch.Tensor:
     """Codes 0..15 uint8 [N, K] -> [N, K / 2] in the q4 layout."""
     b = q.view(q.shape[0], -1, 2, 16)
     return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+# -- FP8: torch's _scaled_mm (CUDA capability 8.9+, and torch's CPU build) ------------------------------------
+def quantize_fp8(weight: torch.Tensor) -> QuantWeight:
+    """`quantization="fp8"`: e4m3 with one scale per output row (amax / 448), as vLLM's dynamic FP8."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    qs = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantWeight("f8", qs.contiguous(), scales.contiguous(), None, w.shape[1], "fp8")
+
+
+def from_fp8(weight: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
+    """An FP8 checkpoint's linear: e4m3 `weight` [N, K] and its `weight_scale` (a scalar: per tensor; [N] or
+    [N, 1]: per channel) as an "f8" QuantWeight with one scale per row."""
+    n, k = weight.shape
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ModelLoadError(f"an fp8 checkpoint's weight must be float8_e4m3fn, got {weight.dtype}")
+    s = scale.float().reshape(-1)
+    if s.numel() not in (1, n):
+        raise ModelLoadError(f"weight_scale of {tuple(scale.shape)} for a weight of {(n, k)}: per-tensor (one "
+                             f"value) and per-channel ({n} values) scales load")
+    return QuantWeight("f8", weight.contiguous(), s.expand(n).reshape(n, 1).contiguous(), None, k, "FP8")
+
+
+def fp8_gemm_supported(device: torch.device) -> bool:
+    """torch._scaled_mm in FP8: CUDA capability 8.9+ (Ada, Hopper, Blackwell) and torch's CPU build."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cpu"
+
+
+def quantize_tokens_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> e4m3 codes and fp32 per-token scales [M, 1]."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_matmul(x: torch.Tensor, w: QuantWeight, scale_row: torch.Tensor, use_gemm: bool) -> torch.Tensor:
+    """x [M, K] @ dequantize(w).T in x's dtype. `scale_row`: w's scales as fp32 [1, N] (what _scaled_mm takes)."""
+    if not use_gemm:
+        return x @ (w.qs.to(x.dtype) * w.scales.to(x.dtype)).t()
+    xq, xs = quantize_tokens_fp8(x)
+    out_dtype = torch.bfloat16 if x.device.type == "cuda" else torch.float32   # CUDA's row-wise scaling: bf16 out
+    y = torch._scaled_mm(xq, w.qs.t(), scale_a=xs, scale_b=scale_row, out_dtype=out_dtype)
+    return y.to(x.dtype)
