@@ -232,7 +232,8 @@ def compare_quantized_kv(name: str, llm, ref: Reference, kv_cache_dtype: str,
     if fp32_same_cache is not None:
         low = _stats(ours, fp32_same_cache, Tolerance(ref.tol_max))
         ok = ok and low.passed and low.mean_abs <= ref.tol_mean
-        result += f"; low dtype vs it: max {low.max_abs:.3g}, mean {low.mean_abs:.3g} (tol {ref.tol_max:.3g} / {ref.tol_mean:.3g})"
+        result += (f"; low dtype vs it: max {low.max_abs:.3g}, mean {low.mean_abs:.3g} "
+                   f"(tol {ref.tol_max:.3g} / {ref.tol_mean:.3g})")
         data |= {"low_vs_fp32": low.as_dict(), "tol_max": ref.tol_max, "tol_mean_low": ref.tol_mean,
                  "total": _stats(ours, ref.logprobs, Tolerance(float("inf"))).as_dict()}
     n = len(ref.greedy[0].tokens)

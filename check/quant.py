@@ -238,8 +238,9 @@ def kernel_rows(cpu: bool) -> list[Row]:
                 del fn, y, ref
             del w, layer
         ok = all(e["passed"] for e in errs)
-        rows.append(Row("quant", f"kernel {name}", f"worst error {worst:.2f} of the tolerance ({TOL[dtype]:g} x max|ref|)"
-                        f" over {len(errs)} calls", PASS if ok else FAIL, data={"calls": errs, "bytes": nbytes}))
+        rows.append(Row("quant", f"kernel {name}",
+                        f"worst error {worst:.2f} of the tolerance ({TOL[dtype]:g} x max|ref|) over {len(errs)} calls",
+                        PASS if ok else FAIL, data={"calls": errs, "bytes": nbytes}))
         for m in ms:
             t, base = times[(name, m)], times[("bf16", m)]
             allowed = bf16_bytes / nbytes

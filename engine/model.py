@@ -252,8 +252,8 @@ class QuantLinear(nn.Module):
     """A Linear over packed quantized weights (engine/quant.py), read as stored on every call: on CPU by the C++
     kernel (engine/quant_kernels.py), on CUDA by the Triton kernel (engine/quant_triton.py); FP8 by torch's
     `_scaled_mm` (e4m3 activations), and on CUDA at decode-sized batches by the Triton kernel (weight-only: the
-    FP8 GEMM is slower than bf16 there). Parts of different kinds (a Q4_K_M GGUF's Q6_K v beside its Q4_K q and k) run one call each.
-    On CPU without a compiler the weight is dequantized once and runs as an fp32 Linear."""
+    FP8 GEMM is slower than bf16 there). Parts of different kinds (a Q4_K_M GGUF's Q6_K v beside its Q4_K q and
+    k) run one call each. On CPU without a compiler the weight is dequantized once and runs as an fp32 Linear."""
 
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, device: torch.device | None = None,
                  triton: bool | None = None):

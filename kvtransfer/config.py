@@ -1,5 +1,5 @@
 """TransferConfig: the cluster config's `transfer:` section (cluster.ClusterConfig composes it), read by the
-replicas' KV links."""
+replicas' KV links; and the rule a replica (and the planning simulator, plan/sim.py) decides a prefix pull by."""
 from __future__ import annotations
 
 from typing import Literal
@@ -26,3 +26,20 @@ class TransferConfig(BaseModel):
     ucx_tls: str | None = Field(None, min_length=1, description="UCX_TLS for the pools' NIXL agents, e.g. "
                                                                 "'shm,tcp' or 'rc,cuda_copy,cuda_ipc' (default: "
                                                                 "kvtransfer's choice); ignored with backend ray")
+
+
+PREFIX_PULL_OVERHEAD_S = 0.01   # a prefix pull's fixed cost (the export call, the pull's set-up): 5-15 ms here
+
+
+def prefix_pull_pays(blocks: int, block_bytes: int, block_size: int, pulled: tuple[float, float] | list,
+                     default_gbps: float, computed_tokens: int, busy_seconds: float) -> bool:
+    """Whether pulling `blocks` cached blocks beats computing their tokens: PREFIX_PULL_OVERHEAD_S plus their
+    bytes at the bandwidth this replica's pulls reached (`pulled`: bytes, seconds; default_gbps before any)
+    against their tokens at the rate its engine computes (tokens per busy second; before a second of it is
+    measured, pull: a cached block is never slower to move than to compute on any engine measured here)."""
+    nbytes, seconds = pulled
+    bandwidth = nbytes / seconds if seconds > 0 else default_gbps * 1e9
+    if busy_seconds < 1.0:
+        return True
+    pull_s = PREFIX_PULL_OVERHEAD_S + blocks * block_bytes / bandwidth
+    return pull_s < blocks * block_size / (computed_tokens / busy_seconds)

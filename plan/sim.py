@@ -19,6 +19,11 @@ a decode request's blocks reserved before its KV is pulled. A step costs what th
 says. Steps that only decode are simulated as one run until a sequence finishes or new work arrives (a run
 is cut at the step in progress), so a day of trace over 1,000 GPUs takes minutes.
 
+Prefix pulls (issue 21) run by the replicas' rule: the ingress names the replica whose cached prefix is longest
+(router.orchestrator.prefix_source), and the engine that is to prefill the prompt pulls those blocks instead
+of computing them when kvtransfer.config.prefix_pull_pays says the pull is faster (the cost model's transfer
+bandwidth, PREFIX_PULL_OVERHEAD_S, and the engine's own tokens per busy second), then computes the rest.
+
 Left out, on purpose: LoRA, speculative decoding, the host KV tier, failures and migration, admission
 control's several ingress replicas (one holds the whole budget here); KV events reach the index at once (the
 real index lags by index_sync_interval_s).
@@ -38,12 +43,13 @@ from cluster.config import ClusterConfig
 from engine.config import EngineConfig
 from engine.kv_events import BlockRemoved, BlockStored
 from engine.sampling_params import SamplingParams
+from kvtransfer.config import PREFIX_PULL_OVERHEAD_S, prefix_pull_pays
 from plan.cost import Batch, Cost, attention_pairs
 from replica.messages import PoolRequest
 from replica.names import DECODE, POOLS, PREFILL
 from router.admission import Admission
 from router.openai_protocol import OpenAIError
-from router.orchestrator import prefill_remotely
+from router.orchestrator import prefill_remotely, prefix_source
 from router.prefix_index import PrefixIndex
 from router.request_routers import DecodeRouter, PrefixAwareRouter
 
@@ -88,6 +94,8 @@ class Seq:
     nblocks: int = 0
     hashed: list[int] = field(default_factory=list)   # full blocks it holds under their hash
     cached: int = 0              # prompt tokens found cached
+    source: tuple[str, str, int] | None = None   # (pool, replica, blocks): where the index says its prefix is
+    pull_blocks: int = 0         # a prefix pull brings its first pull_blocks blocks (0: computed here)
 
 
 class BlockCache:
@@ -179,7 +187,8 @@ class Engine:
         self.version = 0                     # a cut run's end event is stale
         self.run: tuple | None = None        # (start, cumulative ends, seqs) of a multi-step decode run
         self.busy_s = 0.0
-        self.batch_tokens = 0                # tokens computed (for stats)
+        self.computed_tokens = 0             # tokens its steps computed (the prefix-pull rule's rate)
+        self.pull_stats = [0.0, 0.0]         # bytes, seconds of its prefix pulls (the rule's bandwidth)
         self.event_seq = 0
         self.ready_at = 0.0
         self.stopping = False
@@ -212,8 +221,27 @@ class Engine:
 
     # -- work in --------------------------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
+        if seq.source is not None and not seq.remote:
+            seq.pull_blocks = self._prefix_pull(seq)
         self.waiting.append(seq)
         self.kick()
+
+    def _prefix_pull(self, seq: Seq) -> int:
+        """EngineReplica.prefix_remote's decision: the blocks a pull from seq.source would leave this engine
+        holding, or 0 to compute them (pulls off, the source is this engine, it would bring fewer than
+        prefix_pull_min_blocks, or prefix_pull_pays says computing is faster)."""
+        t = self.sim.cfg.transfer
+        _pool, rid, n = seq.source
+        if not t.prefix_pull or rid == self.rid:
+            return 0
+        hashes = seq.req.hashes
+        usable = min(n, (seq.need - 1) // self.bs, len(hashes))
+        gain = usable - self.kv.match(hashes[:usable])
+        if gain < t.prefix_pull_min_blocks or not prefix_pull_pays(
+                gain, self.sim.cost.kv_bytes_per_token * self.bs, self.bs, self.pull_stats, t.prefix_pull_gbps,
+                self.computed_tokens, self.busy_s):
+            return 0
+        return usable
 
     def kick(self) -> None:
         """New work: start a step if idle, or cut a decode run at the step in progress."""
@@ -259,6 +287,18 @@ class Engine:
             seq = self.waiting[0]
             hashes = seq.req.hashes[:max(min(len(seq.req.hashes), (seq.need - 1) // self.bs), 0)]
             hit = kv.match(hashes)
+            if seq.pull_blocks > hit:                   # a prefix pull: hold its blocks, pull, compute the rest
+                kv.take(seq, hashes[:hit])
+                if not kv.allocate(seq, seq.pull_blocks - seq.nblocks):
+                    kv.release(seq)
+                    break
+                self.waiting.popleft()
+                self.loading += 1
+                seq.cached = hit * self.bs
+                self.sim.hits[self.pool][0] += seq.need
+                self.sim.hits[self.pool][1] += seq.cached
+                self.sim.prefix_pull(self, seq, (seq.pull_blocks - hit) * self.bs)
+                continue
             if seq.remote:                              # reserve the whole prompt, pull what is not cached
                 kv.take(seq, hashes[:hit])
                 if not kv.allocate(seq, blocks(seq.need + 1, self.bs) - seq.nblocks):
@@ -286,6 +326,7 @@ class Engine:
         if not sched:
             return
         self.busy = True
+        self.computed_tokens += sum(n for _, n in sched)
         slow = self.sim.slowdown(self)
         if all(seq.computed >= seq.need for seq, _ in sched):
             self._decode_run(sched, slow)
@@ -333,6 +374,7 @@ class Engine:
         if k > 1:                                       # every sequence's gaps after its run's first token
             self.sim.itl_hist += np.histogram(steps[1:], ITL_BINS)[0] * len(seqs)
         self.busy_s += float(ends[-1])
+        self.computed_tokens += k * len(seqs) - len(seqs)    # its first step's tokens counted when scheduled
         for s in seqs:
             s.tokens += k
             s.out -= k
@@ -408,6 +450,16 @@ class Engine:
         self._flush_events()
         self.kick()
 
+    def prefix_pulled(self, seq: Seq, nbytes: float, seconds: float) -> None:
+        """A prefix pull arrived: its blocks are cached here, and the rest of the prompt is computed."""
+        self.loading -= 1
+        self.pull_stats = [self.pull_stats[0] + nbytes, self.pull_stats[1] + seconds]
+        seq.computed = seq.tokens = seq.pull_blocks * self.bs
+        self.kv.register(seq, seq.pull_blocks)
+        self._flush_events()
+        self.running.append(seq)
+        self.kick()
+
     def pulled(self, seq: Seq) -> None:
         """An import's KV arrived: it runs (its prompt's blocks cached here too)."""
         self.loading -= 1
@@ -468,6 +520,7 @@ class Simulator:
         self.engines: dict[str, list[Engine]] = {p: [] for p in self.pools}
         self.ids = 0
         self.hits = {p: [0, 0] for p in POOLS}          # query tokens, hit tokens
+        self.prefix_pulls = [0, 0]                      # pulls, tokens pulled
         self.itl_hist = np.zeros(len(ITL_BINS) - 1)
         self.preemptions = 0
         self.done: list[SimRequest] = []
@@ -561,13 +614,14 @@ class Simulator:
                 r.rejected = True
                 self.finished(r)
                 return
+        source = prefix_source(self.mirror.index, hashes, not self.colocated)
         if not self.colocated and prefill_remotely(r.prompt, decode_hit, self.block_size,
                                                    self.cfg.disaggregation.min_remote_prefill_tokens):
             engine = self._route(PREFILL, r, prefill=False)
-            engine.add(Seq(r, need=r.prompt, out=1))
+            engine.add(Seq(r, need=r.prompt, out=1, source=source))
         else:
             engine = self._route(DECODE, r, prefill=False)
-            engine.add(Seq(r, need=r.prompt, out=r.output))
+            engine.add(Seq(r, need=r.prompt, out=r.output, source=source))
 
     def _route(self, pool: str, r: SimRequest, prefill: bool) -> Engine:
         live = self.live(pool)
@@ -602,6 +656,14 @@ class Simulator:
                 src[0].unpin(src[1])
             engine.pulled(seq)
         self.at(self.now + seconds, arrived)
+
+    def prefix_pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
+        """A prefix pull of `tokens` from another replica (its blocks are not pinned there: left out)."""
+        nbytes = tokens * self.cost.kv_bytes_per_token
+        seconds = PREFIX_PULL_OVERHEAD_S + nbytes / (self.cost.overheads.transfer_gbps * 1e9)
+        self.prefix_pulls[0] += 1
+        self.prefix_pulls[1] += tokens
+        self.at(self.now + seconds, lambda: engine.prefix_pulled(seq, nbytes, seconds))
 
     def add_itl(self, gap: float) -> None:
         self.itl_hist[min(max(np.searchsorted(ITL_BINS, gap) - 1, 0), len(self.itl_hist) - 1)] += 1
@@ -766,6 +828,7 @@ def summarize(requests: list[SimRequest], sim: Simulator, slo: tuple[float, floa
                            "replica_seconds": {p: round(v, 1) for p, v in sim.replica_seconds.items()}}
     q = sum(v[0] for v in sim.hits.values())
     out["prefix_hit_rate"] = sum(v[1] for v in sim.hits.values()) / q if q else None
+    out["prefix_pulls"], out["prefix_pulled_tokens"] = sim.prefix_pulls
     out["rejected_429"] = sum(r.rejected for r in requests)
     if slo is not None:
         good = [r for r in done if r.ttft <= slo[0] and (r.mean_itl is None or r.mean_itl <= slo[1])]

@@ -26,7 +26,7 @@ from engine.kv_events import KVEvent, encode_events
 from engine.outputs import RequestOutput
 from engine.parallel import TPWorkerError
 from kvtransfer import KVHandoff, KVLink
-from kvtransfer.config import TransferConfig
+from kvtransfer.config import TransferConfig, prefix_pull_pays
 from replica.messages import PoolRequest, PrefixExport
 from replica.metrics import LatencyWindow, ReplicaMetrics
 from replica.names import get_state_actor
@@ -41,7 +41,6 @@ PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transf
 TP_FAILURE_GRACE_S = 3.0        # a failed step waits this long for Ray to report a dead TP worker (about 1 s)
 RESERVE_MARGIN_S = 2.0          # an import must start this long before its hand-off's lease ends
 PREFIX_EXPORT_TIMEOUT_S = 2.0   # asking another replica for a prefix pull's hand-off: past this, compute it
-PREFIX_PULL_OVERHEAD_S = 0.01   # a prefix pull's fixed cost (the export call, the pull's set-up): 5-15 ms here
 
 
 def replica_id() -> str:
@@ -328,20 +327,6 @@ class ReplicaLLM(AsyncLLM):
         while (failure := tp_failure(self.engine)) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return failure
-
-
-def prefix_pull_pays(blocks: int, block_bytes: int, block_size: int, pulled: tuple[float, float] | list,
-                     default_gbps: float, computed_tokens: int, busy_seconds: float) -> bool:
-    """Whether pulling `blocks` cached blocks beats computing their tokens: PREFIX_PULL_OVERHEAD_S plus their
-    bytes at the bandwidth this replica's pulls reached (`pulled`: bytes, seconds; default_gbps before any)
-    against their tokens at the rate its engine computes (tokens per busy second; before a second of it is
-    measured, pull: a cached block is never slower to move than to compute on any engine measured here)."""
-    nbytes, seconds = pulled
-    bandwidth = nbytes / seconds if seconds > 0 else default_gbps * 1e9
-    if busy_seconds < 1.0:
-        return True
-    pull_s = PREFIX_PULL_OVERHEAD_S + blocks * block_bytes / bandwidth
-    return pull_s < blocks * block_size / (computed_tokens / busy_seconds)
 
 
 def _load(engine: LLMEngine) -> dict[str, Any]:

@@ -56,6 +56,15 @@ def prefill_remotely(num_tokens: int, decode_hit_blocks: int, block_size: int, m
     return num_tokens - decode_hit_blocks * block_size > min_remote
 
 
+def prefix_source(index: dict, hashes: list[int], disaggregated: bool) -> tuple[str, str, int] | None:
+    """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): the replica caching most of
+    the prompt's leading blocks, a prefill replica on a tie (Orchestrator.prefix_source; plan/sim.py)."""
+    pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
+    best = max(((n, rank, rid, pool) for pool, rank in pools for rid, n in index[pool].match(hashes).items()),
+               default=None)
+    return (best[3], best[2], best[0]) if best is not None and best[0] > 0 else None
+
+
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
                  min_remote_prefill_tokens: int, sync_interval_s: float, max_moves: int = 3):
@@ -90,10 +99,7 @@ class Orchestrator:
         if self.mirror is None or not hashes:
             return None
         self.mirror.start()
-        pools = ((PREFILL, 1), (DECODE, 0)) if self.prefill is not None else ((DECODE, 0),)
-        best = max(((n, rank, rid, pool) for pool, rank in pools
-                    for rid, n in self.mirror.index[pool].match(hashes).items()), default=None)
-        return (best[3], best[2], best[0]) if best is not None and best[0] > 0 else None
+        return prefix_source(self.mirror.index, hashes, self.prefill is not None)
 
     def cached_tokens(self, hashes: list[int]) -> int:
         """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""

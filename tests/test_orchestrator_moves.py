@@ -155,7 +155,7 @@ def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
 
 
 def test_a_prefix_pull_is_taken_when_moving_the_blocks_beats_computing_them():
-    from replica.engine_replica import prefix_pull_pays
+    from kvtransfer.config import prefix_pull_pays
     smol = 737_280                                                  # SmolLM2's fp32 block
     # this CPU: ~1,000 prompt tokens/s, pulls at 4 GB/s: 8 blocks are 128 ms to compute, 11.5 ms to pull
     assert prefix_pull_pays(8, smol, 16, (4e9, 1.0), 1.0, 10_000, 10.0)

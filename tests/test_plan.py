@@ -181,6 +181,21 @@ def test_baton_s_prefix_aware_router_keeps_tenants_on_their_replicas_and_pow2_do
     assert aware["prefix_hit_rate"] > pow2["prefix_hit_rate"] + 0.15
 
 
+def test_under_pow2_a_replica_pulls_a_prefix_another_caches_instead_of_computing_it():
+    """Issue 21's prefix pulls in the simulator, by the replicas' own rule: under pow2 a tenant's prompt often
+    lands on the prefill replica that lacks its prefix, which pulls the prefix from the one that has it (a few ms
+    at the transfer bandwidth) instead of computing 512 tokens, so TTFT falls; turned off, nothing is pulled."""
+    kv = int(2.5 * 512 / BS) + 8
+    on = simulate(config(prefill=2, kv_blocks=kv, policy="pow2"), COST, tenants(48))
+    off = simulate(config(prefill=2, kv_blocks=kv, policy="pow2", transfer={"prefix_pull": False}), COST, tenants(48))
+    assert off["prefix_pulls"] == off["prefix_pulled_tokens"] == 0
+    assert on["prefix_pulls"] > 5 and on["prefix_pulled_tokens"] >= on["prefix_pulls"] * 4 * BS   # min_blocks each
+    assert on["ttft_ms"]["p50"] < 0.7 * off["ttft_ms"]["p50"], (on["ttft_ms"], off["ttft_ms"])
+    few = simulate(config(prefill=2, kv_blocks=kv, policy="pow2", transfer={"prefix_pull_min_blocks": 64}), COST,
+                   tenants(48))
+    assert few["prefix_pulls"] == 0                       # a prefix of 32 blocks never brings 64
+
+
 def test_local_prefills_sharing_a_system_prompt_spread_over_the_decode_pool():
     """Colocated replicas all asked to prefill prompts behind one system prompt: the router weighs queued prompt
     tokens (the prefill pool's rule), so the load spreads instead of piling onto the replica caching it."""
