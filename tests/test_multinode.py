@@ -170,10 +170,14 @@ def test_pools_on_their_nodes_serve_the_offline_text_with_kv_over_the_network(no
     assert placement["decode"] == [nodes.ip(DECODE_NODE)]
     before = on_head(nodes, METRICS)
     assert chat(nodes)["text"] == offline_text
-    after = on_head(nodes, METRICS)
-    pulled = total(after, "baton_kv_transfer_bytes_total", 'pool="decode"') - \
-        total(before, "baton_kv_transfer_bytes_total", 'pool="decode"')
-    assert pulled > 0, "the prompt's KV went from the prefill node to the decode node"
+
+    def pulled() -> dict | None:          # replicas report their metrics every half second: wait for the pull's
+        m = on_head(nodes, METRICS)
+        grew = total(m, "baton_kv_transfer_bytes_total", 'pool="decode"') - \
+            total(before, "baton_kv_transfer_bytes_total", 'pool="decode"')
+        return m if grew > 0 else None
+    after = wait_for(pulled, 20, "the decode node's metrics to show the prompt's KV pulled from the prefill node",
+                     interval_s=1.0)
     # the same prompt again: the router on the head predicts what the chosen replica caches from the KV events
     # its node sent (the decode replica now holds the prompt, so it may prefill the rest itself)
     assert chat(nodes)["text"] == offline_text
