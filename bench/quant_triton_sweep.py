@@ -26,11 +26,10 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.quant_triton_sweep needs a CUDA GPU")
-    import triton
     from triton.testing import do_bench
 
     from check.quant import GPU_SHAPES, LAYOUTS, random_weight
-    from engine.quant_triton import _num_sms, wo_matmul
+    from engine.quant_triton import _num_sms, fit_block_k, split_k, wo_matmul
     dev = torch.device("cuda")
     sms = _num_sms(dev)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -38,12 +37,6 @@ def main() -> None:
 
     def bench(fn) -> float:
         return do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
-
-    def splits(m: int, n: int, k: int, bm: int, bn: int, bk: int) -> int:   # plan()'s rule for a given tile
-        tiles, steps, s = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk), 1
-        while m <= 16 and s * 2 <= steps and tiles * s * 2 <= 2 * sms:
-            s *= 2
-        return s
 
     weights = {name: [random_weight(kind, g, n, k, dev, 100 + i) for i, (n, k) in enumerate(GPU_SHAPES)]
                for name, (kind, g) in LAYOUTS.items()}
@@ -59,10 +52,8 @@ def main() -> None:
                 try:
                     us = 0.0
                     for w, (n, k) in zip(ws, GPU_SHAPES):
-                        b = bk
-                        while b > 32 and w.group % b and b % w.group:
-                            b //= 2
-                        cfg = (bm, bn, b, splits(m, n, k, bm, bn, b), warps)
+                        b = fit_block_k(bk, w.group)
+                        cfg = (bm, bn, b, split_k(m, n, k, bm, bn, b, sms), warps)
                         us += bench(lambda: wo_matmul(xs[k], w, cfg))
                     timed.append(([bm, bn, bk, warps], round(us, 1)))
                 except Exception as e:                  # noqa: BLE001 - a tile too big for the SM's memory

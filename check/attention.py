@@ -11,18 +11,13 @@ the variable must be set before triton is imported; without triton the C++ CPU k
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from check.compare import Tolerance, error_stats
-from check.report import FAIL, PASS, Row, row_from_dict, row_to_dict
+from check.report import FAIL, PASS, Row, interpreted_rows, print_interpreted_rows
 from engine.attention import AttentionMetadata, paged_attention_torch
 from engine.kv_layout import KVCacheSpec, dequantize_kv, kv_cache_shape, layer_views, quantize_kv
 
@@ -192,7 +187,7 @@ def check_attention(cpu: bool, log: Callable[[str], None] = lambda m: None) -> l
         dev = torch.device("cuda")
         return [run_case(c, "triton", dev) for c in cases(cpu=False)]
     try:
-        return _interpreted_rows()
+        return interpreted_rows("check.attention")
     except RuntimeError as e:                   # no triton, or its interpreter failed: the C++ kernel stands in
         log(f"Triton interpreter unavailable ({e}); comparing the C++ CPU kernel instead")
         rows = [run_case(c, "cpu", torch.device("cpu")) for c in cases(cpu=True) if c.dtype == torch.float32]
@@ -202,23 +197,9 @@ def check_attention(cpu: bool, log: Callable[[str], None] = lambda m: None) -> l
         return rows
 
 
-def _interpreted_rows() -> list[Row]:
-    """The CPU cases in a subprocess under TRITON_INTERPRET=1; its rows come back as JSON on stdout."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "check.attention"], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
-    return [row_from_dict(d) for d in json.loads(proc.stdout)]
-
-
 def main() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (check.attention's CPU cases use Triton's interpreter)")
-    rows = [run_case(c, "triton", torch.device("cpu")) for c in cases(cpu=True)]
-    print(json.dumps([row_to_dict(r) for r in rows]))
+    print_interpreted_rows("check.attention",
+                           lambda: [run_case(c, "triton", torch.device("cpu")) for c in cases(cpu=True)])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
         model.model.norm.weight.fill_(LOGIT_STD / (cfg.initializer_range * cfg.hidden_size ** 0.5))
     model.to(dtype).save_pretrained(out_dir)
     del model
-    _free(device)
+    free_memory(device)
     return str(out_dir)
 
 
@@ -92,7 +92,8 @@ def random_prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 0) -> 
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
+    """Drop what a finished engine or model held (every part calls it between them)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -133,14 +134,14 @@ def hf_reference(path: str, prompts: list[list[int]], new_tokens: int, dtype: to
     seqs = [p + g.tokens for p, g in zip(prompts, greedy)]
     ref = _hf_logprobs(model, seqs)
     del model
-    _free(device)
+    free_memory(device)
     tol_max, tol_mean = FLOORS[dtype]
     hf_low = None
     if dtype != torch.float32:
         model = _hf_model(path, dtype, device)
         hf_low = _stats(_hf_logprobs(model, seqs), ref, Tolerance(float("inf")))
         del model
-        _free(device)
+        free_memory(device)
         tol_max, tol_mean = max(tol_max, TOL_FACTOR * hf_low.max_abs), max(tol_mean, TOL_FACTOR * hf_low.mean_abs)
     return Reference(prompts, greedy, ref, tol_max, tol_mean, hf_low)
 
@@ -264,7 +265,7 @@ def check_models(paths: dict[str, str], cpu: bool, log: Callable[[str], None] = 
                 rows.append(compare_logprobs(name, llm, ref))
             rows.append(compare_greedy(name, llm, ref, f"enforce_eager={eager}"))
             del llm
-            _free(device)
+            free_memory(device)
         if name == next(iter(paths)):
             for kv in KV_MEAN_TOL:
                 fp32 = None
@@ -273,10 +274,10 @@ def check_models(paths: dict[str, str], cpu: bool, log: Callable[[str], None] = 
                     llm = engine_for(path, ref, torch.float32, device, enforce_eager=False, kv_cache_dtype=kv)
                     fp32 = engine_logprobs(llm, ref.sequences())
                     del llm
-                    _free(device)
+                    free_memory(device)
                 log(f"models: {name}: engine, kv_cache_dtype={kv}")
                 llm = engine_for(path, ref, dtype, device, enforce_eager=False, kv_cache_dtype=kv)
                 rows.append(compare_quantized_kv(name, llm, ref, kv, fp32))
                 del llm
-                _free(device)
+                free_memory(device)
     return rows

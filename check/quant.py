@@ -25,11 +25,7 @@ and prints their rows as JSON (the subprocess).
 """
 from __future__ import annotations
 
-import gc
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,7 +33,8 @@ from typing import Callable
 import torch
 
 from check.compare import Tolerance, error_stats
-from check.report import FAIL, INFO, PASS, Row, row_from_dict, row_to_dict
+from check.report import FAIL, INFO, PASS, Row, interpreted_rows, print_interpreted_rows
+from check.models import free_memory
 from engine.quant import QuantWeight, quantize_fp8, quantize_int8, quantize_tokens_fp8
 
 # -- checkpoints in quantized formats (the tests write theirs with these too) ------------------------------------
@@ -258,18 +255,6 @@ def kernel_rows(cpu: bool) -> list[Row]:
     return rows
 
 
-def _interpreted_rows() -> list[Row]:
-    """The CPU kernel cases in a subprocess under TRITON_INTERPRET=1; rows come back as JSON on stdout."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "check.quant"], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
-    return [row_from_dict(d) for d in json.loads(proc.stdout)]
-
-
 # -- models ----------------------------------------------------------------------------------------------------
 FORMATS = ("gptq", "int8", "fp8-load")
 WEIGHT_ONLY_FACTOR = 2.0       # x the unquantized bf16 engine's own error (same weights, fp32 reference)
@@ -279,15 +264,9 @@ GPU_GROUP, CPU_GROUP = 128, 32
 ITL_PROMPT, ITL_TOKENS = 128, 64
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _engine(path: str, dtype: torch.dtype, device: torch.device, eager: bool, quantization: str = "auto"):
     from engine import LLM
-    return LLM(path, dtype=str(dtype).removeprefix("torch."), device=device.type, enforce_eager=eager,
+    return LLM(path, dtype=dtype_name(dtype), device=device.type, enforce_eager=eager,
                quantization=quantization, max_num_seqs=8, max_model_len=512 if device.type == "cpu" else 1024,
                kv_cache_memory=None if device.type == "cuda" else 64 << 20)
 
@@ -305,7 +284,7 @@ def _logprobs(path: str, seqs, dtype, device, eager: bool, quantization: str = "
         res = llm.generate([prompt], SamplingParams(max_tokens=ITL_TOKENS, ignore_eos=True, temperature=0))[0]
         out["ms_per_token"] = res.metrics.time_per_output_token * 1e3
     del llm
-    _free(device)
+    free_memory(device)
     return out
 
 
@@ -373,16 +352,15 @@ def _guarded(case: str, fn) -> list[Row]:
 def check_quant(path: str, cpu: bool, log: Callable[[str], None] = lambda m: None) -> list[Row]:
     import tempfile
     log("quant: kernels")
-    rows = _guarded("kernels", _interpreted_rows if cpu else (lambda: kernel_rows(cpu=False)))
+    kernels = (lambda: interpreted_rows("check.quant")) if cpu else (lambda: kernel_rows(cpu=False))
+    rows = _guarded("kernels", kernels)
     with tempfile.TemporaryDirectory(prefix="baton-quant-") as tmp:
         rows += _guarded("models", lambda: model_rows(path, cpu, Path(tmp), log))
     return rows
 
 
 def main() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (check.quant's CPU kernel cases use Triton's interpreter)")
-    print(json.dumps([row_to_dict(r) for r in kernel_rows(cpu=True)], default=str))
+    print_interpreted_rows("check.quant", lambda: kernel_rows(cpu=True))
 
 
 if __name__ == "__main__":

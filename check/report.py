@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 PASS, FAIL, SKIP, INFO = "pass", "fail", "skip", "info"     # INFO: a measurement, nothing to pass
 
@@ -56,3 +60,24 @@ def row_to_dict(row: Row) -> dict:
 
 def row_from_dict(d: dict) -> Row:
     return Row(**d)
+
+
+# -- Triton's interpreter: TRITON_INTERPRET must be set before triton is imported, so a part's CPU kernel cases
+# run in a subprocess (`python -m check.<part>`) and send their rows back as JSON on stdout
+def interpreted_rows(module: str) -> list[Row]:
+    """The rows `python -m module` prints under TRITON_INTERPRET=1 (print_interpreted_rows, its side)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", module], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    return [row_from_dict(d) for d in json.loads(proc.stdout)]
+
+
+def print_interpreted_rows(module: str, rows: Callable[[], list[Row]]) -> None:
+    """The subprocess's side: refuse to run outside the interpreter, else print the rows as JSON."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit(f"run with TRITON_INTERPRET=1 ({module}'s CPU cases use Triton's interpreter)")
+    print(json.dumps([row_to_dict(r) for r in rows()], default=str))

@@ -13,11 +13,11 @@ static batch. A goal is printed beside its figure; only a run that did not produ
 from __future__ import annotations
 
 import argparse
-import gc
 from typing import Callable
 
 import torch
 
+from check.models import free_memory
 from check.report import FAIL, INFO, PASS, Row
 
 GOAL_ITL_OVER_BOUND = 1.5
@@ -33,12 +33,6 @@ def bench_defaults() -> argparse.Namespace:
     return p.parse_args([])
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def run_engine(path: str, workload, allowed, args, cfg: dict, bandwidth: dict, device: torch.device,
                dtype: torch.dtype, enforce_eager: bool) -> tuple[dict, list[list[int]]]:
     """The bench's throughput and batch-1 decode phases on one engine."""
@@ -52,7 +46,7 @@ def run_engine(path: str, workload, allowed, args, cfg: dict, bandwidth: dict, d
     res["decode"] = bench_decode(llm, allowed, args.seed, cfg["decode_prompt_len"], cfg["decode_tokens"], bandwidth)
     res["graph_sizes"] = getattr(llm.engine.runner, "graph_sizes", None)
     del llm
-    _free(device)
+    free_memory(device)
     return res, tokens
 
 
@@ -68,7 +62,7 @@ def run_peers(path: str, workload, args, hf_batch: int, device: torch.device, dt
     static, static_tokens = bench_hf_static(model, workload, 0, hf_batch)       # a random model has no pad token
     cont, _ = bench_hf_continuous(model, workload, 0, args.max_num_seqs, args.max_num_batched_tokens)
     del model
-    _free(device)
+    free_memory(device)
     return {"hf_static": static, "hf_continuous": cont, "static_tokens": static_tokens}
 
 

@@ -272,8 +272,13 @@ class QuantLinear(nn.Module):
             self.fp8 = [(w.scales.view(1, -1).contiguous(), fp8_gemm_supported(device) and (
                 device.type != "cuda" or w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0))    # CUDA's GEMM: 16s
                 if w.kind == "f8" else None for w in self.weights]
-            # decode-sized batches read e4m3 weights in the Triton kernel (Triton converts e4m3 on CUDA 8.9+)
-            self.f8_kernel = triton and (device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9))
+            self.wo_matmul, self.f8_weight_only_m = None, -1     # -1: FP8 always through its GEMM
+            if triton:
+                from engine.quant_triton import FP8_WEIGHT_ONLY_MAX_M, wo_matmul
+                self.wo_matmul = wo_matmul
+                # decode-sized batches read e4m3 weights in the Triton kernel (Triton converts e4m3 on CUDA 8.9+)
+                if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+                    self.f8_weight_only_m = FP8_WEIGHT_ONLY_MAX_M
             return
         self.kernels = _quant_kernels()
         if self.kernels is not None:         # the kernel's own layout replaces the loader's
@@ -291,10 +296,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights:
-            from engine.quant_triton import FP8_WEIGHT_ONLY_MAX_M, wo_matmul
             x2 = x.reshape(-1, x.shape[-1])
-            small = x2.shape[0] <= FP8_WEIGHT_ONLY_MAX_M and self.f8_kernel
-            ys = [wo_matmul(x2, w) if f8 is None or small else fp8_matmul(x2, w, *f8)
+            small = x2.shape[0] <= self.f8_weight_only_m
+            ys = [self.wo_matmul(x2, w) if f8 is None or small else fp8_matmul(x2, w, *f8)
                   for w, f8 in zip(self.weights, self.fp8)]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
             y = y.reshape(*x.shape[:-1], y.shape[-1])

@@ -119,16 +119,24 @@ def plan(m: int, n: int, k: int, group: int, sms: int, kind: str = "q8") -> tupl
         bm, bn, bk, warps = 64, 64, 128, 4
     else:
         bm, bn, bk, warps = 128, 64, 64, 4
-    bk = min(bk, max(32, triton.next_power_of_2(k)))
+    bk = fit_block_k(min(bk, max(32, triton.next_power_of_2(k))), group)
+    return bm, bn, bk, split_k(m, n, k, bm, bn, bk, sms), warps
+
+
+def fit_block_k(bk: int, group: int) -> int:
+    """Halve BLOCK_K (down to 32) until a tile holds whole scale groups or lies inside one."""
     while bk > 32 and group % bk and bk % group:
         bk //= 2
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    steps = triton.cdiv(k, bk)
-    splits = 1
-    if m <= 16:
-        while splits * 2 <= steps and tiles * splits * 2 <= 2 * sms:
-            splits *= 2
-    return bm, bn, bk, splits, warps
+    return bk
+
+
+def split_k(m: int, n: int, k: int, bm: int, bn: int, bk: int, sms: int) -> int:
+    """Slices of K for decode-sized M (<= 16): doubled while there are steps to share and fewer than about two
+    programs per SM; 1 for larger M."""
+    tiles, steps, splits = triton.cdiv(m, bm) * triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+    while m <= 16 and splits * 2 <= steps and tiles * splits * 2 <= 2 * sms:
+        splits *= 2
+    return splits
 
 
 def wo_matmul(x: torch.Tensor, w: QuantWeight, config: tuple | None = None) -> torch.Tensor:
