@@ -29,11 +29,23 @@ serve: install
 #   make test       the full suite, what CI runs (.ci/run): every test, Ray clusters and benchmarks included.
 #   make test-fast  unit and engine tests: nothing that starts Ray (`cluster`), no `slow` test and no
 #                   benchmark run as a test (`bench`); under 3 minutes on a 2-core machine.
+# The tests that start no Ray run on two pytest-xdist workers with one torch thread each (a module per worker at a
+# time): on two cores they take 6 minutes where one process with two torch threads took 8.7, whose single-threaded
+# phases (Python, file parsing, waiting on a subprocess) left a core idle. The tests that start Ray run after them,
+# in one process, one Ray at a time (two Rays at once starve each other's replicas).
+# The model is converted (once per machine) before the workers start, so that two of them never both convert it.
+XDIST := -n 2 --dist loadgroup
+MODEL_READY := $(BIN)/python -c "from engine.loader import resolve_model; resolve_model(None)"
+
 test: install
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(MODEL_READY)
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster" $(XDIST); a=$$?; \
+	$(BIN)/python -m pytest -q -ra --durations=25 -m cluster; b=$$?; \
+	echo "tests that start no Ray: exit $$a; tests that start Ray: exit $$b"; test $$a -eq 0 && test $$b -eq 0
 
 test-fast: install
-	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow and not bench"
+	$(MODEL_READY)
+	$(BIN)/python -m pytest -q -ra -m "not cluster and not slow and not bench" $(XDIST)
 
 bench: install
 	$(BIN)/baton bench engine --json

@@ -1,14 +1,39 @@
-"""Baton's engine: a paged-KV Llama-family runtime with prefix caching and continuous batching."""
-from engine.config import EngineConfig
-from engine.errors import BatonError, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
-from engine.async_llm import AsyncLLM
-from engine.llm import LLM
-from engine.kv_connector import RemotePrefill, Resume
-from engine.llm_engine import LLMEngine
-from engine.lora import LoRAError, LoRARequest
-from engine.outputs import RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
+"""Baton's engine: a paged-KV Llama-family runtime with prefix caching and continuous batching.
 
-__all__ = ["LLM", "AsyncLLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
-           "RemotePrefill", "Resume", "BatonError", "ConfigError", "InvalidRequestError", "ModelLoadError",
-           "PromptTooLongError", "LoRARequest", "LoRAError"]
+The names below are imported on first use (PEP 562). A process that needs only the engine's light modules
+(the cluster state actor reads engine.kv_events; configs read engine.errors) then does not import torch,
+which costs about a second of CPU and 150 MB in every such replica."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_WHERE = {
+    "LLM": "engine.llm", "AsyncLLM": "engine.async_llm", "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config", "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs", "RequestMetrics": "engine.outputs",
+    "RemotePrefill": "engine.kv_connector", "Resume": "engine.kv_connector",
+    "BatonError": "engine.errors", "ConfigError": "engine.errors", "InvalidRequestError": "engine.errors",
+    "ModelLoadError": "engine.errors", "PromptTooLongError": "engine.errors",
+    "LoRARequest": "engine.lora", "LoRAError": "engine.lora",
+}
+__all__ = list(_WHERE)
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+    from engine.config import EngineConfig
+    from engine.errors import BatonError, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
+    from engine.kv_connector import RemotePrefill, Resume
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.lora import LoRAError, LoRARequest
+    from engine.outputs import RequestMetrics, RequestOutput
+    from engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

@@ -110,8 +110,15 @@ def convert_gguf(gguf: Path) -> Path:
     (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
     if hf.generation_config is not None:
         hf.generation_config.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)                                       # atomic: a crash never leaves half a model
+    if out.exists() and not (out / "model.safetensors").is_file():
+        shutil.rmtree(out, ignore_errors=True)            # a broken copy (an older layout)
+    try:
+        tmp.rename(out)                                   # atomic: a crash never leaves half a model
+    except OSError:                                       # another process converted it meanwhile: keep theirs
+        if not (out / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     steps.update()
     steps.close()
     log.info("converted %s to %s in %.1f s", gguf, out, time.time() - t0)

@@ -100,10 +100,21 @@ def wait_for(condition: Callable[[], Any], timeout_s: float, what: str, interval
 RAY_FIXTURES = {"cluster", "shared_cluster"}
 
 
+@pytest.hookimpl(tryfirst=True)        # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
+        # under pytest-xdist (`make test` runs the tests that start no Ray on two workers, --dist loadgroup) a
+        # module's tests stay on one worker, so its module fixtures (engines, references) are built once
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: one torch thread each, and for the benchmarks they start (OpenMP teams that
+    # outnumber the cores spin on each other's cores: a 1.5 ms decode step then takes 80)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 # -- the Ray clusters the cluster tests share -----------------------------------------------------------
@@ -159,10 +170,9 @@ class SharedCluster:
 
         from router.cluster_state import IndexMirror
         IndexMirror.stop_all()          # a test that routed through its own handles started one in this process
-        if self.key is not None:
-            from cluster.serving import stop
-            self.key = None
-            stop()
+        # The whole local Ray goes, the app with it: Serve's graceful shutdown first would only wait (about 3 s
+        # of its replicas' drain loops) for processes ray.shutdown() ends anyway.
+        self.key = None
         ray.shutdown()
 
 
