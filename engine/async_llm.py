@@ -25,7 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-LOAD_POLL_S = 5e-4          # while the only work is K/V arriving: wait this long between steps, not spin
+LOAD_POLL_S = 5e-4          # after a step that made no output (K/V arriving, a prefill chunk): wait this long
 
 
 class AsyncLLM:
@@ -184,7 +184,11 @@ class AsyncLLM:
                 _deliver(deliveries)
             finally:
                 self._delivering.release()
-            if not busy or (not outputs and self.engine.is_waiting_for_kv()):
+            if not busy or not outputs:
+                # nothing to hand out (K/V arriving, a prefill chunk, every sequence held): wait for a wake-up or
+                # LOAD_POLL_S rather than spin. A thread that releases a lock and takes it again at once starves
+                # the others waiting for it (CPython's locks are not fair): an add or a migrate_out waited for
+                # minutes behind an engine whose steps returned nothing while two test workers shared the cores.
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
 
