@@ -185,10 +185,9 @@ class AsyncLLM:
             finally:
                 self._delivering.release()
             if not busy or not outputs:
-                # nothing to hand out (K/V arriving, a prefill chunk, every sequence held): wait for a wake-up or
-                # LOAD_POLL_S rather than spin. A thread that releases a lock and takes it again at once starves
-                # the others waiting for it (CPython's locks are not fair): an add or a migrate_out waited for
-                # minutes behind an engine whose steps returned nothing while two test workers shared the cores.
+                # nothing to hand out (K/V arriving, nothing the scheduler can run): wait for a wake-up or
+                # LOAD_POLL_S rather than spin on the lock, which burns a core and, as CPython's locks are not
+                # fair, keeps an add or an abort waiting for it
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
 

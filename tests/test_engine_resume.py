@@ -186,13 +186,14 @@ def test_async_migrate_out_ends_the_stream_with_the_migrated_output(tiny):
         outs = []
         async for out in llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), "r"):
             outs.append(out)
-            if len(outs) == 3:
+            # a consumer that falls behind gets several tokens in one output: count tokens, not outputs
+            if not out.finished and sum(len(o.new_token_ids) for o in outs) == 3:
                 (moved,) = await asyncio.to_thread(llm.migrate_out, ["r", "unknown"])
                 assert moved.finish_reason == "migrated" and moved.kv_blocks
         return outs
     try:
         outs = asyncio.run(consume())
-        assert len(outs) == 4 and outs[-1].finished and outs[-1].finish_reason == "migrated"
+        assert outs[-1].finished and outs[-1].finish_reason == "migrated"
         assert outs[-1].token_ids == [t for o in outs for t in o.new_token_ids] and len(outs[-1].token_ids) == 3
         assert llm.stats()["num_open_streams"] == 0
         assert llm.call(lambda e: e.release_pinned("r"))
