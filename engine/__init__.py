@@ -6,7 +6,7 @@ which costs about a second of CPU and 150 MB in every such replica."""
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 _WHERE = {
     "LLM": "engine.llm", "AsyncLLM": "engine.async_llm", "LLMEngine": "engine.llm_engine",
@@ -18,17 +18,6 @@ _WHERE = {
     "LoRARequest": "engine.lora", "LoRAError": "engine.lora",
 }
 __all__ = list(_WHERE)
-
-if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
-    from engine.config import EngineConfig
-    from engine.errors import BatonError, ConfigError, InvalidRequestError, ModelLoadError, PromptTooLongError
-    from engine.kv_connector import RemotePrefill, Resume
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.lora import LoRAError, LoRARequest
-    from engine.outputs import RequestMetrics, RequestOutput
-    from engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -185,9 +185,9 @@ class AsyncLLM:
             finally:
                 self._delivering.release()
             if not busy or not outputs:
-                # nothing to hand out (K/V arriving, nothing the scheduler can run): wait for a wake-up or
-                # LOAD_POLL_S rather than spin on the lock, which burns a core and, as CPython's locks are not
-                # fair, keeps an add or an abort waiting for it
+                # nothing to hand out (K/V arriving, a prefill chunk, nothing the scheduler can run): wait for a
+                # wake-up or LOAD_POLL_S rather than spin on the lock, which burns a core and, as CPython's locks
+                # are not fair, keeps an add or an abort waiting for it (a chunk's step is far longer than the wait)
                 self._wake.wait(timeout=1.0 if not busy else LOAD_POLL_S)
                 self._wake.clear()
 
