@@ -55,6 +55,14 @@ from router.request_routers import DecodeRouter, PrefixAwareRouter
 
 STATS_PERIOD_S = 0.2          # cluster/app.py: Serve polls each replica's routing stats this often
 ITL_BINS = np.logspace(-5, 3, 1601)      # 10 us .. 1000 s, 0.5% wide: pooled per-token gaps as a histogram
+_BINS_PER_DECADE = 200
+
+
+def _itl_bin(gaps: np.ndarray) -> np.ndarray:
+    """ITL_BINS' bin of each gap (out-of-range gaps in the end bins), by its logarithm: np.histogram's
+    search costs more than a run of the simulator's decode steps."""
+    return np.clip(((np.log10(np.maximum(gaps, 1e-12)) + 5) * _BINS_PER_DECADE).astype(np.int64), 0,
+                   len(ITL_BINS) - 2)
 _DEFAULTS = {k: getattr(EngineConfig, k) for k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}
 
 
@@ -69,7 +77,6 @@ class SimRequest:
     first: float | None = None   # first token's time
     last: float | None = None
     tokens: int = 0
-    itl_sum: float = 0.0
     rejected: bool = False       # admission control answered 429
     ticket: Any = None           # its admission ticket
 
@@ -79,7 +86,8 @@ class SimRequest:
 
     @property
     def mean_itl(self) -> float | None:
-        return self.itl_sum / (self.tokens - 1) if self.tokens > 1 else None
+        """The gaps between its tokens sum to last - first, wherever they were made."""
+        return (self.last - self.first) / (self.tokens - 1) if self.tokens > 1 else None
 
 
 @dataclass(eq=False)
@@ -192,9 +200,10 @@ class Engine:
         self.event_seq = 0
         self.ready_at = 0.0
         self.stopping = False
-        self.stats_cache: tuple[float, dict] | None = None
+        self.stats: dict[str, Any] = {}
+        self.stats_due = -math.inf                 # when Serve next polls its routing stats
         self.ttfts: deque[tuple[float, float]] = deque()     # (time, seconds) for the autoscaling signal
-        self.itls: deque[tuple[float, float]] = deque()
+        self.itls: deque[tuple[float, Any]] = deque()      # (time, a gap or an array of a run's gaps)
         self.sim.index_of(pool).load_snapshot(rid, 0, [])
 
     # -- what the routers and the autoscaler read ------------------------------------------------------
@@ -207,11 +216,12 @@ class Engine:
     def routing_stats(self) -> dict[str, Any]:
         """EngineReplica's routing stats, as fresh as Serve's polling makes them."""
         now = self.sim.now
-        if self.stats_cache is None or now - self.stats_cache[0] >= STATS_PERIOD_S:
-            self.stats_cache = (now, {"time": now, "queued_prefill_tokens": self.queued_prefill_tokens,
-                                      "kv_blocks_used": self.kv.used, "kv_blocks_total": self.kv.total,
-                                      "num_running": len(self.running) + self.loading, "loras": ()})
-        return self.stats_cache[1]
+        if now >= self.stats_due:
+            self.stats_due = now + STATS_PERIOD_S
+            self.stats = {"time": now, "queued_prefill_tokens": self.queued_prefill_tokens,
+                          "kv_blocks_used": self.kv.used, "kv_blocks_total": self.kv.total,
+                          "num_running": len(self.running) + self.loading, "loras": ()}
+        return self.stats
 
     def ongoing(self) -> int:
         return len(self.waiting) + len(self.running) + self.loading
@@ -266,21 +276,23 @@ class Engine:
         if self.busy:
             return
         sched: list[tuple[Seq, int]] = []
-        budget = self.budget
-        kv = self.kv
+        budget, bs, kv = self.budget, self.bs, self.kv
+        preempted = 0                                   # (the running list is only searched after a preemption)
         for seq in list(self.running):
-            if seq not in self.running:                 # preempted by an earlier one this step
+            if preempted and seq not in self.running:   # preempted by an earlier one this step
                 continue
             n = min(seq.need - seq.computed, budget) if seq.computed < seq.need else 1
             if n <= 0:
                 continue
-            while not kv.allocate(seq, blocks(seq.tokens + n, self.bs) - seq.nblocks):
-                victim = self.running[-1]
-                self._preempt(victim, sched)
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
+            if seq.tokens + n > seq.nblocks * bs:       # (a decode mostly fits the blocks it holds)
+                while not kv.allocate(seq, blocks(seq.tokens + n, bs) - seq.nblocks):
+                    victim = self.running[-1]
+                    self._preempt(victim, sched)
+                    preempted += 1
+                    if victim is seq:
+                        break
+                if preempted and seq not in self.running:
+                    continue
             sched.append((seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) + self.loading < self.max_seqs:
@@ -326,11 +338,12 @@ class Engine:
         if not sched:
             return
         self.busy = True
-        self.computed_tokens += sum(n for _, n in sched)
         slow = self.sim.slowdown(self)
         if all(seq.computed >= seq.need for seq, _ in sched):
-            self._decode_run(sched, slow)
+            self.computed_tokens += len(sched)
+            self._decode_run([seq for seq, _ in sched], slow)
             return
+        self.computed_tokens += sum(n for _, n in sched)
         b = Batch(0, 0.0, len(sched), 0)
         for seq, n in sched:
             b.tokens += n
@@ -343,16 +356,22 @@ class Engine:
         v, start = self.version, self.sim.now
         self.sim.at(start + dur, lambda: self._end_step(v, start, sched))
 
-    def _decode_run(self, sched: list[tuple[Seq, int]], slow: float) -> None:
-        seqs = [s for s, _ in sched]
+    def _decode_run(self, seqs: list[Seq], slow: float) -> None:
+        bs = self.bs
         k = min(s.out for s in seqs)
-        while k > 1 and sum(blocks(s.tokens + k, self.bs) - s.nblocks for s in seqs) > self.kv.free_blocks():
+        tokens = np.fromiter((s.tokens for s in seqs), np.int64, len(seqs))
+        held = np.fromiter((s.nblocks for s in seqs), np.int64, len(seqs))
+        free = self.kv.free_blocks()
+        while True:
+            more = -(-(tokens + k) // bs) - held         # the run's blocks, taken up front
+            if k <= 1 or int(more.sum()) <= free:
+                break
             k //= 2
-        for s in seqs:                                   # the run's blocks, taken up front
-            self.kv.allocate(s, blocks(s.tokens + k, self.bs) - s.nblocks)
+        for i in np.flatnonzero(more > 0).tolist():
+            self.kv.allocate(seqs[i], int(more[i]))
         self._flush_events()
         ov = self.sim.cost.overheads
-        durations = (self.sim.cost.decode_steps_s(len(seqs), sum(s.tokens for s in seqs), k)
+        durations = (self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
                      + ov.step_s + ov.token_s * len(seqs)) * slow
         ends = np.cumsum(durations)
         self.version += 1
@@ -367,34 +386,39 @@ class Engine:
         self._finish_run(start, ends, seqs)
 
     def _finish_run(self, start: float, ends: np.ndarray, seqs: list[Seq]) -> None:
-        """The first len(ends) steps of a decode run: every sequence got a token per step."""
+        """The first len(ends) steps of a decode run: every sequence got a token per step. This loop runs once
+        per sequence per run (a run ends at every arrival and finish), so it does the least it can: the token
+        gaps go to the histogram and the autoscaler's window as one array per run."""
         self.run = None
         k = len(ends)
-        steps = np.diff(ends, prepend=0.0)
-        if k > 1:                                       # every sequence's gaps after its run's first token
-            self.sim.itl_hist += np.histogram(steps[1:], ITL_BINS)[0] * len(seqs)
+        t_first, t_last = start + float(ends[0]), start + float(ends[-1])
         self.busy_s += float(ends[-1])
         self.computed_tokens += k * len(seqs) - len(seqs)    # its first step's tokens counted when scheduled
+        gaps, done = [], []
         for s in seqs:
             s.tokens += k
             s.out -= k
             r = s.req
-            t_first = start + float(ends[0])
-            if r.last is not None:
-                gap = t_first - r.last
-                r.itl_sum += gap
-                self.sim.add_itl(gap)
-                self.itls.append((t_first, gap))
-            else:
+            if r.last is None:
                 r.first = t_first
-            r.itl_sum += float(ends[-1] - ends[0])
+            else:
+                gaps.append(t_first - r.last)
             r.tokens += k
-            r.last = start + float(ends[-1])
+            r.last = t_last
             if r.ticket is not None:
                 r.ticket.progress(0, k)
             if s.out <= 0:
-                self._done(s)
-        self.itls.append((start + float(ends[-1]), float(steps[-1])))
+                done.append(s)
+        steps = np.diff(ends, prepend=0.0)
+        if gaps:                                        # the gaps before the run's first token
+            g = np.array(gaps)
+            self.sim.add_itls(g)
+            self.itls.append((t_first, g))
+        if k > 1:                                       # every sequence's gaps after its run's first token
+            self.sim.add_itls(steps[1:], len(seqs))
+        self.itls.append((t_last, steps[-1:]))
+        for s in done:
+            self._done(s)
         self.busy = False
         self._step()
 
@@ -426,7 +450,6 @@ class Engine:
             self.ttfts.append((now, now - r.at))
         else:
             gap = now - r.last
-            r.itl_sum += gap
             self.sim.add_itl(gap)
             self.itls.append((now, gap))
         r.last = now
@@ -666,7 +689,12 @@ class Simulator:
         self.at(self.now + seconds, lambda: engine.prefix_pulled(seq, nbytes, seconds))
 
     def add_itl(self, gap: float) -> None:
-        self.itl_hist[min(max(np.searchsorted(ITL_BINS, gap) - 1, 0), len(self.itl_hist) - 1)] += 1
+        self.itl_hist[min(max(int((math.log10(max(gap, 1e-12)) + 5) * _BINS_PER_DECADE), 0),
+                          len(self.itl_hist) - 1)] += 1
+
+    def add_itls(self, gaps: np.ndarray, times: int = 1) -> None:
+        """Each of `gaps`, `times` times."""
+        np.add.at(self.itl_hist, _itl_bin(gaps), times)
 
     def finished(self, r: SimRequest) -> None:
         if r.ticket is not None:
@@ -752,7 +780,7 @@ class _Scaler:
         def p90(q: deque) -> float:
             while q and q[0][0] < now - window:
                 q.popleft()
-            return float(np.percentile([x for _, x in q], 90)) if q else 0.0
+            return float(np.percentile(np.hstack([x for _, x in q]), 90)) if q else 0.0
         return {"queued_prefill_tokens": float(e.queued_prefill_tokens),
                 "utilization": min((e.busy_s - then_busy) / self.interval, 1.0),
                 "kv_utilization": e.kv.used / max(e.kv.total, 1), "running_seqs": float(e.ongoing()),
@@ -851,8 +879,8 @@ def simulate(config: ClusterConfig, cost: Cost, requests: list[SimRequest], slo:
     """One run: the summary (summarize's fields) of `requests` on `config`, the clock's 0 being the first
     request's start (`warm`: requests before it, at negative times, left out of the summary; ITL percentiles
     count theirs too). The requests are copied, so one list can run on several configs."""
-    warm = [replace(r, first=None, last=None, tokens=0, itl_sum=0.0) for r in warm]
-    requests = [replace(r, first=None, last=None, tokens=0, itl_sum=0.0) for r in requests]
+    warm = [replace(r, first=None, last=None, tokens=0) for r in warm]
+    requests = [replace(r, first=None, last=None, tokens=0) for r in requests]
     sim = Simulator(config, cost, **kw)
     sim.run([*warm, *requests])
     out = summarize(requests, sim, slo)

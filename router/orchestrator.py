@@ -60,9 +60,9 @@ def prefix_source(index: dict, hashes: list[int], disaggregated: bool) -> tuple[
     """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): the replica caching most of
     the prompt's leading blocks, a prefill replica on a tie (Orchestrator.prefix_source; plan/sim.py)."""
     pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
-    best = max(((n, rank, rid, pool) for pool, rank in pools for rid, n in index[pool].match(hashes).items()),
+    best = max(((n, rank, rid, pool) for pool, rank in pools for rid, n in index[pool].match(hashes).items() if n),
                default=None)
-    return (best[3], best[2], best[0]) if best is not None and best[0] > 0 else None
+    return (best[3], best[2], best[0]) if best is not None else None
 
 
 class Orchestrator:

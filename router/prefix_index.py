@@ -42,6 +42,7 @@ class PrefixIndex:
     host_blocks: dict[str, set[int]] = field(default_factory=dict)
     seq: dict[str, int] = field(default_factory=dict)         # replica -> last applied batch
     stale: set[str] = field(default_factory=set)              # replicas that missed a batch
+    live_bits: int = 0                                        # every slot's bit
 
     # -- updates ------------------------------------------------------------------------------
     def apply(self, replica: str, seq: int, events: list[KVEvent]) -> bool:
@@ -79,13 +80,16 @@ class PrefixIndex:
         """Forget a replica (it died); its slot is free for the next one."""
         if replica in self.slots:
             self._drop_blocks(replica)
-            del self.names[self.slots.pop(replica)], self.blocks[replica], self.host_blocks[replica]
+            slot = self.slots.pop(replica)
+            self.live_bits &= ~(1 << slot)
+            del self.names[slot], self.blocks[replica], self.host_blocks[replica]
         self.seq.pop(replica, None)
         self.stale.discard(replica)
 
     def _new_slot(self, replica: str) -> None:
         slot = next(i for i in range(len(self.slots) + 1) if i not in self.names)
         self.slots[replica], self.names[slot], self.blocks[replica] = slot, replica, set()
+        self.live_bits |= 1 << slot
         self.host_blocks[replica] = set()
 
     def _tier(self, replica: str, host: bool) -> tuple[dict[int, int], set[int]]:
@@ -118,7 +122,7 @@ class PrefixIndex:
         """For every known replica, how many leading blocks of the prompt it caches, in either tier: the
         count stops at the replica's first missing block."""
         counts = dict.fromkeys(self.slots, 0)
-        alive = sum(1 << s for s in self.names)
+        alive = self.live_bits
         if self.host_masks:
             dev, host = self.masks.get, self.host_masks.get
 
@@ -129,7 +133,8 @@ class PrefixIndex:
         for i, h in enumerate(hashes):
             still = get(h, 0) & alive
             if still != alive:
-                self._settle(counts, alive & ~still, i)
+                if i:                               # (counts start at 0)
+                    self._settle(counts, alive & ~still, i)
                 if not still:
                     return counts
                 alive = still
@@ -233,20 +238,38 @@ class PrefillRanker:
              loads: dict[str, int], cached: dict[str, int] | None = None,
              extra: dict[str, int] | None = None, tie: dict[str, float] | None = None) -> tuple[list[list[str]], str]:
         """Tiers of replica ids, best first (one replica per tier), and the reason for the first."""
-        replicas = set(loads) | set(matches)
+        replicas = loads.keys() | matches.keys()
         if not replicas:
             return [], "no_replica"
-        load = {r: loads.get(r, 0) for r in replicas}
-        cached = cached or {}
+        load = loads if len(replicas) == len(loads) else {r: loads.get(r, 0) for r in replicas}
         salt = hashes[0] if hashes else num_tokens
-        # (cost, tie-breaks..., name): a total order, so the result never depends on set order
-        extra, tie = extra or {}, tie or {}
-        key = {r: (max(num_tokens - matches.get(r, 0) * block_size, 0) + self.load_weight * load[r] + extra.get(r, 0),
-                   tie.get(r, 0), cached.get(r, 0), xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r)
-               for r in replicas}
-        if max(load.values()) - min(load.values()) > self.imbalance_threshold:
-            order = sorted(replicas, key=lambda r: (load[r], key[r]))
-            return [[r] for r in order], "imbalanced_least_loaded"
+        # (cost, tie-breaks..., name): a total order, so the result never depends on set order. The hash of
+        # (prompt, replica) is only computed where the cheaper keys tie (ranking a pool of a hundred replicas
+        # per request is the planning simulator's largest cost)
+        m, c, w = matches.get, (cached or {}).get, self.load_weight
+        key = {r: (num_tokens + w * load[r], 0, c(r, 0)) for r in replicas}
+        for r, n in matches.items():                # (most replicas match nothing)
+            if n and r in key:
+                k = key[r]
+                key[r] = (max(num_tokens - n * block_size, 0) + w * load[r], 0, k[2])
+        if extra or tie:
+            e, t = (extra or {}).get, (tie or {}).get
+            key = {r: (k[0] + e(r, 0), t(r, 0), k[2]) for r, k in key.items()}
+        imbalanced = max(load.values()) - min(load.values()) > self.imbalance_threshold
+        if imbalanced:
+            key = {r: (load[r], *k) for r, k in key.items()}
         order = sorted(replicas, key=key.__getitem__)
+        if len(set(key.values())) < len(key):      # runs of equal keys: by the hash, then the name
+            i = 0
+            while i < len(order) - 1:
+                j = i + 1
+                while j < len(order) and key[order[j]] == key[order[i]]:
+                    j += 1
+                if j - i > 1:
+                    order[i:j] = sorted(order[i:j],
+                                        key=lambda r: (xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r))
+                i = j
+        if imbalanced:
+            return [[r] for r in order], "imbalanced_least_loaded"
         reason = "prefix_hit" if matches.get(order[0], 0) > 0 else "no_hit_least_cost"
         return [[r] for r in order], reason

@@ -109,13 +109,22 @@ class _InflightLoad:
 
     def extra(self, replica: str, stats_time: float) -> int:
         """Tokens to add to the replica's stats (negative when more finished than was sent since them)."""
-        now = self.clock()
+        if replica not in self.sent and replica not in self.done:
+            return 0
+        since = max(stats_time, self.clock() - INFLIGHT_TTL_S)
+        total = 0
+        for items, sign in ((self.sent, 1), (self.done, -1)):
+            kept = [(t, n) for t, n in items.get(replica, ()) if t > since]
+            if kept:
+                items[replica] = kept
+                total += sign * sum(n for _, n in kept)
+            else:
+                items.pop(replica, None)
+        return total
 
-        def since(items: list[tuple[float, int]]) -> list[tuple[float, int]]:
-            return [(t, n) for t, n in items if t > stats_time and now - t < INFLIGHT_TTL_S]
-        self.sent[replica] = sent = since(self.sent.get(replica, []))
-        self.done[replica] = done = since(self.done.get(replica, []))
-        return sum(n for _, n in sent) - sum(n for _, n in done)
+    def replicas(self) -> set[str]:
+        """The replicas extra() may be nonzero for (a pool of a hundred mostly has none)."""
+        return self.sent.keys() | self.done.keys()
 
 
 _prefill_inflight = _InflightLoad()     # this process's prefill routers' (the orchestrator reports finishes)
@@ -258,16 +267,21 @@ class PrefixAwareRouter(_PoolRouter):
     def _rank(self, req, by_id):
         """The load is the prompt tokens the best replica must prefill (those it does not cache). A LoRA
         request's blocks are its adapter's (the hashes are), and a replica lacking the adapter pays its load."""
-        loads, extra = {}, {}
+        loads, extra, inflight, pending = {}, {}, self.inflight.extra, self.inflight.replicas()
+        lora = req.lora is not None and self.lora_cost > 0
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
-            loads[rid] = max(stats.get("queued_prefill_tokens", 0) + self.inflight.extra(rid, stats.get("time", 0.0)), 0)
-            extra[rid] = lora_load_cost(req, stats, self.lora_cost)
+            q = stats.get("queued_prefill_tokens", 0)
+            if rid in pending:
+                q += inflight(rid, stats.get("time", 0.0))
+            loads[rid] = q if q > 0 else 0
+            if lora:
+                extra[rid] = lora_load_cost(req, stats, self.lora_cost)
         index = self.mirror.index[self.pool]
         matches, credit = index.match_credit(req.block_hashes, self.host_weight)
         tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
-                                         {rid: credit.get(rid, 0) for rid in by_id}, loads, index.num_blocks(),
-                                         extra if any(extra.values()) else None)
+                                         {rid: n for rid, n in credit.items() if n and rid in by_id}, loads,
+                                         index.num_blocks(), extra if any(extra.values()) else None)
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is None:
             return tiers, reason, None, matches
@@ -287,19 +301,22 @@ class DecodeRouter(_PoolRouter):
         self.lora_cost = lora_load_cost_tokens
         self.ranker = PrefillRanker(load_weight=load_weight, imbalance_threshold=imbalance_threshold_tokens)
 
-    def _pressure(self, r: RunningReplica, rid: str) -> float:
-        """0..~2: KV fraction in use plus running-batch fraction, counting requests sent since the stats."""
-        s = r.routing_stats or {}
-        extra = self.inflight.extra(rid, s.get("time", 0.0))
-        total = max(s.get("kv_blocks_total", 1), 1)
-        return (s.get("kv_blocks_used", 0) + extra) / total + (s.get("num_running", 0) + (extra > 0)) / self.max_num_seqs
-
     def _rank(self, req, by_id):
         """One replica per tier; the load is the request's KV blocks. A replica lacking the request's LoRA
         adapter pays its load: as prompt tokens to compute for a local prefill, and for a request that brings
-        its KV as that many tokens more of its KV cache in use."""
-        pressure = {rid: self._pressure(r, rid) for rid, r in by_id.items()}
-        load = {rid: lora_load_cost(req, r.routing_stats, self.lora_cost) for rid, r in by_id.items()}
+        its KV as that many tokens more of its KV cache in use.
+
+        A replica's pressure, 0..~2: its KV fraction in use plus its running-batch fraction, counting the
+        requests sent to it since its stats (`sent`, in blocks)."""
+        pending, inflight = self.inflight.replicas(), self.inflight.extra
+        pressure, sent, load = {}, {}, {}
+        lora = req.lora is not None and self.lora_cost > 0
+        for rid, r in by_id.items():
+            s = r.routing_stats or {}
+            x = sent[rid] = inflight(rid, s.get("time", 0.0)) if rid in pending else 0
+            pressure[rid] = ((s.get("kv_blocks_used", 0) + x) / max(s.get("kv_blocks_total", 1), 1)
+                             + (s.get("num_running", 0) + (x > 0)) / self.max_num_seqs)
+            load[rid] = lora_load_cost(req, s, self.lora_cost) if lora else 0
         n = len(req.token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)   # to compute
         hits = None
         if req.prefill is None and req.block_hashes:
@@ -307,11 +324,11 @@ class DecodeRouter(_PoolRouter):
             # when the queues differ too much), pressure breaking ties. Without the queues, every prompt that
             # shares a system prompt would pile onto the one replica caching it (`baton plan` showed it)
             hits, credit = self.mirror.index[self.pool].match_credit(req.block_hashes, self.host_weight)
-            queued = {rid: (r.routing_stats or {}).get("queued_prefill_tokens", 0)
-                      + self.inflight.extra(rid, (r.routing_stats or {}).get("time", 0.0)) * self.block_size
+            queued = {rid: (r.routing_stats or {}).get("queued_prefill_tokens", 0) + sent[rid] * self.block_size
                       for rid, r in by_id.items()}
-            tiers, why = self.ranker.rank(req.block_hashes, n, self.block_size, {rid: credit.get(rid, 0) for rid in by_id},
-                                          queued, None, load, pressure)
+            tiers, why = self.ranker.rank(req.block_hashes, n, self.block_size,
+                                          {rid: c for rid, c in credit.items() if c and rid in by_id},
+                                          queued, None, load if lora else None, pressure)
             order = [t[0] for t in tiers]
             reason = {"prefix_hit": "local_prefill_hit", "imbalanced_least_loaded": "local_prefill_imbalanced"}.get(
                 why, "local_prefill")

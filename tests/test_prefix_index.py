@@ -412,6 +412,39 @@ def test_ranker_ties_stick_per_prompt_and_spread_across_prompts():
     assert {first(ranker.rank([k, 2], 32, 16, {}, {"a": 0, "b": 0}, {"a": 64, "b": 3}))[0] for k in range(20)} == {"b"}
 
 
+def _rank_by_definition(ranker, hashes, num_tokens, bs, matches, loads, cached=None, extra=None, tie=None):
+    """PrefillRanker.rank as its docstring defines it, written plainly: one sort on the whole key."""
+    import xxhash
+    replicas = set(loads) | set(matches)
+    if not replicas:
+        return [], "no_replica"
+    load = {r: loads.get(r, 0) for r in replicas}
+    cached, extra, tie = cached or {}, extra or {}, tie or {}
+    salt = hashes[0] if hashes else num_tokens
+    key = {r: (max(num_tokens - matches.get(r, 0) * bs, 0) + ranker.load_weight * load[r] + extra.get(r, 0),
+               tie.get(r, 0), cached.get(r, 0), xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r) for r in replicas}
+    if max(load.values()) - min(load.values()) > ranker.imbalance_threshold:
+        return [[r] for r in sorted(replicas, key=lambda r: (load[r], key[r]))], "imbalanced_least_loaded"
+    order = sorted(replicas, key=key.__getitem__)
+    return [[r] for r in order], "prefix_hit" if matches.get(order[0], 0) > 0 else "no_hit_least_cost"
+
+
+def test_ranker_orders_a_large_pool_exactly_as_its_definition():
+    """The ranker computes the tie-breaking hash only where cheaper keys tie (the planning simulator ranks a
+    hundred replicas per request): its order is still the definition's, ties and all."""
+    rng = random.Random(7)
+    for trial in range(300):
+        names = [f"prefill-{i}" for i in range(rng.choice([1, 2, 5, 40, 120]))]
+        pick = lambda hi: {n: rng.choice([0, 0, 0, rng.randint(0, hi)]) for n in names}   # many ties
+        loads = {n: v for n, v in pick(3000).items() if rng.random() < 0.95}            # some without a report
+        matches = {n: v for n, v in pick(8).items() if v or rng.random() < 0.5}
+        args = (rng.randrange(1 << 30), rng.randint(1, 3)), rng.randint(1, 200), 16, matches, loads
+        kw = {"cached": pick(50) if trial % 2 else None, "extra": pick(300) if trial % 3 == 0 else None,
+              "tie": {n: rng.choice([0.0, 0.5]) for n in names} if trial % 5 == 0 else None}
+        ranker = PrefillRanker(load_weight=rng.choice([1.0, 0.25]), imbalance_threshold=rng.choice([500, 10**9]))
+        assert ranker.rank(*args, **kw) == _rank_by_definition(ranker, *args, **kw)
+
+
 # -- benchmark ----------------------------------------------------------------------------------------
 @pytest.mark.bench
 def test_router_bench_runs_small_and_reports_percentiles(tmp_path):
