@@ -55,9 +55,13 @@ def measure(base: str, model: str, work: dict[str, list[Req]]) -> dict[str, Any]
     asyncio.run(drive(base, model, [Req([300] * 16, 4, tag="warmup")]))
     out: dict[str, Any] = {}
     (decode,), _ = asyncio.run(drive(base, model, work["decode"]))
-    out["decode"] = {"ok": decode.ok, "error": decode.error, "tokens": decode.usage_tokens or decode.tokens,
-                     "tokens_per_s": 1.0 / float(np.mean(decode.itls)) if decode.itls else None,
-                     "itl_ms": _pct(decode.itls)}
+    tokens = decode.usage_tokens or decode.tokens
+    # tokens after the first over the time after it: a chunk may carry several tokens (a stream interval, or a
+    # reader that fell behind), so the chunks' gaps are not the tokens'
+    out["decode"] = {"ok": decode.ok, "error": decode.error, "tokens": tokens, "chunks": len(decode.itls) + 1,
+                     "tokens_per_s": (tokens - 1) / (decode.e2e - decode.ttft)
+                     if decode.ok and decode.ttft is not None and tokens > 1 else None,
+                     "chunk_gap_ms": _pct(decode.itls)}
     ttfts = []
     for r in work["prefill"]:                                  # one at a time: a prompt's prefill alone
         (res,), _ = asyncio.run(drive(base, model, [r]))
@@ -106,14 +110,16 @@ def with_llama_server(binary: str, gguf: str, slots: int, threads: int, fn: Call
         proc.wait(timeout=30)
 
 
-def replica_cpus(cfg, cores: int):
+def replica_cpus(cfg, cores: int, stream_interval_ms: float = 0.0):
     """Each engine replica reserves its share of the machine's cores (the whole machine colocated, half each
-    disaggregated): Ray gives a replica as many torch threads as the CPUs it reserves, at least one."""
+    disaggregated): Ray gives a replica as many torch threads as the CPUs it reserves, at least one. The decode
+    pool batches its streams' tokens per `stream_interval_ms`."""
     from cluster.config import ClusterConfig
     d = cfg.model_dump()
     pools = [p for p in ("prefill", "decode") if d.get(p)]
     for p in pools:
         d[p]["num_cpus"] = max(1, cores // len(pools))
+    d["decode"]["stream_interval_ms"] = stream_interval_ms
     return ClusterConfig.from_dict(d)
 
 
@@ -184,6 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-tokens", type=int, default=128, help="output tokens per stream (default 128)")
     p.add_argument("--prefill-trials", type=int, default=3, help="512-token prompts timed (default 3)")
     p.add_argument("--modes", default="colocated,disaggregated", help="Baton's modes (default both)")
+    p.add_argument("--stream-interval-ms", type=float, default=0.0,
+                   help="Baton's decode.stream_interval_ms (default 0: every step's tokens at once)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 streams of 16 tokens, 1 prefill trial, "
                                                         "colocated only")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/peer",
@@ -218,7 +226,8 @@ def run(args: argparse.Namespace) -> dict:
              namespace="baton-bench-peer")
     try:
         for mode in args.modes.split(","):
-            cfg = replica_cpus(serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf), threads)
+            cfg = replica_cpus(serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf), threads,
+                               args.stream_interval_ms)
             baton[mode] = with_cluster(cfg, lambda b, m: measure(b, m, work))
             r = baton[mode]
             log(f"Baton {mode}: decode {r['decode']['tokens_per_s']:.0f} tok/s, prefill "
@@ -228,6 +237,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict[str, Any] = {
         "benchmark": "peer", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "model": Path(gguf).name, "llama_server": args.llama_server,
+        "stream_interval_ms": args.stream_interval_ms,
         "streams": args.streams, "stream_tokens": args.stream_tokens, "quick": args.quick,
         "llama_cpp": peer, "engine_alone": alone, "baton": baton, "goals": GOALS}
     result["ratios"] = ratios(result)

@@ -51,7 +51,7 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
             "index_sync_interval_s": r.index_sync_interval_s, "host_tier_hit_weight": r.host_tier_hit_weight,
             "lora_load_cost_tokens": r.lora_load_cost_tokens, "load_weight": r.load_weight,
             "imbalance_threshold_tokens": r.imbalance_threshold_tokens}),
-    ).bind(engine=decode_engine, **common)
+    ).bind(engine=decode_engine, stream_interval_s=config.decode.stream_interval_ms / 1e3, **common)
     prefill = None
     if config.mode == "disaggregated":
         prefill_engine = config.engine_config(PREFILL)

@@ -11,6 +11,7 @@ which pulls the KV. A sequence with no KV to give (still waiting, or arriving wh
 finish_reason "migrated" and no hand-off: the ingress replays it there."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -29,9 +30,10 @@ MIGRATED = "migrated"
 class DecodeServer(EngineReplica):
     pool = DECODE
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, stream_interval_s: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.draining = False
+        self.stream_interval_s = stream_interval_s      # the decode section's stream_interval_ms
         threading.Thread(target=self._watch_stop, name="baton-drain-watch", daemon=True).start()
 
     async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
@@ -63,6 +65,10 @@ class DecodeServer(EngineReplica):
                 self.metrics.observe_lora(req.lora, len(out.prompt_token_ids), len(out.token_ids))
             yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
             first = False
+            if self.stream_interval_s and not out.finished:
+                # the tokens made meanwhile wait in the engine's queue for this stream, and come out of the next
+                # iteration as one output (AsyncLLM.generate coalesces what a slow reader left there)
+                await asyncio.sleep(max(0.0, now + self.stream_interval_s - time.perf_counter()))
 
     async def _hand_over(self, out, first: bool) -> TokenDelta:
         """The last delta of a sequence drained out of the engine: its new tokens, and the hand-off of its

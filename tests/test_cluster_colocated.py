@@ -1,5 +1,6 @@
 """Colocated mode from the same config (one pool prefills and decodes): the openai client gets the offline
-engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool. Its pool runs a
+engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool; its streams are
+batched (decode.stream_interval_ms). Its pool runs a
 host KV tier: a prompt the KV cache evicted is served from host memory, and the router's index knows where."""
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PORT = 8733
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {**CLUSTER_ENGINE, "kv_offloading_size": 0.125}    # 96 MiB of device KV (2080 tokens), 128 MiB on host
-COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0}, "decode": {"num_cpus": 0, "engine": ENGINE}}
+STREAM_INTERVAL_MS = 100
+COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0},
+             "decode": {"num_cpus": 0, "engine": ENGINE, "stream_interval_ms": STREAM_INTERVAL_MS}}
 
 
 @pytest.fixture
@@ -49,6 +52,20 @@ def test_colocated_serves_greedy_n_and_logprobs(client):
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
     assert 'baton_kv_blocks_free{pool="decode"' in text and 'pool="prefill"' not in text
+
+
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages_and_the_first_at_once(client):
+    """decode.stream_interval_ms: the tokens made within an interval reach the client as one chunk (Ray Serve
+    LLM's stream batching), the first token alone, and the text is the engine's."""
+    prompt = "The baton passes from runner to runner"
+    want = LLM(None, **ENGINE).generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=64,
+                                                   stream=True, logprobs=1, extra_body={"ignore_eos": True})
+              if c.choices and c.choices[0].text]
+    per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks]
+    assert "".join(c.choices[0].text for c in chunks) == want.text and sum(per_chunk) == 64
+    assert per_chunk[0] == 1                                   # the first token is not held back
+    assert len(chunks) < 64 and max(per_chunk) > 1             # later ones share messages
 
 
 def test_colocated_structured_outputs_and_tool_calls_validate_and_bad_specs_get_400(client):
