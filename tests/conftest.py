@@ -176,6 +176,20 @@ class SharedCluster:
         ray.shutdown()
 
 
+def _no_ray_auto_init() -> None:
+    """This process starts Ray only where a test or fixture calls ray.init. A Serve handle a test made here keeps
+    a long-poll client on its own thread, which Serve never stops; when the shared cluster goes down under it,
+    its next poll would otherwise start a fresh local Ray (Ray's auto-init), and the next module's ray.init then
+    fails with "called ray.init twice". The switch is RAY_ENABLE_AUTO_CONNECT=0 as Ray reads it at import
+    (ray._private.auto_init_hook, checked against Ray 2.60); set here rather than in the environment so that the
+    benchmarks the tests start as subprocesses run as users run them."""
+    import ray._private.auto_init_hook as hook
+    hook.enable_auto_connect = False
+
+
+_no_ray_auto_init()
+
+
 @pytest.fixture(scope="session")
 def shared_cluster():
     cluster = SharedCluster()
