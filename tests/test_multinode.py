@@ -217,8 +217,9 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
     migration, starts successors on other nodes and then stops the old ones gracefully; the decode replica hands
     its streams over as soon as it is marked (they wait for the successor and continue there, by KV pull or
     replay), the prefill replica finishes what it holds. Users stream all along: none fails, and every text is
-    the offline engine's. The kill tests above left both pools on the spare: their own nodes come back first,
-    and the spare is drained."""
+    the offline engine's. (While the successors start, admission control may refuse a new request with a 429
+    before any token, as it should under that load; the users retry after its Retry-After, as clients do.) The
+    kill tests above left both pools on the spare: their own nodes come back first, and the spare is drained."""
     spare = nodes.ip(SPARE_NODE)
     placed = on_head(nodes, PLACEMENT)
     assert placed["decode"] == [spare] and placed["prefill"] == [spare], placed
@@ -250,7 +251,7 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
             return condition()
 
         client = openai.OpenAI(base_url="http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
-        texts, errors, stop = [], [], threading.Event()
+        texts, errors, refused, stop = [], [], [], threading.Event()
 
         def user():
             while not stop.is_set():
@@ -258,6 +259,9 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
                     stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages={PROMPT!r},
                                                             temperature=0, max_tokens=64, stream=True)
                     texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+                except openai.RateLimitError as e:      # admission refused it, before any token: retry later
+                    refused.append(e.response.headers.get("retry-after"))
+                    stop.wait(float(e.response.headers.get("retry-after") or 1))
                 except Exception as e:
                     errors.append(repr(e))
         users = [threading.Thread(target=user, daemon=True) for _ in range(4)]
@@ -279,6 +283,7 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
             u.join(120)
         out = {{"warm": warm, "drain": [drain.returncode, drain.stdout[-500:], drain.stderr[-1500:]],
                "moved": moved, "moves": moves() - m0, "served_after": served_after, "errors": errors[:5],
+               "refused": len(refused),
                "texts": sorted(set(texts)), "count": len(texts)}}
     """, timeout=900)
     assert out["drain"][0] == 0, out["drain"]
