@@ -109,7 +109,7 @@ class _InflightLoad:
 
     def extra(self, replica: str, stats_time: float) -> int:
         """Tokens to add to the replica's stats (negative when more finished than was sent since them)."""
-        if replica not in self.sent and replica not in self.done:
+        if replica not in self.sent and replica not in self.done:      # most of a large pool: nothing in flight
             return 0
         since = max(stats_time, self.clock() - INFLIGHT_TTL_S)
         total = 0
@@ -121,10 +121,6 @@ class _InflightLoad:
             else:
                 items.pop(replica, None)
         return total
-
-    def replicas(self) -> set[str]:
-        """The replicas extra() may be nonzero for (a pool of a hundred mostly has none)."""
-        return self.sent.keys() | self.done.keys()
 
 
 _prefill_inflight = _InflightLoad()     # this process's prefill routers' (the orchestrator reports finishes)
@@ -267,14 +263,11 @@ class PrefixAwareRouter(_PoolRouter):
     def _rank(self, req, by_id):
         """The load is the prompt tokens the best replica must prefill (those it does not cache). A LoRA
         request's blocks are its adapter's (the hashes are), and a replica lacking the adapter pays its load."""
-        loads, extra, inflight, pending = {}, {}, self.inflight.extra, self.inflight.replicas()
+        loads, extra, inflight = {}, {}, self.inflight.extra
         lora = req.lora is not None and self.lora_cost > 0
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
-            q = stats.get("queued_prefill_tokens", 0)
-            if rid in pending:
-                q += inflight(rid, stats.get("time", 0.0))
-            loads[rid] = q if q > 0 else 0
+            loads[rid] = max(stats.get("queued_prefill_tokens", 0) + inflight(rid, stats.get("time", 0.0)), 0)
             if lora:
                 extra[rid] = lora_load_cost(req, stats, self.lora_cost)
         index = self.mirror.index[self.pool]
@@ -308,12 +301,12 @@ class DecodeRouter(_PoolRouter):
 
         A replica's pressure, 0..~2: its KV fraction in use plus its running-batch fraction, counting the
         requests sent to it since its stats (`sent`, in blocks)."""
-        pending, inflight = self.inflight.replicas(), self.inflight.extra
+        inflight = self.inflight.extra
         pressure, sent, load = {}, {}, {}
         lora = req.lora is not None and self.lora_cost > 0
         for rid, r in by_id.items():
             s = r.routing_stats or {}
-            x = sent[rid] = inflight(rid, s.get("time", 0.0)) if rid in pending else 0
+            x = sent[rid] = inflight(rid, s.get("time", 0.0))
             pressure[rid] = ((s.get("kv_blocks_used", 0) + x) / max(s.get("kv_blocks_total", 1), 1)
                              + (s.get("num_running", 0) + (x > 0)) / self.max_num_seqs)
             load[rid] = lora_load_cost(req, s, self.lora_cost) if lora else 0
