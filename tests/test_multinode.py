@@ -2,8 +2,8 @@
 a prefill node, a decode node and a spare that can take either pool, each with its own address, pools placed by
 Ray resources as the chart's worker groups place them. KV crosses nodes over NIXL/UCX on TCP; KV events cross to
 the router on the head; a decode node killed outright, and the prefill node's raylet killed alone, each have
-their pool replaced on the spare; then the spare, holding both pools, is drained under load and they move back
-without a failed stream. Needs root; skips with the reason elsewhere."""
+their pool replaced on the spare; then the node holding the decode pool (the spare, holding both, after the kill
+tests) is drained under load and its replicas move to the other nodes without a failed stream. Needs root; skips with the reason elsewhere."""
 from __future__ import annotations
 
 import json
@@ -85,9 +85,10 @@ out = placement()
 """
 
 
-def replaced(cluster: NetnsCluster, pool: str, ip: str, timeout_s: float = 300) -> None:
-    """Until the pool's one replica runs on `ip` and every deployment is healthy, all its replicas running (a
-    replica still starting when the test ends would be killed by the teardown)."""
+def replaced(cluster: NetnsCluster, pool: str, ip: str | None = None, off: str | None = None,
+             timeout_s: float = 300) -> None:
+    """Until the pool's one replica runs on `ip` (or anywhere but `off`) and every deployment is healthy, all its
+    replicas running (a replica still starting when the test ends would be killed by the teardown)."""
     out = on_head(cluster, PLACEMENT + f"""
 import time
 from ray import serve
@@ -95,15 +96,16 @@ deadline = time.monotonic() + {timeout_s}
 while True:
     deployments = serve.status().applications["baton"].deployments
     out = {{"placed": placement(), "replicas": {{k: d.replica_states for k, d in deployments.items()}}}}
-    if out["placed"].get({pool!r}) == [{ip!r}] and all(d.status == "HEALTHY" and set(d.replica_states) == {{"RUNNING"}}
-                                                     for d in deployments.values()):
+    where = out["placed"].get({pool!r}, [])
+    if len(where) == 1 and where[0] == ({ip!r} or where[0]) and where[0] != {off!r} and \
+            all(d.status == "HEALTHY" and set(d.replica_states) == {{"RUNNING"}} for d in deployments.values()):
         break
     if time.monotonic() > deadline:
         out["timeout"] = True
         break
     time.sleep(1)
 """, timeout=timeout_s + 120)
-    assert "timeout" not in out, f"{pool} not replaced on {ip}: {out}"
+    assert "timeout" not in out, f"{pool} not replaced on {ip or 'a node other than ' + str(off)}: {out}"
 
 
 def total(m: dict, metric: str, *labels: str) -> float:
@@ -218,21 +220,23 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
     its streams over as soon as it is marked (they wait for the successor and continue there, by KV pull or
     replay), the prefill replica finishes what it holds. Users stream all along: none fails, and every text is
     the offline engine's. (While the successors start, admission control may refuse a new request with a 429
-    before any token, as it should under that load; the users retry after its Retry-After, as clients do.) The
-    kill tests above left both pools on the spare: their own nodes come back first, and the spare is drained."""
-    spare = nodes.ip(SPARE_NODE)
+    before any token, as it should under that load; the users retry after its Retry-After, as clients do.)
+    Whatever the tests before it left (run after the kill tests, both pools are on the spare), every worker node
+    runs first, then the node holding the decode replica is drained: its replicas move to the others."""
     placed = on_head(nodes, PLACEMENT)
-    assert placed["decode"] == [spare] and placed["prefill"] == [spare], placed
+    drained = placed["decode"][0]
     alive = nodes.alive()
-    for node in (PREFILL_NODE, DECODE_NODE):
+    down = [node for node in (PREFILL_NODE, DECODE_NODE, SPARE_NODE)      # a kill test's node: no raylet left
+            if not any(c.split()[0].endswith("raylet") for c in nodes.processes(node).values() if c)]
+    for node in down:
         nodes.start_node(node)
-    nodes.wait_nodes(alive + 2)
+    nodes.wait_nodes(alive + len(down))
     expected = reference.chat(PROMPT, SamplingParams(temperature=0, max_tokens=64)).text
     out = on_head(nodes, f"""
         import subprocess, threading, time, urllib.request
         import openai, ray
         ray.init()
-        spare = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == {spare!r})
+        drained = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == {drained!r})
 
         def moves() -> float:
             # NaN while /metrics cannot answer: the drain may move the state replica too (then its actor is
@@ -271,7 +275,7 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
             warm = wait(lambda: len(texts) >= 4, 120)
             m0 = moves()
             assert m0 == m0, "/metrics answers before the drain"
-            drain = subprocess.run(["ray", "drain-node", "--node-id", spare, "--reason",
+            drain = subprocess.run(["ray", "drain-node", "--node-id", drained, "--reason",
                                     "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "kubectl drain",
                                     "--deadline-remaining-seconds", "600"], capture_output=True, text=True)
             moved = wait(lambda: moves() > m0, 180)
@@ -290,8 +294,9 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
     assert out["warm"] and out["moved"] and out["served_after"], out
     assert out["errors"] == [], out["errors"]
     assert out["texts"] == [expected], out["texts"]           # every stream, moved or not, is the offline text
-    replaced(nodes, "decode", nodes.ip(DECODE_NODE))
-    replaced(nodes, "prefill", nodes.ip(PREFILL_NODE))
+    replaced(nodes, "decode", off=drained)
+    if placed["prefill"] == [drained]:
+        replaced(nodes, "prefill", off=drained)
     assert chat(nodes) == {"text": reference.chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text}
     # /metrics shows one replica per pool again: the successors report (to a new state actor if the drain
     # moved the state replica too) and the drained replicas' entries are gone

@@ -493,32 +493,43 @@ def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_stream
     size is a Serve deployment override, so the update is applied in place: Serve stops one decode replica and
     nothing else (no replica rolls). The stopping replica hands its sequences over (KV pinned and pulled by the
     other; a replay where that cannot be): no stream fails, each text is the undisturbed one, and the ingress
-    counts moves by KV pull. Then the pool grows back, again in place."""
+    counts moves by KV pull. Then the pool grows back, again in place.
+
+    Serve picks the replica to stop, and routing may give it few streams, which can all end in the second between
+    the replicas' reported load and the stop (seen: 3 streams of 16 ended 0.15 s before it). A round in which the
+    stopped replica held no stream moved nothing and shows nothing: the pool grows back and the round runs again,
+    up to three times; a round that moved streams must have moved them by KV pull."""
     from cluster.serving import redeploy
     bodies = _bodies(16, 8000, 300, prompt_len=40)
     undisturbed = load(bodies)
     before = {pool: replicas(pool) for pool in ("ingress", "prefill", "decode")}
     assert len(before["decode"]) == 2
-    m0 = scrape(BASE)
 
     def shrink() -> None:              # once both decode replicas run streams, whichever Serve stops has some
         wait_for(lambda: sum(v > 0 for r, v in replica_gauges(scrape(BASE), "baton_num_requests_running").items()
                              if r.startswith("decode/")) == 2, 10, "both decode replicas to run streams", 0.2)
         redeploy(cluster.with_overrides(decode_replicas=1), "baton")
-    try:
-        results = load(bodies, during=shrink, when=every_stream_has(5))
-        for r, u in zip(results, undisturbed):
-            assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 300, r
-            assert r["text"] == u["text"]
-        wait_for(lambda: len(replicas("decode")) == 1, 120, "the decode pool to shrink to one replica")
-        assert set(replicas("decode")) < set(before["decode"])          # one stopped, the other untouched
-        assert replicas("ingress") == before["ingress"] and replicas("prefill") == before["prefill"]
-        pulled = counter(scrape(BASE), "baton_request_moves_total", reason="drain", how="kv_pull") - \
-            counter(m0, "baton_request_moves_total", reason="drain", how="kv_pull")
-        assert pulled >= 1
-    finally:                           # the module's later tests expect two decode replicas
-        redeploy(cluster, "baton")
-        wait_for(lambda: len(replicas("decode")) == 2, 120, "the decode pool to grow back to two")
+    rounds = []
+    for _ in range(3):
+        m0, decode = scrape(BASE), replicas("decode")
+        try:
+            results = load(bodies, during=shrink, when=every_stream_has(5))
+            for r, u in zip(results, undisturbed):
+                assert r["status"] == 200 and r["done"] and r["error"] is None and r["tokens"] == 300, r
+                assert r["text"] == u["text"]
+            wait_for(lambda: len(replicas("decode")) == 1, 120, "the decode pool to shrink to one replica")
+            assert set(replicas("decode")) < set(decode)                  # one stopped, the other untouched
+            assert replicas("ingress") == before["ingress"] and replicas("prefill") == before["prefill"]
+            m1 = scrape(BASE)
+            rounds.append({how: counter(m1, "baton_request_moves_total", reason="drain", how=how) -
+                           counter(m0, "baton_request_moves_total", reason="drain", how=how)
+                           for how in ("kv_pull", "replay")})
+        finally:                       # the next round and the module's later tests expect two decode replicas
+            redeploy(cluster, "baton")
+            wait_for(lambda: len(replicas("decode")) == 2, 120, "the decode pool to grow back to two")
+        if any(rounds[-1].values()):
+            break
+    assert rounds[-1]["kv_pull"] >= 1, rounds          # the stopped replica's streams moved, by KV pull
     assert replicas("ingress") == before["ingress"] and replicas("prefill") == before["prefill"]
     assert complete(prompt(8100), 4)["usage"]["completion_tokens"] == 4
     assert_no_leaks()
