@@ -188,6 +188,10 @@ def _no_ray_auto_init() -> None:
 
 
 _no_ray_auto_init()
+# A local Ray's start waits 30 s (Ray's default) for its GCS to publish its port. Once, with the tests that start
+# no Ray running beside (`make test`), a GCS had not published it in that time and the test's ray.init failed;
+# the tests allow it two minutes (RAY_gcs_server_port_wait_time_s, Ray's own setting; its subprocesses inherit it).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 @pytest.fixture(scope="session")
