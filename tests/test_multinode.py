@@ -3,7 +3,8 @@ a prefill node, a decode node and a spare that can take either pool, each with i
 Ray resources as the chart's worker groups place them. KV crosses nodes over NIXL/UCX on TCP; KV events cross to
 the router on the head; a decode node killed outright, and the prefill node's raylet killed alone, each have
 their pool replaced on the spare; then the node holding the decode pool (the spare, holding both, after the kill
-tests) is drained under load and its replicas move to the other nodes without a failed stream. Needs root; skips with the reason elsewhere."""
+tests) is drained under load and its replicas move to the other nodes without a failed stream. Needs root; skips
+with the reason elsewhere."""
 from __future__ import annotations
 
 import json
