@@ -7,14 +7,24 @@ import urllib.request
 from typing import Any
 
 
-def scrape(base: str) -> dict[str, float]:
-    """Sample name with labels -> value, from one scrape of the ingress at `base` (http://host:port)."""
-    out = {}
-    for line in urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode().splitlines():
-        if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            out[k] = float(v)
-    return out
+def scrape(base: str, fresh: bool = False, timeout_s: float = 10.0) -> dict[str, float]:
+    """Sample name with labels -> value, from one scrape of the ingress at `base` (http://host:port). The ingress
+    shows each replica's latest report (sent every REPORT_INTERVAL_S): with `fresh`, scrape again until every
+    replica's report was read after this call began (by this machine's clock: for tests and benchmarks on one
+    host), so that whatever ended before the call shows in every pool's counters and gauges."""
+    since, deadline = time.time(), time.monotonic() + timeout_s
+    while True:
+        out = {}
+        for line in urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode().splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        stale = {r for r, t in replica_gauges(out, "baton_replica_metrics_timestamp_seconds").items() if t < since}
+        if not fresh or not stale:
+            return out
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no report newer than {timeout_s:g} s ago from replicas {sorted(stale)}")
+        time.sleep(0.1)
 
 
 def pool_total(m: dict[str, float], metric: str, pool: str) -> float:

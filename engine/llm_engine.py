@@ -85,6 +85,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._early_outputs: list[RequestOutput] = []      # requests finished when admitted
         self.num_computed_tokens_total = 0          # tokens the model actually ran (prefix hits excluded)
+        self.num_prompt_tokens_total = 0            # prompts of requests whose first token was sampled here
+        self.num_generation_tokens_total = 0        # tokens sampled here and kept (not a producer's first token)
         self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
         log.info("engine ready: %s (weights %s, %.0f MiB), %s on %s (%d threads), %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
                  "%d host-tier blocks, max_model_len %d, weights loaded in %.1f s", self.model_path, quant,
@@ -339,18 +341,20 @@ class LLMEngine:
             tok = result.token_ids[i]
             if self.spec is not None:
                 self.spec.observe_plain(seq, tok)
-            self._append(seq, [tok], [result.logprobs[i]], now)
+            if seq.num_output_tokens == 0:              # its first token is sampled here: its prompt counts here
+                self.num_prompt_tokens_total += seq.num_prompt_tokens
+            self.num_generation_tokens_total += self._append(seq, [tok], [result.logprobs[i]], now)
             outputs.append(self._output(seq))
         for (seq, _), (toks, lps) in zip(verify, emitted):
-            self._append(seq, toks, lps, now)
+            self.num_generation_tokens_total += self._append(seq, toks, lps, now)
             outputs.append(self._output(seq))
         if self.spec is not None:
             self.spec.end_step(drafted, [s for s, _ in verify], sched.scheduled, seconds)
         return outputs
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> int:
         """Add sampled tokens one by one (a verify step emits several), stopping where a stop token,
-        stop string or length limit falls; the rest are dropped."""
+        stop string or length limit falls; the rest are dropped. Returns how many were kept."""
         kept = 0
         for token, lp in zip(tokens, logprobs):
             seq.token_ids.append(token)
@@ -368,6 +372,7 @@ class LLMEngine:
             self.scheduler.on_computed(seq, kept)
         if seq.finish_reason is not None or seq.prefill_only:
             self._finish(seq)
+        return kept
 
     def _leave_batch(self, seq: Sequence) -> None:
         """The sequence finished, was aborted or preempted: its draft state and its rows of the
@@ -478,6 +483,8 @@ class LLMEngine:
             "num_awaiting_kv_room": self.scheduler.num_awaiting_room,     # decode: imports waiting for blocks
             "num_loading_kv": len(self.scheduler.loading),               # decode: imports whose K/V are arriving
             "num_pinned": len(self.kv.pinned),
+            "prompt_tokens": self.num_prompt_tokens_total,
+            "generation_tokens": self.num_generation_tokens_total,
             "prefix_cache_query_tokens": self.pool.query_tokens,
             "prefix_cache_hit_tokens": self.pool.hit_tokens,
             "prefix_cache_host_hit_tokens": self.pool.host_hit_tokens,

@@ -2,6 +2,9 @@
 replica's exposition into its own /metrics (router/metrics.py).
 
 Contract names (like vLLM's, stable):
+  baton_prompt_tokens_total / baton_generation_tokens_total (counters, as vllm:prompt_tokens_total and
+      vllm:generation_tokens_total): a request's prompt and its first token count on the replica that
+      sampled that token (the prefill pool's, after a KV hand-off), the tokens after it where decoded
   baton_kv_blocks_used / baton_kv_blocks_free (gauges): blocks held by live sequences or pinned for a
       transfer / blocks allocatable (cached but unreferenced blocks count as free)
   baton_prefix_cache_query_tokens_total / baton_prefix_cache_hit_tokens_total (counters)
@@ -43,6 +46,8 @@ class _EngineCollector:
             c.add_metric(values, value)
             return c
 
+        yield gauge("baton_replica_metrics_timestamp_seconds", "Unix time this replica's metrics were read (the "
+                    "ingress /metrics shows each replica's latest report, sent every REPORT_INTERVAL_S)", time.time())
         yield gauge("baton_replica_resident_memory_bytes", "Resident memory of the replica's process",
                     _rss())
         heap = heap_in_use()
@@ -56,6 +61,10 @@ class _EngineCollector:
         yield gauge("baton_kv_blocks_free", "KV blocks allocatable (cached but unreferenced blocks count as free)",
                     s["kv_blocks_free"])
         yield gauge("baton_kv_blocks_total", "KV blocks in the cache", s["kv_blocks_total"])
+        yield counter("baton_prompt_tokens", "Prompt tokens of requests whose first token was sampled here (cached "
+                                             "ones included)", s["prompt_tokens"])
+        yield counter("baton_generation_tokens", "Tokens sampled here (a KV hand-off's first token counts where the "
+                                                 "prefill sampled it)", s["generation_tokens"])
         yield counter("baton_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
                       s["prefix_cache_query_tokens"])
         yield counter("baton_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",

@@ -42,9 +42,10 @@ def offline():
     return LLM(None, **ENGINE)              # the default model as the cluster runs it (packed GGUF)
 
 
-def _metrics() -> dict[str, float]:
-    """Sample name with labels -> value, from one scrape of the ingress."""
-    return scrape(BASE)
+def _metrics(fresh: bool = False) -> dict[str, float]:
+    """Sample name with labels -> value, from one scrape of the ingress; `fresh`: every replica's report in it
+    was read after this call began (each replica reports every REPORT_INTERVAL_S, on its own)."""
+    return scrape(BASE, fresh)
 
 
 def _post(path: str, body: bytes | dict, key: str | None = None) -> tuple[int, dict]:
@@ -147,10 +148,21 @@ def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
 
 
 def test_metrics_show_both_pools_and_the_transfer(client):
-    client.completions.create(model=MODEL, prompt="Relay teams win or lose in the exchange zone because " * 3,
-                              temperature=0, max_tokens=4)
-    m = wait_for(lambda: (lambda m: m if _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") > 0 else None)(
-        _metrics()), 10, "the transfer in the decode pool's metrics")
+    m0 = _metrics(fresh=True)
+    r = client.completions.create(model=MODEL, prompt="Relay teams win or lose in the exchange zone because " * 3,
+                                  temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
+
+    def grew(m, name: str, pools=("prefill", "decode")) -> float:
+        return sum(_pool_sum(m, name, p) - _pool_sum(m0, name, p) for p in pools)
+
+    # the request's tokens, each counted once across the pools: its prompt where its first token was sampled
+    # (the prefill pool, which handed its KV over), every token it generated where it was sampled
+    m = _metrics(fresh=True)
+    assert grew(m, "baton_generation_tokens_total") == r.usage.completion_tokens == 4
+    assert grew(m, "baton_prompt_tokens_total") == r.usage.prompt_tokens
+    remote = 'baton_disaggregation_decisions_total{path="remote"}'
+    if m.get(remote, 0.0) > m0.get(remote, 0.0):
+        assert grew(m, "baton_prompt_tokens_total", ["prefill"]) == r.usage.prompt_tokens
     for pool in ("prefill", "decode"):
         assert _pool_sum(m, "baton_kv_blocks_free", pool) > 0, pool
         assert _pool_sum(m, "baton_prefix_cache_query_tokens_total", pool) > 0, pool
@@ -171,10 +183,13 @@ def test_a_request_aborted_mid_stream_frees_its_blocks_in_both_pools(client):
         if got == 5:
             break
     stream.close()                                                # the client goes away mid-stream
-    m = wait_for(lambda: (lambda m: m if all(_pool_sum(m, "baton_kv_blocks_used", p) == 0
-                                             for p in ("prefill", "decode")) else None)(_metrics()),
-                 20, "both pools to free the aborted request's blocks")
-    assert sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="aborted"' in k) >= 1
+
+    def aborted(m) -> float:
+        return sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="aborted"' in k)
+
+    wait_for(lambda: (lambda m: aborted(m) >= 1 and all(_pool_sum(m, "baton_kv_blocks_used", p) == 0
+                                                        for p in ("prefill", "decode")))(_metrics(fresh=True)),
+             20, "both pools to free the aborted request's blocks")
 
 
 def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offline):
@@ -248,15 +263,15 @@ def test_a_decode_replica_prefilling_locally_pulls_the_prefix_a_prefill_replica_
     prefill, decode = (serve.get_deployment_handle(pool, "baton") for pool in ("prefill", "decode"))
     stream = decode.options(stream=True)
     a = PoolRequest("prefix-a", first, block_hashes(first, 16, key), greedy)
+    m0 = _metrics(fresh=True)
     a = replace(a, prefill=prefill.prefill.remote(a).result(timeout_s=120))      # cached (and pinned) there only
-    m0 = _metrics()
     b = PoolRequest("prefix-b", prompt, block_hashes(prompt, 16, key), greedy, prefix_source=("prefill", a.prefill.replica, 12))
     assert [t for d in stream.generate.remote(b) for t in d.token_ids] == \
         offline.generate([prompt], greedy)[0].token_ids
     assert [t for d in stream.generate.remote(a) for t in d.token_ids] == \
         offline.generate([first], greedy)[0].token_ids
     m = wait_for(lambda: (lambda m: m if all(_pool_sum(m, "baton_kv_blocks_used", p) == 0
-                                             for p in ("prefill", "decode")) else None)(_metrics()),
+                                             for p in ("prefill", "decode")) else None)(_metrics(fresh=True)),
                  20, "every pin to end")
     assert _pool_sum(m, "baton_prefix_pull_tokens_total", "decode") - \
         _pool_sum(m0, "baton_prefix_pull_tokens_total", "decode") == 12 * 16

@@ -79,18 +79,22 @@ class SpecDecoder:
 
     @staticmethod
     def _profile(runner, num_layers: int | None, sizes: list[int]) -> list[tuple[int, float]]:
-        """Seconds of a forward over T one-token rows, for each T (best of 2): the cost table's prior.
+        """Seconds of a forward over T one-token rows, for each T: the cost table's prior. Three rounds over
+        every size, the best of each size, then made non-decreasing in T (a longer step never costs less),
+        so that a burst of other work on the machine during one measurement does not bend the table.
         Writes garbage K/V to the padding block, which no sequence owns."""
         def timed(n: int) -> float:
             items = [([0], 0, [runner.padding_block], 1)] * n
-            best = float("inf")
-            for _ in range(2):
-                t0 = device_clock(runner.device)
-                runner.forward_batch(items, num_layers=num_layers)
-                best = min(best, device_clock(runner.device) - t0)
-            return best
+            t0 = device_clock(runner.device)
+            runner.forward_batch(items, num_layers=num_layers)
+            return device_clock(runner.device) - t0
         timed(1)                                             # warm-up (kernel build, allocator)
-        return [(n, timed(n)) for n in sizes]
+        best = [timed(n) for n in sizes]
+        for _ in range(2):
+            best = [min(b, timed(n)) for b, n in zip(best, sizes)]
+        for i in range(len(best) - 2, -1, -1):               # the lower envelope, non-decreasing
+            best[i] = min(best[i], best[i + 1])
+        return list(zip(sizes, best))
 
     # -- before scheduling: choose depths, draft ----------------------------------------------------
     def propose(self, running: list[Sequence]) -> list[Sequence]:
