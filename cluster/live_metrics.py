@@ -43,10 +43,15 @@ def replica_gauges(m: dict[str, float], metric: str) -> dict[str, float]:
 
 def leak_report(base: str, settle_s: float = 20.0) -> dict[str, Any]:
     """Wait (up to settle_s) for every replica to hold no KV blocks and no pins and the ingress to hold no
-    admitted tokens; then report what each holds, and each replica's memory."""
+    admitted tokens; then report what each holds, and each replica's memory. Each scrape waits (briefly) for
+    reports newer than itself, so that one sent before the last request ended cannot pass for clean; a replica
+    that died and is not yet forgotten stops no scrape."""
     deadline = time.monotonic() + settle_s
     while True:
-        m = scrape(base)
+        try:
+            m = scrape(base, fresh=True, timeout_s=2.0)
+        except TimeoutError:
+            m = scrape(base)
         used = replica_gauges(m, "baton_kv_blocks_used")
         pinned = replica_gauges(m, "baton_kv_pinned_requests")
         queued = m.get("baton_admission_queued_prompt_tokens", 0.0)

@@ -483,6 +483,7 @@ class LLMEngine:
             "num_awaiting_kv_room": self.scheduler.num_awaiting_room,     # decode: imports waiting for blocks
             "num_loading_kv": len(self.scheduler.loading),               # decode: imports whose K/V are arriving
             "num_pinned": len(self.kv.pinned),
+            "num_preemptions": self.scheduler.num_preemptions_total,
             "prompt_tokens": self.num_prompt_tokens_total,
             "generation_tokens": self.num_generation_tokens_total,
             "prefix_cache_query_tokens": self.pool.query_tokens,

@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []          # heap on (priority, seq_no)
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}     # WAITING_FOR_REMOTE_KVS, and aborted ones whose load is in flight
+        self.num_preemptions_total = 0
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -231,6 +232,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.spec_tokens, seq.spec_probs = [], None
         seq.num_preemptions += 1
+        self.num_preemptions_total += 1
         out.preempted.append(seq)
         self.add(seq)
         return returned

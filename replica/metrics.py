@@ -5,6 +5,7 @@ Contract names (like vLLM's, stable):
   baton_prompt_tokens_total / baton_generation_tokens_total (counters, as vllm:prompt_tokens_total and
       vllm:generation_tokens_total): a request's prompt and its first token count on the replica that
       sampled that token (the prefill pool's, after a KV hand-off), the tokens after it where decoded
+  baton_num_preemptions_total (counter, as vllm:num_preemptions_total): sequences preempted for KV room
   baton_kv_blocks_used / baton_kv_blocks_free (gauges): blocks held by live sequences or pinned for a
       transfer / blocks allocatable (cached but unreferenced blocks count as free)
   baton_prefix_cache_query_tokens_total / baton_prefix_cache_hit_tokens_total (counters)
@@ -65,6 +66,8 @@ class _EngineCollector:
                                              "ones included)", s["prompt_tokens"])
         yield counter("baton_generation_tokens", "Tokens sampled here (a KV hand-off's first token counts where the "
                                                  "prefill sampled it)", s["generation_tokens"])
+        yield counter("baton_num_preemptions", "Sequences preempted for KV room (recomputed later)",
+                      s["num_preemptions"])
         yield counter("baton_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
                       s["prefix_cache_query_tokens"])
         yield counter("baton_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",

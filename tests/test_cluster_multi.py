@@ -99,7 +99,7 @@ def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(
             break
         complete(new_suffix())
     assert len(views()) == 2 and all(v is not None for v in views()), views()
-    pulled_before = pool_total(scrape(BASE), "baton_prefix_pull_tokens_total", "prefill")
+    pulled_before = pool_total(scrape(BASE, fresh=True), "baton_prefix_pull_tokens_total", "prefill")
     complete(prefix + new_suffix())
     first = wait_for(lambda: (lambda v: v if all(max(m.values(), default=0) == 16 for m in v) else None)(views()),
                      10, "both ingress replicas' mirrors to hold the prefix")

@@ -13,6 +13,7 @@ import ray
 
 from bench.cluster_bench import routing_runs
 from bench.models import make_lora_adapter
+from cluster.serving import init_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.bench, pytest.mark.timeout(1200)]
 
@@ -25,7 +26,7 @@ def test_prefix_and_adapter_aware_routing_keep_tenants_on_their_replica(tmp_path
     from bench.chaos_bench import tiny_model
     model = tiny_model(str(tmp_path / "tiny"))
     loras = {f"tenant{t}": make_lora_adapter(model, tmp_path / f"tenant{t}", rank=4, seed=t + 1) for t in range(4)}
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="test-routing")
     try:
         runs = routing_runs(["prefix_aware", "pow2"], 16, 2.0, 1024, (5.0, 1.0), model=model, adapters=loras)

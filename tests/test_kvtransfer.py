@@ -13,6 +13,7 @@ import pytest
 import ray
 import torch
 
+from cluster.serving import init_ray
 from kvtransfer import KVHandle, KVHandleError, KVHandoff, make_transport
 from tests.conftest import wait_for
 
@@ -105,7 +106,7 @@ def _released(producer, want: set[str], timeout_s: float = 10.0) -> set[str]:
 @pytest.fixture(scope="module")
 def cluster():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])    # workers cannot import this file
-    ray.init(num_cpus=2, namespace="test-kvtransfer", include_dashboard=False, log_to_driver=False,
+    init_ray(num_cpus=2, namespace="test-kvtransfer", include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
     yield
     ray.shutdown()

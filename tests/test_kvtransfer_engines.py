@@ -8,6 +8,7 @@ import sys
 import pytest
 import ray
 
+from cluster.serving import init_ray
 from engine import LLM, EngineConfig, LLMEngine, RemotePrefill, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.block_hash import block_hashes
@@ -71,7 +72,7 @@ class EngineHost:
 @pytest.fixture(scope="module")
 def cluster():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])    # workers cannot import this file
-    ray.init(num_cpus=2, namespace="test-kv-engines", include_dashboard=False, log_to_driver=False,
+    init_ray(num_cpus=2, namespace="test-kv-engines", include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
     yield
     ray.shutdown()
