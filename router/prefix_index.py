@@ -236,8 +236,10 @@ class PrefillRanker:
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
              loads: dict[str, int], cached: dict[str, int] | None = None,
-             extra: dict[str, int] | None = None, tie: dict[str, float] | None = None) -> tuple[list[list[str]], str]:
-        """Tiers of replica ids, best first (one replica per tier), and the reason for the first."""
+             extra: dict[str, int] | None = None, tie: dict[str, float] | None = None,
+             first_only: bool = False) -> tuple[list[list[str]], str]:
+        """Tiers of replica ids, best first (one replica per tier), and the reason for the first; with
+        `first_only`, the first tier alone (the planning simulator's routers: no sort of the pool)."""
         replicas = loads.keys() | matches.keys()
         if not replicas:
             return [], "no_replica"
@@ -258,8 +260,14 @@ class PrefillRanker:
         imbalanced = max(load.values()) - min(load.values()) > self.imbalance_threshold
         if imbalanced:
             key = {r: (load[r], *k) for r, k in key.items()}
-        order = sorted(replicas, key=key.__getitem__)
-        if len(set(key.values())) < len(key):      # runs of equal keys: by the hash, then the name
+        if first_only:
+            low = min(key.values())
+            tied = [r for r, k in key.items() if k == low]
+            order = [tied[0] if len(tied) == 1 else
+                     min(tied, key=lambda r: (xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r))]
+        else:
+            order = sorted(replicas, key=key.__getitem__)
+        if not first_only and len(set(key.values())) < len(key):      # runs of equal keys: by the hash, the name
             i = 0
             while i < len(order) - 1:
                 j = i + 1

@@ -107,6 +107,10 @@ class _InflightLoad:
         if routed is not None:
             self.done.setdefault(routed[0], []).append((self.clock(), routed[1]))
 
+    def holds(self, replica: str) -> bool:
+        """Whether extra() may be nonzero for the replica."""
+        return replica in self.sent or replica in self.done
+
     def extra(self, replica: str, stats_time: float) -> int:
         """Tokens to add to the replica's stats (negative when more finished than was sent since them)."""
         if replica not in self.sent and replica not in self.done:      # most of a large pool: nothing in flight
@@ -163,6 +167,7 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         """mirror, clock: the planning simulator's index and clock (in Serve: the state actor's mirror, unix time)."""
         self.mirror = mirror if mirror is not None else IndexMirror.shared(state_actor, index_sync_interval_s)
         self.block_size = block_size
+        self.first_only = False         # rank only the best replica (route(): the simulator's routers)
         # in Serve the prefill pool's is the process's, which the orchestrator tells of finished prefills
         self.inflight = _live()._prefill_inflight if mirror is None and self.pool == PREFILL else _InflightLoad(clock)
         # Serve request id -> (load it sends, leading blocks the index says each replica caches, blocks usable)
@@ -213,6 +218,7 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         initialize_state takes it, with the simulator's `mirror` (its `index` per pool) and `clock`."""
         self = cls.__new__(cls)
         self.initialize_state(state_actor=None, **state)
+        self.first_only = True
         return self
 
     def route(self, req: PoolRequest, by_id: dict[str, Any]) -> tuple[str | None, str]:
@@ -263,18 +269,22 @@ class PrefixAwareRouter(_PoolRouter):
     def _rank(self, req, by_id):
         """The load is the prompt tokens the best replica must prefill (those it does not cache). A LoRA
         request's blocks are its adapter's (the hashes are), and a replica lacking the adapter pays its load."""
-        loads, extra, inflight = {}, {}, self.inflight.extra
+        loads, extra, inflight = {}, {}, self.inflight
         lora = req.lora is not None and self.lora_cost > 0
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
-            loads[rid] = max(stats.get("queued_prefill_tokens", 0) + inflight(rid, stats.get("time", 0.0)), 0)
+            queued = stats.get("queued_prefill_tokens", 0)
+            if inflight.holds(rid):                     # (most of a large pool has nothing in flight)
+                queued = max(queued + inflight.extra(rid, stats.get("time", 0.0)), 0)
+            loads[rid] = queued
             if lora:
                 extra[rid] = lora_load_cost(req, stats, self.lora_cost)
         index = self.mirror.index[self.pool]
         matches, credit = index.match_credit(req.block_hashes, self.host_weight)
         tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
                                          {rid: n for rid, n in credit.items() if n and rid in by_id}, loads,
-                                         index.num_blocks(), extra if any(extra.values()) else None)
+                                         index.num_blocks(), extra if any(extra.values()) else None,
+                                         first_only=self.first_only)
         best = tiers[0][0] if tiers and tiers[0] else None
         if best is None:
             return tiers, reason, None, matches
@@ -321,7 +331,7 @@ class DecodeRouter(_PoolRouter):
                       for rid, r in by_id.items()}
             tiers, why = self.ranker.rank(req.block_hashes, n, self.block_size,
                                           {rid: c for rid, c in credit.items() if c and rid in by_id},
-                                          queued, None, load if lora else None, pressure)
+                                          queued, None, load if lora else None, pressure, self.first_only)
             order = [t[0] for t in tiers]
             reason = {"prefix_hit": "local_prefill_hit", "imbalanced_least_loaded": "local_prefill_imbalanced"}.get(
                 why, "local_prefill")
@@ -329,7 +339,9 @@ class DecodeRouter(_PoolRouter):
             def kv_tokens(rid: str) -> int:
                 s = by_id[rid].routing_stats or {}
                 return max(s.get("kv_blocks_total", 1), 1) * self.block_size
-            order = sorted(by_id, key=lambda rid: (pressure[rid] + load[rid] / kv_tokens(rid), rid))
+            def key(rid: str) -> tuple[float, str]:
+                return pressure[rid] + load[rid] / kv_tokens(rid), rid
+            order = [min(by_id, key=key)] if self.first_only else sorted(by_id, key=key)
             reason = "least_kv_pressure"
         # a prediction for a plain local prefill (a continuation also recomputes tokens the index does not cover)
         predicted = hits if hits is not None and req.resume is None else None

@@ -394,6 +394,24 @@ def test_ranker_falls_back_to_least_loaded_when_imbalanced():
     assert first(ranker.rank(H, 128, 16, {"a": 8}, {"a": 1000, "b": 0})) == ("a", "prefix_hit")  # at the threshold
 
 
+def test_ranking_only_the_best_picks_what_the_full_order_puts_first():
+    """first_only (the simulator's routers): the same replica and reason as the full ranking's first, over pools
+    with tied keys (broken by the prompt's hash), imbalanced loads, extra work and tie values."""
+    rng = random.Random(5)
+    for trial in range(300):
+        ranker = PrefillRanker(load_weight=rng.choice([0.0, 0.5, 1.0]), imbalance_threshold=rng.choice([50, 10**9]))
+        names = [f"r{i}" for i in range(rng.randrange(1, 12))]
+        loads = {r: rng.choice([0, 0, 16, 40, 100]) for r in names}
+        matches = {r: rng.choice([0, 0, 2, 4]) for r in names if rng.random() < 0.5}
+        cached = {r: rng.choice([0, 5]) for r in names}
+        extra = {r: rng.choice([0, 32]) for r in names} if trial % 3 == 0 else None
+        tie = {r: rng.choice([0.0, 0.5]) for r in names} if trial % 4 == 0 else None
+        hashes = [rng.randrange(1 << 60)]
+        full = ranker.rank(hashes, 96, 16, matches, loads, cached, extra, tie)
+        best = ranker.rank(hashes, 96, 16, matches, loads, cached, extra, tie, first_only=True)
+        assert best == (full[0][:1], full[1]), (trial, full, best)
+
+
 def test_a_replica_without_a_load_report_counts_as_idle():
     ranker = PrefillRanker(load_weight=1.0, imbalance_threshold=10_000)
     tiers, reason = ranker.rank(H, 128, 16, {"a": 4, "quiet": 4}, {"a": 50})
