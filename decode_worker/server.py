@@ -62,7 +62,8 @@ class DecodeServer(EngineReplica):
                 else:
                     self._observe_import(out.metrics)
             if out.finished:
-                self.metrics.observe_lora(req.lora, len(out.prompt_token_ids), len(out.token_ids))
+                self.metrics.observe_finished(out.metrics, req.lora, len(out.prompt_token_ids), len(out.token_ids),
+                                              prefilled=req.prefill is None or not out.metrics.kv_transferred)
             yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
             first = False
             if self.stream_interval_s and not out.finished:

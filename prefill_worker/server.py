@@ -24,7 +24,7 @@ class PrefillServer(EngineReplica):
                                            block_hashes=req.block_hashes, lora_request=req.lora, remote=remote):
             pass
         pulled = self.observe_prefix_pull(out.metrics) if remote is not None else 0
-        self.metrics.observe_lora(req.lora, len(req.token_ids), 0)
+        self.metrics.observe_finished(out.metrics, req.lora, len(req.token_ids), 0, prefilled=True)
         self.ttft.observe(time.perf_counter() - t0)
         handoff = await export_pinned(self.llm, self.link, out, req.block_hashes)
         return PrefillResult(self.replica, out.token_ids[0], out.logprobs[0] if out.logprobs else None,

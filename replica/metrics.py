@@ -6,6 +6,9 @@ Contract names (like vLLM's, stable):
       vllm:generation_tokens_total): a request's prompt and its first token count on the replica that
       sampled that token (the prefill pool's, after a KV hand-off), the tokens after it where decoded
   baton_num_preemptions_total (counter, as vllm:num_preemptions_total): sequences preempted for KV room
+  baton_request_{queue,prefill,decode}_time_seconds (histograms, as vLLM's): a finished request's time
+      queued in this engine, prefilling here, decoding here; the ingress adds baton_request_prompt_tokens
+      and baton_request_generation_tokens (histograms of finished requests' lengths)
   baton_kv_blocks_used / baton_kv_blocks_free (gauges): blocks held by live sequences or pinned for a
       transfer / blocks allocatable (cached but unreferenced blocks count as free)
   baton_prefix_cache_query_tokens_total / baton_prefix_cache_hit_tokens_total (counters)
@@ -24,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class _EngineCollector:
@@ -174,8 +178,27 @@ class ReplicaMetrics:
                                      "base model)", names + ["adapter"], registry=self.registry)
         self.lora_tokens = Counter("baton_lora_tokens", "Tokens of those requests: prompt (prefilled here) and "
                                    "generation", names + ["adapter", "kind"], registry=self.registry)
+        def phase(name: str, doc: str):
+            return Histogram(name, doc, names, buckets=PHASE_BUCKETS, registry=self.registry).labels(**self.labels)
+        self.queue_time = phase("baton_request_queue_time_seconds", "Seconds from a request's arrival at this "
+                                "engine to its first step (an import: to its KV's arrival), as vLLM's")
+        self.prefill_time = phase("baton_request_prefill_time_seconds", "Seconds from the first step of a prompt "
+                                  "computed here to its first token")
+        self.decode_time = phase("baton_request_decode_time_seconds", "Seconds from a request's first token to "
+                                 "its last, on the decode replica that streamed it")
         self._lock = threading.Lock()
         self._counts = {"bytes": 0, "pulls": 0, "failures": 0, "fallbacks": 0}
+
+    def observe_finished(self, m, lora, prompt_tokens: int, generated_tokens: int, prefilled: bool) -> None:
+        """A request that finished on this replica (m: its engine.outputs.RequestMetrics; `prefilled`: its
+        first token was sampled here): the time in each phase, and its tokens by adapter."""
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            if prefilled and m.first_token_time is not None:
+                self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
+        if self.labels["pool"] != "prefill" and m.first_token_time is not None and m.last_token_time is not None:
+            self.decode_time.observe(max(m.last_token_time - m.first_token_time, 0.0))
+        self.observe_lora(lora, prompt_tokens, generated_tokens)
 
     def observe_lora(self, lora, prompt_tokens: int, generated_tokens: int) -> None:
         """A finished request of this replica, by adapter (engine.lora.LoRARequest, None: the base model)."""

@@ -161,8 +161,16 @@ def test_metrics_show_both_pools_and_the_transfer(client):
     assert grew(m, "baton_generation_tokens_total") == r.usage.completion_tokens == 4
     assert grew(m, "baton_prompt_tokens_total") == r.usage.prompt_tokens
     remote = 'baton_disaggregation_decisions_total{path="remote"}'
-    if m.get(remote, 0.0) > m0.get(remote, 0.0):
-        assert grew(m, "baton_prompt_tokens_total", ["prefill"]) == r.usage.prompt_tokens
+    assert m[remote] - m0[remote] == 1                               # prefilled in the prefill pool
+    assert grew(m, "baton_prompt_tokens_total", ["prefill"]) == r.usage.prompt_tokens
+    # its phases: queued in each pool, prefilled in the prefill pool, decoded in the decode pool
+    assert [grew(m, f"baton_request_{phase}_time_seconds_count", [pool]) for phase, pool in
+            [("queue", "prefill"), ("queue", "decode"), ("prefill", "prefill"), ("prefill", "decode"),
+             ("decode", "decode")]] == [1, 1, 1, 0, 1]
+    # its lengths, as the ingress saw them
+    for name, n in (("prompt", r.usage.prompt_tokens), ("generation", 4)):
+        assert m[f"baton_request_{name}_tokens_count"] - m0.get(f"baton_request_{name}_tokens_count", 0) == 1
+        assert m[f"baton_request_{name}_tokens_sum"] - m0.get(f"baton_request_{name}_tokens_sum", 0) == n
     for pool in ("prefill", "decode"):
         assert _pool_sum(m, "baton_kv_blocks_free", pool) > 0, pool
         assert _pool_sum(m, "baton_prefix_cache_query_tokens_total", pool) > 0, pool
