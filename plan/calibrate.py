@@ -117,6 +117,19 @@ def contention(config, engine, cost: LinearCost, rng: np.random.Generator, log: 
     return max(ratio - 1.0, 0.0)
 
 
+def gaps_while_prefilling(streams: list, prompts: list, request_s: float) -> list[float]:
+    """The token gaps of `streams` ((Req, Result) pairs, arrival and measured TTFT and gaps) that lay wholly
+    inside the time some prompt of `prompts` was being prefilled: from its arrival past the ingress
+    (request_s) to its first token, as measured."""
+    computing = [(r.at + request_s, r.at + res.ttft) for r, res in prompts if res.ok and res.ttft is not None]
+    gaps = []
+    for r, res in streams:
+        if res.ok and res.ttft is not None:
+            ends = r.at + res.ttft + np.cumsum(res.itls)
+            gaps += [g for g, end in zip(res.itls, ends) if any(a <= end - g and end <= b for a, b in computing)]
+    return gaps
+
+
 def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Overheads:
     """From a live 1 + 1 cluster: requests one at a time (request_s from TTFT, handoff_s from the first gap,
     serving's cost per step at batch 1), then 8 streams at once (serving's cost per token from the gap at batch 8)."""
@@ -126,9 +139,9 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     rng = np.random.default_rng(2)
     alone = [Req(rng.integers(*VOCAB, 256).tolist(), 16, at=2.0 * i) for i in range(6)]
     together = [Req(rng.integers(*VOCAB, 64).tolist(), 48) for _ in range(8)]
-    # 4 streams decoding while the prefill replica computes two 1,024-token prompts
-    mixed = [Req(rng.integers(*VOCAB, 64).tolist(), 96) for _ in range(4)] + \
-        [Req(rng.integers(*VOCAB, 1024).tolist(), 2, at=1.5 + 0.1 * i) for i in range(2)]
+    # 4 streams decoding while the prefill replica computes two 1,024-token prompts (the streams outlast them)
+    mixed = [Req(rng.integers(*VOCAB, 64).tolist(), 320) for _ in range(4)] + \
+        [Req(rng.integers(*VOCAB, 1024).tolist(), 2, at=1.0 + 0.1 * i) for i in range(2)]
 
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
@@ -151,14 +164,8 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     ov.token_s = token_s
     ov.request_s = max(float(np.median([r.ttft for r in ok])) - prefill, 0.0)
     ov.handoff_s = max(float(np.median([r.itls[0] for r in ok])) - step1 - ov.step_s - ov.token_s - pull, 0.0)
-    # contention, served: the streams' gaps while both prompts prefill, against the same gaps predicted alone
-    long_start = min(r.at for r in mixed[4:])
-    long_end = long_start + 2 * cost.step_s(Batch(1024, attention_pairs(1024, 0), 1, 1024))
-    gaps = []
-    for r, res in zip(mixed[:4], busy[:4]):
-        if res.ok and res.ttft is not None:
-            t = r.at + res.ttft + np.cumsum(res.itls)
-            gaps += [g for g, end in zip(res.itls, t) if long_start + 0.2 < end < long_end]
+    # contention, served: the streams' gaps while the prompts prefill, against the same gaps predicted alone
+    gaps = gaps_while_prefilling(list(zip(mixed[:4], busy[:4])), list(zip(mixed[4:], busy[4:])), ov.request_s)
     if gaps:
         alone_gap = cost.step_s(Batch(4, 4 * 100, 4, 4 * 100)) + ov.step_s + 4 * ov.token_s
         served = max(float(np.median(gaps)) / alone_gap - 1.0, 0.0)

@@ -306,3 +306,19 @@ def test_admission_control_in_the_simulator_refuses_the_excess_and_keeps_the_adm
     assert off["rejected_429"] == 0 and off["completed"] == 200 and off["ttft_ms"]["p90"] > 10_000
     assert on["rejected_429"] > 50 and on["completed"] == 200 - on["rejected_429"]
     assert on["ttft_ms"]["p90"] < 4_000
+
+
+def test_served_contention_reads_the_gaps_that_lay_inside_a_prefill():
+    """`baton plan calibrate` prices a busy neighbour from the gaps of streams that decoded while the prefill
+    replica computed: only gaps wholly inside a prompt's measured prefill count, however fast the engine is
+    (a faster engine once ended every stream before the prompts arrived, and the calibration kept the engines'
+    own contention without a word)."""
+    from bench.cluster_bench import Req, Result
+    from plan.calibrate import gaps_while_prefilling
+    stream = (Req([1], 8, at=0.0), Result("s", True, ttft=0.1, itls=[0.1] * 8))      # tokens at 0.1, 0.2 .. 0.9 s
+    busy = (Req([1], 8, at=0.2), Result("s", True, ttft=0.1, itls=[0.3, 0.3]))       # tokens at 0.3, 0.6, 0.9 s
+    prompts = [(Req([2] * 64, 2, at=0.35), Result("p", True, ttft=0.3)),              # computing 0.4 .. 0.65 s
+               (Req([2] * 64, 2, at=5.0), Result("p", False))]                       # failed: no window
+    got = gaps_while_prefilling([stream, busy], prompts, request_s=0.05)
+    assert got == pytest.approx([0.1, 0.1])                # the gaps ending at 0.5 and 0.6 s of the first stream
+    assert gaps_while_prefilling([stream], [(Req([2], 2, at=2.0), Result("p", True, ttft=0.5))], 0.05) == []
