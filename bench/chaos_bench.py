@@ -39,6 +39,7 @@ from bench.cluster_bench import VOCAB, Req, Result, one
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from bench.soak_bench import WORDS
 from cluster.live_metrics import replica_gauges, scrape
+from cluster.serving import init_ray
 from engine import faults
 
 log = make_logger("chaos-bench")
@@ -385,7 +386,7 @@ def run(args: argparse.Namespace) -> dict:
         os.environ[faults.ENV] = fault_file                 # the local Ray's processes inherit it at start
         config = cluster_config(args, model)
         cfg = ClusterConfig.from_dict(copy.deepcopy(config))
-        ray.init(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, logging_level="WARNING",
+        init_ray(num_cpus=max(os.cpu_count() or 1, 4), include_dashboard=False, logging_level="WARNING",
                  log_to_driver=False, namespace="baton-bench-chaos")
         try:
             t = time.perf_counter()

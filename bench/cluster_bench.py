@@ -29,6 +29,7 @@ import numpy as np
 
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from cluster.live_metrics import pool_total, scrape
+from cluster.serving import init_ray
 
 log = make_logger("cluster-bench")
 PORT = 8741
@@ -585,7 +586,7 @@ def run(args: argparse.Namespace) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-cluster")
     if args.workload in ("lora", "tiers"):
         try:

@@ -32,6 +32,7 @@ import numpy as np
 
 from bench.cluster_bench import VOCAB, Req, Result, drive, serve_config, with_cluster
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
+from cluster.serving import init_ray
 
 log = make_logger("peer-bench")
 PEER_PORT = 8742
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> dict:
     log(f"Baton engine alone ({alone['quantization']}): decode {alone['decode_tokens_per_s']:.0f} tok/s, streams "
         f"{alone['output_tokens_per_s']:.0f} tok/s")
     baton = {}
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-peer")
     try:
         for mode in args.modes.split(","):

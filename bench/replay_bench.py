@@ -30,6 +30,7 @@ import numpy as np
 from bench.cluster_bench import VOCAB, Req, drive, serve_config, summarize, with_cluster
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from cluster.live_metrics import pool_total, scrape
+from cluster.serving import init_ray
 
 MOONCAKE_BLOCK = 512
 DEFAULT_TRACE = Path(__file__).parent / "traces" / "mooncake_conversation_200.jsonl"
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     # Ray's driver threads print worker errors (a controller's shutdown) on stdout: keep it for the JSON
     with contextlib.redirect_stdout(sys.stderr):
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+        init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
                  namespace="baton-bench-replay")
         try:
             res = replay(reqs, args.mode, args.kv_cache_mib << 20, slo)

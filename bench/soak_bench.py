@@ -24,6 +24,7 @@ from typing import Any
 
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
 from cluster.live_metrics import leak_report
+from cluster.serving import init_ray
 
 log = make_logger("soak-bench")
 PORT = 8761
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode": {"num_replicas": args.decode_replicas, "num_cpus": 0, "engine": engine},
         "disaggregation": {"min_remote_prefill_tokens": 16}})
     t = time.perf_counter()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+    init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
              namespace="baton-bench-soak")
     try:
         start(cfg)

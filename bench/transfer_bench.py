@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from bench.engine_bench import machine_info, make_logger, pyplot, save, write_result
+from cluster.serving import init_ray
 
 log = make_logger("transfer-bench")
 
@@ -305,7 +306,7 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     tokens, repeats, shapes, out_dir = _sizes(args)
     env = {"UCX_TLS": args.ucx_tls} if args.ucx_tls else {}
-    ray.init(namespace="baton-bench-transfer", include_dashboard=False, log_to_driver=False,
+    init_ray(namespace="baton-bench-transfer", include_dashboard=False, log_to_driver=False,
              logging_level="WARNING", runtime_env={"env_vars": env} if env else None)
     try:
         tps = (args.producer_tp, args.consumer_tp)
@@ -418,7 +419,7 @@ def cross_node_pulls(layouts: dict[str, dict], repeats: int, ucx_tls: str,
     """In the head node's namespace: per shape, NIXL pulls between actors on the nodes of each placement."""
     import ray
     log = make_logger("transfer-bench on the head")       # this process's clock: it starts at 0 here
-    ray.init(namespace="baton-bench-transfer", log_to_driver=False, logging_level="WARNING",
+    init_ray(namespace="baton-bench-transfer", log_to_driver=False, logging_level="WARNING",
              runtime_env={"env_vars": {"UCX_TLS": ucx_tls}})
     out: dict[str, dict] = {}
     try:
