@@ -523,7 +523,7 @@ class _Mirror:
     def start(self) -> None:
         pass
 
-    def forget(self, pool: str, rid: str) -> None:
+    def forget(self, pool: str, rid: str, why: str = "") -> None:
         self.index[pool].remove_replica(rid)
 
 

@@ -256,7 +256,9 @@ class EngineReplica:
                 return self._seq, encode_events(engine.pool.snapshot_events())
         seq, events = self.llm.call(snapshot)
         self._state.resync.remote(self.pool, self.replica, seq, events)
-        log.warning("%s replica %s: the index lost KV events; resynced with the whole cache", self.pool, self.replica)
+        # the state actor says why (events lost, or this replica forgotten: silent, or dropped by Serve's replica set,
+        # as at an app's deletion)
+        log.info("%s replica %s: the index asked for a resync; sent the whole cache", self.pool, self.replica)
 
     # -- transfer peers: a producer's metadata, asked once per agent (the transport caches it) ------------
     def _peer_metadata(self, agent: str) -> bytes:

@@ -50,6 +50,7 @@ class ClusterState:
         self.loras: dict[str, tuple[int, str, str]] = {}    # LoRA adapters served: name -> (id, path, key)
         self._lora_ids = 0
         self._changed: asyncio.Event | None = None          # what waiting mirrors wait on; set by the next entry
+        self.forgotten: dict[tuple[str, str], str] = {}      # why each replica forgotten while alive was
 
     # -- LoRA adapters (every ingress replica reads the same registry) -------------------------------
     def lora_adapters(self) -> dict[str, tuple[int, str, str]]:
@@ -107,7 +108,8 @@ class ClusterState:
                 log.warning("%s replica %s: KV event batches up to %d never arrived; index marks it stale", pool,
                             replica, seq)
             else:                   # forgotten (silent too long, or Serve's replica set briefly lacked it)
-                log.info("%s replica %s: not in the index (forgotten); asking it to resync", pool, replica)
+                log.warning("%s replica %s reports again after it was forgotten (%s); asking it to resync", pool,
+                            replica, self.forgotten.pop((pool, replica), "never registered"))
             idx.stale.add(replica)
         return replica in idx.stale
 
@@ -129,11 +131,15 @@ class ClusterState:
     def stale(self) -> dict[str, list[str]]:
         return {p: sorted(idx.stale) for p, idx in self.index.items()}
 
-    def forget(self, pool: str, replica: str) -> None:
+    def forget(self, pool: str, replica: str, why: str = "") -> None:
         self.seen.pop((pool, replica), None)
         self.metrics.pop((pool, replica), None)
         if pool not in self.index:          # the autoscaler's exposition: no index, no replica to forget
             return
+        if replica in self.index[pool].seq:
+            self.forgotten[(pool, replica)] = why or "forgotten"
+            while len(self.forgotten) > LOG_CAPACITY:
+                del self.forgotten[next(iter(self.forgotten))]
         self.index[pool].remove_replica(replica)
         self._append(pool, replica, 0, b"forget")
 
@@ -149,7 +155,7 @@ class ClusterState:
         for (pool, replica), t in list(self.seen.items()):
             if now - t > self.dead_after_s:
                 log.warning("%s replica %s silent for %.0f s: forgotten", pool, replica, now - t)
-                self.forget(pool, replica)
+                self.forget(pool, replica, f"silent for {now - t:.0f} s")
 
     # -- readers ----------------------------------------------------------------------------------
     def changes(self, since: int) -> tuple[int, list | None, dict | None]:
@@ -284,11 +290,11 @@ class IndexMirror:
                 apply_entry(self.index[pool], replica, seq, events)
         self.version = version
 
-    def forget(self, pool: str, replica: str) -> None:
+    def forget(self, pool: str, replica: str, why: str = "") -> None:
         """A replica is gone: out of this mirror now and out of the state actor (for every other mirror)."""
         self.index[pool].remove_replica(replica)
         if self._actor is not None:
-            self._actor.forget.remote(pool, replica)
+            self._actor.forget.remote(pool, replica, why)
 
 
 def apply_entry(index: PrefixIndex, replica: str, seq: int, events: bytes) -> None:

@@ -144,16 +144,16 @@ class _ForgetsGoneReplicas:
         before = {r.unique_id for r in self.curr_replicas}
         super().update_replicas(replicas)
         for rid in before - {r.unique_id for r in self.curr_replicas}:
-            self._forget(rid)
+            self._forget(rid, "Serve's replica set dropped it")
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
-        self._forget(replica_id.unique_id)
+        self._forget(replica_id.unique_id, "a call found its actor dead")
 
-    def _forget(self, rid: str) -> None:
+    def _forget(self, rid: str, why: str) -> None:
         mirror = getattr(self, "mirror", None)
         if mirror is not None:
-            mirror.forget(self.pool, rid)
+            mirror.forget(self.pool, rid, why)
 
 
 class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):

@@ -4,6 +4,7 @@ gaps force a resync; the prefill ranking prefers hits, sticks, and falls back to
 loads are uneven; the router benchmark reports what it claims."""
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 
@@ -339,7 +340,7 @@ def test_a_prefill_that_finished_since_the_stats_no_longer_holds_its_replicas_qu
     assert shared.extra("pX", 0.0) == 0 and "r1" not in shared.open
 
 
-def test_a_replica_that_stops_reporting_is_forgotten():
+def test_a_replica_that_stops_reporting_is_forgotten(caplog):
     now = [0.0]
     state, r = ClusterState(clock=lambda: now[0], dead_after_s=15.0), Replica("dead", 16)
     state.register("prefill", "dead", 0)
@@ -355,6 +356,10 @@ def test_a_replica_that_stops_reporting_is_forgotten():
     version, entries, _ = state.changes(0)             # readers trigger the reaping
     assert state.index["prefill"].match(h) == {} and state.metrics_texts() == []
     assert entries[-1][2] == "dead" and entries[-1][4] == b"forget"     # mirrors hear it too
+    # it was only quiet: its next report is told to resync, and the state actor says why it had been forgotten
+    with caplog.at_level(logging.WARNING, logger="router.cluster_state"):
+        assert state.report("prefill", "dead", b"# metrics\n", seq=1) is True
+    assert "forgotten (silent for 15 s)" in caplog.text
 
 
 # -- ranking ----------------------------------------------------------------------------------------

@@ -258,7 +258,7 @@ def test_dead_worker_fails_the_next_step_fast_and_shutdown_leaves_no_process(tmp
     t0 = time.monotonic()
     with pytest.raises(TPWorkerError, match="rank"):
         generate(eng, PROMPTS[:1])
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 15                      # seconds, not a hang (margin for a loaded machine)
     with pytest.raises(TPWorkerError):                    # and every later step, not a hang
         generate(eng, PROMPTS[:1])
     eng.shutdown()
