@@ -266,9 +266,11 @@ def run(args: argparse.Namespace) -> dict:
         return {"cost": cost.to_dict(), "path": str(args.out), "roofline": info["roofline"]}
 
     import ray
+
+    from cluster.serving import init_ray
     with contextlib.redirect_stdout(sys.stderr):
         if not args.no_serve:
-            ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+            init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
                      namespace="baton-plan-calibrate")
         try:
             cost, info = calibrate(args.model, args.quick, log, serve=not args.no_serve,

@@ -295,6 +295,30 @@ def test_baton_plan_validate_simulates_the_bench_workloads_it_compares(tmp_path,
     assert cases["tenants"]["simulated"]["prefix_hit_rate"] > cases["tenants_pow2"]["simulated"]["prefix_hit_rate"]
 
 
+def test_validate_compares_the_simulator_with_the_median_of_several_live_runs(tmp_path):
+    """`--measured A B C` (or `--repeats 3` live): each compared figure is the median of the runs, the runs and
+    their spread are kept, and the errors are against the median."""
+    save_cost(COST, tmp_path / "cost.json")
+    files = []
+    for i, (ttft50, itl90, good) in enumerate([(100.0, 30.0, 1.0), (300.0, 10.0, 0.5), (200.0, 20.0, 2.0)]):
+        run = {"ttft_ms": {"p50": ttft50, "p90": 2 * ttft50}, "itl_ms": {"p50": 10.0, "p90": itl90},
+               "goodput_rps": good, "requests": 12}
+        files.append(tmp_path / f"live{i}.json")
+        files[-1].write_text(json.dumps({"cases": {"replay": {"measured": run}}}))
+    res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "validate", "--cost", str(tmp_path / "cost.json"),
+                          "--cases", "replay", "--replay-requests", "12", "--measured", *map(str, files),
+                          "--out", str(tmp_path / "out"), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    case = json.loads(res.stdout)["cases"]["replay"]
+    m = case["measured"]
+    assert (m["ttft_ms"]["p50"], m["ttft_ms"]["p90"], m["itl_ms"]["p90"], m["goodput_rps"]) == (200.0, 400.0, 20.0, 1.0)
+    assert len(case["measured_runs"]) == 3
+    assert case["live_spread"]["ttft_ms.p50"] == pytest.approx(1.0) and case["live_spread"]["itl_ms.p50"] == 0.0
+    sim = case["simulated"]["ttft_ms"]["p50"]
+    assert case["relative_error"]["ttft_ms.p50"] == pytest.approx((sim - 200.0) / 200.0)
+
+
 def test_admission_control_in_the_simulator_refuses_the_excess_and_keeps_the_admitted_fast():
     """Baton's Admission on the simulator's clock: at several times what one prefill replica computes, requests
     beyond the TTFT objective get a 429 (counted, not served) and the admitted ones start within about it;
