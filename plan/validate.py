@@ -82,12 +82,17 @@ def _figure(run: dict, key: str, q: str | None) -> float | None:
     return run.get(key) if q is None else (run.get(key) or {}).get(q)
 
 
+def _values(runs: list[dict]):
+    """(key, quantile, the runs' values of that figure) for each compared figure."""
+    for key, q in FIGURES:
+        yield key, q, [v for v in (_figure(r, key, q) for r in runs) if v is not None]
+
+
 def median_run(runs: list[dict]) -> dict:
     """One live run's figures from several (the first's, each compared figure the median over the runs): a p90 of
     a few dozen requests moves by more than the 15% goal from one run to the next on this machine."""
     out = json.loads(json.dumps(runs[0]))
-    for key, q in FIGURES:
-        vals = [v for v in (_figure(r, key, q) for r in runs) if v is not None]
+    for key, q, vals in _values(runs):
         if vals:
             med = float(np.median(vals))
             if q is None:
@@ -100,8 +105,7 @@ def median_run(runs: list[dict]) -> dict:
 def spread(runs: list[dict]) -> dict[str, float | None]:
     """Per figure: (largest - smallest) / median over the live runs."""
     out = {}
-    for key, q in FIGURES:
-        vals = [v for v in (_figure(r, key, q) for r in runs) if v is not None]
+    for key, q, vals in _values(runs):
         med = float(np.median(vals)) if vals else 0.0
         out[f"{key}{'.' + q if q else ''}"] = (max(vals) - min(vals)) / med if med else None
     return out
@@ -110,8 +114,7 @@ def spread(runs: list[dict]) -> dict[str, float | None]:
 def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
     out = {}
     for key, q in FIGURES:
-        m = measured.get(key) if q is None else (measured.get(key) or {}).get(q)
-        s = simulated.get(key) if q is None else (simulated.get(key) or {}).get(q)
+        m, s = _figure(measured, key, q), _figure(simulated, key, q)
         out[f"{key}{'.' + q if q else ''}"] = (s - m) / m if m and s is not None else None
     return out
 

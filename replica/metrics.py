@@ -26,6 +26,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from replica.names import PREFILL
+
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -196,7 +198,7 @@ class ReplicaMetrics:
             self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
             if prefilled and m.first_token_time is not None:
                 self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
-        if self.labels["pool"] != "prefill" and m.first_token_time is not None and m.last_token_time is not None:
+        if self.labels["pool"] != PREFILL and m.first_token_time is not None and m.last_token_time is not None:
             self.decode_time.observe(max(m.last_token_time - m.first_token_time, 0.0))
         self.observe_lora(lora, prompt_tokens, generated_tokens)
 
