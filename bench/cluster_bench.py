@@ -236,11 +236,9 @@ def routing_runs(policies: list[str], n: int, rate: float, prefix_tokens: int,
         warm, reqs = next(workloads)
         for w in warm:                                          # one request per tenant, one at a time
             asyncio.run(drive(base, model, [w]))
-        time.sleep(1.0)
-        before = scrape(base)
+        before = scrape(base, fresh=True)                       # reports read after the warm-up ended
         results, wall = asyncio.run(drive(base, model, reqs))
-        time.sleep(1.5)                                         # replicas report every 0.5 s
-        after = scrape(base)
+        after = scrape(base, fresh=True)
         q = pool_total(after, "baton_prefix_cache_query_tokens_total", "prefill") - \
             pool_total(before, "baton_prefix_cache_query_tokens_total", "prefill")
         h = pool_total(after, "baton_prefix_cache_hit_tokens_total", "prefill") - \
@@ -297,11 +295,9 @@ def tiers_runs(n: int, rate: float, prefix_tokens: int, num_tenants: int, slo: t
         reqs = next(workloads)
         for w in warm:                                          # each tenant once, one at a time
             asyncio.run(drive(base, model_name, [w]))
-        time.sleep(1.0)
-        before = scrape(base)
+        before = scrape(base, fresh=True)                       # reports read after the warm-up ended
         results, wall = asyncio.run(drive(base, model_name, reqs))
-        time.sleep(1.5)                                         # replicas report every 0.5 s
-        after = scrape(base)
+        after = scrape(base, fresh=True)
 
         def grew(metric: str, label: str = "") -> float:
             """Per series (replica), after less before: a replica of the previous run that the ingress still

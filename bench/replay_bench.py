@@ -21,7 +21,6 @@ import contextlib
 import datetime as dt
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +98,9 @@ def trace_shape(fmt: str, rows: list[dict], reqs: list[Req]) -> dict[str, Any]:
 def replay(reqs: list[Req], mode: str, kv_bytes: int, slo: tuple[float, float]) -> dict:
     def work(base: str, model: str) -> dict:
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2, tag="warm-up")]))   # first-use costs
-        before = scrape(base)
+        before = scrape(base, fresh=True)                       # reports read after the warm-up ended
         results, wall = asyncio.run(drive(base, model, reqs))
-        time.sleep(1.5)                                         # replicas report every 0.5 s
-        after = scrape(base)
+        after = scrape(base, fresh=True)
 
         def delta(metric: str) -> float:
             return sum(pool_total(after, metric, p) - pool_total(before, metric, p) for p in ("prefill", "decode"))

@@ -119,6 +119,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # -- the Ray clusters the cluster tests share -----------------------------------------------------------
 CLUSTER_ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
+# The cluster tests check what structured outputs produce; the compile timeout's refusal has its own test
+# (tests/test_structured_output.py). A machine that CI shares slowly compiles a schema in seconds, not 0.2 s.
+GRAMMAR_COMPILE_TIMEOUT_S = 120.0
 TEST_KEYS_ENV, TEST_KEY = "BATON_TEST_API_KEYS", "sk-baton-test-key"
 # One prefill and one decode replica of the default model, KV over NIXL, API keys and tight request limits
 # (tests/test_cluster_e2e.py), and the baseline its speculative twin below is compared with.
@@ -126,7 +129,8 @@ DISAGGREGATED = {
     "port": 8731, "ingress": {"num_cpus": 0},
     "prefill": {"num_cpus": 0, "engine": CLUSTER_ENGINE}, "decode": {"num_cpus": 0, "engine": CLUSTER_ENGINE},
     "disaggregation": {"min_remote_prefill_tokens": 16},
-    "limits": {"max_body_bytes": 256 << 10, "max_n": 4, "max_stop_sequences": 8},
+    "limits": {"max_body_bytes": 256 << 10, "max_n": 4, "max_stop_sequences": 8,
+               "grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S},
     "auth": {"api_keys_env": TEST_KEYS_ENV}}
 DISAGGREGATED_ENV = {TEST_KEYS_ENV: f"sk-other, {TEST_KEY}"}
 # Every pool scaled out or switched to its alternative: two ingress replicas (each with its own mirror of the
@@ -137,7 +141,8 @@ SCALED_OUT = {
     "port": 8735, "ingress": {"num_replicas": 2, "num_cpus": 0}, "transfer": {"backend": "ray"},
     "prefill": {"num_replicas": 2, "num_cpus": 0, "engine": CLUSTER_ENGINE},
     "decode": {"num_cpus": 0, "engine": {**CLUSTER_ENGINE, "speculative_config": SPECULATIVE}},
-    "disaggregation": {"min_remote_prefill_tokens": 0}}
+    "disaggregation": {"min_remote_prefill_tokens": 0},
+    "limits": {"grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}}
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.cluster_bench import Result, summarize
 from bench.replay_bench import DEFAULT_TRACE, baton_requests, load_trace, mooncake_requests, trace_shape
 from tests.conftest import run_bench
 
@@ -54,6 +55,20 @@ def test_baton_traces_and_bad_lines(tmp_path):
         load_trace(bad)
 
 
+def test_goodput_counts_requests_meeting_both_slos():
+    """DistServe's goodput: requests whose TTFT and mean ITL both meet their SLOs, per second of the run; a
+    failed request counts against attainment, a one-token answer has no ITL to miss."""
+    results = [Result("met", True, ttft=0.5, itls=[0.05, 0.15], tokens=3),       # mean ITL 0.1 s
+               Result("slow first", True, ttft=2.5, itls=[0.05], tokens=2),
+               Result("slow tokens", True, ttft=0.5, itls=[0.1, 0.4], tokens=3),  # mean 0.25 s
+               Result("one token", True, ttft=1.0, tokens=1),
+               Result("failed", False, status=500, error="boom")]
+    s = summarize(results, wall=4.0, slo_ttft=2.0, slo_itl=0.2)
+    assert (s["requests"], s["ok"], s["errors"]) == (5, 4, ["boom"])
+    assert s["goodput_rps"] == 2 / 4.0 and s["slo_attainment"] == 2 / 5
+    assert s["ttft_ms"]["p50"] == pytest.approx(750.0) and s["output_tokens_per_s"] == 9 / 4.0
+
+
 @pytest.mark.slow
 @pytest.mark.bench
 @pytest.mark.cluster
@@ -63,7 +78,12 @@ def test_bench_replay_quick_serves_the_trace(tmp_path):
     r = result["result"]
     assert result["format"] == "mooncake" and result["trace"]["requests"] == 12
     assert r["ok"] == r["requests"] == 12, r["errors"]
-    assert r["goodput_rps"] > 0 and r["ttft_ms"]["p50"] > 0 and 0 <= r["slo_attainment"] <= 1
+    # goodput is what met both SLOs, and so never more than the share of first tokens within the TTFT SLO (the
+    # rule itself: test_goodput_counts_requests_meeting_both_slos; a slow machine may meet neither)
+    ttft_ok = sum(ttft * 1e3 <= result["slo_ms"]["ttft"] for _, ttft in result["ttft_points"])
+    assert len(result["ttft_points"]) == 12 and r["ttft_ms"]["p50"] > 0
+    assert r["slo_attainment"] * 12 <= ttft_ok
+    assert r["goodput_rps"] == pytest.approx(r["slo_attainment"] * 12 / r["wall_s"])
     assert r["prefix_hit_rate"] > 0, "every request of the trace starts with the same system-prompt block"
     assert json.loads((tmp_path / "replay.json").read_text())["result"] == r
     png = Path(tmp_path / "replay.png")

@@ -13,7 +13,7 @@ import pytest
 from cluster.live_metrics import pool_total, scrape
 from engine import LLM, SamplingParams
 from engine.block_hash import block_hashes
-from tests.conftest import CLUSTER_ENGINE, ingress_index_matches, served_model_key, wait_for
+from tests.conftest import CLUSTER_ENGINE, GRAMMAR_COMPILE_TIMEOUT_S, ingress_index_matches, served_model_key, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -22,7 +22,8 @@ MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {**CLUSTER_ENGINE, "kv_offloading_size": 0.125}    # 96 MiB of device KV (2080 tokens), 128 MiB on host
 STREAM_INTERVAL_MS = 100
 COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0},
-             "decode": {"num_cpus": 0, "engine": ENGINE, "stream_interval_ms": STREAM_INTERVAL_MS}}
+             "decode": {"num_cpus": 0, "engine": ENGINE, "stream_interval_ms": STREAM_INTERVAL_MS},
+             "limits": {"grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}}
 
 
 @pytest.fixture

@@ -129,6 +129,25 @@ def test_bad_specs_are_refused_and_the_engine_keeps_serving(smol_llm, spec, matc
     assert out.text in ("yes", "no")
 
 
+def test_a_spec_slower_than_the_compile_timeout_is_refused_and_compiles_for_a_later_request(smol_llm):
+    """grammar_compile_timeout_s bounds how long a request waits for its grammar (a 400, not a stalled server);
+    the compile goes on meanwhile, so the same spec later is served from the cache."""
+    schema = {"type": "object", "properties": {"relay_split_seconds": {"type": "number"}},
+              "required": ["relay_split_seconds"]}                # in no other test: not compiled yet
+    grammars = smol_llm.engine.grammars()
+    compiled, timeout = grammars.num_compiled, grammars.timeout_s
+    grammars.timeout_s = 1e-4
+    try:
+        with pytest.raises(InvalidRequestError, match=r"the json spec did not compile within 0.0001 s"):
+            smol_llm.generate(["x"], structured(StructuredOutput(json=schema)))
+    finally:
+        grammars.timeout_s = timeout
+    assert not smol_llm.engine.has_unfinished_requests() and smol_llm.engine.pool.num_used_blocks == 0
+    out = smol_llm.generate(["The split as JSON:"], structured(StructuredOutput(json=schema), 0.0))[0]
+    assert isinstance(json.loads(out.text)["relay_split_seconds"], (int, float))
+    assert grammars.num_compiled == compiled + 1          # one compile, finished after the refusal
+
+
 @pytest.mark.parametrize("kw", [{}, dict(regex="a", choice=["a"]), dict(choice=[]), dict(regex=""),
                                 dict(json=3)], ids=["none", "two", "empty-choice", "empty-regex", "bad-json-type"])
 def test_a_spec_must_name_exactly_one_well_formed_kind(kw):
