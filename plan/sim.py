@@ -17,7 +17,8 @@ then waiting ones in arrival order while max_num_seqs and KV blocks allow; prefi
 with LRU eviction of free cached blocks; preemption (by recompute) of the newest sequence when blocks run out;
 a decode request's blocks reserved before its KV is pulled. A step costs what the cost model (plan/cost.py)
 says. Steps that only decode are simulated as one run until a sequence finishes or new work arrives (a run
-is cut at the step in progress), so a day of trace over 1,000 GPUs takes minutes.
+is cut at the step in progress), not as an event per token. At the 1,000-GPU scale that simulates about 2,000
+requests a second, most of it routing (docs/benchmarks.md): a day of trace there takes about an hour.
 
 Prefix pulls (issue 21) run by the replicas' rule: the ingress names the replica whose cached prefix is longest
 (router.orchestrator.prefix_source), and the engine that is to prefill the prompt pulls those blocks instead
@@ -369,7 +370,7 @@ class Engine:
         free = self.kv.free_blocks()
         while True:
             more = -(-(tokens + k) // bs) - held         # the run's blocks, taken up front
-            if k <= 1 or int(more.sum()) <= free:
+            if k <= 1 or int(more[more > 0].sum()) <= free:    # (a sequence may hold more than it needs)
                 break
             k //= 2
         for i in np.flatnonzero(more > 0).tolist():

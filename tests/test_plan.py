@@ -13,7 +13,7 @@ from cluster.config import ClusterConfig
 from engine.block_hash import block_hashes
 from plan.cost import (Batch, LinearCost, Overheads, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape,
                        save_cost)
-from plan.sim import SimRequest, Simulator, simulate
+from plan.sim import Seq, SimRequest, Simulator, simulate
 from plan.workload import KEY, day_of, diurnal, from_mooncake
 from tests.conftest import ROOT
 
@@ -163,6 +163,25 @@ def test_blocks_are_all_returned_after_a_run_that_preempts():
     for pool in sim.pools:
         for e in sim.engines[pool]:
             assert e.kv.used == 0 and not e.running and not e.waiting and e.loading == 0
+
+
+def test_a_decode_run_takes_the_blocks_each_sequence_needs_for_all_its_steps():
+    """A run of k decode steps takes its blocks up front, k halved until they fit; a sequence holding more blocks
+    than it needs (a run cut short) must not hide another's shortfall (the sum once netted them, and the short
+    sequence ran on without its blocks)."""
+    sim = Simulator(config("colocated", kv_blocks=10), COST)
+    e = sim.engines["decode"][0]
+    roomy, short = (Seq(request(i, 0.0, list(range(16 * i, 16 * i + 16)), 101), need=16, out=100) for i in (1, 2))
+    for seq, held in ((roomy, 6), (short, 1)):                 # 16 tokens each, in 6 and 1 blocks of 16
+        seq.computed = seq.tokens = 16
+        seq.req.first = seq.req.last = 0.0
+        assert e.kv.allocate(seq, held)
+        e.running.append(seq)
+    e.busy = True
+    e._decode_run(list(e.running), 1.0)                        # 3 blocks free: 50 steps would need 4 for `short`
+    steps = len(e.run[1])
+    assert steps == 25 and e.kv.used == roomy.nblocks + short.nblocks == 9
+    assert all(seq.nblocks * 16 >= seq.tokens + steps for seq in (roomy, short))
 
 
 def tenants(n: int, prefix: int = 512) -> list[SimRequest]:
