@@ -7,7 +7,12 @@ import urllib.request
 from typing import Any
 
 
-def scrape(base: str, fresh: bool = False, timeout_s: float = 10.0) -> dict[str, float]:
+# A fresh scrape waits past router.cluster_state.DEAD_AFTER_S (15 s): a replica that a redeploy or a failure
+# replaced is listed, with its last report, until the state actor forgets it
+FRESH_TIMEOUT_S = 30.0
+
+
+def scrape(base: str, fresh: bool = False, timeout_s: float = FRESH_TIMEOUT_S) -> dict[str, float]:
     """Sample name with labels -> value, from one scrape of the ingress at `base` (http://host:port). The ingress
     shows each replica's latest report (sent every REPORT_INTERVAL_S): with `fresh`, scrape again until every
     replica's report was read after this call began (by this machine's clock: for tests and benchmarks on one

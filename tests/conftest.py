@@ -60,7 +60,7 @@ def ray_log_files() -> list[str]:
     def log_files() -> list[str]:
         return [f for f in glob.glob(os.path.join(logs, "**", "*"), recursive=True) if os.path.isfile(f)]
     # once it is in a file, what the replicas logged before it is too (each process writes its own files)
-    wait_for(lambda: any(mark.encode() in open(f, "rb").read() for f in log_files()), 10, "log lines to reach files")
+    wait_for(lambda: any(mark.encode() in open(f, "rb").read() for f in log_files()), 30, "log lines to reach files")
     files = log_files()
     assert len(files) > 5
     return files

@@ -92,7 +92,7 @@ def test_model_selects_the_adapter_and_the_text_is_the_offline_engines(client, a
     def served(adapter: str) -> float:        # replicas report their metrics every half second
         return sum(v for k, v in scrape(BASE).items() if k.startswith("baton_lora_requests_total{")
                    and 'pool="decode"' in k and f'adapter="{adapter}"' in k)
-    wait_for(lambda: served("terse") >= 2 and served("base") >= 1, 10, "per-adapter request counts")
+    wait_for(lambda: served("terse") >= 2 and served("base") >= 1, 30, "per-adapter request counts")
     assert any(k.startswith("baton_lora_adapter_loaded{") and 'adapter="terse"' in k for k in scrape(BASE))
 
 
@@ -106,7 +106,7 @@ def test_the_prefill_router_keeps_an_adapter_on_the_replica_that_holds_it(client
     def by_replica() -> dict[str, float]:
         return {k: v for k, v in scrape(BASE).items() if k.startswith("baton_lora_requests_total{")
                 and 'pool="prefill"' in k and 'adapter="terse"' in k}
-    wait_for(lambda: sum(by_replica().values()) >= 6, 10, "the prefill pool's count of the 6 requests")
+    wait_for(lambda: sum(by_replica().values()) >= 6, 30, "the prefill pool's count of the 6 requests")
     assert len(by_replica()) == 1, by_replica()
     m = scrape(BASE)
     held = [k for k in m if k.startswith("baton_lora_adapter_loaded{") and 'pool="prefill"' in k

@@ -65,8 +65,8 @@ def test_speculative_decoding_in_the_decode_pool_keeps_the_greedy_text(shared_cl
 
     def grew(metric: str):
         return lambda: pool_total(scrape(BASE), metric, "decode") > pool_total(m0, metric, "decode")
-    wait_for(grew("baton_spec_proposed_tokens_total"), 10, "the decode pool to report drafted tokens")
-    wait_for(grew("baton_spec_accepted_tokens_total"), 10, "the decode pool to report accepted drafts")
+    wait_for(grew("baton_spec_proposed_tokens_total"), 30, "the decode pool to report drafted tokens")
+    wait_for(grew("baton_spec_accepted_tokens_total"), 30, "the decode pool to report accepted drafts")
 
 
 def test_structured_outputs_and_tool_calls_hold_with_ngram_speculation(shared_cluster):
@@ -114,7 +114,7 @@ def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(
     assert cached and all(c == len(prefix) for c in cached), cached    # each found the whole prefix cached
     # one index: both mirrors agree, and only one prefill replica ever computed the prefix: the one that cached
     # it first; a request the router sent to the other (its load-imbalance fallback) pulled it from there
-    final = wait_for(lambda: (lambda v: v if v[0] == v[1] else None)(views()), 10, "the two mirrors to agree")
+    final = wait_for(lambda: (lambda v: v if v[0] == v[1] else None)(views()), 30, "the two mirrors to agree")
     holders = [r for r, n in final[0].items() if n == 16]
     assert set(r for r, n in first[0].items() if n == 16) <= set(holders), (first, final)
     wait_for(lambda: pool_total(scrape(BASE), "baton_prefix_pull_tokens_total", "prefill") - pulled_before

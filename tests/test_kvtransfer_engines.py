@@ -221,7 +221,7 @@ def test_a_prefix_pull_takes_the_blocks_another_engine_caches_and_computes_only_
         assert pulled.token_ids == want
         assert pulled.metrics.kv_transferred and pulled.metrics.kv_transfer_blocks == 4
         assert puller.num_computed_tokens_total - before == len(prompt) - 64 + greedy.max_tokens - 1
-        wait_for(lambda: "pin-1" in links["s"].release_finished(), 10, "the source to hear the pull ended")
+        wait_for(lambda: "pin-1" in links["s"].release_finished(), 30, "the source to hear the pull ended")
         assert source.pool.num_used_blocks == 0 and puller.pool.num_used_blocks == 0
 
         # a pull that cannot start in time: the whole prompt is computed here, same tokens
@@ -277,7 +277,7 @@ def test_a_prefix_the_source_keeps_in_its_host_tier_is_copied_back_and_pulled(tm
             handoff, hashes[:4], None, None, deadline=handoff.handle.expiry - 2, num_tokens=64))
         assert pulled.metrics.kv_transferred and pulled.metrics.kv_transfer_blocks == 4
         assert pulled.token_ids == run(alone, prompt, "alone").token_ids
-        wait_for(lambda: "pin-h" in links["s"].release_finished(), 10, "the source to hear the pull ended")
+        wait_for(lambda: "pin-h" in links["s"].release_finished(), 30, "the source to hear the pull ended")
         assert source.pool.num_used_blocks == 0 and puller.pool.num_used_blocks == 0
     finally:
         links["p"].close()

@@ -350,7 +350,7 @@ def test_a_failed_kv_pull_is_recomputed_locally_with_the_same_tokens(cluster, in
     assert got == ref
     fallbacks = lambda m: pool_total(m, "baton_kv_transfer_fallbacks_total", "decode") - \
         pool_total(m0, "baton_kv_transfer_fallbacks_total", "decode")       # noqa: E731
-    m1 = wait_for(lambda: (lambda m: m if fallbacks(m) >= 4 else None)(scrape(BASE)), 10,
+    m1 = wait_for(lambda: (lambda m: m if fallbacks(m) >= 4 else None)(scrape(BASE)), 30,
                   "4 KV transfer fallbacks in the decode pool's metrics")                   # 0.5 s reports
     assert pool_total(m1, "baton_kv_transfer_failures_total", "decode") > \
         pool_total(m0, "baton_kv_transfer_failures_total", "decode")
