@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -130,18 +131,23 @@ def test_bad_specs_are_refused_and_the_engine_keeps_serving(smol_llm, spec, matc
 
 
 def test_a_spec_slower_than_the_compile_timeout_is_refused_and_compiles_for_a_later_request(smol_llm):
-    """grammar_compile_timeout_s bounds how long a request waits for its grammar (a 400, not a stalled server);
-    the compile goes on meanwhile, so the same spec later is served from the cache."""
+    """grammar_compile_timeout_s bounds how long a request waits for its grammar (an error, not a stalled
+    request); the compile goes on meanwhile, so the same spec later is served from the cache. The compiler's
+    threads are held busy first, so that this compile waits past the timeout whatever the machine's speed."""
     schema = {"type": "object", "properties": {"relay_split_seconds": {"type": "number"}},
               "required": ["relay_split_seconds"]}                # in no other test: not compiled yet
     grammars = smol_llm.engine.grammars()
     compiled, timeout = grammars.num_compiled, grammars.timeout_s
-    grammars.timeout_s = 1e-4
+    release = threading.Event()
+    busy = [grammars._pool.submit(release.wait) for _ in range(grammars._pool._max_workers)]
+    grammars.timeout_s = 0.2
     try:
-        with pytest.raises(InvalidRequestError, match=r"the json spec did not compile within 0.0001 s"):
+        with pytest.raises(InvalidRequestError, match=r"the json spec did not compile within 0.2 s"):
             smol_llm.generate(["x"], structured(StructuredOutput(json=schema)))
     finally:
         grammars.timeout_s = timeout
+        release.set()
+    assert all(b.result(timeout=10) for b in busy)
     assert not smol_llm.engine.has_unfinished_requests() and smol_llm.engine.pool.num_used_blocks == 0
     out = smol_llm.generate(["The split as JSON:"], structured(StructuredOutput(json=schema), 0.0))[0]
     assert isinstance(json.loads(out.text)["relay_split_seconds"], (int, float))
