@@ -370,10 +370,11 @@ class Engine:
         free = self.kv.free_blocks()
         while True:
             more = -(-(tokens + k) // bs) - held         # the run's blocks, taken up front
-            if k <= 1 or int(more[more > 0].sum()) <= free:    # (a sequence may hold more than it needs)
+            short = more > 0                             # (a sequence may hold more than it needs)
+            if k <= 1 or int(more[short].sum()) <= free:
                 break
             k //= 2
-        for i in np.flatnonzero(more > 0).tolist():
+        for i in np.flatnonzero(short).tolist():
             self.kv.allocate(seqs[i], int(more[i]))
         self._flush_events()
         ov = self.sim.cost.overheads
