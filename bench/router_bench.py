@@ -110,11 +110,11 @@ def time_decisions(index: PrefixIndex, queries: list[list[int]], num_tokens: int
     ranker = PrefillRanker(router.load_weight, router.imbalance_threshold_tokens)
     cached = index.num_blocks()
     for h in queries[:200]:                                          # warm-up
-        ranker.rank(h, num_tokens, BLOCK_SIZE, index.match(h), loads, cached)
+        ranker.rank(h, num_tokens, BLOCK_SIZE, index.hits(h), loads, cached)
     rows = []
     for h in queries:
         t0 = time.perf_counter_ns()
-        m = index.match(h)
+        m = index.hits(h)
         t1 = time.perf_counter_ns()
         _, reason = ranker.rank(h, num_tokens, BLOCK_SIZE, m, loads, cached)
         t2 = time.perf_counter_ns()

@@ -634,9 +634,9 @@ class Simulator:
         """The ingress: at r.at + request_s admission control (router/admission.py, when enabled) takes the
         request or answers 429; the prompt then goes to the prefill pool or a decode replica."""
         hashes = r.hashes
-        decode_hit = max(self.index_of(DECODE).match(hashes).values(), default=0)
+        decode_hit = max(self.index_of(DECODE).hits(hashes).values(), default=0)
         if self.admission is not None:
-            cached = max((max(idx.match(hashes).values(), default=0) for idx in self.mirror.index.values()),
+            cached = max((max(idx.hits(hashes).values(), default=0) for idx in self.mirror.index.values()),
                          default=0) * self.block_size
             try:
                 r.ticket = self.admission.admit([max(r.prompt - cached, 0)], [r.prompt], 1)

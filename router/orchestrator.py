@@ -64,7 +64,7 @@ def prefix_source(index: dict, hashes: list[int], disaggregated: bool) -> tuple[
     """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): the replica caching most of
     the prompt's leading blocks, a prefill replica on a tie (Orchestrator.prefix_source; plan/sim.py)."""
     pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
-    best = max(((n, rank, rid, pool) for pool, rank in pools for rid, n in index[pool].match(hashes).items() if n),
+    best = max(((n, rank, rid, pool) for pool, rank in pools for rid, n in index[pool].hits(hashes).items()),
                default=None)
     return (best[3], best[2], best[0]) if best is not None else None
 
@@ -93,7 +93,7 @@ class Orchestrator:
         hit = 0
         if self.mirror is not None:
             self.mirror.start()
-            hit = max(self.mirror.index[DECODE].match(hashes).values(), default=0)
+            hit = max(self.mirror.index[DECODE].hits(hashes).values(), default=0)
         return prefill_remotely(len(token_ids), hit, self.model["block_size"], self.min_remote)
 
     def prefix_source(self, hashes: list[int]) -> tuple[str, str, int] | None:
@@ -110,7 +110,7 @@ class Orchestrator:
         if self.mirror is None:
             return 0
         self.mirror.start()
-        hit = max((max(idx.match(hashes).values(), default=0) for idx in self.mirror.index.values()), default=0)
+        hit = max((max(idx.hits(hashes).values(), default=0) for idx in self.mirror.index.values()), default=0)
         return hit * self.model["block_size"]
 
     def kv_capacity_tokens(self) -> int:

@@ -121,7 +121,12 @@ class PrefixIndex:
     def match(self, hashes: list[int]) -> dict[str, int]:
         """For every known replica, how many leading blocks of the prompt it caches, in either tier: the
         count stops at the replica's first missing block."""
-        counts = dict.fromkeys(self.slots, 0)
+        return {**dict.fromkeys(self.slots, 0), **self.hits(hashes)}
+
+    def hits(self, hashes: list[int]) -> dict[str, int]:
+        """match() for the replicas that cache at least the prompt's first block (the routers' question: in a
+        pool of a hundred replicas most cache nothing of a prompt, and listing them costs more than the walk)."""
+        counts: dict[str, int] = {}
         alive = self.live_bits
         if self.host_masks:
             dev, host = self.masks.get, self.host_masks.get
@@ -133,37 +138,39 @@ class PrefixIndex:
         for i, h in enumerate(hashes):
             still = get(h, 0) & alive
             if still != alive:
-                if i:                               # (counts start at 0)
+                if i:                               # (a replica missing the first block has no hit)
                     self._settle(counts, alive & ~still, i)
                 if not still:
                     return counts
                 alive = still
-        self._settle(counts, alive, len(hashes))
+        if hashes:
+            self._settle(counts, alive, len(hashes))
         return counts
 
     def match_tiers(self, hashes: list[int]) -> dict[str, tuple[int, int]]:
-        """match(), with how many of each replica's leading blocks are in its host tier only:
+        """hits(), with how many of each replica's leading blocks are in its host tier only:
         replica -> (leading blocks, of which host-only)."""
         out = {}
-        for r, n in self.match(hashes).items():
+        for r, n in self.hits(hashes).items():
             mine = self.blocks[r]
-            out[r] = (n, sum(h not in mine for h in hashes[:n]) if n and self.host_blocks[r] else 0)
+            out[r] = (n, sum(h not in mine for h in hashes[:n]) if self.host_blocks[r] else 0)
         return out
 
     def match_credit(self, hashes: list[int], host_weight: float) -> tuple[dict[str, int], dict[str, float]]:
-        """match(), and the same counts credited for ranking: a block in a replica's host tier only counts
+        """hits(), and the same counts credited for ranking: a block in a replica's host tier only counts
         `host_weight` of one in its device tier (copying it back costs a little, computing it all)."""
         if not self.host_masks or host_weight == 1:
-            hits = self.match(hashes)
-            return hits, dict(hits)
+            hits = self.hits(hashes)
+            return hits, hits
         tiers = self.match_tiers(hashes)
         return ({r: n for r, (n, _) in tiers.items()},
                 {r: n - (1 - host_weight) * host for r, (n, host) in tiers.items()})
 
     def _settle(self, counts: dict[str, int], bits: int, n: int) -> None:
+        names = self.names
         while bits:
             low = bits & -bits
-            counts[self.names[low.bit_length() - 1]] = n
+            counts[names[low.bit_length() - 1]] = n
             bits ^= low
 
     def num_blocks(self) -> dict[str, int]:

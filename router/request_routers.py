@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections import deque
 from typing import Any, Callable
 
 from prometheus_client import Counter, Histogram
@@ -86,16 +87,24 @@ class _InflightLoad:
     """What a replica's last stats cannot show yet: work sent to it since (they predate it), less the work
     that finished since (they still count it). Without the second half a snapshot taken while a long prompt
     was prefilling would send the next requests of its prefix elsewhere until the next snapshot. `clock`:
-    the replicas' stats clock (unix time; the planning simulator's own)."""
+    the replicas' stats clock (unix time; the planning simulator's own).
+
+    Each replica's items are kept in the order they came, with their running sum: a query drops the ones its
+    stats (or the TTL) now cover from the front, so it costs O(1) amortized however much is in flight."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
-        self.sent: dict[str, list[tuple[float, int]]] = {}
-        self.done: dict[str, list[tuple[float, int]]] = {}
+        self.sent: dict[str, deque[tuple[float, int]]] = {}
+        self.done: dict[str, deque[tuple[float, int]]] = {}
+        self.total: dict[str, int] = {}                 # replica -> tokens sent less tokens done, of the above
         self.open: dict[str, tuple[str, int]] = {}      # request id -> (replica, load): routed, not finished
         self.clock = clock
 
+    def _push(self, items: dict[str, deque[tuple[float, int]]], replica: str, tokens: int) -> None:
+        items.setdefault(replica, deque()).append((self.clock(), tokens))
+        self.total[replica] = self.total.get(replica, 0) + (tokens if items is self.sent else -tokens)
+
     def add(self, replica: str, tokens: int, request_id: str | None = None) -> None:
-        self.sent.setdefault(replica, []).append((self.clock(), tokens))
+        self._push(self.sent, replica, tokens)
         if request_id is not None:
             self.open[request_id] = (replica, tokens)
             while len(self.open) > MAX_PENDING_PREDICTIONS:         # requests that failed before finishing
@@ -105,25 +114,30 @@ class _InflightLoad:
         """The replica is done with the request's load (a prefill answered)."""
         routed = self.open.pop(request_id, None)
         if routed is not None:
-            self.done.setdefault(routed[0], []).append((self.clock(), routed[1]))
+            self._push(self.done, *routed)
 
     def holds(self, replica: str) -> bool:
         """Whether extra() may be nonzero for the replica."""
-        return replica in self.sent or replica in self.done
+        return replica in self.total
 
     def extra(self, replica: str, stats_time: float) -> int:
         """Tokens to add to the replica's stats (negative when more finished than was sent since them)."""
-        if replica not in self.sent and replica not in self.done:      # most of a large pool: nothing in flight
+        total = self.total.get(replica)
+        if total is None:                               # most of a large pool: nothing in flight
             return 0
         since = max(stats_time, self.clock() - INFLIGHT_TTL_S)
-        total = 0
         for items, sign in ((self.sent, 1), (self.done, -1)):
-            kept = [(t, n) for t, n in items.get(replica, ()) if t > since]
-            if kept:
-                items[replica] = kept
-                total += sign * sum(n for _, n in kept)
-            else:
-                items.pop(replica, None)
+            queue = items.get(replica)
+            if queue is None:
+                continue
+            while queue and queue[0][0] <= since:
+                total -= sign * queue.popleft()[1]
+            if not queue:
+                del items[replica]
+        if replica in self.sent or replica in self.done:
+            self.total[replica] = total
+        else:
+            del self.total[replica]
         return total
 
 
