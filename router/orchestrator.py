@@ -64,9 +64,13 @@ def prefix_source(index: dict, hashes: list[int], disaggregated: bool) -> tuple[
     """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): the replica caching most of
     the prompt's leading blocks, a prefill replica on a tie (Orchestrator.prefix_source; plan/sim.py)."""
     pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
-    best = max(((n, rank, rid, pool) for pool, rank in pools for rid, n in index[pool].hits(hashes).items()),
-               default=None)
-    return (best[3], best[2], best[0]) if best is not None else None
+    hits = [(rank, pool, index[pool].hits(hashes)) for pool, rank in pools]
+    most = max((max(h.values(), default=0) for _, _, h in hits), default=0)
+    if not most:
+        return None
+    # (a shared system prompt is cached on most replicas of both pools: only those holding the most are compared)
+    best = max((rank, rid, pool) for rank, pool, h in hits for rid, n in h.items() if n == most)
+    return best[2], best[1], most
 
 
 class Orchestrator:

@@ -43,6 +43,9 @@ class PrefixIndex:
     seq: dict[str, int] = field(default_factory=dict)         # replica -> last applied batch
     stale: set[str] = field(default_factory=set)              # replicas that missed a batch
     live_bits: int = 0                                        # every slot's bit
+    version: int = 0                                          # bumped by every change (hits()' memo)
+    _memo: tuple = (None, -1, None)                           # (hashes, version, hits) of the last hits()
+    _names_of: dict[int, tuple[str, ...]] = field(default_factory=dict)   # a mask's replicas, for _settle
 
     # -- updates ------------------------------------------------------------------------------
     def apply(self, replica: str, seq: int, events: list[KVEvent]) -> bool:
@@ -78,8 +81,10 @@ class PrefixIndex:
 
     def remove_replica(self, replica: str) -> None:
         """Forget a replica (it died); its slot is free for the next one."""
+        self.version += 1
         if replica in self.slots:
             self._drop_blocks(replica)
+            self._names_of.clear()
             slot = self.slots.pop(replica)
             self.live_bits &= ~(1 << slot)
             del self.names[slot], self.blocks[replica], self.host_blocks[replica]
@@ -87,6 +92,8 @@ class PrefixIndex:
         self.stale.discard(replica)
 
     def _new_slot(self, replica: str) -> None:
+        self.version += 1
+        self._names_of.clear()                  # a slot's name changed
         slot = next(i for i in range(len(self.slots) + 1) if i not in self.names)
         self.slots[replica], self.names[slot], self.blocks[replica] = slot, replica, set()
         self.live_bits |= 1 << slot
@@ -96,6 +103,7 @@ class PrefixIndex:
         return (self.host_masks, self.host_blocks[replica]) if host else (self.masks, self.blocks[replica])
 
     def _add(self, replica: str, hashes: list[int], host: bool = False) -> None:
+        self.version += 1
         bit, (masks, mine) = 1 << self.slots[replica], self._tier(replica, host)
         for h in hashes:
             if h not in mine:
@@ -103,6 +111,7 @@ class PrefixIndex:
                 masks[h] = masks.get(h, 0) | bit
 
     def _remove(self, replica: str, hashes: list[int], host: bool = False) -> None:
+        self.version += 1
         bit, (masks, mine) = 1 << self.slots[replica], self._tier(replica, host)
         for h in hashes:
             if h in mine:
@@ -110,6 +119,7 @@ class PrefixIndex:
                 _clear_bit(masks, h, bit)
 
     def _drop_blocks(self, replica: str) -> None:
+        self.version += 1
         bit = 1 << self.slots[replica]
         for host in (False, True):
             masks, mine = self._tier(replica, host)
@@ -125,7 +135,20 @@ class PrefixIndex:
 
     def hits(self, hashes: list[int]) -> dict[str, int]:
         """match() for the replicas that cache at least the prompt's first block (the routers' question: in a
-        pool of a hundred replicas most cache nothing of a prompt, and listing them costs more than the walk)."""
+        pool of a hundred replicas most cache nothing of a prompt, and listing them costs more than the walk).
+
+        The answer for the same list object, with the index unchanged since, is the last one again (the ingress
+        asks about one prompt several times: where to prefill it, where its prefix is, which replica gets it).
+        Callers must change neither the list they pass (block hashes are computed once per prompt) nor the
+        dict it returns."""
+        last, version, answer = self._memo
+        if last is hashes and version == self.version:
+            return answer
+        counts = self._hits(hashes)
+        self._memo = (hashes, self.version, counts)
+        return counts
+
+    def _hits(self, hashes: list[int]) -> dict[str, int]:
         counts: dict[str, int] = {}
         alive = self.live_bits
         if self.host_masks:
@@ -167,11 +190,19 @@ class PrefixIndex:
                 {r: n - (1 - host_weight) * host for r, (n, host) in tiers.items()})
 
     def _settle(self, counts: dict[str, int], bits: int, n: int) -> None:
-        names = self.names
-        while bits:
-            low = bits & -bits
-            counts[names[low.bit_length() - 1]] = n
-            bits ^= low
+        """counts[r] = n for each replica r in `bits` (the replicas of a mask, cached: a prefix every replica
+        caches has the same mask request after request)."""
+        names = self._names_of.get(bits)
+        if names is None:
+            names, rest = [], bits
+            while rest:
+                low = rest & -rest
+                names.append(self.names[low.bit_length() - 1])
+                rest ^= low
+            if len(self._names_of) >= 4096:
+                self._names_of.clear()
+            names = self._names_of[bits] = tuple(names)
+        counts.update(dict.fromkeys(names, n))
 
     def num_blocks(self) -> dict[str, int]:
         """Cached blocks per replica (the device tier's)."""

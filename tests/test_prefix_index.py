@@ -207,6 +207,30 @@ def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
     assert index.num_distinct_blocks() == 0                # no hash outlives its last replica
 
 
+def test_hits_names_only_replicas_with_a_hit_and_follows_every_change_to_the_index():
+    """The routers ask hits() about one prompt's hash list several times; the answer for the same list is
+    reused only while the index is unchanged, and a slot taken over by a new replica answers with its name."""
+    reps, index = [Replica(f"r{i}", 8) for i in range(3)], PrefixIndex()
+    for r in reps:
+        index.load_snapshot(r.name, 0, [])
+        r.run_prompt(list(range(8)))
+    sync(index, reps)
+    h = block_hashes(list(range(8)), BS, KEY)
+    assert index.hits(h) == index.hits(list(h)) == {"r0": 2, "r1": 2, "r2": 2}
+    assert reps[0].pool.reset_prefix_cache()
+    sync(index, reps)
+    assert index.hits(h) == {"r1": 2, "r2": 2}              # the same list, asked again after r0's events
+    assert index.match(h) == {"r0": 0, "r1": 2, "r2": 2}    # match() still lists every known replica
+    index.remove_replica("r1")
+    assert index.hits(h) == {"r2": 2}
+    new = Replica("r3", 8)
+    index.load_snapshot("r3", 0, [])                        # r1's slot, so the mask of r1 and r2 is reused
+    new.run_prompt(list(range(8)))
+    sync(index, [new])
+    assert index.hits(h) == {"r2": 2, "r3": 2}
+    assert index.hits(h[:1] + [12345]) == {"r2": 1, "r3": 1} and index.hits([12345]) == {} and index.hits([]) == {}
+
+
 def test_all_blocks_cleared_empties_only_that_replica():
     reps, index = [Replica("a", 8), Replica("b", 8)], PrefixIndex()
     for r in reps:
