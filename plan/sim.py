@@ -57,6 +57,7 @@ from router.request_routers import DecodeRouter, PrefixAwareRouter
 STATS_PERIOD_S = 0.2          # cluster/app.py: Serve polls each replica's routing stats this often
 ITL_BINS = np.logspace(-5, 3, 1601)      # 10 us .. 1000 s, 0.5% wide: pooled per-token gaps as a histogram
 _BINS_PER_DECADE = 200
+ITL_FLUSH = 1 << 16          # gaps add_itls holds before binning them
 
 
 def _itl_bin(gaps: np.ndarray) -> np.ndarray:
@@ -416,14 +417,16 @@ class Engine:
                 r.ticket.progress(0, k)
             if s.out <= 0:
                 done.append(s)
-        steps = np.diff(ends, prepend=0.0)
         if gaps:                                        # the gaps before the run's first token
             g = np.array(gaps)
             self.sim.add_itls(g)
             self.itls.append((t_first, g))
         if k > 1:                                       # every sequence's gaps after its run's first token
-            self.sim.add_itls(steps[1:], len(seqs))
-        self.itls.append((t_last, steps[-1:]))
+            steps = ends[1:] - ends[:-1]
+            self.sim.add_itls(steps, len(seqs))
+            self.itls.append((t_last, steps[-1:]))
+        else:
+            self.itls.append((t_last, ends[-1:]))
         for s in done:
             self._done(s)
         self.busy = False
@@ -551,7 +554,9 @@ class Simulator:
         self.ids = 0
         self.hits = {p: [0, 0] for p in POOLS}          # query tokens, hit tokens
         self.prefix_pulls = [0, 0]                      # pulls, tokens pulled
-        self.itl_hist = np.zeros(len(ITL_BINS) - 1)
+        self._itl_hist = np.zeros(len(ITL_BINS) - 1)
+        self._itl_pending: list[tuple[np.ndarray, int]] = []     # add_itls' gaps not binned yet
+        self._itl_pending_n = 0
         self.preemptions = 0
         self.done: list[SimRequest] = []
         self.replica_seconds = {p: 0.0 for p in self.pools}
@@ -696,11 +701,31 @@ class Simulator:
         self.at(self.now + seconds, lambda: engine.prefix_pulled(seq, nbytes, seconds))
 
     def add_itl(self, gap: float) -> None:
-        self.itl_hist[_itl_bin_one(gap)] += 1
+        self._itl_hist[_itl_bin_one(gap)] += 1
 
     def add_itls(self, gaps: np.ndarray, times: int = 1) -> None:
-        """Each of `gaps`, `times` times."""
-        np.add.at(self.itl_hist, _itl_bin(gaps), times)
+        """Each of `gaps`, `times` times. Binned in bulk (ITL_FLUSH gaps at a time, and when read): a decode run
+        adds a few gaps, and binning them at once cost more in numpy calls than the run's own work."""
+        self._itl_pending.append((gaps, times))
+        self._itl_pending_n += len(gaps)
+        if self._itl_pending_n >= ITL_FLUSH:
+            self._flush_itls()
+
+    def _flush_itls(self) -> None:
+        if not self._itl_pending:
+            return
+        gaps = np.concatenate([g for g, _ in self._itl_pending])
+        times = np.repeat(np.array([t for _, t in self._itl_pending], dtype=np.float64),
+                          [len(g) for g, _ in self._itl_pending])
+        # (whole counts summed in float64: exact, so the histogram is the one adding them one by one gives)
+        self._itl_hist += np.bincount(_itl_bin(gaps), weights=times, minlength=len(self._itl_hist))
+        self._itl_pending, self._itl_pending_n = [], 0
+
+    @property
+    def itl_hist(self) -> np.ndarray:
+        """Every token gap so far as counts over ITL_BINS."""
+        self._flush_itls()
+        return self._itl_hist
 
     def finished(self, r: SimRequest) -> None:
         if r.ticket is not None:

@@ -184,6 +184,27 @@ def test_a_decode_run_takes_the_blocks_each_sequence_needs_for_all_its_steps():
     assert all(seq.nblocks * 16 >= seq.tokens + steps for seq in (roomy, short))
 
 
+def test_token_gaps_binned_in_bulk_give_the_histogram_one_by_one_binning_gives(monkeypatch):
+    """The simulator bins decode runs' token gaps in bulk, flushed every ITL_FLUSH gaps and when read: the
+    histogram (the ITL percentiles) must be the one binning each run's gaps at once gives, across flushes."""
+    import plan.sim as sim_module
+    monkeypatch.setattr(sim_module, "ITL_FLUSH", 7)
+    sim = Simulator(config(), COST)
+    rng = np.random.default_rng(5)
+    want = np.zeros(len(sim_module.ITL_BINS) - 1)
+    for i in range(40):
+        gaps, times = rng.uniform(1e-4, 2.0, int(rng.integers(1, 5))), int(rng.integers(1, 300))
+        sim.add_itls(gaps, times)
+        np.add.at(want, sim_module._itl_bin(gaps), times)
+        if i % 9 == 0:
+            gap = float(rng.uniform(1e-3, 1.0))
+            sim.add_itl(gap)
+            want[sim_module._itl_bin_one(gap)] += 1
+        if i % 13 == 0:                                         # read mid-run (as a progress report may)
+            assert np.array_equal(sim.itl_hist, want)
+    assert np.array_equal(sim.itl_hist, want) and want.sum() > 1000
+
+
 def tenants(n: int, prefix: int = 512) -> list[SimRequest]:
     rng = np.random.default_rng(1)
     systems = [rng.integers(200, 40000, prefix).tolist() for _ in range(4)]
