@@ -285,6 +285,7 @@ class Engine:
         sched: list[tuple[Seq, int]] = []
         budget, bs, kv = self.budget, self.bs, self.kv
         preempted = 0                                   # (the running list is only searched after a preemption)
+        decode_only = True                              # every scheduled sequence decodes (a run of steps)
         for seq in list(self.running):
             if preempted and seq not in self.running:   # preempted by an earlier one this step
                 continue
@@ -301,7 +302,11 @@ class Engine:
                 if preempted and seq not in self.running:
                     continue
             sched.append((seq, n))
+            if seq.computed < seq.need:
+                decode_only = False
             budget -= n
+        if preempted:                                   # (a preemption may have taken a prompt chunk out again)
+            decode_only = all(seq.computed >= seq.need for seq, _ in sched)
         while self.waiting and budget > 0 and len(self.running) + self.loading < self.max_seqs:
             seq = self.waiting[0]
             hashes = seq.req.hashes[:max(min(len(seq.req.hashes), (seq.need - 1) // self.bs), 0)]
@@ -340,13 +345,14 @@ class Engine:
             self.sim.hits[self.pool][1] += seq.cached
             self.running.append(seq)
             sched.append((seq, n))
+            decode_only = False
             budget -= n
         self._flush_events()
         if not sched:
             return
         self.busy = True
         slow = self.sim.slowdown(self)
-        if all(seq.computed >= seq.need for seq, _ in sched):
+        if decode_only:
             self.computed_tokens += len(sched)
             self._decode_run([seq for seq, _ in sched], slow)
             return
