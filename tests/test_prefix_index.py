@@ -189,13 +189,18 @@ def test_an_unknown_replica_must_register_first():
     assert index.match(block_hashes(list(range(8)), BS, KEY)) == {}
 
 
-def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
+def three_replicas_caching_one_prompt() -> tuple[list[Replica], PrefixIndex, list[int]]:
+    """Replicas r0-r2, each caching the same 2-block prompt, an index synced with them, and the prompt's hashes."""
     reps, index = [Replica(f"r{i}", 8) for i in range(3)], PrefixIndex()
     for r in reps:
         index.load_snapshot(r.name, 0, [])
         r.run_prompt(list(range(8)))
     sync(index, reps)
-    h = block_hashes(list(range(8)), BS, KEY)
+    return reps, index, block_hashes(list(range(8)), BS, KEY)
+
+
+def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
+    reps, index, h = three_replicas_caching_one_prompt()
     assert index.match(h) == {"r0": 2, "r1": 2, "r2": 2}
     index.remove_replica("r1")
     assert index.match(h) == {"r0": 2, "r2": 2}
@@ -210,12 +215,7 @@ def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
 def test_hits_names_only_replicas_with_a_hit_and_follows_every_change_to_the_index():
     """The routers ask hits() about one prompt's hash list several times; the answer for the same list is
     reused only while the index is unchanged, and a slot taken over by a new replica answers with its name."""
-    reps, index = [Replica(f"r{i}", 8) for i in range(3)], PrefixIndex()
-    for r in reps:
-        index.load_snapshot(r.name, 0, [])
-        r.run_prompt(list(range(8)))
-    sync(index, reps)
-    h = block_hashes(list(range(8)), BS, KEY)
+    reps, index, h = three_replicas_caching_one_prompt()
     assert index.hits(h) == index.hits(list(h)) == {"r0": 2, "r1": 2, "r2": 2}
     assert reps[0].pool.reset_prefix_cache()
     sync(index, reps)
