@@ -81,10 +81,8 @@ class PrefixIndex:
 
     def remove_replica(self, replica: str) -> None:
         """Forget a replica (it died); its slot is free for the next one."""
-        self.version += 1
         if replica in self.slots:
-            self._drop_blocks(replica)
-            self._names_of.clear()
+            self._drop_blocks(replica)                  # (a change: bumps the version)
             slot = self.slots.pop(replica)
             self.live_bits &= ~(1 << slot)
             del self.names[slot], self.blocks[replica], self.host_blocks[replica]

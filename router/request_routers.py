@@ -93,15 +93,15 @@ class _InflightLoad:
     stats (or the TTL) now cover from the front, so it costs O(1) amortized however much is in flight."""
 
     def __init__(self, clock: Callable[[], float] = time.time):
-        self.sent: dict[str, deque[tuple[float, int]]] = {}
-        self.done: dict[str, deque[tuple[float, int]]] = {}
-        self.total: dict[str, int] = {}                 # replica -> tokens sent less tokens done, of the above
+        self.sent: dict[str, deque[tuple[float, int]]] = {}     # (time, tokens)
+        self.done: dict[str, deque[tuple[float, int]]] = {}     # (time, -tokens): signed, so both just add up
+        self.total: dict[str, int] = {}                 # replica -> the sum of the tokens of both, as held
         self.open: dict[str, tuple[str, int]] = {}      # request id -> (replica, load): routed, not finished
         self.clock = clock
 
     def _push(self, items: dict[str, deque[tuple[float, int]]], replica: str, tokens: int) -> None:
         items.setdefault(replica, deque()).append((self.clock(), tokens))
-        self.total[replica] = self.total.get(replica, 0) + (tokens if items is self.sent else -tokens)
+        self.total[replica] = self.total.get(replica, 0) + tokens
 
     def add(self, replica: str, tokens: int, request_id: str | None = None) -> None:
         self._push(self.sent, replica, tokens)
@@ -114,7 +114,7 @@ class _InflightLoad:
         """The replica is done with the request's load (a prefill answered)."""
         routed = self.open.pop(request_id, None)
         if routed is not None:
-            self._push(self.done, *routed)
+            self._push(self.done, routed[0], -routed[1])
 
     def holds(self, replica: str) -> bool:
         """Whether extra() may be nonzero for the replica."""
@@ -126,12 +126,12 @@ class _InflightLoad:
         if total is None:                               # most of a large pool: nothing in flight
             return 0
         since = max(stats_time, self.clock() - INFLIGHT_TTL_S)
-        for items, sign in ((self.sent, 1), (self.done, -1)):
+        for items in (self.sent, self.done):
             queue = items.get(replica)
             if queue is None:
                 continue
             while queue and queue[0][0] <= since:
-                total -= sign * queue.popleft()[1]
+                total -= queue.popleft()[1]
             if not queue:
                 del items[replica]
         if replica in self.sent or replica in self.done:
