@@ -371,9 +371,9 @@ class Engine:
 
     def _decode_run(self, seqs: list[Seq], slow: float) -> None:
         bs = self.bs
-        k = min(s.out for s in seqs)
-        tokens = np.fromiter((s.tokens for s in seqs), np.int64, len(seqs))
-        held = np.fromiter((s.nblocks for s in seqs), np.int64, len(seqs))
+        k = min([s.out for s in seqs])                  # (list comprehensions: cheaper than generators here)
+        tokens = np.array([s.tokens for s in seqs], np.int64)
+        held = np.array([s.nblocks for s in seqs], np.int64)
         free = self.kv.free_blocks()
         while True:
             more = -(-(tokens + k) // bs) - held         # the run's blocks, taken up front
@@ -557,6 +557,8 @@ class Simulator:
             raise ValueError("block_size must be the same in both pools")
         self.block_size = bs.pop()
         self.engines: dict[str, list[Engine]] = {p: [] for p in self.pools}
+        self.fleet_version = 0                          # bumped when a replica is added or stopped (live())
+        self._live: dict[str, tuple[int, float, dict[str, Engine]]] = {}
         self.ids = 0
         self.hits = {p: [0, 0] for p in POOLS}          # query tokens, hit tokens
         self.prefix_pulls = [0, 0]                      # pulls, tokens pulled
@@ -610,6 +612,7 @@ class Simulator:
         e = Engine(self, f"{pool}-{self.ids}", pool, kv_tokens, k)
         e.ready_at = ready
         self.engines[pool].append(e)
+        self.fleet_version += 1
         return e
 
     def index_of(self, pool: str) -> PrefixIndex:
@@ -638,17 +641,25 @@ class Simulator:
         return share * (1.0 + self.cost.contention * k)
 
     def live(self, pool: str) -> dict[str, Engine]:
-        return {e.rid: e for e in self.engines[pool] if e.ready_at <= self.now and not e.stopping}
+        """The pool's replicas that take work now (started, not stopping): kept until a replica is added or
+        stopped, or the next one starting is ready (a request routes over it twice). Callers do not change it."""
+        version, until, live = self._live.get(pool, (-1, 0.0, None))
+        if version == self.fleet_version and self.now < until:
+            return live
+        now, engines = self.now, self.engines[pool]
+        live = {e.rid: e for e in engines if e.ready_at <= now and not e.stopping}
+        until = min((e.ready_at for e in engines if e.ready_at > now and not e.stopping), default=math.inf)
+        self._live[pool] = (self.fleet_version, until, live)
+        return live
 
     # -- the request path ------------------------------------------------------------------------------
     def arrive(self, r: SimRequest) -> None:
         """The ingress: at r.at + request_s admission control (router/admission.py, when enabled) takes the
         request or answers 429; the prompt then goes to the prefill pool or a decode replica."""
         hashes = r.hashes
-        decode_hit = max(self.index_of(DECODE).hits(hashes).values(), default=0)
+        decode_hit = self.index_of(DECODE).longest(hashes)[0]
         if self.admission is not None:
-            cached = max((max(idx.hits(hashes).values(), default=0) for idx in self.mirror.index.values()),
-                         default=0) * self.block_size
+            cached = max((idx.longest(hashes)[0] for idx in self.mirror.index.values()), default=0) * self.block_size
             try:
                 r.ticket = self.admission.admit([max(r.prompt - cached, 0)], [r.prompt], 1)
             except OpenAIError:
@@ -866,6 +877,7 @@ class _Scaler:
             # and leaves when its sequences end
             victim = min((e for e in sim.engines[pool] if not e.stopping), key=lambda e: e.tokens_in_flight())
             victim.stopping = True
+            sim.fleet_version += 1
             sim.index_of(pool).remove_replica(victim.rid)
             self._retire(victim)
 

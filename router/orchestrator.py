@@ -64,13 +64,13 @@ def prefix_source(index: dict, hashes: list[int], disaggregated: bool) -> tuple[
     """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): the replica caching most of
     the prompt's leading blocks, a prefill replica on a tie (Orchestrator.prefix_source; plan/sim.py)."""
     pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
-    hits = [(rank, pool, index[pool].hits(hashes)) for pool, rank in pools]
-    most = max((max(h.values(), default=0) for _, _, h in hits), default=0)
+    longest = [(index[pool].longest(hashes), rank, pool) for pool, rank in pools]
+    most = max(n for (n, _), _, _ in longest)
     if not most:
         return None
-    # (a shared system prompt is cached on most replicas of both pools: only those holding the most are compared)
-    best = max((rank, rid, pool) for rank, pool, h in hits for rid, n in h.items() if n == most)
-    return best[2], best[1], most
+    # of the replicas holding the most: the prefill pool's first, then the greatest name (a fixed choice)
+    _, pool, names = max((rank, pool, names) for (n, names), rank, pool in longest if n == most)
+    return pool, max(names), most
 
 
 class Orchestrator:
@@ -97,7 +97,7 @@ class Orchestrator:
         hit = 0
         if self.mirror is not None:
             self.mirror.start()
-            hit = max(self.mirror.index[DECODE].hits(hashes).values(), default=0)
+            hit = self.mirror.index[DECODE].longest(hashes)[0]
         return prefill_remotely(len(token_ids), hit, self.model["block_size"], self.min_remote)
 
     def prefix_source(self, hashes: list[int]) -> tuple[str, str, int] | None:
@@ -114,7 +114,7 @@ class Orchestrator:
         if self.mirror is None:
             return 0
         self.mirror.start()
-        hit = max((max(idx.hits(hashes).values(), default=0) for idx in self.mirror.index.values()), default=0)
+        hit = max((idx.longest(hashes)[0] for idx in self.mirror.index.values()), default=0)
         return hit * self.model["block_size"]
 
     def kv_capacity_tokens(self) -> int:

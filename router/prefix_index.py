@@ -16,6 +16,7 @@ blocks are in its host tier only, for a ranker that credits them at a discount.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgpack
@@ -44,7 +45,7 @@ class PrefixIndex:
     stale: set[str] = field(default_factory=set)              # replicas that missed a batch
     live_bits: int = 0                                        # every slot's bit
     version: int = 0                                          # bumped by every change (hits()' memo)
-    _memo: tuple = (None, -1, None)                           # (hashes, version, hits) of the last hits()
+    _memo: tuple = (None, -1, None, None)           # (hashes, version, hits, longest) of the last lookup
     _names_of: dict[int, tuple[str, ...]] = field(default_factory=dict)   # a mask's replicas, for _settle
 
     # -- updates ------------------------------------------------------------------------------
@@ -139,15 +140,26 @@ class PrefixIndex:
         asks about one prompt several times: where to prefill it, where its prefix is, which replica gets it).
         Callers must change neither the list they pass (block hashes are computed once per prompt) nor the
         dict it returns."""
-        last, version, answer = self._memo
-        if last is hashes and version == self.version:
-            return answer
-        counts = self._hits(hashes)
-        self._memo = (hashes, self.version, counts)
-        return counts
+        return self._lookup(hashes)[0]
 
-    def _hits(self, hashes: list[int]) -> dict[str, int]:
+    def longest(self, hashes: list[int]) -> tuple[int, tuple[str, ...]]:
+        """The most leading blocks of the prompt any replica caches (0 when none caches its first block) and
+        the replicas that cache that many: max(hits().values()) and who, without a pass over hits() (a shared
+        system prompt puts most of a pool in it). The same memo and rules as hits()."""
+        return self._lookup(hashes)[1]
+
+    def _lookup(self, hashes: list[int]) -> tuple[dict[str, int], tuple[int, tuple[str, ...]]]:
+        last, version, answer, longest = self._memo
+        if last is hashes and version == self.version:
+            return answer, longest
+        counts, longest = self._hits(hashes)
+        self._memo = (hashes, self.version, counts, longest)
+        return counts, longest
+
+    def _hits(self, hashes: list[int]) -> tuple[dict[str, int], tuple[int, tuple[str, ...]]]:
+        """hits(), and longest(): the replicas that drop out last are the last ones settled."""
         counts: dict[str, int] = {}
+        longest: tuple[int, tuple[str, ...]] = (0, ())
         alive = self.live_bits
         if self.host_masks:
             dev, host = self.masks.get, self.host_masks.get
@@ -160,13 +172,13 @@ class PrefixIndex:
             still = get(h, 0) & alive
             if still != alive:
                 if i:                               # (a replica missing the first block has no hit)
-                    self._settle(counts, alive & ~still, i)
+                    longest = (i, self._settle(counts, alive & ~still, i))
                 if not still:
-                    return counts
+                    return counts, longest
                 alive = still
         if hashes:
-            self._settle(counts, alive, len(hashes))
-        return counts
+            longest = (len(hashes), self._settle(counts, alive, len(hashes)))
+        return counts, longest
 
     def match_tiers(self, hashes: list[int]) -> dict[str, tuple[int, int]]:
         """hits(), with how many of each replica's leading blocks are in its host tier only:
@@ -187,9 +199,9 @@ class PrefixIndex:
         return ({r: n for r, (n, _) in tiers.items()},
                 {r: n - (1 - host_weight) * host for r, (n, host) in tiers.items()})
 
-    def _settle(self, counts: dict[str, int], bits: int, n: int) -> None:
+    def _settle(self, counts: dict[str, int], bits: int, n: int) -> tuple[str, ...]:
         """counts[r] = n for each replica r in `bits` (the replicas of a mask, cached: a prefix every replica
-        caches has the same mask request after request)."""
+        caches has the same mask request after request); those replicas."""
         names = self._names_of.get(bits)
         if names is None:
             names, rest = [], bits
@@ -201,10 +213,12 @@ class PrefixIndex:
                 self._names_of.clear()
             names = self._names_of[bits] = tuple(names)
         counts.update(dict.fromkeys(names, n))
+        return names
 
-    def num_blocks(self) -> dict[str, int]:
-        """Cached blocks per replica (the device tier's)."""
-        return {r: len(b) for r, b in self.blocks.items()}
+    def num_blocks(self) -> BlockCounts:
+        """Cached blocks per replica (the device tier's): a live view, read per replica when asked (a router
+        ranking a pool of a hundred asks once per replica; a dict of them all would be built per request)."""
+        return BlockCounts(self.blocks)
 
     def num_distinct_blocks(self) -> int:
         return len(self.masks)
@@ -235,6 +249,27 @@ class PrefixIndex:
             if stale:
                 idx.stale.add(replica)
         return idx
+
+
+class BlockCounts(Mapping[str, int]):
+    """replica -> how many blocks it caches, read from the index's sets when asked (PrefixIndex.num_blocks)."""
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: dict[str, set[int]]):
+        self._blocks = blocks
+
+    def __getitem__(self, replica: str) -> int:
+        return len(self._blocks[replica])
+
+    def get(self, replica: str, default: int = 0) -> int:       # (Mapping's would go through a KeyError)
+        b = self._blocks.get(replica)
+        return default if b is None else len(b)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
 
 
 def _clear_bit(masks: dict[int, int], h: int, bit: int) -> None:
@@ -271,12 +306,13 @@ class PrefillRanker:
     imbalance_threshold: int        # RouterConfig.imbalance_threshold_tokens
 
     def rank(self, hashes: list[int], num_tokens: int, block_size: int, matches: dict[str, int],
-             loads: dict[str, int], cached: dict[str, int] | None = None,
+             loads: dict[str, int], cached: Mapping[str, int] | None = None,
              extra: dict[str, int] | None = None, tie: dict[str, float] | None = None,
              first_only: bool = False) -> tuple[list[list[str]], str]:
         """Tiers of replica ids, best first (one replica per tier), and the reason for the first; with
         `first_only`, the first tier alone (the planning simulator's routers: no sort of the pool)."""
-        replicas = loads.keys() | matches.keys()
+        # (the routers' matches are replicas they have loads for: no set of the pool to build)
+        replicas = loads.keys() if matches.keys() <= loads.keys() else loads.keys() | matches.keys()
         if not replicas:
             return [], "no_replica"
         load = loads if len(replicas) == len(loads) else {r: loads.get(r, 0) for r in replicas}

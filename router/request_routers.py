@@ -240,7 +240,8 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         `by_id` (objects with `routing_stats`) and the decision's reason, its load counted in flight as
         on_request_routed counts it. The same ranking as choose_replicas: Serve takes the first tier's first
         replica that has room, which is the best one for these routers."""
-        by_id = {rid: r for rid, r in by_id.items() if rid not in req.avoid}
+        if req.avoid:
+            by_id = {rid: r for rid, r in by_id.items() if rid not in req.avoid}
         if not by_id:
             return None, "none"
         tiers, reason, load, _ = self._rank(req, by_id)
@@ -269,6 +270,14 @@ def lora_load_cost(req: PoolRequest, stats: dict | None, cost_tokens: int) -> in
     return 0 if req.lora.key in (stats or {}).get("loras", ()) else cost_tokens
 
 
+def _credited(credit: dict[str, float], by_id: dict[str, Any]) -> dict[str, float]:
+    """The index's credit for the replicas a router may pick that have any (usually all it lists: a shared
+    system prompt lists most of a pool, so the common case is checked without a pass in Python)."""
+    if credit.keys() <= by_id.keys() and all(credit.values()):
+        return credit
+    return {rid: c for rid, c in credit.items() if c and rid in by_id}
+
+
 class PrefixAwareRouter(_PoolRouter):
     pool = PREFILL
 
@@ -283,12 +292,12 @@ class PrefixAwareRouter(_PoolRouter):
     def _rank(self, req, by_id):
         """The load is the prompt tokens the best replica must prefill (those it does not cache). A LoRA
         request's blocks are its adapter's (the hashes are), and a replica lacking the adapter pays its load."""
-        loads, extra, inflight = {}, {}, self.inflight
+        loads, extra, inflight, holds = {}, {}, self.inflight, self.inflight.holds
         lora = req.lora is not None and self.lora_cost > 0
         for rid, r in by_id.items():
             stats = r.routing_stats or {}
             queued = stats.get("queued_prefill_tokens", 0)
-            if inflight.holds(rid):                     # (most of a large pool has nothing in flight)
+            if holds(rid):                              # (most of a large pool has nothing in flight)
                 queued = max(queued + inflight.extra(rid, stats.get("time", 0.0)), 0)
             loads[rid] = queued
             if lora:
@@ -296,7 +305,7 @@ class PrefixAwareRouter(_PoolRouter):
         index = self.mirror.index[self.pool]
         matches, credit = index.match_credit(req.block_hashes, self.host_weight)
         tiers, reason = self.ranker.rank(req.block_hashes, len(req.token_ids), self.block_size,
-                                         {rid: n for rid, n in credit.items() if n and rid in by_id}, loads,
+                                         _credited(credit, by_id), loads,
                                          index.num_blocks(), extra if any(extra.values()) else None,
                                          first_only=self.first_only)
         best = tiers[0][0] if tiers and tiers[0] else None
@@ -344,7 +353,7 @@ class DecodeRouter(_PoolRouter):
             queued = {rid: (r.routing_stats or {}).get("queued_prefill_tokens", 0) + sent[rid] * self.block_size
                       for rid, r in by_id.items()}
             tiers, why = self.ranker.rank(req.block_hashes, n, self.block_size,
-                                          {rid: c for rid, c in credit.items() if c and rid in by_id},
+                                          _credited(credit, by_id),
                                           queued, None, load if lora else None, pressure, self.first_only)
             order = [t[0] for t in tiers]
             reason = {"prefix_hit": "local_prefill_hit", "imbalanced_least_loaded": "local_prefill_imbalanced"}.get(

@@ -212,9 +212,17 @@ def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
     assert index.num_distinct_blocks() == 0                # no hash outlives its last replica
 
 
+def longest_of_hits(index: PrefixIndex, hashes: list[int]) -> tuple[int, set[str]]:
+    """What longest() must say, from hits(): the most leading blocks any replica caches, and who caches them."""
+    hits = index.hits(hashes)
+    most = max(hits.values(), default=0)
+    return most, {r for r, n in hits.items() if n == most and most}
+
+
 def test_hits_names_only_replicas_with_a_hit_and_follows_every_change_to_the_index():
-    """The routers ask hits() about one prompt's hash list several times; the answer for the same list is
-    reused only while the index is unchanged, and a slot taken over by a new replica answers with its name."""
+    """The routers ask hits() (and longest()) about one prompt's hash list several times; the answer for the same
+    list is reused only while the index is unchanged, and a slot taken over by a new replica answers with its
+    name."""
     reps, index, h = three_replicas_caching_one_prompt()
     assert index.hits(h) == index.hits(list(h)) == {"r0": 2, "r1": 2, "r2": 2}
     assert reps[0].pool.reset_prefix_cache()
@@ -222,13 +230,18 @@ def test_hits_names_only_replicas_with_a_hit_and_follows_every_change_to_the_ind
     assert index.hits(h) == {"r1": 2, "r2": 2}              # the same list, asked again after r0's events
     assert index.match(h) == {"r0": 0, "r1": 2, "r2": 2}    # match() still lists every known replica
     index.remove_replica("r1")
-    assert index.hits(h) == {"r2": 2}
+    assert index.hits(h) == {"r2": 2} and index.longest(h) == (2, ("r2",))
     new = Replica("r3", 8)
     index.load_snapshot("r3", 0, [])                        # r1's slot, so the mask of r1 and r2 is reused
     new.run_prompt(list(range(8)))
     sync(index, [new])
-    assert index.hits(h) == {"r2": 2, "r3": 2}
+    assert index.hits(h) == {"r2": 2, "r3": 2} and sorted(index.longest(h)[1]) == ["r2", "r3"]
     assert index.hits(h[:1] + [12345]) == {"r2": 1, "r3": 1} and index.hits([12345]) == {} and index.hits([]) == {}
+    assert index.longest([12345]) == index.longest([]) == (0, ())
+    new.run_prompt(list(range(8)) + [77] * 8)               # r3 alone caches a longer prefix of this prompt
+    sync(index, [new])
+    longer = block_hashes(list(range(8)) + [77] * 8, BS, KEY)
+    assert index.longest(longer) == (4, ("r3",)) and index.hits(longer) == {"r2": 2, "r3": 4}
 
 
 def test_all_blocks_cleared_empties_only_that_replica():
@@ -263,6 +276,8 @@ def test_snapshot_round_trip_is_msgpack_and_keeps_seq_and_staleness():
     for p in prompts:
         h = block_hashes(p, BS, KEY)
         assert copy.match(h) == index.match(h)
+        n, names = copy.longest(h)
+        assert (n, set(names)) == longest_of_hits(copy, h) == longest_of_hits(index, h)
     reps[1].run_prompt(list(range(900, 908)))
     seq, data = reps[1].batch()
     assert copy.apply("r1", seq, decode_events(data))                # it continues from the same batch
