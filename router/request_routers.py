@@ -335,12 +335,14 @@ class DecodeRouter(_PoolRouter):
         A replica's pressure, 0..~2: its KV fraction in use plus its running-batch fraction, counting the
         requests sent to it since its stats (`sent`, in blocks)."""
         inflight = self.inflight.extra
-        pressure, sent, load = {}, {}, {}
+        pressure, sent, load, kv_tokens = {}, {}, {}, {}
         lora = req.lora is not None and self.lora_cost > 0
         for rid, r in by_id.items():
             s = r.routing_stats or {}
             x = sent[rid] = inflight(rid, s.get("time", 0.0))
-            pressure[rid] = ((s.get("kv_blocks_used", 0) + x) / max(s.get("kv_blocks_total", 1), 1)
+            total = max(s.get("kv_blocks_total", 1), 1)
+            kv_tokens[rid] = total * self.block_size
+            pressure[rid] = ((s.get("kv_blocks_used", 0) + x) / total
                              + (s.get("num_running", 0) + (x > 0)) / self.max_num_seqs)
             load[rid] = lora_load_cost(req, s, self.lora_cost) if lora else 0
         n = len(req.token_ids) + (len(req.resume.token_ids) if req.resume is not None else 0)   # to compute
@@ -359,11 +361,8 @@ class DecodeRouter(_PoolRouter):
             reason = {"prefix_hit": "local_prefill_hit", "imbalanced_least_loaded": "local_prefill_imbalanced"}.get(
                 why, "local_prefill")
         else:
-            def kv_tokens(rid: str) -> int:
-                s = by_id[rid].routing_stats or {}
-                return max(s.get("kv_blocks_total", 1), 1) * self.block_size
             def key(rid: str) -> tuple[float, str]:
-                return pressure[rid] + load[rid] / kv_tokens(rid), rid
+                return pressure[rid] + load[rid] / kv_tokens[rid], rid
             order = [min(by_id, key=key)] if self.first_only else sorted(by_id, key=key)
             reason = "least_kv_pressure"
         # a prediction for a plain local prefill (a continuation also recomputes tokens the index does not cover)
