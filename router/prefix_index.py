@@ -317,27 +317,30 @@ class PrefillRanker:
             return [], "no_replica"
         load = loads if len(replicas) == len(loads) else {r: loads.get(r, 0) for r in replicas}
         salt = hashes[0] if hashes else num_tokens
-        # (cost, tie-breaks..., name): a total order, so the result never depends on set order. The hash of
-        # (prompt, replica) is only computed where the cheaper keys tie (ranking a pool of a hundred replicas
-        # per request is the planning simulator's largest cost)
-        m, c, w = matches.get, (cached or {}).get, self.load_weight
-        key = {r: (num_tokens + w * load[r], 0, c(r, 0)) for r in replicas}
+        # ([load,] cost, tie, cached blocks, hash, name): a total order, so the result never depends on set order.
+        # The later keys are only read where the earlier ones tie (ranking a pool of a hundred replicas per
+        # request is the planning simulator's largest cost): `key` holds the first ones.
+        c, w = (cached or {}).get, self.load_weight
+        key = {r: (num_tokens + w * load[r], 0) for r in replicas}
         for r, n in matches.items():                # (most replicas match nothing)
             if n and r in key:
-                k = key[r]
-                key[r] = (max(num_tokens - n * block_size, 0) + w * load[r], 0, k[2])
+                key[r] = (max(num_tokens - n * block_size, 0) + w * load[r], 0)
         if extra or tie:
             e, t = (extra or {}).get, (tie or {}).get
-            key = {r: (k[0] + e(r, 0), t(r, 0), k[2]) for r, k in key.items()}
+            key = {r: (k[0] + e(r, 0), t(r, 0)) for r, k in key.items()}
         imbalanced = max(load.values()) - min(load.values()) > self.imbalance_threshold
         if imbalanced:
             key = {r: (load[r], *k) for r, k in key.items()}
         if first_only:
             low = min(key.values())
             tied = [r for r, k in key.items() if k == low]
+            if len(tied) > 1:
+                fewest = min(c(r, 0) for r in tied)
+                tied = [r for r in tied if c(r, 0) == fewest]
             order = [tied[0] if len(tied) == 1 else
                      min(tied, key=lambda r: (xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r))]
         else:
+            key = {r: (*k, c(r, 0)) for r, k in key.items()}
             order = sorted(replicas, key=key.__getitem__)
         if not first_only and len(set(key.values())) < len(key):      # runs of equal keys: by the hash, the name
             i = 0
