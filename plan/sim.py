@@ -18,7 +18,7 @@ with LRU eviction of free cached blocks; preemption (by recompute) of the newest
 a decode request's blocks reserved before its KV is pulled. A step costs what the cost model (plan/cost.py)
 says. Steps that only decode are simulated as one run until a sequence finishes or new work arrives (a run
 is cut at the step in progress), not as an event per token. At the 1,000-GPU scale that simulates a few thousand
-requests a second, much of it routing (docs/benchmarks.md): a day of trace there takes most of an hour.
+requests a second, much of it routing (docs/benchmarks.md): a day of trace there takes over half an hour.
 
 Prefix pulls (issue 21) run by the replicas' rule: the ingress names the replica whose cached prefix is longest
 (router.orchestrator.prefix_source), and the engine that is to prefill the prompt pulls those blocks instead
