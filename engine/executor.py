@@ -243,7 +243,7 @@ class Executor:
                         for r in range(1, tp)]
         self._finalizer = weakref.finalize(self, _kill_all, list(self.workers))
         try:
-            self.driver = self._build_driver(spec, store, rdv.timeout_s)
+            self.driver = self._build_driver(spec, store, rdv.start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -251,9 +251,9 @@ class Executor:
         self.runner.on_step = self._step
 
     def _build_driver(self, spec: WorkerSpec, store, timeout_s: float) -> TPWorker:
-        """Rank 0 joins the group and loads its shard on a thread while the workers load theirs; a worker
-        that fails (a bad model path, no device) is reported at once with its own error, not after
-        the rendezvous timeout."""
+        """Rank 0 joins the group and loads its shard on a thread while the workers load theirs, all within the
+        start-up timeout; a worker that fails (a bad model path, no device) is reported at once with its own
+        error, not after that timeout."""
         built: Future = Future()
 
         def build() -> None:

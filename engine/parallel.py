@@ -22,6 +22,9 @@ from engine.kv_layout import KVHeadLayout
 
 # A step's collectives normally take milliseconds; a peer that stops answering for this long is lost.
 DEFAULT_TIMEOUT_S = float(os.environ.get("BATON_TP_TIMEOUT_S", "120"))
+# Starting a rank (its process, torch's import, joining the group, loading its shard) takes seconds for a small
+# model on an idle machine and minutes for a large one from slow storage or on a loaded machine.
+START_TIMEOUT_S = float(os.environ.get("BATON_TP_START_TIMEOUT_S", "600"))
 # A worker waits this long for the next step: idleness is no failure (rank 0's death closes the connection).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 _STOP, _STEP = 0, 1
@@ -37,7 +40,8 @@ class Rendezvous:
     host: str
     port: int
     world_size: int
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float = DEFAULT_TIMEOUT_S           # each collective
+    start_timeout_s: float = START_TIMEOUT_S       # every rank's arrival, and its shard loaded
 
 
 @dataclass
@@ -159,19 +163,24 @@ def check_heads(num_heads: int, num_kv_heads: int, size: int) -> KVHeadLayout:
     return layout
 
 
-def new_rendezvous(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Rendezvous, object]:
+def new_rendezvous(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   start_timeout_s: float = START_TIMEOUT_S) -> tuple[Rendezvous, object]:
     """Rank 0: a TCPStore on a free port (kept by the caller) and the address the workers join."""
     host = "127.0.0.1"
-    store = dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+    store = dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=start_timeout_s),
                           wait_for_workers=False)
-    return Rendezvous(host, store.port, world_size, timeout_s), store
+    return Rendezvous(host, store.port, world_size, timeout_s, start_timeout_s), store
 
 
 def join_group(rdv: Rendezvous, rank: int, device: torch.device, store=None) -> TPGroup:
-    """Build this rank's groups (blocks until every rank joined, or the timeout passes)."""
-    timeout = datetime.timedelta(seconds=rdv.timeout_s)
+    """Build this rank's groups (blocks until every rank joined, or the start-up timeout passes). The ranks
+    first meet on the store: gloo's and NCCL's own joins wait only their groups' (collective) timeout, and a
+    rank's process may take longer than that to start."""
+    timeout, start = datetime.timedelta(seconds=rdv.timeout_s), datetime.timedelta(seconds=rdv.start_timeout_s)
     if store is None:
-        store = dist.TCPStore(rdv.host, rdv.port, rdv.world_size, False, timeout=timeout)
+        store = dist.TCPStore(rdv.host, rdv.port, rdv.world_size, False, timeout=start)
+    store.set(f"arrived/{rank}", "1")
+    store.wait([f"arrived/{r}" for r in range(rdv.world_size)], start)
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, rdv.world_size, timeout)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()

@@ -211,6 +211,36 @@ def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
 
 
 # -- failures and shutdown ------------------------------------------------------------------------------
+def test_a_rank_that_starts_later_than_the_collective_timeout_still_joins():
+    """Starting a rank (a process, torch's import, a shard to load) may take longer than a collective may: the
+    ranks meet within the start-up timeout (gloo's own join would give up after the collective one)."""
+    import threading
+
+    from engine.parallel import join_group, new_rendezvous
+    rdv, store = new_rendezvous(2, timeout_s=1.0, start_timeout_s=60.0)
+    groups, errors = {}, []
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        try:
+            groups[r] = join_group(rdv, r, torch.device("cpu"), None if r else store)
+        except Exception as e:                           # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=rank, args=(0, 0.0)), threading.Thread(target=rank, args=(1, 3.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    sums = [torch.tensor([float(r + 1)]) for r in (0, 1)]
+    threads = [threading.Thread(target=lambda r=r: groups[r].all_reduce(sums[r])) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [t.item() for t in sums] == [3.0, 3.0]        # the group works, with its 1 s collective timeout
+
+
 def test_an_idle_worker_outwaits_the_collective_timeout():
     """A worker waits for the next step without a deadline (an engine may idle for hours); steps still flow."""
     import threading
