@@ -335,8 +335,9 @@ class PrefillRanker:
             low = min(key.values())
             tied = [r for r, k in key.items() if k == low]
             if len(tied) > 1:
-                fewest = min(c(r, 0) for r in tied)
-                tied = [r for r in tied if c(r, 0) == fewest]
+                blocks = {r: c(r, 0) for r in tied}
+                fewest = min(blocks.values())
+                tied = [r for r, n in blocks.items() if n == fewest]
             order = [tied[0] if len(tied) == 1 else
                      min(tied, key=lambda r: (xxhash.xxh3_64_intdigest(r.encode(), seed=salt), r))]
         else:
