@@ -161,6 +161,8 @@ class PrefixIndex:
         counts: dict[str, int] = {}
         longest: tuple[int, tuple[str, ...]] = (0, ())
         alive = self.live_bits
+        if not alive:                               # (no replica: no hit, whatever the prompt)
+            return counts, longest
         if self.host_masks:
             dev, host = self.masks.get, self.host_masks.get
 

@@ -210,6 +210,9 @@ def test_a_removed_replica_is_forgotten_and_its_slot_reused_clean():
     for r in (reps[0], reps[2]):
         index.remove_replica(r.name)
     assert index.num_distinct_blocks() == 0                # no hash outlives its last replica
+    index.remove_replica("r3")
+    assert index.hits(h) == {} and index.longest(h) == (0, ())   # an empty pool holds nothing of any prompt
+    assert PrefixIndex().longest(h) == (0, ())
 
 
 def longest_of_hits(index: PrefixIndex, hashes: list[int]) -> tuple[int, set[str]]:
