@@ -142,6 +142,10 @@ def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     o = Orchestrator(object(), FakeDecodePool([]), {"block_size": BS, "model_key": KEY}, "", 0, 0.01)
     assert o.prefix_source(hashes) is None                          # no index (no state actor)
     o.mirror = Mirror()
+    assert o.prefix_source(hashes) is None                          # both pools' indexes empty (at start-up)
+    o.mirror.index["decode"].load_snapshot("d", 0, hashes[:3])
+    assert o.prefix_source(hashes) == ("decode", "d", 3)            # the prefill pool's index still empty
+    assert o.cached_tokens(hashes) == 3 * BS and o.remote_prefill(prompt, hashes)
     o.mirror.index["prefill"].load_snapshot("a", 0, hashes[:2])
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:5] + [7])
     o.mirror.index["decode"].load_snapshot("d", 0, hashes[:5])
