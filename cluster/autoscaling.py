@@ -19,7 +19,11 @@ backlog (`baton bench autoscale` shows that oscillation). Queued tokens catch bu
   decode   max(sum kv_utilization / target_kv_utilization, sum running_seqs / target_running_seqs,
                n * itl / itl_slo_s  if over the SLO)
 Latency only pushes up (it is not linear in replicas); it also blocks a scale-down while above
-(1 - hysteresis) x SLO.
+(1 - hysteresis) x SLO. So does a running replica with no report in Serve's aggregated metrics (silent_replicas):
+a replica too busy to answer record_autoscaling_stats within Serve's timeout reports no signals at all, and
+its absence must not read as zero load (Kubernetes' HPA likewise assumes missing pods at 100% for a
+scale-down). On a starved machine a decode pool under load otherwise shrank 2 -> 1 at "demand 0.00" while
+Serve counted 6 requests in flight.
 
 Decision (decide): up to ceil(demand) when that exceeds the current target; down to ceil(demand / (1 -
 hysteresis)) when that is below it. A direction must persist upscale_delay_s / downscale_delay_s before it
@@ -165,10 +169,22 @@ KNOBS = {PREFILL: PrefillAutoscaling, DECODE: DecodeAutoscaling}
 
 
 # -- demand -------------------------------------------------------------------------------------------
-def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, float]], n: int
+SIGNALS = {PREFILL: ("utilization", "queued_prefill_tokens", "ttft_s"),
+           DECODE: ("kv_utilization", "running_seqs", "itl_s")}
+
+
+def silent_replicas(pool: str, metrics: dict[str, dict[Any, float]], replicas) -> list:
+    """The running replicas with none of the pool's signals in `metrics` (Serve's aggregated_metrics): their
+    last report carried no custom metrics (record_autoscaling_stats timed out or failed) or none has come yet."""
+    reported = set().union(*(metrics.get(name, {}) for name in SIGNALS[pool]))
+    return [r for r in replicas if r not in reported]
+
+
+def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, float]], n: int, replicas=()
                 ) -> tuple[float, str, bool]:
-    """(replicas the busiest signal asks for, that signal, whether latency allows shrinking).
-    metrics: Serve's aggregated_metrics, {name: {replica: value}}; n: the pool's current target."""
+    """(replicas the busiest signal asks for, that signal, whether shrinking is allowed: latency within the
+    SLO's hysteresis and every running replica reporting). metrics: Serve's aggregated_metrics, {name: {replica:
+    value}}; n: the pool's current target; replicas: the running ones (the context's running_replicas)."""
     def total(name: str) -> float:
         return float(sum(metrics.get(name, {}).values()))
 
@@ -190,6 +206,8 @@ def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, floa
         if latency > slo:
             terms[lat_name] = max(n, 1) * latency / slo
         may_shrink = latency <= (1 - knobs.hysteresis) * slo
+    if may_shrink and silent_replicas(pool, metrics, replicas):
+        may_shrink = False
     reason = max(terms, key=terms.get)
     return terms[reason], reason, may_shrink
 
@@ -273,6 +291,8 @@ class _Exporter:
                                  "signal that caused them", ["pool", "direction", "reason"], registry=self.registry)
         self.ratio = Gauge("baton_autoscaling_prefill_decode_ratio", "Prefill:decode demand ratio the coupled "
                            "policy keeps", registry=self.registry)
+        self.silent = Gauge("baton_autoscaling_silent_replicas", "Running replicas whose last report carried no "
+                            "signals (no scale-down while any)", ["pool"], registry=self.registry)
         self._actor, self._actor_name, self._looked, self._sent = None, None, 0.0, 0.0
 
     def push(self, actor_name: str | None, now: float) -> None:
@@ -347,7 +367,14 @@ class _Base:
     def _decide(self, pool: _Pool, ctx, demand: float, reason: str, may_shrink: bool, state: dict) -> tuple[int, dict]:
         record_move_costs(ctx)
         n, now = ctx.target_num_replicas, _now(ctx)
+        silent = len(silent_replicas(pool.pool, ctx.aggregated_metrics or {}, ctx.running_replicas or ()))
+        if silent and not state.get("silent"):
+            log.warning("baton autoscaler: %d of the %s pool's running replicas report no signals (busy past Serve's "
+                        "RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S, or just started): no scale-down until they do",
+                        silent, pool.pool)
+        self.exporter.silent.labels(pool.pool).set(silent)
         target, direction, state = decide(pool.knobs, demand, reason, may_shrink, n, now, state)
+        state["silent"] = silent
         self.exporter.desired.labels(pool.pool).set(demand)
         self.exporter.target.labels(pool.pool).set(target)
         if target != n:
@@ -366,7 +393,7 @@ class PoolPolicy(_Base):
 
     def __call__(self, ctx) -> tuple[int, dict]:
         demand, reason, may_shrink = pool_demand(self.pool.pool, self.pool.knobs, ctx.aggregated_metrics or {},
-                                                 ctx.target_num_replicas)
+                                                 ctx.target_num_replicas, ctx.running_replicas or ())
         target, state = self._decide(self.pool, ctx, demand, reason, may_shrink, ctx.policy_state)
         self.exporter.push(self.pool.state_actor, time.time())
         return target, state
@@ -384,7 +411,8 @@ class CoupledPolicy(_Base):
                 continue                                 # not a Baton pool: leave it to its own policy
             p = _Pool(kwargs)
             pools[p.pool] = (dep_id, ctx, p)
-            inputs[p.pool] = pool_demand(p.pool, p.knobs, ctx.aggregated_metrics or {}, ctx.target_num_replicas)
+            inputs[p.pool] = pool_demand(p.pool, p.knobs, ctx.aggregated_metrics or {}, ctx.target_num_replicas,
+                                         ctx.running_replicas or ())
         demands = {name: [d, r, s] for name, (d, r, s) in inputs.items()}
         states = {name: dict(ctx.policy_state) for name, (_, ctx, _) in pools.items()}
         if len(pools) == 2:
@@ -431,5 +459,5 @@ class CoupledPolicy(_Base):
         return True
 
 
-__all__ = ["Autoscaling", "PrefillAutoscaling", "DecodeAutoscaling", "Coupling", "pool_demand", "decide",
-           "PoolPolicy", "CoupledPolicy", "policy_kwargs"]
+__all__ = ["Autoscaling", "PrefillAutoscaling", "DecodeAutoscaling", "Coupling", "pool_demand", "silent_replicas",
+           "decide", "PoolPolicy", "CoupledPolicy", "policy_kwargs"]

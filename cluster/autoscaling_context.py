@@ -6,9 +6,10 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 
 def context(pool: str, n: int, metrics: dict[str, dict], config: AutoscalingConfig, state: dict,
-            now: float) -> AutoscalingContext:
-    """The AutoscalingContext Serve's controller builds for a pool of n replicas reporting `metrics`."""
-    replicas = [f"{pool}-{i}" for i in range(n)]
+            now: float, replicas: list | None = None) -> AutoscalingContext:
+    """The AutoscalingContext Serve's controller builds for a pool of n replicas reporting `metrics` (keyed by
+    the running replicas' ids: `replicas`, "<pool>-<i>" for i < n unless given)."""
+    replicas = [f"{pool}-{i}" for i in range(n)] if replicas is None else list(replicas)
     return AutoscalingContext(
         deployment_id=pool, deployment_name=pool, app_name="baton", current_num_replicas=n, target_num_replicas=n,
         running_replicas=replicas, total_num_requests=0.0, total_queued_requests=0.0, aggregated_metrics=metrics,

@@ -852,7 +852,7 @@ class _Scaler:
             metrics[p] = {k: {rid: float(np.mean(v)) for rid, v in d.items() if rid in {e.rid for e in live}}
                           for k, d in agg.items()}
             n = sum(not e.stopping for e in sim.engines[p])
-            contexts[p] = context(p, n, metrics[p], self.conf[p], self.state[p], now)
+            contexts[p] = context(p, n, metrics[p], self.conf[p], self.state[p], now, [e.rid for e in live])
         if isinstance(self.policy, dict):
             decisions = {}
             for p in self.pools:

@@ -118,6 +118,53 @@ def test_a_drain_scales_down_only_after_the_downscale_delay_and_stops_at_min_rep
     assert sim.n["decode"] == 2 and all(n >= 2 for _, n in downs)
 
 
+class SilentSim(Sim):
+    """A Sim where the replicas in `silent` report no signals (their record_autoscaling_stats timed out: Serve's
+    aggregated_metrics then has no entry for them) while they keep running."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.silent: set[str] = set()
+
+    def ctx(self, pool: str):
+        heard = {name: {r: v for r, v in by.items() if r not in self.silent}
+                 for name, by in (super().ctx(pool).aggregated_metrics or {}).items()}
+        return context(pool, self.n[pool], heard, self.config[pool], self.state[pool], self.t)
+
+
+@pytest.mark.parametrize("coupled", [True, False], ids=["coupled", "pool-level"])
+def test_a_replica_that_reports_nothing_blocks_a_scale_down_until_it_reports_again(coupled, caplog):
+    """The starved machine's case: a decode pool of 2 under load, one replica too busy to answer Serve's stats
+    call; the other's low figures must not shrink the pool (Serve still counted every request in flight)."""
+    cfg = scaling(decode={"target_running_seqs": 10, "min_replicas": 1, "initial_replicas": 2})
+    sim = SilentSim(cfg, decode_seqs(lambda t: 2.0), coupled=coupled)       # 1 sequence each: demand 0.2
+    sim.silent = {"decode-1"}
+    logger = logging.getLogger("ray.serve")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="ray.serve"):
+            sim.run(200)                                            # far past downscale_delay_s (30) + cooldown
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert sim.changes("decode") == [] and sim.n["decode"] == 2
+    assert "1 of the decode pool's running replicas report no signals" in caplog.text
+    assert caplog.text.count("report no signals") == 1             # once per silent spell, not every tick
+    if coupled:
+        text = generate_latest(sim.app_policy.exporter.registry).decode()
+        assert 'baton_autoscaling_silent_replicas{pool="decode"} 1.0' in text
+    sim.silent = {"decode-0", "decode-1"}                           # nobody reports: Serve's demand reads 0
+    sim.run(100)
+    assert sim.n["decode"] == 2
+    sim.silent = set()                                              # both report again: the low load shrinks it
+    sim.run(60)
+    (t, n), = sim.changes("decode")
+    assert n == 1 and 300 + 30 <= t <= 300 + 30 + 2 * TICK_S          # after the delay, counted from the reports
+    knobs = cfg.decode.autoscaling
+    assert pool_demand("decode", knobs, {"running_seqs": {"a": 0.0}}, 2, ["a", "b"])[2] is False
+    assert pool_demand("decode", knobs, {"running_seqs": {"a": 0.0, "b": 0.0}}, 2, ["a", "b"])[2] is True
+    assert pool_demand("decode", knobs, {}, 2, ["a", "b"])[:1] == (0.0,)      # the demand itself stays honest
+
+
 def test_an_idle_pool_with_min_replicas_zero_scales_to_zero():
     cfg = scaling(decode={"target_running_seqs": 10, "min_replicas": 0, "initial_replicas": 1})
     sim = Sim(cfg, decode_seqs(lambda t: 0.0))
