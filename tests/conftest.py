@@ -38,9 +38,17 @@ def _slowdown() -> tuple[float, float]:
 LOOP_S, SLOWDOWN = _slowdown()
 
 
-def pytest_report_header(config) -> str:
+def _speed_line() -> str:
     return (f"machine speed: a million Python additions in {LOOP_S:.2f} s ({LOOP_S / REFERENCE_LOOP_S:.1f}x the "
             f"{REFERENCE_LOOP_S} s the waits were sized on); waits stretched x{SLOWDOWN:.1f}")
+
+
+def pytest_report_header(config) -> str:
+    return _speed_line()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:      # also under -q, which hides the header
+    terminalreporter.write_line(_speed_line())
 
 
 def run_bench(*args: str, timeout_s: float = 600) -> dict:
