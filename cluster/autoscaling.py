@@ -180,11 +180,11 @@ def silent_replicas(pool: str, metrics: dict[str, dict[Any, float]], replicas) -
     return [r for r in replicas if r not in reported]
 
 
-def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, float]], n: int, replicas=()
+def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, float]], n: int, silent: int = 0
                 ) -> tuple[float, str, bool]:
     """(replicas the busiest signal asks for, that signal, whether shrinking is allowed: latency within the
     SLO's hysteresis and every running replica reporting). metrics: Serve's aggregated_metrics, {name: {replica:
-    value}}; n: the pool's current target; replicas: the running ones (the context's running_replicas)."""
+    value}}; n: the pool's current target; silent: how many running replicas report nothing (silent_replicas)."""
     def total(name: str) -> float:
         return float(sum(metrics.get(name, {}).values()))
 
@@ -206,8 +206,7 @@ def pool_demand(pool: str, knobs: Autoscaling, metrics: dict[str, dict[Any, floa
         if latency > slo:
             terms[lat_name] = max(n, 1) * latency / slo
         may_shrink = latency <= (1 - knobs.hysteresis) * slo
-    if may_shrink and silent_replicas(pool, metrics, replicas):
-        may_shrink = False
+    may_shrink = may_shrink and not silent
     reason = max(terms, key=terms.get)
     return terms[reason], reason, may_shrink
 
@@ -364,10 +363,14 @@ class _Base:
     def __init__(self):
         self.exporter = _Exporter()
 
-    def _decide(self, pool: _Pool, ctx, demand: float, reason: str, may_shrink: bool, state: dict) -> tuple[int, dict]:
+    @staticmethod
+    def _silent(pool: _Pool, ctx) -> int:
+        return len(silent_replicas(pool.pool, ctx.aggregated_metrics or {}, ctx.running_replicas or ()))
+
+    def _decide(self, pool: _Pool, ctx, demand: float, reason: str, may_shrink: bool, state: dict, silent: int
+                ) -> tuple[int, dict]:
         record_move_costs(ctx)
         n, now = ctx.target_num_replicas, _now(ctx)
-        silent = len(silent_replicas(pool.pool, ctx.aggregated_metrics or {}, ctx.running_replicas or ()))
         if silent and not state.get("silent"):
             log.warning("baton autoscaler: %d of the %s pool's running replicas report no signals (busy past Serve's "
                         "RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S, or just started): no scale-down until they do",
@@ -392,9 +395,10 @@ class PoolPolicy(_Base):
         self.pool = _Pool(kwargs)
 
     def __call__(self, ctx) -> tuple[int, dict]:
+        silent = self._silent(self.pool, ctx)
         demand, reason, may_shrink = pool_demand(self.pool.pool, self.pool.knobs, ctx.aggregated_metrics or {},
-                                                 ctx.target_num_replicas, ctx.running_replicas or ())
-        target, state = self._decide(self.pool, ctx, demand, reason, may_shrink, ctx.policy_state)
+                                                 ctx.target_num_replicas, silent)
+        target, state = self._decide(self.pool, ctx, demand, reason, may_shrink, ctx.policy_state, silent)
         self.exporter.push(self.pool.state_actor, time.time())
         return target, state
 
@@ -404,15 +408,16 @@ class CoupledPolicy(_Base):
     knobs come from its own deployment policy's kwargs, so the cluster config stays the one source."""
 
     def __call__(self, contexts: dict) -> tuple[dict, dict]:
-        pools, inputs = {}, {}
+        pools, inputs, silent = {}, {}, {}
         for dep_id, ctx in contexts.items():
             kwargs = getattr(getattr(ctx.config, "policy", None), "policy_kwargs", None) or {}
             if kwargs.get("pool") not in POOLS:
                 continue                                 # not a Baton pool: leave it to its own policy
             p = _Pool(kwargs)
             pools[p.pool] = (dep_id, ctx, p)
+            silent[p.pool] = self._silent(p, ctx)
             inputs[p.pool] = pool_demand(p.pool, p.knobs, ctx.aggregated_metrics or {}, ctx.target_num_replicas,
-                                         ctx.running_replicas or ())
+                                         silent[p.pool])
         demands = {name: [d, r, s] for name, (d, r, s) in inputs.items()}
         states = {name: dict(ctx.policy_state) for name, (_, ctx, _) in pools.items()}
         if len(pools) == 2:
@@ -420,7 +425,8 @@ class CoupledPolicy(_Base):
         decisions, out_states, actor = {}, {}, None
         for name, (dep_id, ctx, p) in pools.items():
             demand, reason, may_shrink = demands[name]
-            decisions[dep_id], out_states[dep_id] = self._decide(p, ctx, demand, reason, may_shrink, states[name])
+            decisions[dep_id], out_states[dep_id] = self._decide(p, ctx, demand, reason, may_shrink, states[name],
+                                                                 silent[name])
             actor = actor or p.state_actor
         self.exporter.push(actor, time.time())
         return decisions, out_states

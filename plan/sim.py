@@ -849,10 +849,12 @@ class _Scaler:
                 for rid, m in reps.items():
                     for k, v in m.items():
                         agg.setdefault(k, {}).setdefault(rid, []).append(v)
-            metrics[p] = {k: {rid: float(np.mean(v)) for rid, v in d.items() if rid in {e.rid for e in live}}
+            rids = [e.rid for e in live]
+            running = set(rids)
+            metrics[p] = {k: {rid: float(np.mean(v)) for rid, v in d.items() if rid in running}
                           for k, d in agg.items()}
             n = sum(not e.stopping for e in sim.engines[p])
-            contexts[p] = context(p, n, metrics[p], self.conf[p], self.state[p], now, [e.rid for e in live])
+            contexts[p] = context(p, n, metrics[p], self.conf[p], self.state[p], now, rids)
         if isinstance(self.policy, dict):
             decisions = {}
             for p in self.pools:

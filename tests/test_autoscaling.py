@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config, _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig
 
-from cluster.autoscaling import CoupledPolicy, PoolPolicy, decide, pool_demand
+from cluster.autoscaling import CoupledPolicy, PoolPolicy, decide, pool_demand, silent_replicas
 from cluster.autoscaling_context import context
 from cluster.config import ClusterConfig
 from engine.errors import ConfigError
@@ -160,9 +160,11 @@ def test_a_replica_that_reports_nothing_blocks_a_scale_down_until_it_reports_aga
     (t, n), = sim.changes("decode")
     assert n == 1 and 300 + 30 <= t <= 300 + 30 + 2 * TICK_S          # after the delay, counted from the reports
     knobs = cfg.decode.autoscaling
-    assert pool_demand("decode", knobs, {"running_seqs": {"a": 0.0}}, 2, ["a", "b"])[2] is False
-    assert pool_demand("decode", knobs, {"running_seqs": {"a": 0.0, "b": 0.0}}, 2, ["a", "b"])[2] is True
-    assert pool_demand("decode", knobs, {}, 2, ["a", "b"])[:1] == (0.0,)      # the demand itself stays honest
+    assert silent_replicas("decode", {"running_seqs": {"a": 0.0}}, ["a", "b"]) == ["b"]
+    assert silent_replicas("decode", {"running_seqs": {"a": 0.0, "b": 0.0}}, ["a", "b"]) == []
+    assert pool_demand("decode", knobs, {"running_seqs": {"a": 0.0}}, 2, silent=1)[2] is False
+    assert pool_demand("decode", knobs, {"running_seqs": {"a": 0.0, "b": 0.0}}, 2, silent=0)[2] is True
+    assert pool_demand("decode", knobs, {}, 2, silent=2)[:1] == (0.0,)      # the demand itself stays honest
 
 
 def test_an_idle_pool_with_min_replicas_zero_scales_to_zero():
