@@ -44,9 +44,12 @@ def start(config: ClusterConfig, num_cpus: int | None = None):
     return _wait_running(APP_NAME)
 
 
-def redeploy(config: ClusterConfig, app_name: str):
+def redeploy(config: ClusterConfig, app_name: str, timeout_s: float = 600):
     """Deploy an edited config over the running app (Serve replaces only the deployments that changed) and
-    wait until it runs again."""
+    wait until it runs again: the app RUNNING, and each pool of a fixed size running exactly that many
+    replicas, none starting or stopping. The app's status alone is not enough: the controller records the new
+    config at once but acts on it in its next loop, so for a moment the old RUNNING stands beside it (a test
+    that grew the decode pool then found the new replica still loading its model, 2026-11-27)."""
     from ray import serve
 
     from cluster.app import serve_config
@@ -57,7 +60,19 @@ def redeploy(config: ClusterConfig, app_name: str):
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve did not take the new config of {app_name} in 60 s")
         time.sleep(0.05)
-    return _wait_running(app_name)
+    fixed = {name: pool.num_replicas for name in POOLS if (pool := getattr(config, name)) is not None
+             and pool.autoscaling is None}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        handle = _wait_running(app_name, max(deadline - time.monotonic(), 1.0))
+        deployments = serve.status().applications[app_name].deployments
+        states = {name: deployments[name].replica_states if name in deployments else {} for name in fixed}
+        if all(s == {"RUNNING": fixed[name]} for name, s in states.items()):
+            return handle
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve application {app_name}: pools not at their size after {timeout_s:.0f} s "
+                               f"(want {fixed}, have {states})")
+        time.sleep(0.2)
 
 
 def _deploy_apps(serve_config: dict) -> None:
