@@ -301,8 +301,10 @@ def run(args: argparse.Namespace) -> dict:
         "assumptions": [
             "prompts and outputs have the trace's lengths; outputs run to their length (ignore_eos)",
             "prefix sharing as the trace's hash ids say, at their 512-token granularity (the simulator's KV block)",
-            "step costs from the roofline: max(FLOPs / (peak x mfu), bytes / (HBM x mbu)) + a fixed step overhead; "
-            "TP communication is not modelled",
+            "step costs from the roofline: max(FLOPs / (peak x mfu), bytes / (HBM x mbu)) + a fixed step overhead, "
+            "plus TP's two all-reduces a layer (a ring over NVLink at the cost model's link efficiency, plus a fixed "
+            "latency, not overlapped with compute)" if isinstance(cost, RooflineCost) else
+            "step costs from the calibrated model (--cost), fitted to measured steps",
             "KV: 90% of the replica's HBM less the bf16 weights; KV pulls at the cost model's bandwidth",
             "no failures, LoRA, speculative decoding or host KV tier"],
     }

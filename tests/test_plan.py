@@ -297,6 +297,7 @@ def test_baton_plan_search_writes_a_plan_table_and_plots(tmp_path):
     assert all(r["attainment"] < 0.9 for r in smaller), "nothing smaller that was tried met the target"
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert "prefill + " in res.stderr and "plan: colocated" in res.stderr       # progress and the answer
+    assert any("all-reduce" in a for a in out["assumptions"]), out["assumptions"]   # what the roofline prices
 
 
 @pytest.mark.slow          # a subprocess or an engine: the full suite
