@@ -22,9 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # has run for a day at 3 to 12 times that slowness (docs/benchmarks.md, "where the suite's time goes"): a
 # replica then took minutes to start and waits sized for seconds failed tests that had nothing wrong. So each
 # wait is stretched by this machine's slowness now, measured once per test process as the time of a million
-# Python additions against the 0.15 s they take there (at least 1: a fast machine keeps the sizes; at most
-# 10). Waits only ever grow, so a check still fails when its condition never comes. Shown in pytest's header.
-REFERENCE_LOOP_S = 0.15
+# Python additions in a function against the 0.05 s they take there (at least 1: a fast machine keeps the sizes;
+# at most 10). Waits only ever grow, so a check still fails when its condition never comes. Shown in pytest's
+# header. (The 0.15 s first used here was the same loop at module level, where each addition reads and writes a
+# global: about three times slower, so slowdowns under 3x stretched nothing. On 2026-11-27 this loop took
+# 0.02-0.025 s on an AMD EPYC VM and the module-level one 0.05-0.2 s.)
+REFERENCE_LOOP_S = 0.05
 
 
 def _slowdown() -> tuple[float, float]:
