@@ -14,12 +14,14 @@ log = logging.getLogger(__name__)
 def init_ray(**kwargs):
     """ray.init(**kwargs), tried a second time when Ray's own start-up times out. On a loaded 2-core machine a
     local node's raylet has failed to register in Ray's fixed 30 s without writing a line of its log (twice in
-    some thirty suite runs, 2026-11); the next start went through."""
+    some thirty suite runs, 2026-11), and a GCS has failed to publish its port in two minutes without writing one
+    either (twice in one suite run, 2026-11-27: "Timed out waiting for file .../gcs_server_port_..."). The
+    raylet's next start went through; the GCS's is retried the same way."""
     import ray
     try:
         return ray.init(**kwargs)
     except Exception as e:                  # noqa: BLE001 - Ray raises a bare Exception for it
-        if "timed out" not in str(e) or kwargs.get("address") not in (None, "local"):
+        if "timed out" not in str(e).lower() or kwargs.get("address") not in (None, "local"):
             raise
         log.warning("Ray did not start (%s); starting it again", e)
         ray.shutdown()

@@ -356,3 +356,31 @@ def test_resizing_a_fixed_pool_keeps_the_apps_code_version_so_serve_updates_in_p
     assert cluster_config_of(serve_config(colocated)["applications"][0]) == colocated
     scaled = ClusterConfig.from_dict({"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}}})
     assert [d["name"] for d in serve_config(scaled)["applications"][0]["deployments"]] == ["prefill"]
+
+
+def test_a_local_ray_start_that_times_out_is_tried_once_more_and_other_errors_are_not(monkeypatch):
+    """init_ray: Ray's own start-up timing out (a raylet not registering, a GCS not publishing its port, in either
+    case) starts a local Ray once more; any other error, or a timeout joining a cluster at an address, is raised."""
+    import ray
+
+    from cluster.serving import init_ray
+    calls, shutdowns = [], []
+
+    def fake_init(errors):
+        def init(**kwargs):
+            calls.append(kwargs)
+            if errors:
+                raise errors.pop(0)
+            return "started"
+        return init
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.setattr(ray, "init", fake_init([Exception("Timed out waiting for file /tmp/ray/s/gcs_server_port_x")]))
+    assert init_ray(num_cpus=2) == "started" and len(calls) == 2 and len(shutdowns) == 1
+    monkeypatch.setattr(ray, "init", fake_init([Exception("The current node timed out during startup")]))
+    assert init_ray(address="local") == "started"
+    for err, kwargs in ((ValueError("bad resources"), {}), (Exception("timed out"), {"address": "10.0.0.1:6379"})):
+        calls.clear()
+        monkeypatch.setattr(ray, "init", fake_init([err]))
+        with pytest.raises(type(err)):
+            init_ray(**kwargs)
+        assert len(calls) == 1

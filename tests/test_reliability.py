@@ -498,10 +498,11 @@ def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_stream
     Serve picks the replica to stop, and routing may give it few streams, which can all end in the second between
     the replicas' reported load and the stop (seen: 3 streams of 16 ended 0.15 s before it). A round in which the
     stopped replica held no stream moved nothing and shows nothing: the pool grows back and the round runs again,
-    up to three times; a round that moved streams must have moved them by KV pull."""
+    up to three times; a round that moved streams must have moved them by KV pull. Each round begins with its own
+    prompts' undisturbed run, once the pool is whole again: the texts to hold the round to, spread over both
+    replicas, which then cache their share (a round begun as soon as the regrown replica ran, on the last round's
+    prompts, found only one replica running streams, 2026-11-27)."""
     from cluster.serving import redeploy
-    bodies = _bodies(16, 8000, 300, prompt_len=40)
-    undisturbed = load(bodies)
     before = {pool: replicas(pool) for pool in ("ingress", "prefill", "decode")}
     assert len(before["decode"]) == 2
 
@@ -510,7 +511,9 @@ def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_stream
                              if r.startswith("decode/")) == 2, 10, "both decode replicas to run streams", 0.2)
         redeploy(cluster.with_overrides(decode_replicas=1), "baton")
     rounds = []
-    for _ in range(3):
+    for k in range(3):
+        bodies = _bodies(16, 8000 + 100 * k, 300, prompt_len=40)
+        undisturbed = load(bodies)
         m0, decode = scrape(BASE), replicas("decode")
         try:
             results = load(bodies, during=shrink, when=every_stream_has(5))
