@@ -96,6 +96,16 @@ def prompt(seed: int, n: int = 64) -> list[int]:
     return [rng.randrange(200, 40000) for _ in range(n)]
 
 
+def whole(pool: str, n: int = 2) -> bool:
+    """Serve runs n replicas of the pool and starts or stops none. A replica's actor exists (replicas()) while it
+    still loads its model: a test that waited only for the actor left the next one a pool with one replica
+    serving (the shrink test then saw every stream on one replica, 2026-11-27)."""
+    from ray import serve
+    app = serve.status().applications.get("baton")
+    d = app.deployments.get(pool) if app else None
+    return d is not None and dict(d.replica_states) == {"RUNNING": n}
+
+
 def counter(m: dict[str, float], metric: str, pool: str | None = None, **labels: str) -> float:
     total = 0.0
     for k, v in m.items():
@@ -443,7 +453,7 @@ def test_a_prefill_replica_killed_under_load_loses_no_request_and_the_index_rele
     # well before the state actor's silence timeout, and learns its successor when Serve has started it
     wait_for(lambda: victim_id not in ray.get(state.replicas.remote())["prefill"], 30,
              "the index to drop the killed prefill replica")
-    wait_for(lambda: len(replicas("prefill")) == 2 and victim not in replicas("prefill"), 120,
+    wait_for(lambda: whole("prefill") and victim not in replicas("prefill"), 120,
              "Serve to replace the killed prefill replica")
     new_id = next(r for r in replicas("prefill") if r != victim).rsplit("#", 1)[1]
     wait_for(lambda: all(r.rsplit("#", 1)[1] in ray.get(state.replicas.remote())["prefill"]
@@ -483,7 +493,7 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream_and_no_token(cluster
     assert moved >= 1                          # the victim was running streams: they moved
     after = load(_bodies(6, 6100, 8, prompt_len=24))            # new requests go to the live replica
     assert all(r["error"] is None and r["done"] for r in after), after
-    wait_for(lambda: len(replicas("decode")) == 2 and victim not in replicas("decode"), 120,
+    wait_for(lambda: whole("decode") and victim not in replicas("decode"), 120,
              "Serve to replace the killed decode replica")
     assert_no_leaks()
 
@@ -503,6 +513,7 @@ def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_stream
     replicas, which then cache their share (a round begun as soon as the regrown replica ran, on the last round's
     prompts, found only one replica running streams, 2026-11-27)."""
     from cluster.serving import redeploy
+    wait_for(lambda: whole("decode"), 120, "both decode replicas to run")
     before = {pool: replicas(pool) for pool in ("ingress", "prefill", "decode")}
     assert len(before["decode"]) == 2
 
@@ -529,7 +540,7 @@ def test_a_serve_deploy_that_shrinks_the_decode_pool_under_load_moves_its_stream
                            for how in ("kv_pull", "replay")})
         finally:                       # the next round and the module's later tests expect two decode replicas
             redeploy(cluster, "baton")
-            wait_for(lambda: len(replicas("decode")) == 2, 120, "the decode pool to grow back to two")
+            wait_for(lambda: whole("decode"), 120, "the decode pool to grow back to two")
         if any(rounds[-1].values()):
             break
     assert rounds[-1]["kv_pull"] >= 1, rounds          # the stopped replica's streams moved, by KV pull
@@ -573,6 +584,6 @@ def test_a_short_chaos_run_reports_every_phase_and_fails_no_request(cluster, fau
     # prefill: no phase fails a request
     assert all(p["failed"] == 0 and p["failures"] == {} for p in result["phases"]), result["phases"]
     assert result["failed"] == 0
-    wait_for(lambda: len(replicas("decode")) == 2 and set(replicas("prefill")) == set(before["prefill"]), 120,
+    wait_for(lambda: whole("decode") and set(replicas("prefill")) == set(before["prefill"]), 120,
              "Serve to replace the killed decode replica")
     assert_no_leaks()
