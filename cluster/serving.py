@@ -67,14 +67,23 @@ def redeploy(config: ClusterConfig, app_name: str, timeout_s: float = 600):
     deadline = time.monotonic() + timeout_s
     while True:
         handle = _wait_running(app_name, max(deadline - time.monotonic(), 1.0))
-        deployments = serve.status().applications[app_name].deployments
-        states = {name: deployments[name].replica_states if name in deployments else {} for name in fixed}
+        states = replica_states(app_name, fixed)
         if all(s == {"RUNNING": fixed[name]} for name, s in states.items()):
             return handle
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve application {app_name}: pools not at their size after {timeout_s:.0f} s "
                                f"(want {fixed}, have {states})")
         time.sleep(0.2)
+
+
+def replica_states(app_name: str, deployments) -> dict[str, dict[str, int]]:
+    """Serve's count of replicas in each state (RUNNING, STARTING, STOPPING, ...) for these deployments of the
+    app; {} for one it does not have. A pool is whole when its only state is RUNNING: a replica's actor exists
+    while it still loads its model."""
+    from ray import serve
+    app = serve.status().applications.get(app_name)
+    have = app.deployments if app else {}
+    return {name: dict(have[name].replica_states) if name in have else {} for name in deployments}
 
 
 def _deploy_apps(serve_config: dict) -> None:

@@ -100,10 +100,8 @@ def whole(pool: str, n: int = 2) -> bool:
     """Serve runs n replicas of the pool and starts or stops none. A replica's actor exists (replicas()) while it
     still loads its model: a test that waited only for the actor left the next one a pool with one replica
     serving (the shrink test then saw every stream on one replica, 2026-11-27)."""
-    from ray import serve
-    app = serve.status().applications.get("baton")
-    d = app.deployments.get(pool) if app else None
-    return d is not None and dict(d.replica_states) == {"RUNNING": n}
+    from cluster.serving import replica_states
+    return replica_states("baton", [pool])[pool] == {"RUNNING": n}
 
 
 def counter(m: dict[str, float], metric: str, pool: str | None = None, **labels: str) -> float:
