@@ -65,6 +65,9 @@ def values_schema() -> dict[str, Any]:
             "enableInTreeAutoscaling": {"type": "boolean", "description": "Let Ray's autoscaler add and remove "
                                                                          "worker pods as Serve scales the pools"},
             "idleTimeoutSeconds": {"type": "integer", "minimum": 0, "description": "Idle worker pods go after this"},
+            "env": {"type": "object", "additionalProperties": {"type": "string"},
+                    "description": "Environment of every Ray container (default: Ray Serve's throughput-optimized "
+                                   "mode, cluster/serving.py SERVE_ENV)"},
             "head": _pods("The head pod: GCS, Serve controller and HTTP proxy (no pool replica)"),
             "workers": _obj({"prefill": _pods("Prefill worker pods (one replica each)"),
                              "decode": _pods("Decode worker pods (one replica each)")},

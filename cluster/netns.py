@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.serving import serve_env
+
 ROOT = str(Path(__file__).resolve().parents[1])
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -182,7 +184,7 @@ class NetnsCluster:
     # -- running things on a node ---------------------------------------------------------------------
     def node_env(self, i: int = 0) -> dict[str, str]:
         bin_dir = os.path.dirname(sys.executable)
-        return {**os.environ, **RAY_ENV, **self.env, "RAY_ADDRESS": self.address, "PYTHONPATH": ROOT,
+        return {**os.environ, **serve_env(), **RAY_ENV, **self.env, "RAY_ADDRESS": self.address, "PYTHONPATH": ROOT,
                 "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}"}
 
     def exec(self, i: int, argv: list[str], timeout: float | None = None, **kw) -> subprocess.CompletedProcess:

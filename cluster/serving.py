@@ -10,14 +10,36 @@ from replica.names import POOLS
 
 log = logging.getLogger(__name__)
 
+# Ray Serve's throughput-optimized mode (Ray's guide "Enable High Throughput on Ray Serve"; what the flag sets is in
+# ray/serve/_private/constants.py): user code and the handle's router run on the replica's own event loop, not a
+# thread of their own each (a thread hop per streamed delta), deployments call each other over gRPC, and the
+# garbage collector is frozen after start-up. Two of its parts stay off here. Direct ingress serves each ingress
+# replica on a port of its own for HAProxy or a cloud load balancer in front; without one it leaves Serve's proxy
+# on the head node only and holds every ingress replica 30 s as it stops. And replicas keep logging to stderr, as
+# `ray logs` and the driver show it. Every process of the cluster reads these at start: a local Ray started by
+# init_ray takes them from this process's environment, `ray start` (the namespace cluster) and the chart's pods from
+# theirs. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment turns the mode off.
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+             "RAY_SERVE_LOG_TO_STDERR": "1"}
+
+
+def serve_env() -> dict[str, str]:
+    """SERVE_ENV, where the environment does not set a value of its own."""
+    return {k: os.environ.get(k, v) for k, v in SERVE_ENV.items()}
+
 
 def init_ray(**kwargs):
     """ray.init(**kwargs), tried a second time when Ray's own start-up times out. On a loaded 2-core machine a
     local node's raylet has failed to register in Ray's fixed 30 s without writing a line of its log (twice in
     some thirty suite runs, 2026-11), and a GCS has failed to publish its port in two minutes without writing one
     either (twice in one suite run, 2026-11-27: "Timed out waiting for file .../gcs_server_port_..."). The
-    raylet's next start went through; the GCS's is retried the same way."""
+    raylet's next start went through; the GCS's is retried the same way.
+
+    A local start runs Serve in its throughput-optimized mode (SERVE_ENV): the raylet, and so every worker,
+    inherits this process's environment."""
     import ray
+    if kwargs.get("address") in (None, "local"):
+        os.environ.update(serve_env())
     try:
         return ray.init(**kwargs)
     except Exception as e:                  # noqa: BLE001 - Ray raises a bare Exception for it

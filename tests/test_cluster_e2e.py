@@ -83,6 +83,24 @@ def test_models_and_health(client):
     assert json.loads(urllib.request.urlopen(f"{BASE}/health").read()) == {"status": "ok"}
 
 
+def test_every_replica_runs_serve_in_its_throughput_optimized_mode(server):
+    """What Serve itself read in each replica's process (cluster/serving.py SERVE_ENV): user code and the
+    handle's router on the replica's event loop, gRPC between deployments, no direct ingress."""
+    import ray
+
+    def mode() -> tuple[bool, bool, bool, bool]:
+        from ray.serve._private import constants as c
+        return (c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
+                c.RAY_SERVE_USE_GRPC_BY_DEFAULT, c.RAY_SERVE_ENABLE_DIRECT_INGRESS)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::baton#")]
+    pools = {n.split("#")[1] for n in names}
+    assert {"ingress", "prefill", "decode"} <= pools, names
+    modes = ray.get([ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _r: mode()) for n in names],
+                    timeout=30)
+    assert all(m == (False, False, True, False) for m in modes), dict(zip(names, modes))
+
+
 def test_chat_greedy_equals_the_offline_engine_streamed_or_not(client, offline):
     messages = [{"role": "user", "content": "Name three things a relay runner must practise."}]
     want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40))

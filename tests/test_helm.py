@@ -17,6 +17,7 @@ from ray.serve.schema import ServeDeploySchema
 from cluster.app import cluster_config_of, serve_config
 from cluster.config import ClusterConfig
 from cluster.helm_schema import SCHEMA_PATH, render
+from cluster.serving import SERVE_ENV
 
 ROOT = Path(__file__).parents[1]
 CHART = ROOT / "helm" / "baton"
@@ -155,6 +156,7 @@ def test_value_sets_differ_where_they_should(chart):
         "claimName": "llama-70b", "readOnly": True}}]
     env = prefill["template"]["spec"]["containers"][0]["env"]
     assert env == [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                   *({"name": k, "value": v} for k, v in sorted(SERVE_ENV.items())),
                    {"name": "BATON_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "baton-keys", "key": "api-keys"}}}]
     head_env = ray["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     assert head_env == env                                    # the ingress (head or any pod) checks the keys
@@ -165,8 +167,22 @@ def test_value_sets_differ_where_they_should(chart):
     assert json.loads(dashboard["data"]["baton.json"])["uid"] == "baton"
 
 
+def test_every_ray_pod_runs_serve_as_baton_serve_does_unless_told_otherwise(chart):
+    """Serve reads its throughput-optimized mode from each process's environment: the head (controller, proxy,
+    ingress) and every worker pod get `baton serve`'s SERVE_ENV; ray.env changes it for all of them."""
+    def envs(values: dict) -> list[dict[str, str]]:
+        ray = rendered(chart, values)["RayService"][0]["spec"]["rayClusterConfig"]
+        pods = [ray["headGroupSpec"], *ray["workerGroupSpecs"]]
+        return [{e["name"]: e.get("value") for e in p["template"]["spec"]["containers"][0]["env"]} for p in pods]
+    default = envs({})
+    assert len(default) == 3 and all(env == SERVE_ENV for env in default)
+    off = envs({"ray": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}}})
+    assert all(env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0" and env["RAY_SERVE_LOG_TO_STDERR"] == "1" for env in off)
+
+
 @pytest.mark.parametrize("values, message", [
     ({"cluster": {"decode": {"autoscaling": {"max_replica": 4}}}}, "max_replica"),
+    ({"ray": {"env": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": 1}}}, "/ray/env/RAY_SERVE_THROUGHPUT_OPTIMIZED"),
     ({"cluster": {"transfer": {"backend": "rdma"}}}, "/cluster/transfer/backend"),
     ({"cluster": {"decode": {"num_gpus": -1}}}, "/cluster/decode/num_gpus"),
     ({"cluster": {"decode": {"autoscaling": {"hysteresis": 1}}}}, "/cluster/decode/autoscaling/hysteresis"),

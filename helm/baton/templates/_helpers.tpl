@@ -111,6 +111,10 @@ applications:
 
 {{- define "baton.env" -}}
 {{- include "baton.hfToken" . }}
+{{- range $name, $value := .Values.ray.env }}
+- name: {{ $name }}
+  value: {{ $value | quote }}
+{{- end }}
 {{- if .Values.apiKeys.secretName }}
 - name: {{ dig "auth" "api_keys_env" "BATON_API_KEYS" .Values.cluster }}
   valueFrom:
