@@ -9,7 +9,9 @@ minutes on 2 cores):
     cmake --build build --target llama-server -j
     # the binary: build/bin/llama-server
 Loads (streamed /v1/completions with token-id prompts, greedy, ignore_eos; bench/cluster_bench.py's client):
-  decode    one stream, 32-token prompt, 128 tokens out: tokens/s = 1 / mean inter-token latency
+  decode    one stream at a time, 32-token prompts (distinct), 128 tokens out: tokens after the first over the
+            time after it, the median of --decode-trials requests (one 128-token request moved by 20% from run
+            to run on a quiet machine)
   prefill   512-token prompts (distinct: no cache hits), 1 token out, one at a time: 512 / TTFT (median)
   streams   16 concurrent streams, 170-token prompts, 128 tokens out: output tokens/s, TTFT and ITL percentiles
 Baton runs colocated (one replica doing both phases, the whole machine, as llama.cpp's one process does) and
@@ -40,9 +42,10 @@ GOALS = {"decode_x": 1.0, "streams_x": 1.5, "prefill_x": 2.0, "http_share": 0.85
 
 
 # -- loads --------------------------------------------------------------------------------------------
-def loads(rng: np.random.Generator, streams: int, stream_tokens: int, prefill_trials: int) -> dict[str, list[Req]]:
+def loads(rng: np.random.Generator, streams: int, stream_tokens: int, prefill_trials: int,
+          decode_trials: int = 1) -> dict[str, list[Req]]:
     ids = lambda n: rng.integers(*VOCAB, size=n).tolist()     # noqa: E731
-    return {"decode": [Req(ids(32), 128, tag="decode")],
+    return {"decode": [Req(ids(32), 128, tag="decode") for _ in range(decode_trials)],
             "prefill": [Req(ids(512), 1, tag="prefill") for _ in range(prefill_trials)],
             "streams": [Req(ids(170), stream_tokens, tag="streams") for _ in range(streams)]}
 
@@ -55,14 +58,19 @@ def measure(base: str, model: str, work: dict[str, list[Req]]) -> dict[str, Any]
     """The three loads against one server, one after the other (a short warm-up request first)."""
     asyncio.run(drive(base, model, [Req([300] * 16, 4, tag="warmup")]))
     out: dict[str, Any] = {}
-    (decode,), _ = asyncio.run(drive(base, model, work["decode"]))
-    tokens = decode.usage_tokens or decode.tokens
-    # tokens after the first over the time after it: a chunk may carry several tokens (a stream interval, or a
-    # reader that fell behind), so the chunks' gaps are not the tokens'
-    out["decode"] = {"ok": decode.ok, "error": decode.error, "tokens": tokens, "chunks": len(decode.itls) + 1,
+    runs = []
+    for r in work["decode"]:                                   # one at a time: a stream alone
+        (decode,), _ = asyncio.run(drive(base, model, [r]))
+        tokens = decode.usage_tokens or decode.tokens
+        # tokens after the first over the time after it: a chunk may carry several tokens (a stream interval, or a
+        # reader that fell behind), so the chunks' gaps are not the tokens'
+        runs.append({"ok": decode.ok, "error": decode.error, "tokens": tokens, "chunks": len(decode.itls) + 1,
                      "tokens_per_s": (tokens - 1) / (decode.e2e - decode.ttft)
                      if decode.ok and decode.ttft is not None and tokens > 1 else None,
-                     "chunk_gap_ms": _pct(decode.itls)}
+                     "chunk_gap_ms": _pct(decode.itls)})
+    rates = [x["tokens_per_s"] for x in runs if x["tokens_per_s"] is not None]
+    out["decode"] = {"ok": len(rates), "tokens_per_s": float(np.median(rates)) if rates else None,
+                     "tokens_per_s_each": [x["tokens_per_s"] for x in runs], "runs": runs}
     ttfts = []
     for r in work["prefill"]:                                  # one at a time: a prompt's prefill alone
         (res,), _ = asyncio.run(drive(base, model, [r]))
@@ -124,7 +132,7 @@ def replica_cpus(cfg, cores: int, stream_interval_ms: float = 0.0):
     return ClusterConfig.from_dict(d)
 
 
-def engine_alone(gguf: str, reqs: list[Req], decode: Req) -> dict[str, Any]:
+def engine_alone(gguf: str, reqs: list[Req], decode: list[Req]) -> dict[str, Any]:
     """The streams load through LLM.generate (every request at once), and the decode load, in this process: no
     HTTP, no Ray."""
     from engine import LLM, SamplingParams
@@ -135,9 +143,10 @@ def engine_alone(gguf: str, reqs: list[Req], decode: Req) -> dict[str, Any]:
     outs = llm.generate([r.prompt for r in reqs], params)
     wall = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
-    one = llm.generate([decode.prompt], SamplingParams(temperature=0, max_tokens=decode.max_tokens, ignore_eos=True))
+    rates = [1.0 / llm.generate([d.prompt], SamplingParams(temperature=0, max_tokens=d.max_tokens, ignore_eos=True))
+             [0].metrics.time_per_output_token for d in decode]          # one at a time, as over HTTP
     out = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
-           "decode_tokens_per_s": 1.0 / one[0].metrics.time_per_output_token,
+           "decode_tokens_per_s": float(np.median(rates)), "decode_tokens_per_s_each": rates,
            "quantization": llm.engine.runner.quantization}
     llm.engine.shutdown()
     return out
@@ -190,6 +199,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=16, help="concurrent streams (default 16)")
     p.add_argument("--stream-tokens", type=int, default=128, help="output tokens per stream (default 128)")
     p.add_argument("--prefill-trials", type=int, default=3, help="512-token prompts timed (default 3)")
+    p.add_argument("--decode-trials", type=int, default=5,
+                   help="batch-1 decode requests timed, one at a time; the figure is their median (default 5)")
     p.add_argument("--modes", default="colocated,disaggregated", help="Baton's modes (default both)")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="Baton's decode.stream_interval_ms (default 0: every step's tokens at once)")
@@ -206,6 +217,7 @@ def run(args: argparse.Namespace) -> dict:
     from engine.loader import default_gguf
     if args.quick:
         args.streams, args.stream_tokens, args.prefill_trials, args.modes = 4, 16, 1, "colocated"
+        args.decode_trials = 1
     if not os.access(args.llama_server, os.X_OK):
         raise SystemExit(f"baton bench peer: {args.llama_server} is not an executable llama-server "
                          f"(build one as `python -m bench.peer_bench --help` describes)")
@@ -213,13 +225,13 @@ def run(args: argparse.Namespace) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    work = loads(np.random.default_rng(7), args.streams, args.stream_tokens, args.prefill_trials)
+    work = loads(np.random.default_rng(7), args.streams, args.stream_tokens, args.prefill_trials, args.decode_trials)
     threads = os.cpu_count() or 1
     log(f"llama.cpp: {args.llama_server}, {threads} threads, {args.streams} slots")
     peer = with_llama_server(args.llama_server, gguf, args.streams, threads, lambda b, m: measure(b, m, work))
     log(f"llama.cpp: decode {peer['decode']['tokens_per_s']:.0f} tok/s, prefill {peer['prefill']['tokens_per_s']:.0f} "
         f"tok/s, streams {peer['streams']['output_tokens_per_s']:.0f} tok/s")
-    alone = engine_alone(gguf, work["streams"], work["decode"][0])
+    alone = engine_alone(gguf, work["streams"], work["decode"])
     log(f"Baton engine alone ({alone['quantization']}): decode {alone['decode_tokens_per_s']:.0f} tok/s, streams "
         f"{alone['output_tokens_per_s']:.0f} tok/s")
     baton = {}
