@@ -384,3 +384,30 @@ def test_a_local_ray_start_that_times_out_is_tried_once_more_and_other_errors_ar
         with pytest.raises(type(err)):
             init_ray(**kwargs)
         assert len(calls) == 1
+
+
+def test_a_local_ray_start_runs_serve_in_its_throughput_mode_unless_the_environment_says_otherwise(monkeypatch):
+    """init_ray sets SERVE_ENV in the environment a local Ray's processes inherit, under any value already set
+    there; joining a cluster at an address leaves it alone (that cluster's `ray start` had its own)."""
+    import os
+
+    import ray
+
+    from cluster.serving import SERVE_ENV, init_ray
+    for k in SERVE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append({k: os.environ.get(k) for k in SERVE_ENV}))
+    init_ray(address="10.0.0.1:6379")
+    assert seen[-1] == {k: "0" if k == "RAY_SERVE_THROUGHPUT_OPTIMIZED" else None for k in SERVE_ENV}
+    init_ray(num_cpus=2)
+    assert seen[-1] == {**SERVE_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    assert SERVE_ENV["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+
+
+def test_the_image_runs_serve_as_baton_serve_does():
+    """deploy/Dockerfile.cuda's ENV holds SERVE_ENV (for `ray start` and `serve run` in the image)."""
+    from cluster.serving import SERVE_ENV
+    text = (Path(__file__).parents[1] / "deploy" / "Dockerfile.cuda").read_text()
+    assert dict(re.findall(r"^\s*(?:ENV\s+)?(RAY_SERVE_\w+)=(\S+?)\s*\\?$", text, re.M)) == SERVE_ENV
