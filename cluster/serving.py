@@ -14,12 +14,13 @@ log = logging.getLogger(__name__)
 # ray/serve/_private/constants.py): user code and the handle's router run on the replica's own event loop, not a
 # thread of their own each (a thread hop per streamed delta), deployments call each other over gRPC, and the
 # garbage collector is frozen after start-up; Serve's HTTP proxy also reaches the ingress over gRPC (the mode
-# leaves that to RAY_SERVE_PROXY_USE_GRPC, which Serve reads before the flag). Two of its parts stay off here. Direct ingress serves each ingress
-# replica on a port of its own for HAProxy or a cloud load balancer in front; without one it leaves Serve's proxy
-# on the head node only and holds every ingress replica 30 s as it stops. And replicas keep logging to stderr, as
-# `ray logs` and the driver show it. Every process of the cluster reads these at start: a local Ray started by
-# init_ray takes them from this process's environment, `ray start` (the namespace cluster) and the chart's pods from
-# theirs. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment turns the mode off.
+# leaves that to RAY_SERVE_PROXY_USE_GRPC, which Serve reads before the flag). Two of its parts stay off here.
+# Direct ingress serves each ingress replica on a port of its own for HAProxy or a cloud load balancer in front;
+# without one it leaves Serve's proxy on the head node only and holds every ingress replica 30 s as it stops.
+# And replicas keep logging to stderr, as `ray logs` and the driver show it. Every process of the cluster reads
+# these at start: a local Ray started by init_ray takes them from this process's environment, `ray start` (the
+# namespace cluster) and the chart's pods from theirs. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment turns
+# the mode off.
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_PROXY_USE_GRPC": "1",
              "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0", "RAY_SERVE_LOG_TO_STDERR": "1"}
 

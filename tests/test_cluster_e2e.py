@@ -84,28 +84,22 @@ def test_models_and_health(client):
 
 
 def test_every_replica_runs_serve_in_its_throughput_optimized_mode(server):
-    """What Serve itself read in each replica's process (cluster/serving.py SERVE_ENV): user code and the
-    handle's router on the replica's event loop, gRPC between deployments and from the HTTP proxy, no direct
+    """What Serve itself read in each replica's and proxy's process (cluster/serving.py SERVE_ENV): user code and
+    the handle's router on the process's event loop, gRPC between deployments and from the HTTP proxy, no direct
     ingress."""
     import ray
 
-    def mode() -> tuple[bool, bool, bool, bool]:
+    def mode() -> tuple[bool, ...]:
         from ray.serve._private import constants as c
         return (c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
-                c.RAY_SERVE_USE_GRPC_BY_DEFAULT, c.RAY_SERVE_ENABLE_DIRECT_INGRESS)
+                c.RAY_SERVE_USE_GRPC_BY_DEFAULT, c.RAY_SERVE_PROXY_USE_GRPC, c.RAY_SERVE_ENABLE_DIRECT_INGRESS)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith("SERVE_REPLICA::baton#")]
-    pools = {n.split("#")[1] for n in names}
-    assert {"ingress", "prefill", "decode"} <= pools, names
-    modes = ray.get([ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _r: mode()) for n in names],
+             if a["name"].startswith(("SERVE_REPLICA::baton#", "SERVE_PROXY_ACTOR"))]
+    kinds = {n.split("#")[1] if "#" in n else "proxy" for n in names}
+    assert {"ingress", "prefill", "decode", "proxy"} <= kinds, names
+    modes = ray.get([ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _a: mode()) for n in names],
                     timeout=30)
-    assert all(m == (False, False, True, False) for m in modes), dict(zip(names, modes))
-    proxies = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a["name"].startswith("SERVE_PROXY_ACTOR")]
-    grpc = ray.get([ray.get_actor(n, namespace="serve").__ray_call__.remote(
-        lambda _p: __import__("ray.serve._private.constants", fromlist=["x"]).RAY_SERVE_PROXY_USE_GRPC)
-        for n in proxies], timeout=30)
-    assert proxies and all(grpc), dict(zip(proxies, grpc))
+    assert all(m == (False, False, True, True, False) for m in modes), dict(zip(names, modes))
 
 
 def test_chat_greedy_equals_the_offline_engine_streamed_or_not(client, offline):
