@@ -394,10 +394,13 @@ class LlamaForCausalLM(nn.Module):
         with enable_lora runs the modules) and an fp32 or int8 cache. Built at the first forward (after the
         engine's set-up swapped in what it swaps); the cache's views are handed over when they change."""
         from engine import cpu_model
+        # the cheap tests first: on a GPU the CPU extension is never built (its compile took 36 s of a first engine)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not kv_cache \
+                or kv_cache[0].k.dtype not in (torch.float32, torch.int8):
+            return None
         if self._stack is None:
             self._stack = self._build_cpu_stack() or False
-        if not self._stack or x.dtype != torch.float32 or x.device.type != "cpu" or not kv_cache \
-                or kv_cache[0].k.dtype not in (torch.float32, torch.int8):
+        if not self._stack:
             return None
         if self._stack_kv is not kv_cache:
             self._stack.set_kv([c.k for c in kv_cache], [c.v for c in kv_cache],

@@ -74,3 +74,17 @@ def test_where_the_stack_does_not_apply_the_modules_run_the_same_text(tmp_path):
     fp8 = LLM(None, kv_cache_memory=64 << 20, max_model_len=512, kv_cache_dtype="fp8")
     fp8.generate(seqs, PARAMS)
     assert fp8.engine.runner.model.cpu_stack(torch.zeros(1, 1), fp8.engine.runner.kv_layers) is None
+
+
+def test_a_model_off_the_cpu_fp32_path_never_asks_for_the_extension(tmp_path, monkeypatch):
+    """The C++ extension compiles on a machine's first use (~30 s) and serves CPU fp32 models only. A bf16 model (a
+    GPU's dtype) runs without asking for it: on an H200 the first CUDA engine spent 36 s compiling it for nothing."""
+    def refuse():
+        raise AssertionError("the CPU extension was asked for")
+    monkeypatch.setattr(cpu_model, "kernels", refuse)
+    cpu_model.available.cache_clear()                         # answered once per process: ask again
+    llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), dtype="bfloat16", num_kv_blocks=64)
+    out = llm.generate([list(range(5, 25))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    monkeypatch.undo()
+    cpu_model.available.cache_clear()
