@@ -20,7 +20,9 @@ and the teacher-forced log-probabilities of every position of prompt + continuat
   (2026-11-26); the same shape on CPU (other random weights) 0.038 and 0.161; the dry mode's tiny models
   0.006-0.011 and 0.030-0.050. On a GPU the engine's run in its low dtype with the same cache is then judged
   against that fp32 run, which holds the same rounding, with the teacher-forced row's tolerance: what is left
-  is the low dtype's error, and a kernel's bug. A greedy batch must complete with finite log-probabilities; its
+  is the low dtype's error, and a kernel's bug. Its max may also add the cache's own worst rounding error: a K or
+  V that the low dtype puts across a rounding boundary of the format is stored as the neighbouring code (fp8 on an
+  H200, 2026-11-28: max 2.27 against the bare 2.25, mean 0.228 against 0.263). A greedy batch must complete with finite log-probabilities; its
   agreement with the reference is reported.
 
 The final norm's weight is scaled so logits have a standard deviation of about 4, as a trained model's do:
@@ -231,11 +233,14 @@ def compare_quantized_kv(name: str, llm, ref: Reference, kv_cache_dtype: str,
     result = f"fp32 with the cache: err mean {rounding.mean_abs:.3g} (tol {tol:g}), max {rounding.max_abs:.3g}"
     data = {"rounding": rounding.as_dict(), "kv_cache_dtype": kv_cache_dtype, "tol_mean": tol}
     if fp32_same_cache is not None:
-        low = _stats(ours, fp32_same_cache, Tolerance(ref.tol_max))
+        # a low-dtype K or V near a rounding boundary of the cache's format lands on the other code, so a position
+        # may differ by what the rounding costs (at most rounding.max_abs) on top of the low dtype's own error
+        tol_max = ref.tol_max + rounding.max_abs
+        low = _stats(ours, fp32_same_cache, Tolerance(tol_max))
         ok = ok and low.passed and low.mean_abs <= ref.tol_mean
         result += (f"; low dtype vs it: max {low.max_abs:.3g}, mean {low.mean_abs:.3g} "
-                   f"(tol {ref.tol_max:.3g} / {ref.tol_mean:.3g})")
-        data |= {"low_vs_fp32": low.as_dict(), "tol_max": ref.tol_max, "tol_mean_low": ref.tol_mean,
+                   f"(tol {tol_max:.3g} / {ref.tol_mean:.3g})")
+        data |= {"low_vs_fp32": low.as_dict(), "tol_max": tol_max, "tol_mean_low": ref.tol_mean,
                  "total": _stats(ours, ref.logprobs, Tolerance(float("inf"))).as_dict()}
     n = len(ref.greedy[0].tokens)
     outs = llm.generate(ref.prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=TOP_K))
