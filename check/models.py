@@ -22,8 +22,8 @@ and the teacher-forced log-probabilities of every position of prompt + continuat
   against that fp32 run, which holds the same rounding, with the teacher-forced row's tolerance: what is left
   is the low dtype's error, and a kernel's bug. Its max may also add the cache's own worst rounding error: a K or
   V that the low dtype puts across a rounding boundary of the format is stored as the neighbouring code (fp8 on an
-  H200, 2026-11-28: max 2.27 against the bare 2.25, mean 0.228 against 0.263). A greedy batch must complete with finite log-probabilities; its
-  agreement with the reference is reported.
+  H200, 2026-11-28: max 2.27 against the bare 2.25, mean 0.228 against 0.263). A greedy batch must complete with
+  finite log-probabilities; its agreement with the reference is reported.
 
 The final norm's weight is scaled so logits have a standard deviation of about 4, as a trained model's do:
 with std-0.02 weights throughout, logits are nearly flat and every greedy token is a near-tie.

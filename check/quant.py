@@ -8,8 +8,9 @@
   of the dequantized weights (FP8's GEMM: of the activations as quantized too, so only its own rounding is left);
   |y - ref| <= TOL x max |ref| per call. Each layout's time for the layer's four linears (median of
   triton.testing.do_bench, L2 flushed between runs) is set against the bf16 GEMM (cuBLAS) on the same shapes:
-  the goal at M = 1 is half the speed-up the bytes allow (bf16 bytes / packed bytes). torch's tinygemm int4
-  kernel (`_weight_int4pack_mm`, group 128) is timed beside GPTQ's layout as a peer.
+  the goal at M = 1 is half the speed-up the bytes allow (bf16 bytes / packed bytes). At decode sizes in bf16
+  the layer runs q4 through torch's tinygemm int4 kernel (`_weight_int4pack_mm`, engine/quant.py); the Triton
+  kernel's time on the same call is printed beside it.
 - Models: part 2's random Llama-3 1B as a GPTQ checkpoint (4-bit round-to-nearest, group 128, written here) and
   quantized at load (`int8`, `fp8`). Each format's engine in bf16 is judged teacher-forced against the engine in
   fp32 on a float checkpoint of exactly the weights the format stands for (written here too), so the weights'
@@ -159,11 +160,11 @@ def random_weight(kind: str, group: int | None, n: int, k: int, device: torch.de
     return QuantWeight("q4", qs, scales, -7.5 * scales, group, "check").to(device)
 
 
-def _layer(w: QuantWeight, device: torch.device):
-    """The engine's own layer over `w` (QuantLinear: the Triton kernel, or FP8's GEMM beyond decode sizes); the
-    CPU dry mode takes the Triton branch too, under the interpreter."""
+def _layer(w: QuantWeight, device: torch.device, dtype: torch.dtype):
+    """The engine's own layer over `w` (QuantLinear: tinygemm for q4 at decode sizes in bf16, else the Triton
+    kernel, or FP8's GEMM beyond decode sizes); the CPU dry mode takes the Triton branch, under the interpreter."""
     from engine.model import QuantLinear
-    return QuantLinear([w], None, device, triton=True)
+    return QuantLinear([w], None, device, triton=True, dtype=dtype)
 
 
 def _reference(x: torch.Tensor, w: QuantWeight, layer) -> torch.Tensor:
@@ -187,20 +188,6 @@ def _time_ms(fn, device: torch.device) -> float:
     return (time.perf_counter() - t) / 3 * 1e3
 
 
-def _tinygemm(x: torch.Tensor, w: QuantWeight):
-    """torch's int4 kernel on the same q4 g128 weight (w = (q - 8) * scale + zero in its terms), or None."""
-    try:
-        codes = w.codes().to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack(
-            ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8), 8)
-        sz = torch.stack([w.scales, w.mins + 8 * w.scales], dim=-1).transpose(0, 1).contiguous().to(x.dtype)
-        fn = lambda: torch.ops.aten._weight_int4pack_mm(x, packed, w.group, sz)   # noqa: E731
-        fn()
-        return fn
-    except Exception:                      # noqa: BLE001 - a peer that does not run here is left out
-        return None
-
-
 def kernel_rows(cpu: bool) -> list[Row]:
     device, dtype = (torch.device("cpu"), torch.float32) if cpu else (torch.device("cuda"), torch.bfloat16)
     shapes, ms = (CPU_SHAPES, CPU_M) if cpu else (GPU_SHAPES, GPU_M)
@@ -213,25 +200,23 @@ def kernel_rows(cpu: bool) -> list[Row]:
         times[("bf16", m)] = sum(_time_ms(lambda: xs[k] @ dense[(n, k)].t(), device) for n, k in shapes)
     bf16_bytes = sum(n * k * 2 for n, k in shapes)
     for name, (kind, group) in LAYOUTS.items():
-        worst, errs, nbytes, peer = 0.0, [], 0, {}
+        worst, errs, nbytes, triton_ms, kernel = 0.0, [], 0, {}, {}
         for i, (n, k) in enumerate(shapes):
             w = random_weight(kind, group, n, k, device, seed=100 + i)
             nbytes += w.nbytes
-            layer = _layer(w, device)
+            layer = _layer(w, device, dtype)
             for m in ms:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device, dtype)
                 fn = (lambda lay=layer, xx=x: lay(xx))
                 y, ref = fn(), _reference(x, w, layer)
                 s = error_stats(y, ref, Tolerance(TOL[dtype] * ref.abs().max().item()))
                 worst = max(worst, s.worst)
-                errs.append({"n": n, "k": k, "m": m, **s.as_dict()})
+                kernel[m] = layer.route(m, dtype)
+                errs.append({"n": n, "k": k, "m": m, "kernel": kernel[m], **s.as_dict()})
                 times[(name, m)] = times.get((name, m), 0.0) + _time_ms(fn, device)
-                if kind == "q4" and group == 128 and not cpu and m <= 16:
-                    tg = _tinygemm(x, w)
-                    if tg is not None:
-                        peer[m] = peer.get(m, 0.0) + _time_ms(tg, device)
-                        peer_err = error_stats(tg(), ref, Tolerance(TOL[dtype] * ref.abs().max().item()))
-                        peer["agrees"] = peer.get("agrees", True) and peer_err.passed
+                if kernel[m] == "tinygemm":        # the Triton kernel the layer would run otherwise, timed beside
+                    triton = (lambda lay=layer, xx=x, ww=w: lay.wo_matmul(xx, ww))
+                    triton_ms[m] = triton_ms.get(m, 0.0) + _time_ms(triton, device)
                 del fn, y, ref
             del w, layer
         ok = all(e["passed"] for e in errs)
@@ -245,13 +230,13 @@ def kernel_rows(cpu: bool) -> list[Row]:
             if m == 1:
                 met = base / t >= GOAL_BYTES_SHARE * allowed
                 goal = f">= {GOAL_BYTES_SHARE * allowed:.2f}x bf16: {'met' if met else 'missed'}"
-            extra = (f"; tinygemm int4 {peer[m] * 1e3:.1f} us{'' if peer['agrees'] else ' (its output differs)'}"
-                     if m in peer else "")
+            extra = f"; the Triton kernel {triton_ms[m] * 1e3:.1f} us" if m in triton_ms else ""
             rows.append(Row("quant", f"speed {name}, M={m}",
-                            f"{t * 1e3:.1f} us = {base / t:.2f}x bf16 ({base * 1e3:.1f} us); "
+                            f"{kernel[m]} {t * 1e3:.1f} us = {base / t:.2f}x bf16 ({base * 1e3:.1f} us); "
                             f"{nbytes / t / 1e6:.0f} GB/s of weights{extra}", INFO, goal,
                             {"ms": t, "bf16_ms": base, "speedup": base / t, "bytes": nbytes, "bf16_bytes": bf16_bytes,
-                             "shapes": [list(s) for s in shapes], "tinygemm_ms": peer.get(m)}))
+                             "shapes": [list(s) for s in shapes], "kernel": kernel[m],
+                             "triton_ms": triton_ms.get(m)}))
     return rows
 
 

@@ -22,7 +22,8 @@ from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import LayerKV
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
-from engine.quant import QuantWeight, fp8_matmul, fp8_gemm_supported, quantize_fp8, quantize_int8
+from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
+                          tinygemm_matmul, tinygemm_pack)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -256,7 +257,7 @@ class QuantLinear(nn.Module):
     k) run one call each. On CPU without a compiler the weight is dequantized once and runs as an fp32 Linear."""
 
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, device: torch.device | None = None,
-                 triton: bool | None = None):
+                 triton: bool | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         device = torch.device(device) if device is not None else parts[0].qs.device
         triton = device.type != "cpu" if triton is None else triton   # True on CPU: the interpreter (tests)
@@ -273,9 +274,13 @@ class QuantLinear(nn.Module):
                 device.type != "cuda" or w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0))    # CUDA's GEMM: 16s
                 if w.kind == "f8" else None for w in self.weights]
             self.wo_matmul, self.f8_weight_only_m = None, -1     # -1: FP8 always through its GEMM
+            self.tinygemm, self.tinygemm_max_m, self.tinygemm_dtype = [None] * len(self.weights), -1, None
             if triton:
                 from engine.quant_triton import FP8_WEIGHT_ONLY_MAX_M, wo_matmul
                 self.wo_matmul = wo_matmul
+                if device.type == "cuda" and dtype == torch.bfloat16:   # decode-sized q4 batches: torch's tinygemm
+                    self.tinygemm = [tinygemm_pack(w, dtype) for w in self.weights]
+                    self.tinygemm_max_m, self.tinygemm_dtype = TINYGEMM_MAX_M, dtype
                 # decode-sized batches read e4m3 weights in the Triton kernel (Triton converts e4m3 on CUDA 8.9+)
                 if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
                     self.f8_weight_only_m = FP8_WEIGHT_ONLY_MAX_M
@@ -292,14 +297,25 @@ class QuantLinear(nn.Module):
         """What it holds in memory (weight_bytes)."""
         held = [t for p in self.packed for t in p] + ([] if self.dense is None else [self.dense])
         held += [t for w in self.weights for t in (w.qs, w.scales, w.mins) if t is not None]
+        held += [t for pack in getattr(self, "tinygemm", ()) if pack is not None for t in pack]
         return held + ([] if self.bias is None else [self.bias])
+
+    def route(self, m: int, dtype: torch.dtype, i: int = 0) -> str:
+        """The kernel that weight i's call on m tokens of `dtype` runs (GPU branch): "tinygemm", "triton", or FP8's
+        "scaled_mm" (or "dense" where the device has no FP8 GEMM)."""
+        if self.tinygemm[i] is not None and m <= self.tinygemm_max_m and dtype == self.tinygemm_dtype:
+            return "tinygemm"
+        if self.fp8[i] is None or m <= self.f8_weight_only_m:
+            return "triton"
+        return "scaled_mm" if self.fp8[i][1] else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights:
             x2 = x.reshape(-1, x.shape[-1])
-            small = x2.shape[0] <= self.f8_weight_only_m
-            ys = [self.wo_matmul(x2, w) if f8 is None or small else fp8_matmul(x2, w, *f8)
-                  for w, f8 in zip(self.weights, self.fp8)]
+            kernels = [self.route(x2.shape[0], x2.dtype, i) for i in range(len(self.weights))]
+            ys = [tinygemm_matmul(x2, w, self.tinygemm[i]) if kernel == "tinygemm"
+                  else self.wo_matmul(x2, w) if kernel == "triton" else fp8_matmul(x2, w, *self.fp8[i])
+                  for i, (w, kernel) in enumerate(zip(self.weights, kernels))]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -447,7 +463,8 @@ class LlamaForCausalLM(nn.Module):
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                  if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)]
         for parent, name, child in swaps:
-            setattr(parent, name, QuantLinear([quantize(child.weight)], child.bias, child.weight.device))
+            setattr(parent, name, QuantLinear([quantize(child.weight)], child.bias, child.weight.device,
+                                               dtype=child.weight.dtype))
         self._attention_in_one_kernel()
         return len(swaps)
 
@@ -530,7 +547,7 @@ class LlamaForCausalLM(nn.Module):
                 old = self.model.embed_tokens.weight
                 self.model.embed_tokens = QuantEmbedding(parts[0][0], old.device, old.dtype)
                 if self.tie_word_embeddings:
-                    self.lm_head = QuantLinear([parts[0][0]], None, old.device)
+                    self.lm_head = QuantLinear([parts[0][0]], None, old.device, dtype=old.dtype)
                 continue
             whole = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
             old = self.get_submodule(module)
@@ -542,7 +559,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parent, _, attr = module.rpartition(".")
             setattr(self.get_submodule(parent), attr,
-                    QuantLinear([parts[i][0] for i in range(whole)], old.bias, old.weight.device))
+                    QuantLinear([parts[i][0] for i in range(whole)], old.bias, old.weight.device,
+                                dtype=old.weight.dtype))
         if any(isinstance(m, QuantLinear) for m in self.modules()):
             self._attention_in_one_kernel()
 

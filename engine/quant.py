@@ -297,3 +297,35 @@ def fp8_matmul(x: torch.Tensor, w: QuantWeight, scale_row: torch.Tensor, use_gem
     out_dtype = torch.bfloat16 if x.device.type == "cuda" else torch.float32   # CUDA's row-wise scaling: bf16 out
     y = torch._scaled_mm(xq, w.qs.t(), scale_a=xs, scale_b=scale_row, out_dtype=out_dtype)
     return y.to(x.dtype)
+
+
+# Up to this many tokens, q4 weights with bf16 activations run torch's tinygemm int4 kernel on CUDA; more take the
+# Triton kernel. On an H200 (2026-11-28, `python -m bench.quant_triton_sweep --part small`) tinygemm took 84-178 us
+# for a Llama-3-8B layer's four linears at M = 1-8 against the Triton kernel's 246-492 (cuBLAS bf16: 153); at M = 16
+# the two traded places between runs, and from M = 32 the Triton kernel was faster (at 256, 0.72-0.96 ms vs 3.9).
+TINYGEMM_MAX_M = 8
+
+
+def tinygemm_pack(w: QuantWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A q4 weight in the layout of torch's tinygemm int4 kernel (`_weight_int4pack_mm`; on CPU its twin
+    `_weight_int4pack_mm_for_cpu`): (packed codes, scales and zeros [K / group, N, 2] in `dtype`), or None where
+    tinygemm does not take it: another kind, a group other than 32/64/128/256, K not a multiple of 128 (8 inner
+    tiles of 16) or N not of 8. tinygemm's rule w = (q - 8) * scale + zero is ours, q * scale + min, with
+    zero = min + 8 * scale. On a GPU it reads 4-bit weights several times faster at decode sizes than the Triton
+    kernel's tl.dot tiles (engine/quant_triton.py; `baton check gpu`, docs/benchmarks.md)."""
+    n, k = w.shape
+    if w.kind != "q4" or w.group not in (32, 64, 128, 256) or k % 128 or n % 8:
+        return None
+    codes = w.codes().to(torch.int32)
+    if w.qs.device.type == "cuda":          # two codes a byte, the even column in the high nibble
+        packed = torch.ops.aten._convert_weight_to_int4pack(((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8), 8)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
+    zeros = w.mins + 8 * w.scales
+    return packed, torch.stack([w.scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def tinygemm_matmul(x: torch.Tensor, w: QuantWeight, pack: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [M, K] @ dequantize(w).T through tinygemm, `pack` from tinygemm_pack (x in its dtype)."""
+    op = torch.ops.aten._weight_int4pack_mm if x.is_cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+    return op(x.contiguous(), pack[0], w.group, pack[1])

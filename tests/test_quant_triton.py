@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.model import QuantLinear
-from engine.quant import QuantWeight, quantize_fp8, quantize_int8
+from engine.quant import QuantWeight, quantize_fp8, quantize_int8, tinygemm_matmul, tinygemm_pack
 from engine.quant_triton import plan, wo_matmul
 
 
@@ -96,3 +96,36 @@ def test_fp8_weights_run_weight_only_at_decode_sizes_and_in_fp8_beyond():
     xq, xs = quantize_tokens_fp8(big)
     torch.testing.assert_close(layer(big), (xq.float() * xs) @ w.dequantize().t(), atol=1e-4, rtol=1e-4)
     assert (layer(big) - big @ w.dequantize().t()).abs().max() > 1e-3        # really quantized: not the same
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_tinygemm_layout_holds_our_q4_weights(group):
+    """torch's tinygemm int4 layout (a CUDA QuantLinear runs q4 through it at decode sizes in bf16) holds our q4
+    codes, scales and mins: through its CPU twin in fp32 the product is the dequantized weight's. What it does not
+    take gets None: K not a multiple of 128, N not of 8, q8."""
+    w = q4(48, 256, group)
+    x = torch.randn(3, 256)
+    want = x @ w.dequantize().t()
+    y = tinygemm_matmul(x, w, tinygemm_pack(w, torch.float32))
+    assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+    assert tinygemm_pack(q4(48, 96, 32), torch.float32) is None
+    assert tinygemm_pack(q4(36, 128, 32), torch.float32) is None
+    assert tinygemm_pack(q8(48, 256, 32), torch.float32) is None
+
+
+def test_quant_linear_routes_decode_sizes_to_tinygemm_and_the_rest_to_triton():
+    """A layer of a q4 part tinygemm takes beside a q8 part it does not: up to tinygemm_max_m tokens of its dtype
+    the q4 part goes through tinygemm and the q8 part through the Triton kernel; more tokens, or another dtype,
+    take the Triton kernel for both. Every route gives the dequantized product."""
+    parts = [q4(32, 128, 32, seed=1), q8(16, 128, 16, seed=2)]
+    layer = QuantLinear(parts, None, torch.device("cpu"), triton=True)
+    assert layer.route(1, torch.float32) == "triton"          # on CPU no layer packs for tinygemm by itself
+    layer.tinygemm = [tinygemm_pack(w, torch.float32) for w in layer.weights]     # what CUDA + bf16 builds
+    layer.tinygemm_max_m, layer.tinygemm_dtype = 4, torch.float32
+    assert layer.tinygemm[1] is None
+    want = lambda x: x @ torch.cat([p.dequantize() for p in parts]).t()        # noqa: E731
+    for m, routes in ((4, ["tinygemm", "triton"]), (5, ["triton", "triton"])):
+        assert [layer.route(m, torch.float32, i) for i in range(2)] == routes
+        x = torch.randn(m, 128)
+        assert (layer(x) - want(x)).abs().max() <= 1e-5 * want(x).abs().max()
+    assert layer.route(1, torch.float16) == "triton"
