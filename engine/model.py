@@ -267,7 +267,7 @@ class QuantLinear(nn.Module):
         self.calls = [(w.kind, w.group, *w.shape) for w in weights]      # what each kernel call computes
         self.bias = None if bias is None else bias.detach().to(device)
         self.kernels = None
-        self.packed, self.dense, self.weights = [], None, []
+        self.packed, self.dense, self.weights, self.tinygemm = [], None, [], []
         if any(w.kind == "f8" for w in weights) or triton:
             self.weights = [w.to(device) for w in weights]              # GPU kernels and FP8 read them as stored
             self.fp8 = [(w.scales.view(1, -1).contiguous(), fp8_gemm_supported(device) and (
@@ -297,7 +297,7 @@ class QuantLinear(nn.Module):
         """What it holds in memory (weight_bytes)."""
         held = [t for p in self.packed for t in p] + ([] if self.dense is None else [self.dense])
         held += [t for w in self.weights for t in (w.qs, w.scales, w.mins) if t is not None]
-        held += [t for pack in getattr(self, "tinygemm", ()) if pack is not None for t in pack]
+        held += [t for pack in self.tinygemm if pack is not None for t in pack]
         return held + ([] if self.bias is None else [self.bias])
 
     def route(self, m: int, dtype: torch.dtype, i: int = 0) -> str:
