@@ -295,10 +295,24 @@ class IngressConfig(_Schema):
     max_ongoing_requests: int = Field(1024, ge=1, description="Requests one ingress replica holds at once (each "
                                                               "until its last token streams); Serve's default "
                                                               "of 5 would cap the whole cluster at 5")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each ingress "
+                                                                          "replica needs, to place it on the nodes "
+                                                                          "that advertise them (default: anywhere)")
+    graceful_shutdown_timeout_s: float = Field(120.0, ge=0, description="Seconds an ingress replica being removed "
+                                                                       "(node drain, redeploy) may take to stop: "
+                                                                       "it stops taking requests and finishes the "
+                                                                       "streams it holds, which may be waiting on "
+                                                                       "a decode replica moving with it (Serve's "
+                                                                       "default of 20 cuts them). The Helm chart "
+                                                                       "gives every pod 30 s more")
 
     def deployment_options(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_replicas, "ray_actor_options": {"num_cpus": self.num_cpus},
-                "max_ongoing_requests": self.max_ongoing_requests}
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        return {"num_replicas": self.num_replicas, "ray_actor_options": actor,
+                "max_ongoing_requests": self.max_ongoing_requests,
+                "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s}
 
 
 class ClusterConfig(_Schema):

@@ -38,7 +38,11 @@ def test_defaults_are_one_cpu_prefill_and_one_cpu_decode_replica_on_localhost():
         assert isinstance(engine, EngineConfig)
         assert engine.kv_cache_memory == POOL_KV_CACHE_BYTES_WITHOUT_GPU == 512 << 20
         assert (engine.model, engine.device, engine.block_size) == (None, "auto", 16)
-    assert cfg.deployment_options("ingress")["max_ongoing_requests"] > 5       # Serve's default would throttle
+    ingress = cfg.deployment_options("ingress")
+    assert ingress["max_ongoing_requests"] > 5       # Serve's default would throttle
+    # an ingress replica leaving (node drain) finishes its streams, which may wait on a decode replica moving
+    # with it: as long as a decode replica's own stop may take, not Serve's 20 s
+    assert ingress["graceful_shutdown_timeout_s"] >= cfg.decode.graceful_shutdown_timeout_s
 
 
 def test_the_example_file_has_every_section_loads_and_round_trips(tmp_path):
@@ -209,11 +213,13 @@ def test_deployment_options_are_accepted_by_ray_serve():
     cfg = ClusterConfig.from_dict({
         "prefill": {"num_replicas": 2, "num_gpus": 1, "memory": 4 << 30},
         "decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 5}, "num_cpus": 2},
-        "transfer": {"ucx_tls": "shm,tcp"}})
+        "transfer": {"ucx_tls": "shm,tcp"}, "ingress": {"resources": {"cpu_node": 1}}})
     for name in ("ingress", "prefill", "decode"):
         opts = cfg.deployment_options(name)
         schema = DeploymentSchema(name=name, **opts)                     # Serve's own option schema
         assert schema.max_ongoing_requests == opts["max_ongoing_requests"]
+        assert schema.graceful_shutdown_timeout_s == opts["graceful_shutdown_timeout_s"] == 120
+    assert cfg.deployment_options("ingress")["ray_actor_options"] == {"num_cpus": 0.0, "resources": {"cpu_node": 1}}
     decode = cfg.deployment_options("decode", "baton-state-x")
     assert "num_replicas" not in decode
     scaling = AutoscalingConfig(**decode["autoscaling_config"])      # Serve imports and pickles the policy

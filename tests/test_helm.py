@@ -42,6 +42,7 @@ LARGE_GPU = {"model": {"source": "volume", "volume": {"claimName": "llama-70b", 
                          "decode": {"num_gpus": 8, "autoscaling": {"min_replicas": 2, "max_replicas": 32,
                                                                    "target_kv_utilization": 0.7},
                                     "engine": {"max_num_seqs": 256, "tensor_parallel_size": 8}},
+                         "ingress": {"graceful_shutdown_timeout_s": 300},     # long streams: longer than the pools
                          "coupling": {"mode": "fixed", "ratio": 0.5}},
              "apiKeys": {"secretName": "baton-keys"},
              "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
@@ -116,8 +117,10 @@ def test_each_value_set_renders_a_rayservice_valid_under_kuberays_crd(chart, crd
         gpus = container["resources"]["limits"].get("nvidia.com/gpu", 0)
         assert gpus == p.num_gpus and gpus in (0, p.tensor_parallel_size)   # a pod holds one replica's ranks
         assert container["resources"]["limits"]["cpu"] == merged["ray"]["workers"][pool]["resources"]["cpu"]
-        # Kubernetes waits longer than Serve's graceful stop (a decode replica hands its streams over first)
-        assert g["template"]["spec"]["terminationGracePeriodSeconds"] >= p.graceful_shutdown_timeout_s + 30
+        # Kubernetes waits longer than Serve's graceful stop of any replica the pod may hold (a decode replica
+        # hands its streams over first; an ingress replica, placed anywhere, finishes its streams)
+        assert g["template"]["spec"]["terminationGracePeriodSeconds"] >= \
+            max(p.graceful_shutdown_timeout_s, cfg.ingress.graceful_shutdown_timeout_s) + 30
     assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] == merged["ray"]["enableInTreeAutoscaling"]
     assert docs["Service"][0]["spec"]["ports"][0]["targetPort"] == 8000 == cfg.port
     assert cfg.host == "0.0.0.0"

@@ -1,10 +1,10 @@
 """Past one machine: a real multi-node Ray cluster built from network namespaces (cluster/netns.py): a head node,
 a prefill node, a decode node and a spare that can take either pool, each with its own address, pools placed by
 Ray resources as the chart's worker groups place them. KV crosses nodes over NIXL/UCX on TCP; KV events cross to
-the router on the head; a decode node killed outright, and the prefill node's raylet killed alone, each have
-their pool replaced on the spare; then the node holding the decode pool (the spare, holding both, after the kill
-tests) is drained under load and its replicas move to the other nodes without a failed stream. Needs root; skips
-with the reason elsewhere."""
+the router on the head; a decode node killed outright (the ingress with it), and the prefill node's raylet killed
+alone, each have their replicas replaced on the spare; then the node holding the decode pool (the spare, holding
+everything, after the kill tests) is drained under load and its replicas move to the other nodes without a failed
+stream. Needs root; skips with the reason elsewhere."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1500),
 PORT = 8751
 HEAD, PREFILL_NODE, DECODE_NODE, SPARE_NODE = 0, 1, 2, 3    # the spare joins after the app starts: see `nodes`
 CONFIG = {
-    "port": PORT, "ingress": {"num_cpus": 0},
+    # the ingress goes where decode replicas may go (the decode node, later the spare): the kill and drain tests
+    # move it too, and the drain test's streams live in the ingress replica that the drain stops
+    "port": PORT, "ingress": {"num_cpus": 0, "resources": {"baton_ingress": 1}},
     "prefill": {"num_cpus": 0, "resources": {"baton_pool_prefill": 1}, "engine": CLUSTER_ENGINE},
     "decode": {"num_cpus": 0, "resources": {"baton_pool_decode": 1}, "engine": CLUSTER_ENGINE},
     "disaggregation": {"min_remote_prefill_tokens": 16},
@@ -140,8 +142,10 @@ def nodes():
     """The spare node, which has both pools' resources, joins once the app runs: the pools start on their own
     nodes, and each kill test (in either order) has a node to move its pool to."""
     cluster = NetnsCluster(nodes=4, name="baton-test-mn", subnet="10.78.0", cpus_per_node=2, env=FAST_DEATH,
-                           resources={PREFILL_NODE: {"baton_pool_prefill": 1}, DECODE_NODE: {"baton_pool_decode": 1},
-                                      SPARE_NODE: {"baton_pool_prefill": 1, "baton_pool_decode": 1}})
+                           resources={PREFILL_NODE: {"baton_pool_prefill": 1},
+                                      DECODE_NODE: {"baton_pool_decode": 1, "baton_ingress": 1},
+                                      SPARE_NODE: {"baton_pool_prefill": 1, "baton_pool_decode": 1,
+                                                   "baton_ingress": 1}})
     cluster.up(ray_nodes=SPARE_NODE)
     try:
         on_head(cluster, f"""
@@ -170,7 +174,7 @@ def offline_text(reference) -> str:
 def test_pools_on_their_nodes_serve_the_offline_text_with_kv_over_the_network(nodes, offline_text):
     placement = on_head(nodes, PLACEMENT)
     assert placement["prefill"] == [nodes.ip(PREFILL_NODE)]
-    assert placement["decode"] == [nodes.ip(DECODE_NODE)]
+    assert placement["decode"] == placement["ingress"] == [nodes.ip(DECODE_NODE)]
     before = on_head(nodes, METRICS)
     assert chat(nodes)["text"] == offline_text
 
@@ -198,6 +202,7 @@ def test_a_decode_node_killed_outright_is_replaced_on_the_spare(nodes, offline_t
     assert nodes.kill_node(DECODE_NODE) > 0
     nodes.wait_nodes(alive - 1)
     replaced(nodes, "decode", nodes.ip(SPARE_NODE))
+    replaced(nodes, "ingress", nodes.ip(SPARE_NODE))
     assert chat(nodes, retry_s=60) == {"text": offline_text}
 
 
@@ -219,13 +224,16 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
     drain the node (`ray drain-node`, the call autoscaler v2 makes). Serve marks the node's replicas for
     migration, starts successors on other nodes and then stops the old ones gracefully; the decode replica hands
     its streams over as soon as it is marked (they wait for the successor and continue there, by KV pull or
-    replay), the prefill replica finishes what it holds. Users stream all along: none fails, and every text is
+    replay), the prefill replica finishes what it holds, and the ingress replica (placed with the decode replica
+    here) finishes the streams it holds, which may wait for the decode successor first: a drained ingress stopped
+    after Serve's default 20 s cut them on a slow machine. Users stream all along: none fails, and every text is
     the offline engine's. (While the successors start, admission control may refuse a new request with a 429
     before any token, as it should under that load; the users retry after its Retry-After, as clients do.)
     Whatever the tests before it left (run after the kill tests, both pools are on the spare), every worker node
     runs first, then the node holding the decode replica is drained: its replicas move to the others."""
     placed = on_head(nodes, PLACEMENT)
     drained = placed["decode"][0]
+    assert placed["ingress"] == [drained]           # its streams' HTTP side moves too
     alive = nodes.alive()
     down = [node for node in (PREFILL_NODE, DECODE_NODE, SPARE_NODE)      # a kill test's node: no raylet left
             if not any(c.split()[0].endswith("raylet") for c in nodes.processes(node).values() if c)]
@@ -296,6 +304,7 @@ def test_a_node_drained_under_load_moves_its_replicas_and_fails_no_stream(nodes,
     assert out["errors"] == [], out["errors"]
     assert out["texts"] == [expected], out["texts"]           # every stream, moved or not, is the offline text
     replaced(nodes, "decode", off=drained)
+    replaced(nodes, "ingress", off=drained)
     if placed["prefill"] == [drained]:
         replaced(nodes, "prefill", off=drained)
     assert chat(nodes) == {"text": reference.chat(PROMPT, SamplingParams(temperature=0, max_tokens=24)).text}
