@@ -21,6 +21,7 @@ namespace {
 // query rows, so the tile's K (V) stays in L1 while every query row of the task reads it.
 constexpr int TILE = 16;
 constexpr int PREFETCH = 4;       // tiles ahead that a sweep asks for (see attend)
+constexpr int64_t MIN_CHUNK = 16;  // query tokens in a task's chunk of a long query, at least (see run)
 
 // exp(x) for x <= 0 (softmax scores after max subtraction): Cephes expf, ~1 ulp; 0 below -87
 // (where expf itself goes subnormal), so -inf padding contributes exactly nothing.
@@ -343,19 +344,26 @@ struct Scratch {
   std::vector<float> q, s, o, inv, rows;          // rows: a quantized tile's rows of one head, as floats
 };
 
-// Sequence b, kv heads [h0, h1): for each head its n query tokens x G query heads (R = n*G rows)
-// against the L cached tokens. Each cached K and V row is read once for all the rows: one sweep
-// scores tile by tile (every head of the run per tile, so whole token rows stream in together),
-// a softmax per row over its causal range, then a second sweep for the weighted V sums.
+// Sequence b's query tokens [j0, j1) of its n, kv heads [h0, h1): for each head those tokens x G query
+// heads (R rows) against the cached tokens each may see (query token j: the first L - n + j + 1). Each
+// cached K and V row is read once for all the rows: one sweep scores tile by tile (every head of the
+// run per tile, so whole token rows stream in together), a softmax per row over its causal range, then
+// a second sweep for the weighted V sums. A row skips the tiles wholly past its range (a prompt's
+// causal half): they would score -inf and weigh exactly 0, so its result is the same bits as if it
+// swept them, and the same whichever rows share its call or its task.
 template <bool SIMD, class T>
-void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
+void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int64_t h1, Scratch& w) {
   constexpr bool QUANT = !std::is_same<T, float>::value;
-  const int64_t q0 = P.qsl ? P.qsl[b] : b;
-  const int64_t n = P.qsl ? P.qsl[b + 1] - q0 : 1;
+  const int64_t qs = P.qsl ? P.qsl[b] : b;
+  const int64_t n = P.qsl ? P.qsl[b + 1] - qs : 1;
   const int64_t L = P.seq_lens[b];
-  if (n <= 0 || L <= 0) return;
-  const int64_t G = P.G, D = P.D, R = n * G, RR = (h1 - h0) * R;
-  const int64_t tiles = (L + TILE - 1) / TILE, Lp = tiles * TILE;
+  if (j1 <= j0 || L <= 0) return;
+  const int64_t q0 = qs + j0, past = L - n + j0;     // query token j0 sees `past` + 1 cached tokens
+  const int64_t G = P.G, D = P.D, R = (j1 - j0) * G, RR = (h1 - h0) * R;
+  const int64_t tiles = (past + (j1 - j0) + TILE - 1) / TILE, Lp = tiles * TILE;
+  // row r's visible tokens, and its tiles' end: those are all it scores and weighs
+  auto seen = [&](int64_t r) { return past + (r % R) / G + 1; };
+  auto end = [&](int64_t r) { return (seen(r) + TILE - 1) / TILE * TILE; };
   w.q.resize(RR * D);
   w.s.resize(RR * Lp);
   w.o.assign(RR * D, 0.f);
@@ -366,7 +374,7 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
   float* ob = w.o.data();
   // row (h - h0) * R + j * G + g: token q0 + j, query head h * G + g
   for (int64_t h = h0; h < h1; ++h)
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = 0; j < j1 - j0; ++j)
       for (int64_t g = 0; g < G; ++g) {
         const float* src = P.q + (q0 + j) * P.qs0 + (h * G + g) * P.qs1;
         float* dst = qb + ((h - h0) * R + j * G + g) * D;
@@ -403,7 +411,7 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
   // prefetcher to run far enough ahead.
   constexpr int64_t LINE = 64 / sizeof(T);
   auto prefetch_tile = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
-    for (int i = 0; i < TILE && t0 + i < L; ++i) {
+    for (int i = 0; i < TILE && t0 + i < std::min(L, Lp); ++i) {
       const T* row = base + (int64_t)table[(t0 + i) / P.bs] * s0 + ((t0 + i) % P.bs) * s1 + h0 * s2;
       for (int64_t h = 0; h < h1 - h0; ++h)
         for (int64_t d = 0; d < D; d += LINE) __builtin_prefetch(row + h * s2 + d, 0, 2);
@@ -418,16 +426,18 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
     for (int64_t h = h0; h < h1; ++h) {
       head_rows(P.ks2, P.ksc, P.kss0, P.kss1, P.kss2, t0, h);
       for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
+        if (t0 >= end(r)) continue;
         if (SIMD) qk_tile_simd(qb + r * D, hrows, D, sb + r * Lp + t0);
         else qk_tile_scalar(qb + r * D, hrows, D, sb + r * Lp + t0);
       }
     }
   }
   for (int64_t r = 0; r < RR; ++r) {
-    // query j sees context positions [0, L - n + j]: the rest of its row gets weight 0
+    // query j sees context positions [0, L - n + j]: the rest of its last tile gets weight 0 (the
+    // tiles past it would add exactly 0 to each lane's sum)
     float* s = sb + r * Lp;
-    std::fill(s + L - n + (r % R) / G + 1, s + Lp, -INFINITY);
-    w.inv[r] = 1.f / (SIMD ? softmax_simd(s, Lp) : softmax_scalar(s, Lp));
+    std::fill(s + seen(r), s + end(r), -INFINITY);
+    w.inv[r] = 1.f / (SIMD ? softmax_simd(s, end(r)) : softmax_scalar(s, end(r)));
   }
   for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0);
   for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
@@ -436,13 +446,14 @@ void attend(const Problem& P, int64_t b, int64_t h0, int64_t h1, Scratch& w) {
     for (int64_t h = h0; h < h1; ++h) {
       head_rows(P.vs2, P.vsc, P.vss0, P.vss1, P.vss2, t0, h);
       for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
+        if (t0 >= end(r)) continue;
         if (SIMD) pv_tile_simd(sb + r * Lp + t0, hrows, D, ob + r * D);
         else pv_tile_scalar(sb + r * Lp + t0, hrows, D, ob + r * D);
       }
     }
   }
   for (int64_t h = h0; h < h1; ++h)
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = 0; j < j1 - j0; ++j)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = (h - h0) * R + j * G + g;
         const float inv = w.inv[r];
@@ -529,19 +540,46 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
   // tokens of a block are one span instead, and a sweep per head reads it in order: sweeping several
   // heads at once there interleaves spans far apart, measured 10-30% slower on a cold cache.
   const int64_t run_heads = k_cache.stride(2) == D && v_cache.stride(2) == D ? Hkv : 1;
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // A long query (a prompt) is also cut into chunks of its tokens of equal causal work, so that one prompt
+  // spreads evenly over the threads (by kv heads alone, SmolLM2's 3 split 2:1 over 2 threads). Tasks are
+  // (sequence, chunk, kv head), numbered in that order; chunks[c] is sequence b's chunk c's first token
+  // for c in [cut[b], cut[b + 1]), its last chunk ending at the sequence's n.
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> cut(S + 1, 0), chunks;
+  for (int64_t b = 0; b < S; ++b) {
+    const int64_t n = qslp ? qslp[b + 1] - qslp[b] : 1, L = slp[b];
+    const int64_t C = std::max<int64_t>(1, std::min(2 * threads, n / MIN_CHUNK));
+    const double work = (double)n * (L - n) + 0.5 * n * (n + 1);    // sum over j of L - n + j + 1
+    chunks.push_back(0);
+    for (int64_t j = 0, c = 1; j < n && c < C; ++j) {
+      const double upto = (double)(j + 1) * (L - n) + 0.5 * (j + 1) * (j + 2);
+      if (upto >= work * c / C) {
+        chunks.push_back(j + 1);
+        ++c;
+      }
+    }
+    cut[b + 1] = (int64_t)chunks.size();
+  }
+  chunks.push_back(0);                                // unused: keeps chunks[cut[b + 1]] in bounds
+  auto chunk_end = [&](int64_t b, int64_t c) {
+    return c + 1 < cut[b + 1] ? chunks[c + 1] : (qslp ? qslp[b + 1] - qslp[b] : 1);
+  };
+  const int64_t items = cut[S] * Hkv;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     for (int64_t i = begin; i < end;) {
-      const int64_t b = i / Hkv, h0 = i % Hkv, h1 = std::min({Hkv, h0 + (end - i), h0 + run_heads});
+      const int64_t c = i / Hkv, h0 = i % Hkv, h1 = std::min({Hkv, h0 + (end - i), h0 + run_heads});
+      const int64_t b = std::upper_bound(cut.begin(), cut.end(), c) - cut.begin() - 1;
+      const int64_t j0 = chunks[c], j1 = chunk_end(b, c);
       if (kind == Cache::F32) {
-        if (simd) attend<true, float>(P, b, h0, h1, w);
-        else attend<false, float>(P, b, h0, h1, w);
+        if (simd) attend<true, float>(P, b, j0, j1, h0, h1, w);
+        else attend<false, float>(P, b, j0, j1, h0, h1, w);
       } else if (kind == Cache::I8) {
-        if (simd) attend<true, int8_t>(P, b, h0, h1, w);
-        else attend<false, int8_t>(P, b, h0, h1, w);
+        if (simd) attend<true, int8_t>(P, b, j0, j1, h0, h1, w);
+        else attend<false, int8_t>(P, b, j0, j1, h0, h1, w);
       } else {
-        if (simd) attend<true, Fp8>(P, b, h0, h1, w);
-        else attend<false, Fp8>(P, b, h0, h1, w);
+        if (simd) attend<true, Fp8>(P, b, j0, j1, h0, h1, w);
+        else attend<false, Fp8>(P, b, j0, j1, h0, h1, w);
       }
       i += h1 - h0;
     }

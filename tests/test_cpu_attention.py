@@ -118,6 +118,33 @@ def test_short_queries_and_a_long_chunk_in_one_batch(monkeypatch):
     assert seen == [([lens[i] for i in short], [0, 1, 6, 15, 16])]
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 32)])
+def test_a_prompt_is_the_same_bits_however_its_rows_are_split(heads, kv_heads, head_dim, block_size):
+    """A prompt's rows skip the cached tokens they may not see and are cut into chunks of equal causal work (more
+    chunks with more threads). A row's output is the same bits with 1 thread or 2, and when the prompt comes as
+    two chunked-prefill calls (the second on the first's cached KV) beside a decode, as the scheduler may cut it."""
+    lens, qlens = [300, 57], [300, 1]
+    q, k, v, md = _batch(lens, heads, kv_heads, head_dim, block_size=block_size, qlens=qlens)
+    want = paged_attention_torch(q, k, v, md, head_dim ** -0.5)
+
+    def kernel(q_, seq_lens, qsl, tables=md.block_tables):
+        return cpu_attention.paged_attention_varlen(q_, k, v, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                                    torch.tensor(qsl, dtype=torch.int32), head_dim ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, lens, [0, 300, 301])
+        torch.set_num_threads(2)
+        two = kernel(q, lens, [0, 300, 301])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(two, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(one, two)
+    first = kernel(q[:137], [137], [0, 137], md.block_tables[:1])                    # tokens 0-136 of the prompt
+    rest = kernel(torch.cat([q[137:300], q[300:]]), [300, 57], [0, 163, 164])     # 137-299, then the decode
+    assert torch.equal(torch.cat([first, rest]), two)
+
+
 def test_kernel_rejects_bad_metadata():
     q, k, v, md = _batch([4, 10], 9, 3, 64, qlens=[5, 1])              # 5 queries on a 4-token context
     with pytest.raises(RuntimeError, match="query tokens"):
