@@ -303,8 +303,9 @@ class IngressConfig(_Schema):
                                                                        "it stops taking requests and finishes the "
                                                                        "streams it holds, which may be waiting on "
                                                                        "a decode replica moving with it (Serve's "
-                                                                       "default of 20 cuts them). The Helm chart "
-                                                                       "gives every pod 30 s more")
+                                                                       "default of 20 cuts them). The Helm "
+                                                                       "chart's worker pods wait 30 s more than "
+                                                                       "this or their pool's, the longer")
 
     def deployment_options(self) -> dict[str, Any]:
         actor: dict[str, Any] = {"num_cpus": self.num_cpus}
