@@ -410,8 +410,9 @@ void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int
   // cold cache lines, and a head's span in a block (heads-outer cache) is too short for the hardware
   // prefetcher to run far enough ahead.
   constexpr int64_t LINE = 64 / sizeof(T);
+  const int64_t last = std::min(L, Lp);               // past the rows' tiles nothing is read
   auto prefetch_tile = [&](const T* base, int64_t s0, int64_t s1, int64_t s2, int64_t t0) {
-    for (int i = 0; i < TILE && t0 + i < std::min(L, Lp); ++i) {
+    for (int i = 0; i < TILE && t0 + i < last; ++i) {
       const T* row = base + (int64_t)table[(t0 + i) / P.bs] * s0 + ((t0 + i) % P.bs) * s1 + h0 * s2;
       for (int64_t h = 0; h < h1 - h0; ++h)
         for (int64_t d = 0; d < D; d += LINE) __builtin_prefetch(row + h * s2 + d, 0, 2);
@@ -542,35 +543,29 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
   const int64_t run_heads = k_cache.stride(2) == D && v_cache.stride(2) == D ? Hkv : 1;
   // A long query (a prompt) is also cut into chunks of its tokens of equal causal work, so that one prompt
   // spreads evenly over the threads (by kv heads alone, SmolLM2's 3 split 2:1 over 2 threads). Tasks are
-  // (sequence, chunk, kv head), numbered in that order; chunks[c] is sequence b's chunk c's first token
-  // for c in [cut[b], cut[b + 1]), its last chunk ending at the sequence's n.
+  // (chunk, kv head) pairs, chunks in sequence order.
+  struct Chunk { int64_t b, j0, j1; };
   const int64_t threads = at::get_num_threads();
-  std::vector<int64_t> cut(S + 1, 0), chunks;
+  std::vector<Chunk> chunks;
   for (int64_t b = 0; b < S; ++b) {
     const int64_t n = qslp ? qslp[b + 1] - qslp[b] : 1, L = slp[b];
     const int64_t C = std::max<int64_t>(1, std::min(2 * threads, n / MIN_CHUNK));
     const double work = (double)n * (L - n) + 0.5 * n * (n + 1);    // sum over j of L - n + j + 1
-    chunks.push_back(0);
-    for (int64_t j = 0, c = 1; j < n && c < C; ++j) {
-      const double upto = (double)(j + 1) * (L - n) + 0.5 * (j + 1) * (j + 2);
-      if (upto >= work * c / C) {
-        chunks.push_back(j + 1);
+    int64_t j0 = 0;
+    for (int64_t j = 0, c = 1; j + 1 < n && c < C; ++j) {         // chunk c - 1 ends after token j once
+      if ((double)(j + 1) * (L - n) + 0.5 * (j + 1) * (j + 2) >= work * c / C) {   // it holds c / C of the work
+        chunks.push_back({b, j0, j + 1});
+        j0 = j + 1;
         ++c;
       }
     }
-    cut[b + 1] = (int64_t)chunks.size();
+    chunks.push_back({b, j0, n});
   }
-  chunks.push_back(0);                                // unused: keeps chunks[cut[b + 1]] in bounds
-  auto chunk_end = [&](int64_t b, int64_t c) {
-    return c + 1 < cut[b + 1] ? chunks[c + 1] : (qslp ? qslp[b + 1] - qslp[b] : 1);
-  };
-  const int64_t items = cut[S] * Hkv;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (int64_t)chunks.size() * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     for (int64_t i = begin; i < end;) {
-      const int64_t c = i / Hkv, h0 = i % Hkv, h1 = std::min({Hkv, h0 + (end - i), h0 + run_heads});
-      const int64_t b = std::upper_bound(cut.begin(), cut.end(), c) - cut.begin() - 1;
-      const int64_t j0 = chunks[c], j1 = chunk_end(b, c);
+      const int64_t h0 = i % Hkv, h1 = std::min({Hkv, h0 + (end - i), h0 + run_heads});
+      const auto [b, j0, j1] = chunks[i / Hkv];
       if (kind == Cache::F32) {
         if (simd) attend<true, float>(P, b, j0, j1, h0, h1, w);
         else attend<false, float>(P, b, j0, j1, h0, h1, w);
