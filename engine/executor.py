@@ -1,5 +1,5 @@
 """Executor: the ranks of one engine's model. Rank 0 is the engine's own process and ModelRunner; with
-tensor_parallel_size > 1, TP-1 workers (WorkerHandle: spawned processes here, Ray actors on a cluster)
+tensor_parallel_size > 1, TP-1 workers (WorkerHandle: processes here, Ray actors on a cluster)
 each hold the ModelRunner of their rank.
 
 Every forward, rank 0 sends the step's inputs to the workers on the gloo control group and all ranks
@@ -9,6 +9,7 @@ collective_rpc(fn, *args): fn(worker, *args) on every rank, results in rank orde
 """
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -94,7 +95,7 @@ class WorkerHandle(Protocol):
     `w.call(fn, *args)` there and returns a Future of the result (fn must be picklable: a module-level
     function). `alive()` is cheap (rank 0 asks it before every step); `kill()` ends the worker now and
     is idempotent. A worker given its own single device (a Ray actor's GPU is its cuda:0) replaces
-    spec.device. Implementations: MPWorkerHandle (spawned processes, EngineConfig
+    spec.device. Implementations: MPWorkerHandle (processes from the fork server, EngineConfig
     distributed_executor_backend="mp", the default) and a Ray actor one ("ray", see WORKER_HANDLES).
     """
     rank: int
@@ -111,9 +112,32 @@ class WorkerHandle(Protocol):
 
 
 # -- the multiprocessing implementation ---------------------------------------------------------------
-def _worker_main(spec: WorkerSpec, conn) -> None:
-    """A spawned worker: build the shard, serve steps on a thread and calls on this one. It exits when
-    rank 0 stops it or goes away (pipe closed, collective failed): never an orphan."""
+# The modules every worker needs, imported once per engine process by multiprocessing's fork server; each
+# worker is forked from it. A spawned process imports them itself: torch and the engine, and transformers'
+# config classes for load_config (whose first model config pulls in about 700 modules: accelerate, PIL, ...),
+# 13 s a worker on a slow 2-core machine, where a TP 4 engine took 22 s to start. The fork server has imported
+# modules and run nothing else (no OpenMP pool, no CUDA context), so its children start clean as spawned ones.
+FORKSERVER_PRELOAD = ["engine.executor", "transformers.models.auto.configuration_auto",
+                      "transformers.models.llama.configuration_llama"]
+
+
+@functools.cache
+def mp_context():
+    """multiprocessing's "forkserver" context, preloading the engine, where the platform has it; else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)     # taken when the fork server starts (the first worker)
+    return ctx
+
+
+def _worker_main(spec: WorkerSpec, conn, environ: dict[str, str] | None = None) -> None:
+    """A worker process: build the shard, serve steps on a thread and calls on this one. It exits when
+    rank 0 stops it or goes away (pipe closed, collective failed): never an orphan. `environ` is rank 0's
+    environment when it started the worker (a spawned process's own; the fork server's dates from its start)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         worker = TPWorker.build(spec)
     except BaseException as e:                           # noqa: BLE001 - reported to rank 0
@@ -142,13 +166,14 @@ def _serve_then_exit(worker: TPWorker) -> None:
 
 
 class MPWorkerHandle:
-    """A TP worker in a spawned process (daemon: it cannot outlive the engine's process)."""
+    """A TP worker in a process of its own, forked from the fork server (mp_context), daemon: it cannot
+    outlive the engine's process."""
 
     def __init__(self, spec: WorkerSpec):
         self.rank = spec.rank
-        ctx = mp.get_context("spawn")
+        ctx = mp_context()
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_worker_main, args=(spec, child), daemon=True,
+        self._proc = ctx.Process(target=_worker_main, args=(spec, child, dict(os.environ)), daemon=True,
                                  name=f"baton-tp-rank{spec.rank}")
         self._proc.start()
         child.close()

@@ -210,6 +210,29 @@ def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
                                   r1.model.layers[0].self_attn.qkv_proj.weight[:32]]), q)
 
 
+def _env_and_parent(worker, name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getppid()
+
+
+def test_a_worker_sees_the_environment_its_engine_had_when_it_started(tmp_path, monkeypatch):
+    """Workers fork from a fork server that imported the engine once, with the environment of that moment; each
+    worker still gets its engine's environment as it starts (BATON_CPU_KERNEL=0 and the like reach every rank)."""
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    monkeypatch.setenv("BATON_TEST_MARK", "first")
+    first = engine(path, 2)
+    monkeypatch.setenv("BATON_TEST_MARK", "second")
+    second = engine(path, 2)
+    try:
+        (_, _), (mark1, server1) = first.executor.collective_rpc(_env_and_parent, "BATON_TEST_MARK")
+        (_, _), (mark2, server2) = second.executor.collective_rpc(_env_and_parent, "BATON_TEST_MARK")
+        assert (mark1, mark2) == ("first", "second")
+        assert server1 == server2 != os.getpid()          # both forked from the one fork server
+        assert [o.token_ids for o in generate(second, PROMPTS)] == [o.token_ids for o in generate(first, PROMPTS)]
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
 # -- failures and shutdown ------------------------------------------------------------------------------
 def test_a_rank_that_starts_later_than_the_collective_timeout_still_joins():
     """Starting a rank (a process, torch's import, a shard to load) may take longer than a collective may: the
