@@ -7,6 +7,11 @@ STAMP := $(VENV)/.installed
 # Python compiles the few hundred a run imports on first import instead. A fresh install measured 677 s with it
 # and 240 s without on this 2-core VM on a slow day (docs/benchmarks.md, "Where the suite's time goes").
 PIP = $(BIN)/python -m pip install -q --no-compile
+# That first import writes the .pyc only where PYTHONDONTWRITEBYTECODE is unset. Containers often set it (this
+# VM's does): then no .pyc was ever written, and every process (each test worker, Ray worker, replica and TP
+# worker) compiled every module it imported, again: 14 s for a replica's imports here, 5.9 s with the .pyc.
+# Python still reads .pyc files with it set; the recipes below run without it, so the first import writes them.
+unexport PYTHONDONTWRITEBYTECODE
 PROMPT ?= Write a haiku about relay races.
 
 .PHONY: install test test-fast generate serve bench clean
