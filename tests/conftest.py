@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # no GPU in CI: Triton kernels run in the interpreter
+# gRPC's fork handlers off (before anything imports grpc). A test process starts Ray many times, forking the GCS
+# and the raylet. With a finished session's gRPC threads still in a call, grpcio skipped its handlers ("Other
+# threads are currently calling into gRPC, skipping fork() handlers") and the child never ran the GCS binary (no
+# log, no port file): both tries of one start, 2026-11-28; the raylet's rare silent starts look the same. Known
+# upstream (grpc/grpc#17986, #37259). This process forks only to exec, which needs none of the handlers.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 import torch
@@ -77,10 +83,15 @@ def hf_smol(smol_path):
     return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
 
 
+# Structured-output tests are not about the compile timeout (the one that is sets its own): a cold compile of a
+# JSON schema over SmolLM2's vocabulary, at idle priority beside the Ray tests, took over the default 10 s.
+COMPILE_TIMEOUT_S = 120.0
+
+
 @pytest.fixture(scope="module")
 def smol_llm(smol_path):
     from engine import LLM
-    return LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048)
+    return LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048, grammar_compile_timeout_s=COMPILE_TIMEOUT_S)
 
 
 def ray_log_files() -> list[str]:
