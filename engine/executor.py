@@ -131,13 +131,12 @@ def mp_context():
     return ctx
 
 
-def _worker_main(spec: WorkerSpec, conn, environ: dict[str, str] | None = None) -> None:
+def _worker_main(spec: WorkerSpec, conn, environ: dict[str, str]) -> None:
     """A worker process: build the shard, serve steps on a thread and calls on this one. It exits when
     rank 0 stops it or goes away (pipe closed, collective failed): never an orphan. `environ` is rank 0's
-    environment when it started the worker (a spawned process's own; the fork server's dates from its start)."""
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+    environment when it started the worker (the fork server's own dates from the server's start)."""
+    os.environ.clear()
+    os.environ.update(environ)
     try:
         worker = TPWorker.build(spec)
     except BaseException as e:                           # noqa: BLE001 - reported to rank 0
