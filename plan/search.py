@@ -12,12 +12,17 @@ attainment hour by hour. JSON, a table on stderr, and PNGs.
 
 The cost model is a roofline of the GPU (plan/cost.py: H100/H200 presets; --mfu, --mbu, --step-overhead-ms) or a
 calibrated one (--cost). Stated assumptions travel in the JSON.
+
+Each run is one process's work; --workers (default one per core) runs ahead the runs the search may read next,
+and the day's two runs side by side, in worker processes. The answer does not depend on the number of workers.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import math
+import multiprocessing
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,48 +58,125 @@ def at_rate(rows: list[dict], rps: float, seconds: float, seed: int) -> list[dic
     return day_of(rows, rps, hours=seconds / 3600, seed=seed, trough=1.0)
 
 
+MAX_REPLICAS = 20_000              # a search that passes this many replicas of a pool gives up
+
+# What every run of one search (or day) shares, set before its worker processes fork from this one: they read it
+# from their copy of this module, so the requests (up to millions) are never pickled.
+_JOB: dict[str, Any] = {}
+
+
+def _workers(n: int):
+    """A pool of n processes forked from this one. Fork, not spawn: a worker starts at once, with _JOB and the
+    imports already in its memory. The simulator runs no torch or BLAS op whose threads a fork could leave stuck."""
+    return multiprocessing.get_context("fork").Pool(n)
+
+
+def _simulate_row(mode: str, p: int, d: int) -> dict[str, Any]:
+    """One candidate run (in a worker process, or in this one): its row of the search's table."""
+    j, t = _JOB, time.perf_counter()
+    out = simulate(cluster(mode, p, d, j["engine"], j["min_remote"]), j["cost"], j["requests"], j["slo"])
+    return {"mode": mode, "prefill": p, "decode": d, "gpus": (p + d) * cost_tp(j["cost"]),
+            "attainment": out["slo_attainment"], "goodput_rps": out["goodput_rps"], "ttft_ms": out["ttft_ms"],
+            "itl_ms": out["itl_ms"], "prefix_hit_rate": out["prefix_hit_rate"], "sim_s": time.perf_counter() - t}
+
+
+def bisection_order(lo: int, hi: int, n: int) -> list[int]:
+    """The first n points a bisection for the smallest passing value in [lo, hi] may test, breadth first: this
+    step's middle, then the next step's for either outcome (the lower half's first: it follows a pass), and so on."""
+    out, todo = [], [(lo, hi)]
+    while todo and len(out) < n:
+        a, b = todo.pop(0)
+        if a < b:
+            mid = (a + b) // 2
+            out.append(mid)
+            todo += [(a, mid), (mid + 1, b)]
+    return out
+
+
 class Planner:
+    """The search. With `workers` > 1, runs the search may read next start ahead in worker processes while it waits
+    for the one it reads now (the next doubling; the next bisection step of either outcome): the same runs are
+    read in the same order, so the plan, the table and the log are those of one process, only sooner."""
+
     def __init__(self, requests, cost: Cost, engine: dict[str, Any], slo: tuple[float, float], target: float,
-                 min_remote: int, log: Callable[[str], None]):
+                 min_remote: int, log: Callable[[str], None], workers: int = 1):
         self.requests, self.cost, self.engine, self.slo, self.target = requests, cost, engine, slo, target
         self.min_remote, self.log = min_remote, log
+        self.workers = max(1, workers)
         self.runs: list[dict[str, Any]] = []
+        self._rows: dict[tuple, dict] = {}          # finished runs, by (mode, prefill, decode)
+        self._ahead: dict[tuple, Any] = {}          # runs started ahead: AsyncResults
+        self._pool = None
+        self.started_ahead = 0
 
     def attainment(self, mode: str, p: int, d: int) -> dict[str, Any]:
-        t = time.perf_counter()
-        out = simulate(cluster(mode, p, d, self.engine, self.min_remote), self.cost, self.requests, self.slo)
-        out.pop("timeline")
-        out.pop("ttft_points")
-        row = {"mode": mode, "prefill": p, "decode": d, "gpus": (p + d) * self.tp, "attainment": out["slo_attainment"],
-               "goodput_rps": out["goodput_rps"], "ttft_ms": out["ttft_ms"], "itl_ms": out["itl_ms"],
-               "prefix_hit_rate": out["prefix_hit_rate"], "sim_s": time.perf_counter() - t}
+        """The run's row, logged and kept in `runs` in the order the search reads them (a run started ahead is
+        waited for; one read before is not run again)."""
+        key = (mode, p, d)
+        if key in self._ahead:
+            self._rows[key] = self._ahead.pop(key).get()
+        if key not in self._rows:
+            self._share()
+            self._rows[key] = _simulate_row(*key)
+        row = dict(self._rows[key])
         self.runs.append(row)
         self.log(f"{mode} {p}P+{d}D: {row['attainment']:.1%} within SLOs, TTFT p90 "
-                 f"{(out['ttft_ms'] or {}).get('p90', float('nan')):.0f} ms, ITL p90 "
-                 f"{(out['itl_ms'] or {}).get('p90', float('nan')):.1f} ms ({row['sim_s']:.1f} s)")
+                 f"{(row['ttft_ms'] or {}).get('p90', float('nan')):.0f} ms, ITL p90 "
+                 f"{(row['itl_ms'] or {}).get('p90', float('nan')):.1f} ms ({row['sim_s']:.1f} s)")
         return row
+
+    def ahead(self, keys) -> None:
+        """Start runs the search may read next, in order, while fewer than `workers` are running (the one the
+        search is about to read first: a worker runs it while this process waits)."""
+        if self.workers == 1:
+            return
+        if self._pool is None:
+            self._share()                           # before the workers fork: they read it
+            self._pool = _workers(self.workers)
+        for key in keys:
+            if sum(not r.ready() for r in self._ahead.values()) >= self.workers:
+                return
+            if key not in self._rows and key not in self._ahead:
+                self._ahead[key] = self._pool.apply_async(_simulate_row, key)
+                self.started_ahead += 1
+
+    def _share(self) -> None:
+        _JOB.update(requests=self.requests, cost=self.cost, engine=self.engine, slo=self.slo, min_remote=self.min_remote)
+
+    def close(self) -> None:
+        """Stop the workers: runs started ahead and never read are dropped."""
+        if self._pool is not None:
+            self.log(f"{self.started_ahead} runs started ahead in {self.workers} worker processes, "
+                     f"{len(self._ahead)} of them not needed")
+            self._pool.terminate()
+            self._pool.join()
+            self._pool, self._ahead = None, {}
+        _JOB.clear()
 
     @property
     def tp(self) -> int:
         return cost_tp(self.cost)
 
-    def fewest(self, run: Callable[[int], dict], lo: int = 1) -> int:
-        """The smallest n >= lo whose run meets the target, by doubling then bisection (attainment taken as
-        monotone in n). Gives up when three doublings in a row gain nothing (another pool is the bottleneck)."""
+    def fewest(self, key: Callable[[int], tuple], lo: int = 1) -> int:
+        """The smallest n >= lo whose run (key(n): mode, prefill, decode) meets the target, by doubling then
+        bisection (attainment taken as monotone in n). Gives up when three doublings in a row gain nothing
+        (another pool is the bottleneck)."""
         def ok(n: int) -> bool:
-            return run(n)["attainment"] >= self.target
+            return self.attainment(*key(n))["attainment"] >= self.target
         hi, flat, last = lo, 0, -1.0
         while True:
-            row = run(hi)
+            self.ahead([key(hi << i) for i in range(self.workers) if hi << i <= 2 * MAX_REPLICAS])   # and the next
+            row = self.attainment(*key(hi))
             if row["attainment"] >= self.target:
                 break
             flat = flat + 1 if row["attainment"] <= last + 1e-9 else 0
-            if flat >= 3 or hi > 20_000:
+            if flat >= 3 or hi > MAX_REPLICAS:
                 raise RuntimeError(f"more replicas stop helping at {hi} ({row['attainment']:.1%} within SLOs): "
                                    "another pool is the bottleneck, or one request alone misses the SLOs")
             last, lo, hi = row["attainment"], hi + 1, hi * 2
         while lo < hi:
             mid = (lo + hi) // 2
+            self.ahead([key(n) for n in bisection_order(lo, hi, self.workers)])
             if ok(mid):
                 hi = mid
             else:
@@ -123,16 +205,16 @@ class Planner:
         p0, d0 = self.estimate()
         self.log(f"load estimate: {p0} prefill and {d0} decode replicas at full use")
         try:
-            colo = self.fewest(lambda n: self.attainment("colocated", 0, n), lo=max(1, (p0 + d0) // 2))
+            colo = self.fewest(lambda n: ("colocated", 0, n), lo=max(1, (p0 + d0) // 2))
             colocated = {"replicas": colo, "gpus": colo * self.tp}
         except RuntimeError as e:           # e.g. long prompts' chunks stall the decodes batched with them
             colo, colocated = None, {"replicas": None, "gpus": None, "why": str(e)}
             self.log(f"colocated: {e}")
         spare = max(colo or 0, d0 * 2)
-        p = self.fewest(lambda n: self.attainment("disaggregated", n, spare), lo=max(1, p0 // 2))
+        p = self.fewest(lambda n: ("disaggregated", n, spare), lo=max(1, p0 // 2))
         best = None
         for pp in (p, p + 1):
-            d = self.fewest(lambda n: self.attainment("disaggregated", pp, n), lo=max(1, d0 // 2))
+            d = self.fewest(lambda n: ("disaggregated", pp, n), lo=max(1, d0 // 2))
             if best is None or pp + d < sum(best):
                 best = (pp, d)
         return {"colocated": colocated,
@@ -140,9 +222,11 @@ class Planner:
 
 
 def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: float, plan: dict, slo, min_remote: int,
-            startup_s: float, hours: float, seed: int, log, queued_s: float = 0.5) -> dict[str, Any]:
+            startup_s: float, hours: float, seed: int, log, queued_s: float = 0.5, workers: int = 1) -> dict[str, Any]:
     """A day on the diurnal curve: the plan's fixed size against both pools autoscaling up to it x 1.5, the
-    prefill pool's queued-token target `queued_s` of prefill per replica."""
+    prefill pool's queued-token target `queued_s` of prefill per replica. With workers > 1 the two runs go side
+    by side in worker processes, each on its own copy of the day's requests (as in one process, where the two
+    copies are made one after the other: twice the memory at once)."""
     day = from_mooncake(day_of(rows, peak_rps, hours=hours, seed=seed))
     log(f"day: {len(day):,} requests over {hours:g} h (peak {peak_rps:g} req/s)")
     p, d = plan["disaggregated"]["prefill"], plan["disaggregated"]["decode"]
@@ -150,33 +234,47 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
              "look_back_period_s": 60, "metrics_interval_s": 10}
     budget = engine.get("max_num_batched_tokens", 2048)
     queued = int(queued_s * budget / cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget)))
-    out = {}
     # the pools scale on their load signals (utilisation, queued prompt tokens, KV, running sequences), not on
     # p90 latency: at a plan sized for 90% attainment the p90 TTFT sits at the SLO, which would hold the pools
     # at their maximum all day (the first day run showed it)
-    for name, auto in (("fixed", None), ("autoscaled", {
-            "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0,
-                        "target_queued_prefill_tokens": max(queued, 1)},      # seconds of this GPU's prefill
-            "decode": {**scale, "max_replicas": math.ceil(d * 1.5), "initial_replicas": 1, "itl_slo_s": 0}})):
-        t = time.perf_counter()
-        sim = Simulator(cluster("disaggregated", p, d, engine, min_remote, auto), cost, seed=seed,
-                        startup_s=startup_s, horizon_s=hours * 3600,
-                        progress=lambda m, name=name: log(f"day {name}: {m}"))
-        reqs = [replace(r) for r in day]                # each run's results on its own copies
-        sim.run(reqs)
-        s = summarize(reqs, sim, slo)
-        hourly = []
-        for h in range(int(math.ceil(hours))):
-            inside = [r for r in reqs if h * 3600 <= r.at < (h + 1) * 3600]
-            good = [r for r in inside if r.ttft is not None and r.ttft <= slo[0]
-                    and (r.mean_itl is None or r.mean_itl <= slo[1])]
-            hourly.append({"hour": h, "requests": len(inside), "attainment": len(good) / max(len(inside), 1)})
-        s.update(hourly=hourly, timeline=sim.timeline, gpu_hours=sum(s["replica_seconds"].values()) * cost_tp(cost) / 3600,
-                 sim_s=time.perf_counter() - t)
+    runs = {"fixed": None, "autoscaled": {
+        "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0,
+                    "target_queued_prefill_tokens": max(queued, 1)},      # seconds of this GPU's prefill
+        "decode": {**scale, "max_replicas": math.ceil(d * 1.5), "initial_replicas": 1, "itl_slo_s": 0}}}
+    _JOB.update(day=day, day_clusters={name: cluster("disaggregated", p, d, engine, min_remote, auto)
+                                       for name, auto in runs.items()},
+                cost=cost, seed=seed, startup_s=startup_s, hours=hours, slo=slo, log=log)
+    if workers > 1:
+        with _workers(min(workers, len(runs))) as pool:
+            done = pool.map(_day_one, list(runs))
+    else:
+        done = [_day_one(name) for name in runs]
+    _JOB.clear()
+    for name, s in zip(runs, done):
         log(f"day {name}: {s['slo_attainment']:.1%} within SLOs, {s['gpu_hours']:,.0f} GPU-hours, "
             f"simulated in {s['sim_s']:.0f} s")
-        out[name] = s
-    return out
+    return dict(zip(runs, done))
+
+
+def _day_one(name: str) -> dict[str, Any]:
+    """One of the day's runs (in a worker process, or in this one): its summary, hour by hour. Its progress lines
+    are logged where it runs (the CLI's log writes to stderr from any process)."""
+    j, t = _JOB, time.perf_counter()
+    cost, hours, slo, log = j["cost"], j["hours"], j["slo"], j["log"]
+    sim = Simulator(j["day_clusters"][name], cost, seed=j["seed"], startup_s=j["startup_s"], horizon_s=hours * 3600,
+                    progress=lambda m: log(f"day {name}: {m}"))
+    reqs = [replace(r) for r in j["day"]]           # each run's results on its own copies
+    sim.run(reqs)
+    s = summarize(reqs, sim, slo)
+    hourly = []
+    for h in range(int(math.ceil(hours))):
+        inside = [r for r in reqs if h * 3600 <= r.at < (h + 1) * 3600]
+        good = [r for r in inside if r.ttft is not None and r.ttft <= slo[0]
+                and (r.mean_itl is None or r.mean_itl <= slo[1])]
+        hourly.append({"hour": h, "requests": len(inside), "attainment": len(good) / max(len(inside), 1)})
+    s.update(hourly=hourly, timeline=sim.timeline, gpu_hours=sum(s["replica_seconds"].values()) * cost_tp(cost) / 3600,
+             sim_s=time.perf_counter() - t)
+    return s
 
 
 def cost_tp(cost: Cost) -> int:
@@ -256,6 +354,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 0.5, the knob's default meaning)")
     p.add_argument("--startup-s", type=float, default=120.0, help="a new replica's start-up (default 120 s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                   help="processes the search's and the day's runs use (default: one per core); the answer is the "
+                        "same for any number")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
     p.add_argument("--json", action="store_true")
 
@@ -284,8 +385,11 @@ def run(args: argparse.Namespace) -> dict:
     requests = from_mooncake(at_rate(rows, rps, args.seconds, args.seed))
     log(f"{len(requests):,} requests at {rps:g} req/s for {args.seconds:g} s; cost model: {cost.name}")
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-    planner = Planner(requests, cost, engine, slo, args.target, args.min_remote_prefill_tokens, log)
-    plan = planner.plan()
+    planner = Planner(requests, cost, engine, slo, args.target, args.min_remote_prefill_tokens, log, args.workers)
+    try:
+        plan = planner.plan()
+    finally:
+        planner.close()
     colo, dis = plan["colocated"], plan["disaggregated"]
     log(f"plan: colocated " + (f"{colo['replicas']} replicas ({colo['gpus']} GPUs)" if colo["gpus"] else
                                "cannot meet the target") +
@@ -311,7 +415,7 @@ def run(args: argparse.Namespace) -> dict:
     plots = {"plan": plot}
     if args.day:
         result["day"] = day_run(rows, cost, engine, rps, plan, slo, args.min_remote_prefill_tokens, args.startup_s,
-                                args.day_hours, args.seed, log, args.queued_target_s)
+                                args.day_hours, args.seed, log, args.queued_target_s, args.workers)
         plots["day"] = plot_day
     result["seconds_taken"] = time.perf_counter() - started
     out_dir = Path(args.out_dir)

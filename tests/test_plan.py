@@ -387,3 +387,62 @@ def test_served_contention_reads_the_gaps_that_lay_inside_a_prefill():
     got = gaps_while_prefilling([stream, busy], prompts, request_s=0.05)
     assert got == pytest.approx([0.1, 0.1])                # the gaps ending at 0.5 and 0.6 s of the first stream
     assert gaps_while_prefilling([stream], [(Req([2], 2, at=2.0), Result("p", True, ttft=0.5))], 0.05) == []
+
+
+def _search(workers: int) -> tuple[dict, list[dict], list[str], int]:
+    """`baton plan search`'s planner on 20 s of the shipped slice at 4 req/s (Llama-3.1-8B on H100s): the plan, the
+    runs it read (their timings aside), its log lines (the same), and the runs it started ahead."""
+    import re
+
+    from bench.replay_bench import DEFAULT_TRACE, load_trace
+    from plan.search import Planner, at_rate
+    _, rows = load_trace(DEFAULT_TRACE)
+    engine = {"block_size": 512, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "kv_cache_memory": 0.9}
+    logs: list[str] = []
+    planner = Planner(from_mooncake(at_rate(rows, 4, 20, 0)), RooflineCost(), engine, (5.0, 0.1), 0.9, 512,
+                      logs.append, workers)
+    try:
+        plan = planner.plan()
+    finally:
+        planner.close()
+    runs = [{k: v for k, v in r.items() if k != "sim_s"} for r in planner.runs]
+    return plan, runs, [re.sub(r" \(\d+\.\d s\)$", "", line) for line in logs], planner.started_ahead
+
+
+def test_a_search_on_two_workers_reads_the_runs_one_process_reads_and_plans_the_same():
+    """With --workers 2 the runs the search may read next start in worker processes while it waits for the one it
+    reads: the plan, the runs read in their order, and the log are one process's."""
+    plan1, runs1, log1, ahead1 = _search(1)
+    plan2, runs2, log2, ahead2 = _search(2)
+    assert plan2 == plan1 and plan1["disaggregated"]["prefill"] >= 1
+    assert runs2 == runs1 and len(runs1) >= 5
+    assert log2[:-1] == log1
+    assert ahead1 == 0 and ahead2 > 0 and f"{ahead2} runs started ahead in 2 worker processes" in log2[-1]
+
+
+def test_the_day_s_two_runs_side_by_side_give_what_they_give_one_after_the_other():
+    from bench.replay_bench import DEFAULT_TRACE, load_trace
+    from plan.search import day_run
+    _, rows = load_trace(DEFAULT_TRACE)
+    engine = {"block_size": 512, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "kv_cache_memory": 0.9}
+    plan = {"disaggregated": {"prefill": 2, "decode": 1}}
+    days = {}
+    for workers in (1, 2):
+        logs: list[str] = []
+        day = day_run(rows, RooflineCost(), engine, 4.0, plan, (5.0, 0.1), 512, 60.0, 0.25, 0, logs.append,
+                      workers=workers)
+        for run in day.values():
+            run.pop("sim_s")
+        days[workers] = day
+        assert any(line.startswith("day autoscaled: ") for line in logs)
+    assert list(days[1]) == ["fixed", "autoscaled"] and days[1]["fixed"]["requests"] > 500
+    assert json.dumps(days[2], sort_keys=True, default=str) == json.dumps(days[1], sort_keys=True, default=str)
+    assert days[1]["autoscaled"]["timeline"] != days[1]["fixed"]["timeline"], "the autoscaled run resized its pools"
+
+
+def test_the_runs_started_ahead_are_the_bisection_s_next_steps_breadth_first():
+    from plan.search import bisection_order
+    assert bisection_order(1, 8, 1) == [4]
+    assert bisection_order(1, 8, 3) == [4, 2, 6]              # 4 passes: [1, 4] next, else [5, 8]
+    assert bisection_order(1, 8, 7) == [4, 2, 6, 1, 3, 5, 7]
+    assert bisection_order(3, 3, 4) == [] and bisection_order(3, 4, 4) == [3]
