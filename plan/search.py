@@ -23,6 +23,7 @@ import datetime as dt
 import math
 import multiprocessing
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -65,10 +66,22 @@ MAX_REPLICAS = 20_000              # a search that passes this many replicas of 
 _JOB: dict[str, Any] = {}
 
 
+# Workers are forked: one starts at once, with _JOB and the imports already in its memory (the simulator runs no
+# torch or BLAS op whose threads a fork could leave stuck). Only on Linux: macOS's system libraries are not safe
+# to use in a forked child (Python spawns there by default), so elsewhere the runs go one after the other.
+FORK = sys.platform.startswith("linux")
+
+
 def _workers(n: int):
-    """A pool of n processes forked from this one. Fork, not spawn: a worker starts at once, with _JOB and the
-    imports already in its memory. The simulator runs no torch or BLAS op whose threads a fork could leave stuck."""
+    """A pool of n processes forked from this one."""
     return multiprocessing.get_context("fork").Pool(n)
+
+
+def default_workers() -> int:
+    """One per core this process may run on; 1 where workers cannot be forked."""
+    if not FORK:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _simulate_row(mode: str, p: int, d: int) -> dict[str, Any]:
@@ -102,7 +115,7 @@ class Planner:
                  min_remote: int, log: Callable[[str], None], workers: int = 1):
         self.requests, self.cost, self.engine, self.slo, self.target = requests, cost, engine, slo, target
         self.min_remote, self.log = min_remote, log
-        self.workers = max(1, workers)
+        self.workers = max(1, workers) if FORK else 1
         self.runs: list[dict[str, Any]] = []
         self._rows: dict[tuple, dict] = {}          # finished runs, by (mode, prefill, decode)
         self._ahead: dict[tuple, Any] = {}          # runs started ahead: AsyncResults
@@ -244,7 +257,7 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
     _JOB.update(day=day, day_clusters={name: cluster("disaggregated", p, d, engine, min_remote, auto)
                                        for name, auto in runs.items()},
                 cost=cost, seed=seed, startup_s=startup_s, hours=hours, slo=slo, log=log)
-    if workers > 1:
+    if workers > 1 and FORK:
         with _workers(min(workers, len(runs))) as pool:
             done = pool.map(_day_one, list(runs))
     else:
@@ -354,9 +367,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 0.5, the knob's default meaning)")
     p.add_argument("--startup-s", type=float, default=120.0, help="a new replica's start-up (default 120 s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
-                   help="processes the search's and the day's runs use (default: one per core); the answer is the "
-                        "same for any number")
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help="processes the search's and the day's runs use (default: one per core; Linux only, elsewhere "
+                        "1); the answer is the same for any number")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
     p.add_argument("--json", action="store_true")
 

@@ -446,3 +446,14 @@ def test_the_runs_started_ahead_are_the_bisection_s_next_steps_breadth_first():
     assert bisection_order(1, 8, 3) == [4, 2, 6]              # 4 passes: [1, 4] next, else [5, 8]
     assert bisection_order(1, 8, 7) == [4, 2, 6, 1, 3, 5, 7]
     assert bisection_order(3, 3, 4) == [] and bisection_order(3, 4, 4) == [3]
+
+
+def test_where_workers_cannot_be_forked_the_search_runs_in_one_process(monkeypatch):
+    """Off Linux (macOS's libraries are not fork-safe) the search and the day run one run after the other."""
+    import plan.search as search
+    monkeypatch.setattr(search, "FORK", False)
+    assert search.default_workers() == 1
+    planner = search.Planner([], RooflineCost(), {}, (5.0, 0.1), 0.9, 512, print, workers=4)
+    assert planner.workers == 1
+    planner.ahead([("colocated", 0, 1)])
+    assert planner.started_ahead == 0 and planner._pool is None
