@@ -79,9 +79,12 @@ def _workers(n: int):
 
 def default_workers() -> int:
     """One per core this process may run on; 1 where workers cannot be forked."""
-    if not FORK:
-        return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if FORK else 1
+
+
+def usable_workers(n: int) -> int:
+    """The worker processes a run may use when asked for n: none beyond this one where they cannot be forked."""
+    return max(1, n) if FORK else 1
 
 
 def _simulate_row(mode: str, p: int, d: int) -> dict[str, Any]:
@@ -115,7 +118,7 @@ class Planner:
                  min_remote: int, log: Callable[[str], None], workers: int = 1):
         self.requests, self.cost, self.engine, self.slo, self.target = requests, cost, engine, slo, target
         self.min_remote, self.log = min_remote, log
-        self.workers = max(1, workers) if FORK else 1
+        self.workers = usable_workers(workers)
         self.runs: list[dict[str, Any]] = []
         self._rows: dict[tuple, dict] = {}          # finished runs, by (mode, prefill, decode)
         self._ahead: dict[tuple, Any] = {}          # runs started ahead: AsyncResults
@@ -257,7 +260,7 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
     _JOB.update(day=day, day_clusters={name: cluster("disaggregated", p, d, engine, min_remote, auto)
                                        for name, auto in runs.items()},
                 cost=cost, seed=seed, startup_s=startup_s, hours=hours, slo=slo, log=log)
-    if workers > 1 and FORK:
+    if usable_workers(workers) > 1:
         with _workers(min(workers, len(runs))) as pool:
             done = pool.map(_day_one, list(runs))
     else:

@@ -83,15 +83,17 @@ def hf_smol(smol_path):
     return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
 
 
-# Structured-output tests are not about the compile timeout (the one that is sets its own): a cold compile of a
-# JSON schema over SmolLM2's vocabulary, at idle priority beside the Ray tests, took over the default 10 s.
-COMPILE_TIMEOUT_S = 120.0
+# Tests of what structured outputs produce, engines and clusters alike, are not about the compile timeout (its
+# refusal has its own test in tests/test_structured_output.py, with its own timeout): a cold compile of a JSON
+# schema over SmolLM2's vocabulary took over the default 10 s on a slowed machine (14 s) and at idle priority
+# beside the Ray tests.
+GRAMMAR_COMPILE_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def smol_llm(smol_path):
     from engine import LLM
-    return LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048, grammar_compile_timeout_s=COMPILE_TIMEOUT_S)
+    return LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048, grammar_compile_timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
 
 
 def ray_log_files() -> list[str]:
@@ -175,10 +177,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # -- the Ray clusters the cluster tests share -----------------------------------------------------------
 CLUSTER_ENGINE = {"kv_cache_memory": 96 << 20, "max_model_len": 1024}
-# The cluster tests check what structured outputs produce; the compile timeout's refusal has its own test
-# (tests/test_structured_output.py). A slowed machine took 14 s over the first structured request (the 10 s
-# default refused it).
-GRAMMAR_COMPILE_TIMEOUT_S = 120.0
 TEST_KEYS_ENV, TEST_KEY = "BATON_TEST_API_KEYS", "sk-baton-test-key"
 # One prefill and one decode replica of the default model, KV over NIXL, API keys and tight request limits
 # (tests/test_cluster_e2e.py), and the baseline its speculative twin below is compared with.

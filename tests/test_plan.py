@@ -389,6 +389,10 @@ def test_served_contention_reads_the_gaps_that_lay_inside_a_prefill():
     assert gaps_while_prefilling([stream], [(Req([2], 2, at=2.0), Result("p", True, ttft=0.5))], 0.05) == []
 
 
+# `baton plan search`'s engine settings for Mooncake's trace (512-token blocks, KV in 90% of the GPU's memory)
+TRACE_ENGINE = {"block_size": 512, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "kv_cache_memory": 0.9}
+
+
 def _search(workers: int) -> tuple[dict, list[dict], list[str], int]:
     """`baton plan search`'s planner on 20 s of the shipped slice at 4 req/s (Llama-3.1-8B on H100s): the plan, the
     runs it read (their timings aside), its log lines (the same), and the runs it started ahead."""
@@ -397,9 +401,8 @@ def _search(workers: int) -> tuple[dict, list[dict], list[str], int]:
     from bench.replay_bench import DEFAULT_TRACE, load_trace
     from plan.search import Planner, at_rate
     _, rows = load_trace(DEFAULT_TRACE)
-    engine = {"block_size": 512, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "kv_cache_memory": 0.9}
     logs: list[str] = []
-    planner = Planner(from_mooncake(at_rate(rows, 4, 20, 0)), RooflineCost(), engine, (5.0, 0.1), 0.9, 512,
+    planner = Planner(from_mooncake(at_rate(rows, 4, 20, 0)), RooflineCost(), TRACE_ENGINE, (5.0, 0.1), 0.9, 512,
                       logs.append, workers)
     try:
         plan = planner.plan()
@@ -424,12 +427,11 @@ def test_the_day_s_two_runs_side_by_side_give_what_they_give_one_after_the_other
     from bench.replay_bench import DEFAULT_TRACE, load_trace
     from plan.search import day_run
     _, rows = load_trace(DEFAULT_TRACE)
-    engine = {"block_size": 512, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "kv_cache_memory": 0.9}
     plan = {"disaggregated": {"prefill": 2, "decode": 1}}
     days = {}
     for workers in (1, 2):
         logs: list[str] = []
-        day = day_run(rows, RooflineCost(), engine, 4.0, plan, (5.0, 0.1), 512, 60.0, 0.25, 0, logs.append,
+        day = day_run(rows, RooflineCost(), TRACE_ENGINE, 4.0, plan, (5.0, 0.1), 512, 60.0, 0.25, 0, logs.append,
                       workers=workers)
         for run in day.values():
             run.pop("sim_s")

@@ -12,9 +12,9 @@ import threading
 import jsonschema
 import pytest
 
-from conftest import COMPILE_TIMEOUT_S
 from engine import LLM, InvalidRequestError, LLMEngine, Resume, SamplingParams
 from engine.structured import StructuredOutput
+from tests.conftest import GRAMMAR_COMPILE_TIMEOUT_S
 
 # SmolLM2 runs every test but the last: the slow tier (CI runs it; `make test-fast` keeps under 3 minutes)
 slow = pytest.mark.slow
@@ -101,7 +101,7 @@ def test_speculation_keeps_constrained_output_token_for_token(smol_path, smol_ll
     cfg = ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False} if method == "ngram" else
            {"method": "layer_skip", "num_layers": 10, "num_speculative_tokens": 3, "adaptive": False})
     spec = LLM(smol_path, kv_cache_memory=256 << 20, max_model_len=2048, speculative_config=cfg,   # as smol_llm
-               grammar_compile_timeout_s=COMPILE_TIMEOUT_S)
+               grammar_compile_timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
     params = [structured(StructuredOutput(json=SCHEMAS[n]), temperature) for n in SCHEMAS] + \
         [structured(StructuredOutput(regex=r"(ab|cd){4,8}"), temperature)]
     prompts = PROMPTS + ["Repeat: abababab"]
