@@ -241,6 +241,11 @@ def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
             at += 12
             if item in _GGUF_SCALARS:
                 return at + count * struct.calcsize(_GGUF_SCALARS[item])
+            if item == _GGUF_STRING:                       # the vocabulary and merges: 98k strings for SmolLM2
+                length = struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    at += 8 + length(mm, at)[0]
+                return at
             for _ in range(count):
                 at = skip(at, item)
             return at

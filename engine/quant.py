@@ -143,16 +143,16 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantW
     n, k = shape
     raw = np.asarray(raw, dtype=np.uint8).reshape(n, -1)
     t = torch.from_numpy
-    if type_name in ("Q8_0", "Q4_0", "Q4_1"):
-        head = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}[type_name]
-        blocks = raw.reshape(n, k // 32, -1)
-        d = _f16(blocks[:, :, 0:2])
+    if type_name in ("Q8_0", "Q4_0", "Q4_1"):     # blocks of 32: fp16 d [, fp16 m], the codes; one read each
+        fields = [("d", "<f2")] + [("m", "<f2")] * (type_name == "Q4_1") + [
+            ("qs", "i1" if type_name == "Q8_0" else "u1", 32 if type_name == "Q8_0" else 16)]
+        blocks = np.ascontiguousarray(raw).view(np.dtype(fields)).reshape(n, k // 32)
+        d = blocks["d"].astype(np.float32)
+        qs = t(np.ascontiguousarray(blocks["qs"]).reshape(n, -1))
         if type_name == "Q8_0":
-            qs = blocks[:, :, 2:].view(np.int8).reshape(n, k)
-            return QuantWeight("q8", t(qs.copy()), t(d), None, 32, type_name)
-        m = -8.0 * d if type_name == "Q4_0" else _f16(blocks[:, :, 2:4])
-        qs = blocks[:, :, head:].reshape(n, k // 2)
-        return QuantWeight("q4", t(qs.copy()), t(d), t(np.ascontiguousarray(m, dtype=np.float32)), 32, type_name)
+            return QuantWeight("q8", qs, t(d), None, 32, type_name)
+        m = -8.0 * d if type_name == "Q4_0" else blocks["m"].astype(np.float32)
+        return QuantWeight("q4", qs, t(d), t(m), 32, type_name)
     if type_name == "Q4_K":                # 144 bytes / 256: d, dmin, 12 bytes of 6-bit scales and mins, 128 of codes
         blocks = raw.reshape(n, k // 256, 144)
         d, dmin = _f16(blocks[:, :, 0:2]), _f16(blocks[:, :, 2:4])

@@ -16,6 +16,7 @@ whichever rows share the call and however many threads run it. `emulate` is that
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.cpu_model import available, kernels as _load      # engine/quant_cpu.cpp is built as part of it
@@ -46,22 +47,33 @@ def _lanes(t: torch.Tensor) -> torch.Tensor:
 def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]:
     """The kernel's layout (engine/quant_cpu.cpp), one uint8 tensor: rows in tiles of 16, each tile one stream of
     spans of max(group, 32) k, a span's blocks (bytes arranged so that one 4-byte lane per row holds 4 consecutive
-    k) followed by its scales and its mins (q4) or its weights' int16 sums (q8), each a 16-lane vector."""
+    k) followed by its scales and its mins (q4) or its weights' int16 sums (q8), each a 16-lane vector.
+
+    A q4 block's byte j holds k = j and k = 16 + j (GGUF order), and the kernel's lane wants the same pairs, so
+    both formats' blocks are the stored bytes moved as 4-byte words: one copy per part, straight into its place
+    (a replica's start-up pays this for every linear layer)."""
     if kind not in ("q4", "q8"):
         raise ValueError(f"unknown quantized kind {kind!r}")
     n, k = qs.shape[0], qs.shape[1] * (2 if kind == "q4" else 1)
     nb, span = k // 32, max(group, 32)
+    spans, words = k // span, (4 if kind == "q4" else 8)                   # 4-byte words per row per 32-k block
     if kind == "q4":
-        q = _tiles(_unpack_q4(qs)).view(-1, TILE, nb, 2, 4, 4)                  # [T, row, block, half, v, i]
-        blocks = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [T, block, v, row, i]
         extra = _lanes(mins.float())
     else:
-        blocks = _tiles(qs).view(-1, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4)     # [T, block, c, row, i]
         wg = 16 if group == 16 else 32
-        extra = _lanes(qs.view(n, k // wg, wg).sum(-1, dtype=torch.int32).to(torch.int16))
-    parts = [blocks.contiguous().view(torch.uint8), _lanes(scales.float()).view(torch.uint8), extra.view(torch.uint8)]
-    spans = k // span
-    return (torch.cat([p.reshape(p.shape[0], spans, -1) for p in parts], dim=2).contiguous(),)
+        sums = qs.numpy().reshape(n, k // wg, wg).sum(-1, dtype=np.int16)  # |sum| <= 32 * 128; numpy's is 3x torch's
+        extra = _lanes(torch.from_numpy(sums))
+    w = _tiles(qs.contiguous().view(torch.uint8).view(torch.int32))         # [T, row, block * word]
+    t = w.shape[0]
+    blocks = w.view(t, TILE, spans, -1).permute(0, 2, 3, 1)                # [T, span, block * word, row]
+    lanes = [p.view(torch.uint8).reshape(t, spans, -1) for p in (_lanes(scales.float()), extra)]
+    sizes = [nb // spans * words * TILE * 4] + [p.shape[2] for p in lanes]
+    out = torch.empty(t, spans, sum(sizes), dtype=torch.uint8)
+    head = out[:, :, :sizes[0]]
+    head.view(torch.int32).view(t, spans, -1, TILE).copy_(blocks)
+    out[:, :, sizes[0]:sizes[0] + sizes[1]].copy_(lanes[0])
+    out[:, :, sizes[0] + sizes[1]:].copy_(lanes[1])
+    return (out,)
 
 
 def matmul(x: torch.Tensor, packed: tuple, kind: str, group: int, n: int, k: int) -> torch.Tensor:
