@@ -382,6 +382,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.config, self.head_dim, self.max_positions).to(device)
         return self
 
+    def cover_positions(self, max_positions: int) -> None:
+        """Rotary tables for this many positions (an engine sharing weights loaded for another max_model_len)."""
+        if max_positions != self.max_positions:
+            self.max_positions = max_positions
+            self.rope = RotaryEmbedding(self.config, self.head_dim, max_positions).to(self.rope.cos.device)
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices,
                 num_layers: int | None = None):

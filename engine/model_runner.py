@@ -3,7 +3,9 @@ turns a scheduled batch into one forward."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from typing import Callable, ContextManager
 
 import numpy as np
@@ -23,6 +25,66 @@ from engine.quant import hf_quant_method, resolve_quantization
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+# -- one checkpoint's weights, shared by the engines of a process ------------------------------------------------
+# Engines in one process that load the same checkpoint with the same options (dtype, device, quantization) share
+# its weights, read-only, as llama.cpp's processes share a model file's mapped pages: a second
+# engine (a draft equal to its target, `baton bench` building one engine per case, a notebook re-creating its LLM)
+# neither reads nor repacks them again, nor holds a second copy. Each engine gets its own module tree (LoRA wraps
+# its own linears; the C++ forward binds its own KV cache) over the same tensors. The weights are freed when the
+# last engine holding them is. Changing a weight in place changes it for every engine that shares it.
+_SHARED: "weakref.WeakValueDictionary[tuple, SharedWeights]" = weakref.WeakValueDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+class SharedWeights:
+    """A loaded model before any engine ran it: the module tree each sharing engine copies."""
+
+    def __init__(self, model: LlamaForCausalLM, weight_bytes: int):
+        self.template, self.weight_bytes = own_tree(model), weight_bytes
+
+    def model(self, max_positions: int) -> LlamaForCausalLM:
+        model = own_tree(self.template)
+        model.cover_positions(max_positions)               # its own rotary tables: not weights
+        model.shared_weights = self                        # held while this engine's model lives
+        return model
+
+
+def own_tree(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a module tree with module objects and attribute dicts of its own and the same tensors."""
+    copy = object.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._modules = {k: None if m is None else own_tree(m) for k, m in module._modules.items()}
+    copy._parameters, copy._buffers = dict(module._parameters), dict(module._buffers)
+    return copy
+
+
+def weights_key(model_path: str, gguf, hf_config, device: torch.device, dtype: torch.dtype,
+                quantization: str) -> tuple | None:
+    """What the loaded weights depend on: the files read (path, size, modification time), the config, where and
+    how they are held."""
+    from pathlib import Path
+    files = [Path(gguf)] if gguf is not None else sorted(Path(model_path).glob("*.safetensors"))
+    try:
+        stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    except OSError:
+        return None
+    return stamps, hf_config.to_json_string(), str(device), str(dtype), quantization
+
+
+def loaded_weights(key: tuple | None) -> SharedWeights | None:
+    if key is None:
+        return None
+    with _SHARED_LOCK:
+        return _SHARED.get(key)
+
+
+def remember_weights(key: tuple, model: LlamaForCausalLM, weight_bytes: int) -> None:
+    shared = SharedWeights(model, weight_bytes)
+    model.shared_weights = shared
+    with _SHARED_LOCK:
+        _SHARED.setdefault(key, shared)
 
 
 class ModelRunner:
@@ -47,11 +109,36 @@ class ModelRunner:
         hf_method = None if dummy else hf_quant_method(quant_config)
         self.quantization = resolve_quantization(config.quantization, gguf, names_gguf(config.model), self.device,
                                                  1 if tp is None else tp.size, hf_method)
+        key = None if dummy or tp is not None else weights_key(
+            model_path, gguf if self.quantization == "gguf" else None, hf_config, self.device, self.dtype,
+            self.quantization)
+        shared = loaded_weights(key)
+        if shared is not None:                              # another engine of this process loaded the same
+            self.model, self.weight_bytes = shared.model(max_model_len), shared.weight_bytes
+            log.info("weights of %s: shared with another engine in this process", model_path)
+        else:
+            self._load(model_path, hf_config, max_model_len, tp, dummy, gguf, hf_method, quant_config)
+            if key is not None:
+                remember_weights(key, self.model, self.weight_bytes)
+        self.lora = None                                    # engine/lora.py LoRAManager (enable_lora)
+        if config.enable_lora:                              # TP 1 only (EngineConfig checks)
+            from engine.lora import LoRAManager
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.num_blocks = 0
+        self.host_kv: torch.Tensor | None = None           # the host tier (allocate_host_kv)
+        self.graph_keys: list[tuple[int, int]] = []        # (batch size, query width) of the graphs to replay
+        self._graphs: dict[tuple[int, int], CapturedGraph] = {}
+
+    def _load(self, model_path, hf_config, max_model_len, tp, dummy, gguf, hf_method, quant_config) -> None:
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.hf_config, max_positions=max_model_len, tp=tp)
+            model = LlamaForCausalLM(hf_config, max_positions=max_model_len, tp=tp)
         self.model = model.materialize(self.device, self.dtype).eval()
         if dummy:
-            init_dummy_weights(self.model, config.seed)
+            init_dummy_weights(self.model, self.config.seed)
         elif self.quantization == "gguf":
             self.model.load_weights(iter_gguf_weights(gguf, hf_config))
         elif hf_method is not None:
@@ -65,18 +152,6 @@ class ModelRunner:
         self.weight_bytes = self.model.weight_bytes()
         if can_prepack(self.device, self.dtype):
             self.model.prepack_linears()
-        self.lora = None                                    # engine/lora.py LoRAManager (enable_lora)
-        if config.enable_lora:                              # TP 1 only (EngineConfig checks)
-            from engine.lora import LoRAManager
-            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                    config.max_cpu_loras or config.max_loras, self.dtype, self.device)
-        self.load_seconds = time.perf_counter() - t0
-        self.block_size = config.block_size
-        self.max_model_len = max_model_len
-        self.num_blocks = 0
-        self.host_kv: torch.Tensor | None = None           # the host tier (allocate_host_kv)
-        self.graph_keys: list[tuple[int, int]] = []        # (batch size, query width) of the graphs to replay
-        self._graphs: dict[tuple[int, int], CapturedGraph] = {}
 
     def allocate_kv(self, num_blocks: int) -> None:
         """The KV cache, the step buffers and (on CUDA, unless enforce_eager) the CUDA graphs."""

@@ -2,9 +2,11 @@
 the cluster tests share, the `cluster` marker, and wait_for (tests poll a condition, never sleep a fixed time)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -75,6 +77,36 @@ def run_bench(*args: str, timeout_s: float = 600) -> dict:
 def smol_path() -> str:
     from engine.loader import resolve_model
     return resolve_model(None)
+
+
+# Engines of one checkpoint in one process share its weights while one of them lives (engine/model_runner.py). Most
+# tests build an engine of the default model (converted or packed) and drop it; the first load of each in a test
+# process is kept here, so the others share it instead of reading and repacking 538 MB again (0.6 s an engine,
+# 130-odd engines in `make test-fast`). The load itself is still what each process's first engine runs. Not in the
+# process that runs the Ray tests, beside the replicas: it builds few engines of its own.
+PINNED_WEIGHTS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_default_models_weights(request):
+    yield
+    import sys
+    if request.node.get_closest_marker("cluster"):
+        return
+    runner = sys.modules.get("engine.model_runner")
+    if runner is None:
+        return
+    for key, shared in list(runner._SHARED.items()):
+        if key[0] and key[0][0][0].startswith(_default_model_files()) and shared not in PINNED_WEIGHTS:
+            PINNED_WEIGHTS.append(shared)
+
+
+@functools.cache
+def _default_model_files() -> tuple[str, str]:
+    from engine.loader import gguf_source, resolve_model
+    mine = str(Path(resolve_model(None)).resolve())
+    gguf = gguf_source(mine)
+    return mine + os.sep, str(gguf.resolve()) if gguf else mine
 
 
 @pytest.fixture(scope="session")

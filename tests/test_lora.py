@@ -82,6 +82,18 @@ def test_each_adapter_alone_matches_peft_and_changes_the_output(tiny, reference)
     assert_no_leak(llm)
 
 
+def test_an_engine_with_adapters_beside_a_plain_engine_of_its_base_changes_only_its_own_tokens(tiny, reference):
+    """Both engines share the base's weights (engine/model_runner.py); the adapters wrap only their engine's."""
+    plain = LLM(tiny["base"], tokenizer=resolve_model(None), num_kv_blocks=96, max_model_len=256)
+    llm = lora_llm(tiny["base"])
+    shared = {p.data_ptr() for p in plain.engine.runner.model.parameters()}
+    assert shared <= {p.data_ptr() for p in llm.engine.runner.model.parameters()}, "one copy of the base"
+    adapted = llm.generate(PROMPTS, GREEDY, lora_request=req(tiny, "full"))
+    base = plain.generate(PROMPTS, GREEDY)
+    for i, (a, b) in enumerate(zip(adapted, base)):
+        assert a.token_ids == reference["full", i] and b.token_ids == reference[None, i], i
+
+
 def test_a_batch_mixing_four_adapters_and_the_base_matches_peft(tiny, reference):
     """Every request of one batch runs under its own adapter (or none), in the same steps."""
     llm = lora_llm(tiny["base"], max_num_batched_tokens=64)     # prefill chunks mixed with decodes
