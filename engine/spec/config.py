@@ -1,6 +1,7 @@
 """SpeculativeConfig: which proposer drafts tokens, and how many (vLLM's `speculative_config` names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -19,6 +20,10 @@ class SpeculativeConfig:
     num_layers: int | None = None         # layer_skip: how many of the target's first layers draft
     adaptive: bool = True                 # choose k per request each step (False: always the max)
     draft_kv_blocks: int | None = None    # draft_model: blocks of its own KV cache (default: the target's)
+    # adaptive: seconds of a target step over T tokens, [[T, seconds], ...] with T increasing, instead of measuring
+    # them at start-up (several seconds on a CPU): the same depth decisions on every start and machine, as
+    # measured once (the engine still scales the table by the steps it times)
+    step_costs: tuple[tuple[int, float], ...] | None = None
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -57,3 +62,15 @@ class SpeculativeConfig:
             bad(f'"num_layers" applies to method "layer_skip", not {self.method!r}')
         if self.draft_kv_blocks is not None and self.draft_kv_blocks < 1:
             bad(f"draft_kv_blocks must be positive, got {self.draft_kv_blocks}")
+        if self.step_costs is not None:
+            try:
+                costs = tuple((int(t), float(y)) for t, y in self.step_costs)
+            except (TypeError, ValueError):
+                costs = ()
+            ok = costs and all(t >= 1 and math.isfinite(y) and y > 0 for t, y in costs) \
+                and all(a[0] < b[0] for a, b in zip(costs, costs[1:])) \
+                and all(float(t) == t0 for (t, _), (t0, _) in zip(costs, self.step_costs))
+            if not ok:
+                bad(f"step_costs must be [[T, seconds], ...] with whole T >= 1 increasing and seconds > 0, "
+                    f"got {self.step_costs!r}")
+            object.__setattr__(self, "step_costs", costs)

@@ -44,7 +44,10 @@ class SpecDecoder:
         self.drafter = self._build_drafter()
         sizes = [t for t in (1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 128)
                  if t <= max(engine.config.max_num_batched_tokens, 2)]
-        verify = StepCost(self._profile(engine.runner, None, sizes)) if self.cfg.adaptive else StepCost([(1, 1.0)])
+        if not self.cfg.adaptive:
+            verify = StepCost([(1, 1.0)])
+        else:
+            verify = StepCost(list(self.cfg.step_costs or self._profile(engine.runner, None, sizes)))
         if self.cfg.method == "ngram":
             draft_cost = (0.0, 2e-5)                         # a numpy lookup per request
         else:
