@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
-
 from engine.errors import ModelLoadError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:                    # torch is imported where it is used: finding the model needs none of it
     import numpy as np
+    import torch
     from gguf import GGMLQuantizationType
 
     from engine.quant import QuantWeight
@@ -86,6 +85,7 @@ def convert_gguf(gguf: Path) -> Path:
     if (out / "model.safetensors").is_file():
         (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))   # caches made before it was kept
         return out
+    import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -289,6 +289,7 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     """Yield (HF name, tensor) straight from a GGUF: the packed types (engine/quant.py) as QuantWeights,
     float tensors as fp32, any other type dequantized to fp32 (with a warning naming it). A llama GGUF
     stores q and k rows in llama.cpp's rotary order; they come back in HF's."""
+    import torch
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -338,6 +339,7 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
 
 def _unrotate(rows: int, n_head: int) -> "torch.Tensor":
     """The row order that undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
+    import torch
     return torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)
 
 
@@ -346,6 +348,7 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
     FP8: its e4m3 weight and weight_scale) as one packed "<linear>.weight" (engine/quant.py; fp32 when
     `dequantize`), every other tensor as it is. An FP8 checkpoint's static input_scale is not used: activations
     are scaled per token."""
+    import torch
     from engine.quant import from_fp8, from_gptq_awq, hf_quant_method
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method, group = hf_quant_method(q), q.get("group_size", q.get("q_group_size"))
@@ -383,6 +386,7 @@ def read_slice(fh, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights (std 0.02, norms at 1) so a shape can be benchmarked without a checkpoint."""
+    import torch
     g = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

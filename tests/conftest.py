@@ -196,8 +196,9 @@ def pytest_collection_modifyitems(config, items):
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
         # under pytest-xdist (`make test` runs the tests that start no Ray on two workers, --dist loadgroup) a
-        # module's tests stay on one worker, so its module fixtures (engines, references) are built once
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+        # module's tests stay on one worker, so its module fixtures (engines, references) are built once; modules
+        # that name a group share a worker (the tensor-parallel ones: one fork server of TP workers, 6-9 s to start)
+        item.add_marker(pytest.mark.xdist_group(getattr(item.module, "XDIST_GROUP", item.module.__name__)))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -18,6 +18,8 @@ from kvtransfer.rank_pulls import DONE, FAILED
 from tests.conftest import make_tiny_checkpoint
 from tests.test_kvtransfer_engines import EngineHost, cluster  # noqa: F401 - cluster: its local Ray fixture
 
+XDIST_GROUP = "tensor-parallel"          # tests/conftest.py: with the other TP engines' modules, one fork server
+
 pytestmark = pytest.mark.timeout(300)
 
 TINY = dict(num_kv_blocks=48, max_model_len=256)

@@ -20,6 +20,8 @@ from engine.parallel import TPWorkerError
 from engine.sampling_params import SamplingParams
 from greedy import MAX_LOGPROB_GAP, TOP_K, baton_greedy, check_greedy_close
 
+XDIST_GROUP = "tensor-parallel"          # tests/conftest.py: with the other TP engines' modules, one fork server
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=TOP_K)
 PROMPTS = [[1, 5, 9, 33, 7], [2, 8, 100] + [4] * 30 + [250], list(range(40, 90))]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
