@@ -25,7 +25,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, RemotePrefill, Resume
 from engine.kv_events import KVEvent
 from engine.kv_layout import KV_LAYOUT_VERSION
-from engine.loader import load_config, load_tokenizer, resolve_model
+from engine.loader import load_config, resolve_model, shared_tokenizer
 from engine.executor import Executor
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampler import Sampler
@@ -44,7 +44,7 @@ class LLMEngine:
                  clock: Callable[[], float] = time.time):
         self.config = config
         self.model_path = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = shared_tokenizer(config.tokenizer or self.model_path)
         hf = load_config(self.model_path)
         limit = getattr(hf, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
         self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)

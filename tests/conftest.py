@@ -79,16 +79,16 @@ def smol_path() -> str:
     return resolve_model(None)
 
 
-# Engines of one checkpoint in one process share its weights while one of them lives (engine/model_runner.py). Most
-# tests build an engine of the default model (converted or packed) and drop it; the first load of each in a test
-# process is kept here, so the others share it instead of reading and repacking 538 MB again (0.6 s an engine,
-# 130-odd engines in `make test-fast`). The load itself is still what each process's first engine runs. Not in the
+# Engines of one checkpoint in one process share its weights and tokenizer while one of them lives
+# (engine/model_runner.py, engine/loader.py). Most tests build an engine of the default model (converted or packed)
+# and drop it; the first load of each in a test process is kept here, so the others share it instead of reading and
+# repacking 538 MB and parsing the tokenizer again (0.8 s an engine, 130-odd engines in `make test-fast`). The load itself is still what each process's first engine runs. Not in the
 # process that runs the Ray tests, beside the replicas: it builds few engines of its own.
-PINNED_WEIGHTS: list = []
+PINNED_LOADS: list = []
 
 
 @pytest.fixture(autouse=True)
-def _keep_the_default_models_weights(request):
+def _keep_the_default_models_loads(request):
     yield
     import sys
     if request.node.get_closest_marker("cluster"):
@@ -96,9 +96,11 @@ def _keep_the_default_models_weights(request):
     runner = sys.modules.get("engine.model_runner")
     if runner is None:
         return
-    for key, shared in list(runner._SHARED.items()):
-        if key[0] and key[0][0][0].startswith(_default_model_files()) and shared not in PINNED_WEIGHTS:
-            PINNED_WEIGHTS.append(shared)
+    from engine import loader
+    ours = _default_model_files()
+    kept = [shared for key, shared in list(runner._SHARED.items()) if key[0] and key[0][0][0].startswith(ours)]
+    kept += [tok for key, tok in list(loader._TOKENIZERS.items()) if (key[0] + os.sep).startswith(ours)]
+    PINNED_LOADS.extend(k for k in kept if not any(k is p for p in PINNED_LOADS))
 
 
 @functools.cache

@@ -1,6 +1,7 @@
-"""Engines of one checkpoint in one process share its weights (engine/model_runner.py): a second engine neither
-reads nor repacks them again nor holds a second copy, still gives its own tokens while the first runs beside it,
-and the weights are freed with the last engine that holds them. Different options load their own."""
+"""Engines of one checkpoint in one process share its weights and tokenizer (engine/model_runner.py,
+engine/loader.py): a second engine neither reads nor repacks them again nor holds a second copy, still gives its
+own tokens while the first runs beside it, and the weights are freed with the last engine that holds them.
+Different options load their own."""
 from __future__ import annotations
 
 import gc
@@ -11,6 +12,7 @@ import pytest
 
 from bench.models import make_tiny_checkpoint
 from engine import LLM, PromptTooLongError, SamplingParams
+from engine.loader import load_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The capital of France is", "List three colours:", "def add(a, b):"]
@@ -48,6 +50,8 @@ def test_a_second_engine_shares_the_weights_and_both_give_their_own_tokens_side_
     second = LLM(None, kv_cache_memory=24 << 20, max_model_len=512, max_num_seqs=4)
     assert _params(second) == _params(first), "one copy of the weights"
     assert second.engine.runner.weight_bytes == first.engine.runner.weight_bytes
+    assert second.engine.tokenizer is first.engine.tokenizer                 # and the tokenizer
+    assert load_tokenizer(first.engine.model_path) is not first.engine.tokenizer, "a caller's own, to change"
     _side_by_side((first, second), alone)
     del first                                                 # the second still holds the weights
     gc.collect()
