@@ -2,11 +2,10 @@
 measure the system rather than the model (reliability, chaos) load."""
 from __future__ import annotations
 
-import torch
-
 
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type]
     cfg = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
@@ -27,6 +26,7 @@ def make_lora_adapter(base_dir: str, out_dir, rank: int = 8, seed: int = 0, alph
     """A random LoRA adapter for the HF checkpoint at `base_dir`, saved by PEFT (adapter_config.json and
     adapter_model.safetensors) as a fine-tune would be. PEFT starts B at zero (a no-op); here A and B are
     random with B scaled by `scale`, so the adapter changes what the model says."""
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

@@ -19,7 +19,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")   # no GPU in CI: Triton kernels 
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
-import torch
 
 from bench.models import make_tiny_checkpoint  # noqa: F401 - the tests' tiny checkpoints, shared with benches
 
@@ -113,6 +112,7 @@ def _default_model_files() -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def hf_smol(smol_path):
+    import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
 
@@ -207,6 +207,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers on two cores: one torch thread each, and for the benchmarks they start (OpenMP teams that
     # outnumber the cores spin on each other's cores: a 1.5 ms decode step then takes 80)
     os.environ["OMP_NUM_THREADS"] = "1"
+    import torch                    # here only: the controlling process never needs torch (2.3 s of its start)
     torch.set_num_threads(1)
 
 
