@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 # -- one checkpoint's weights, shared by the engines of a process ------------------------------------------------
 # Engines in one process that load the same checkpoint with the same options (dtype, device, quantization) share
-# its weights, read-only, as llama.cpp's processes share a model file's mapped pages: a second
-# engine (a draft equal to its target, `baton bench` building one engine per case, a notebook re-creating its LLM)
-# neither reads nor repacks them again, nor holds a second copy. Each engine gets its own module tree (LoRA wraps
+# its weights, read-only, as llama.cpp's processes share a model file's mapped pages: a second engine built while
+# the first lives (a draft equal to its target, a notebook re-creating its LLM, a test suite's engines) neither
+# reads nor repacks them again, nor holds a second copy. Each engine gets its own module tree (LoRA wraps
 # its own linears; the C++ forward binds its own KV cache) over the same tensors. The weights are freed when the
 # last engine holding them is. Changing a weight in place changes it for every engine that shares it.
 _SHARED: "weakref.WeakValueDictionary[tuple, SharedWeights]" = weakref.WeakValueDictionary()
