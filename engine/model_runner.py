@@ -63,14 +63,19 @@ def own_tree(module: torch.nn.Module) -> torch.nn.Module:
 def weights_key(model_path: str, gguf, hf_config, device: torch.device, dtype: torch.dtype,
                 quantization: str) -> tuple | None:
     """What the loaded weights depend on: the files read (path, size, modification time), the config, where and
-    how they are held."""
+    how they are held, and the layouts this process packs them in (oneDNN's, the C++ kernel's: switches a test or
+    an operator may turn off, BATON_CPU_PACKED and BATON_CPU_KERNEL)."""
     from pathlib import Path
+
+    from engine.model import _quant_kernels
     files = [Path(gguf)] if gguf is not None else sorted(Path(model_path).glob("*.safetensors"))
     try:
         stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     except OSError:
         return None
-    return stamps, hf_config.to_json_string(), str(device), str(dtype), quantization
+    kernel = device.type == "cpu" and quantization != "none" and _quant_kernels() is not None
+    return (stamps, hf_config.to_json_string(), str(device), str(dtype), quantization, can_prepack(device, dtype),
+            kernel)
 
 
 def loaded_weights(key: tuple | None) -> SharedWeights | None:

@@ -58,7 +58,7 @@ def test_a_second_engine_shares_the_weights_and_both_give_their_own_tokens_side_
     assert [o.token_ids for o in second.generate(PROMPTS, GREEDY)] == alone
 
 
-def test_a_longer_max_model_len_shares_the_last_engine_frees_and_other_options_load_apart(tmp_path):
+def test_a_longer_max_model_len_shares_the_last_engine_frees_and_other_options_load_apart(tmp_path, monkeypatch):
     """A checkpoint of this test's own (the suite keeps the default model's weights loaded: tests/conftest.py)."""
     path = make_tiny_checkpoint(tmp_path / "m", "llama")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -71,6 +71,12 @@ def test_a_longer_max_model_len_shares_the_last_engine_frees_and_other_options_l
     far = longer.generate([prompt], greedy)[0].token_ids
     int8 = LLM(path, num_kv_blocks=40, max_model_len=128, quantization="int8")
     assert set(_params(int8).values()).isdisjoint(_params(a).values()), "other weights, loaded apart"
+    with monkeypatch.context() as env:                                       # packed another way: its own
+        env.setenv("BATON_CPU_PACKED", "0")
+        plain = LLM(path, num_kv_blocks=40, max_model_len=128)
+    assert set(_params(plain).values()).isdisjoint(_params(a).values())
+    assert len(plain.generate([prompt[:100]], greedy)[0].token_ids) == 8
+    del plain
     norm = weakref.ref(a.engine.runner.model.model.norm.weight)
     del a, longer
     gc.collect()
