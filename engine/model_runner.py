@@ -70,7 +70,7 @@ def weights_key(model_path: str, gguf, hf_config, device: torch.device, dtype: t
     from engine.model import _quant_kernels
     files = [Path(gguf)] if gguf is not None else sorted(Path(model_path).glob("*.safetensors"))
     try:
-        stamps = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+        stamps = tuple((str(f.resolve()), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()])
     except OSError:
         return None
     kernel = device.type == "cpu" and quantization != "none" and _quant_kernels() is not None

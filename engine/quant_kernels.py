@@ -55,8 +55,7 @@ def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]
     if kind not in ("q4", "q8"):
         raise ValueError(f"unknown quantized kind {kind!r}")
     n, k = qs.shape[0], qs.shape[1] * (2 if kind == "q4" else 1)
-    nb, span = k // 32, max(group, 32)
-    spans, words = k // span, (4 if kind == "q4" else 8)                   # 4-byte words per row per 32-k block
+    spans = k // max(group, 32)
     if kind == "q4":
         extra = _lanes(mins.float())
     else:
@@ -67,10 +66,9 @@ def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]
     t = w.shape[0]
     blocks = w.view(t, TILE, spans, -1).permute(0, 2, 3, 1)                # [T, span, block * word, row]
     lanes = [p.view(torch.uint8).reshape(t, spans, -1) for p in (_lanes(scales.float()), extra)]
-    sizes = [nb // spans * words * TILE * 4] + [p.shape[2] for p in lanes]
+    sizes = [blocks.shape[2] * TILE * 4] + [p.shape[2] for p in lanes]     # bytes of each part in a span
     out = torch.empty(t, spans, sum(sizes), dtype=torch.uint8)
-    head = out[:, :, :sizes[0]]
-    head.view(torch.int32).view(t, spans, -1, TILE).copy_(blocks)
+    out[:, :, :sizes[0]].view(torch.int32).view(t, spans, -1, TILE).copy_(blocks)
     out[:, :, sizes[0]:sizes[0] + sizes[1]].copy_(lanes[0])
     out[:, :, sizes[0] + sizes[1]:].copy_(lanes[1])
     return (out,)

@@ -81,8 +81,9 @@ def smol_path() -> str:
 # Engines of one checkpoint in one process share its weights and tokenizer while one of them lives
 # (engine/model_runner.py, engine/loader.py). Most tests build an engine of the default model (converted or packed)
 # and drop it; the first load of each in a test process is kept here, so the others share it instead of reading and
-# repacking 538 MB and parsing the tokenizer again (0.8 s an engine, 130-odd engines in `make test-fast`). The load itself is still what each process's first engine runs. Not in the
-# process that runs the Ray tests, beside the replicas: it builds few engines of its own.
+# repacking 538 MB and parsing the tokenizer again (0.8 s an engine, 130-odd engines in `make test-fast`). The load
+# itself is still what each process's first engine runs. Not in the process that runs the Ray tests, beside the
+# replicas: it builds few engines of its own.
 PINNED_LOADS: list = []
 
 
