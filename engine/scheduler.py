@@ -8,7 +8,8 @@ priority, newest running sequence is preempted by recompute: its blocks are free
 prefix cache until reused, so the recompute is often a cache hit) and it waits again.
 
 A request whose prompt K/V come from another engine (decode role, `seq.remote`) waits in the same
-queue, in the same order. Admitted, it takes a slot (max_num_seqs) and blocks for its whole prompt,
+queue, in the same order, but needs no token budget: once a step's budget is spent, imports further back
+start their loads too. Admitted, it takes a slot (max_num_seqs) and blocks for its whole prompt,
 and waits WAITING_FOR_REMOTE_KVS while the connector fills them; then it runs (and may be preempted)
 like any other. If its deadline passes before it is admitted, or the load fails, it is prefilled here.
 A prefix pull (`seq.remote.num_tokens`) reserves and fills only the leading blocks another engine caches;
@@ -138,6 +139,24 @@ class Scheduler:
             budget -= n
         for seq in deferred:
             heapq.heappush(self.waiting, seq)
+        if budget <= 0:
+            self._start_loads_behind(adapters)
+
+    def _start_loads_behind(self, adapters: set[str]) -> None:
+        """The step's token budget is spent, but an import further back in the queue needs none of it: its K/V
+        arrive over the network while steps compute. Start those loads now, in queue order while slots and
+        blocks allow, instead of holding them behind prompts that take whole steps: a hand-off's lease ends
+        transfer.ttl_s after it was made, and behind a few long prefills on a slow device a prefix pull's
+        lease ran out and its prefix was computed after all (docs/benchmarks.md, issue 22's pow2 case)."""
+        for seq in sorted(s for s in self.waiting if s.remote is not None):
+            if self.num_seqs >= self.config.max_num_seqs:
+                break
+            if seq.lora_key is not None and seq.lora_key not in adapters and len(adapters) >= self.config.max_loras:
+                continue
+            if not self._start_load(seq):
+                break
+            if seq.lora_key is not None and seq.remote is not None:
+                adapters.add(seq.lora_key)
 
     def _adapters(self) -> set[str]:
         """The LoRA adapters of the sequences holding a slot (a step holds at most max_loras of them)."""
@@ -156,8 +175,8 @@ class Scheduler:
 
     # -- imports ----------------------------------------------------------------------------------
     def _start_load(self, seq: Sequence) -> bool:
-        """Reserve blocks for an import at the head of the queue and start its load; False: no room yet.
-        Past its deadline, or if the load cannot start, it stays at the head as a local prefill."""
+        """Reserve blocks for a waiting import and start its load; False: no room yet. Past its deadline, or
+        if the load cannot start, it stays in the queue, in its place, as a local prefill."""
         if self.clock() >= seq.remote.deadline:
             self._fall_back(seq, "no KV room before the source's deadline")
             return True
@@ -178,7 +197,11 @@ class Scheduler:
             self.kv.free(seq)
             self._fall_back(seq, f"{type(e).__name__}: {e}")
             return True
-        heapq.heappop(self.waiting)
+        if self.waiting[0] is seq:
+            heapq.heappop(self.waiting)
+        else:                                           # started from behind the head (_start_loads_behind)
+            self.waiting.remove(seq)
+            heapq.heapify(self.waiting)
         seq.status = Status.WAITING_FOR_REMOTE_KVS
         seq.num_cached_tokens = num_local * self.kv.block_size
         seq.kv_import.blocks, seq.kv_import.started = len(seq.block_table) - num_local, time.monotonic()

@@ -29,6 +29,20 @@ class TransferConfig(BaseModel):
 
 
 PREFIX_PULL_OVERHEAD_S = 0.01   # a prefix pull's fixed cost (the export call, the pull's set-up): 5-15 ms here
+PREFIX_EXPORT_TIMEOUT_S = 2.0   # the least a replica waits for another's prefix export before computing the prefix
+
+
+def prefix_export_timeout_s(blocks: int, block_size: int, computed_tokens: int, busy_seconds: float) -> float:
+    """How long a replica waits for another's answer to a prefix export before computing the prefix itself: as
+    long as computing those `blocks` would take at its engine's measured rate (tokens per busy second), at least
+    PREFIX_EXPORT_TIMEOUT_S. The source answers between two of its steps, so the wait is what is left of its
+    step in progress, and on a slow device one long prefill outlasts a fixed 2 s. A replica that gave up then
+    computed the prefix, its own exports waited behind that step in turn, and the replicas asking it gave up
+    too: under power-of-two routing on two CPU cores, TTFT p50 went from under 1 s to 10-30 s in some runs
+    (docs/benchmarks.md). Waiting at most the compute time bounds the loss to twice it when the source is late."""
+    if busy_seconds < 1.0 or computed_tokens <= 0:
+        return PREFIX_EXPORT_TIMEOUT_S
+    return max(PREFIX_EXPORT_TIMEOUT_S, blocks * block_size * busy_seconds / computed_tokens)
 
 
 def prefix_pull_pays(blocks: int, block_bytes: int, block_size: int, pulled: tuple[float, float] | list,

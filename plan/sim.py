@@ -23,7 +23,10 @@ requests a second, much of it routing (docs/benchmarks.md): a day of trace there
 Prefix pulls (issue 21) run by the replicas' rule: the ingress names the replica whose cached prefix is longest
 (router.orchestrator.prefix_source), and the engine that is to prefill the prompt pulls those blocks instead
 of computing them when kvtransfer.config.prefix_pull_pays says the pull is faster (the cost model's transfer
-bandwidth, PREFIX_PULL_OVERHEAD_S, and the engine's own tokens per busy second), then computes the rest.
+bandwidth, PREFIX_PULL_OVERHEAD_S, and the engine's own tokens per busy second), then computes the rest. The
+source answers the export between two of its steps, with the blocks it still caches; an answer later than
+kvtransfer.config.prefix_export_timeout_s means computing the prefix. Until the answer the request counts
+among the asking replica's ongoing ones (as Serve counts it) but is not in its engine.
 
 Left out, on purpose: LoRA, speculative decoding, the host KV tier, failures and migration, admission
 control's several ingress replicas (one holds the whole budget here); KV events reach the index at once (the
@@ -44,7 +47,7 @@ from cluster.config import ClusterConfig
 from engine.config import EngineConfig
 from engine.kv_events import BlockRemoved, BlockStored
 from engine.sampling_params import SamplingParams
-from kvtransfer.config import PREFIX_PULL_OVERHEAD_S, prefix_pull_pays
+from kvtransfer.config import PREFIX_PULL_OVERHEAD_S, prefix_export_timeout_s, prefix_pull_pays
 from plan.cost import Batch, Cost, attention_pairs
 from replica.messages import PoolRequest
 from replica.names import DECODE, POOLS, PREFILL
@@ -198,7 +201,9 @@ class Engine:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.loading = 0
+        self.asking = 0                      # requests waiting for another replica's prefix export
         self.busy = False
+        self.step_end = 0.0                  # when its step in progress ends (a step; a run's are in self.run)
         self.version = 0                     # a cut run's end event is stale
         self.run: tuple | None = None        # (start, cumulative ends, seqs) of a multi-step decode run
         self.busy_s = 0.0
@@ -231,7 +236,17 @@ class Engine:
         return self.stats
 
     def ongoing(self) -> int:
-        return len(self.waiting) + len(self.running) + self.loading
+        return len(self.waiting) + len(self.running) + self.loading + self.asking
+
+    def boundary(self) -> float:
+        """When the engine is next between two steps, where a call (a prefix export) runs: now when idle."""
+        if not self.busy:
+            return self.sim.now
+        if self.run is not None:
+            start, ends, _ = self.run
+            i = min(int(np.searchsorted(ends, self.sim.now - start, side="right")), len(ends) - 1)
+            return start + float(ends[i])
+        return self.step_end
 
     def tokens_in_flight(self) -> int:
         return sum(s.tokens for s in self.running) + self.queued_prefill_tokens
@@ -240,6 +255,17 @@ class Engine:
     def add(self, seq: Seq) -> None:
         if seq.source is not None and not seq.remote:
             seq.pull_blocks = self._prefix_pull(seq)
+            if seq.pull_blocks:
+                self.asking += 1
+                self.sim.ask_export(self, seq)
+                return
+        self.waiting.append(seq)
+        self.kick()
+
+    def exported(self, seq: Seq, blocks: int) -> None:
+        """The source answered the export with `blocks` leading blocks (0: none, or too late; computed here)."""
+        self.asking -= 1
+        seq.pull_blocks = blocks
         self.waiting.append(seq)
         self.kick()
 
@@ -309,29 +335,12 @@ class Engine:
             decode_only = all(seq.computed >= seq.need for seq, _ in sched)
         while self.waiting and budget > 0 and len(self.running) + self.loading < self.max_seqs:
             seq = self.waiting[0]
-            hashes = seq.req.hashes[:max(min(len(seq.req.hashes), (seq.need - 1) // self.bs), 0)]
+            hashes = self._leading(seq)
             hit = kv.match(hashes)
-            if seq.pull_blocks > hit:                   # a prefix pull: hold its blocks, pull, compute the rest
-                kv.take(seq, hashes[:hit])
-                if not kv.allocate(seq, seq.pull_blocks - seq.nblocks):
-                    kv.release(seq)
+            if seq.pull_blocks > hit or seq.remote:     # an import or a prefix pull: no budget
+                if not self._start_import(seq, hashes, hit):
                     break
                 self.waiting.popleft()
-                self.loading += 1
-                seq.cached = hit * self.bs
-                self.sim.hits[self.pool][0] += seq.need
-                self.sim.hits[self.pool][1] += seq.cached
-                self.sim.prefix_pull(self, seq, (seq.pull_blocks - hit) * self.bs)
-                continue
-            if seq.remote:                              # reserve the whole prompt, pull what is not cached
-                kv.take(seq, hashes[:hit])
-                if not kv.allocate(seq, blocks(seq.need + 1, self.bs) - seq.nblocks):
-                    kv.release(seq)
-                    break
-                self.waiting.popleft()
-                self.loading += 1
-                seq.cached = hit * self.bs
-                self.sim.pull(self, seq, seq.need - seq.cached)
                 continue
             kv.take(seq, hashes[:hit])
             seq.computed = seq.tokens = seq.cached = hit * self.bs
@@ -347,6 +356,17 @@ class Engine:
             sched.append((seq, n))
             decode_only = False
             budget -= n
+        if budget <= 0:                                 # the scheduler's _start_loads_behind
+            for seq in [s for s in self.waiting if s.remote or s.pull_blocks]:
+                if len(self.running) + self.loading >= self.max_seqs:
+                    break
+                hashes = self._leading(seq)
+                hit = kv.match(hashes)
+                if seq.pull_blocks <= hit and not seq.remote:
+                    continue
+                if not self._start_import(seq, hashes, hit):
+                    break
+                self.waiting.remove(seq)
         self._flush_events()
         if not sched:
             return
@@ -367,7 +387,31 @@ class Engine:
         dur = (self.sim.cost.step_s(b) + ov.step_s + ov.token_s * streams) * slow
         self.version += 1
         v, start = self.version, self.sim.now
+        self.step_end = start + dur
         self.sim.at(start + dur, lambda: self._end_step(v, start, sched))
+
+    def _leading(self, seq: Seq) -> list[int]:
+        """The hashes of the prompt's blocks a cache hit may cover (the last token is always computed)."""
+        return seq.req.hashes[:max(min(len(seq.req.hashes), (seq.need - 1) // self.bs), 0)]
+
+    def _start_import(self, seq: Seq, hashes: list[int], hit: int) -> bool:
+        """Hold the blocks of a waiting import (the whole prompt) or prefix pull (its leading blocks), and start
+        the pull of those not cached here; False when the blocks are not free (it stays waiting)."""
+        kv = self.kv
+        kv.take(seq, hashes[:hit])
+        need = seq.pull_blocks if seq.pull_blocks > hit else blocks(seq.need + 1, self.bs)
+        if not kv.allocate(seq, need - seq.nblocks):
+            kv.release(seq)
+            return False
+        self.loading += 1
+        seq.cached = hit * self.bs
+        if seq.pull_blocks > hit:                       # a prefix pull: pull, then compute the rest
+            self.sim.hits[self.pool][0] += seq.need
+            self.sim.hits[self.pool][1] += seq.cached
+            self.sim.prefix_pull(self, seq, (seq.pull_blocks - hit) * self.bs)
+        else:                                           # reserve the whole prompt, pull what is not cached
+            self.sim.pull(self, seq, seq.need - seq.cached)
+        return True
 
     def _decode_run(self, seqs: list[Seq], slow: float) -> None:
         bs = self.bs
@@ -514,7 +558,7 @@ class Engine:
         self.kv.release(seq)
         seq.computed = seq.tokens = 0
         seq.need = seq.req.prompt + seq.req.tokens      # recompute the prompt and what it generated
-        seq.remote = False
+        seq.remote, seq.pull_blocks = False, 0
         self.sim.preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -562,6 +606,7 @@ class Simulator:
         self.ids = 0
         self.hits = {p: [0, 0] for p in POOLS}          # query tokens, hit tokens
         self.prefix_pulls = [0, 0]                      # pulls, tokens pulled
+        self.prefix_export_timeouts = 0                 # prefix pulls given up: the source answered too late
         self._itl_hist = np.zeros(len(ITL_BINS) - 1)
         self._itl_pending: list[tuple[np.ndarray, int]] = []     # add_itls' gaps not binned yet
         self._itl_pending_n = 0
@@ -708,6 +753,30 @@ class Simulator:
                 src[0].unpin(src[1])
             engine.pulled(seq)
         self.at(self.now + seconds, arrived)
+
+    def ask_export(self, engine: Engine, seq: Seq) -> None:
+        """EngineReplica.prefix_remote asks seq.source for its blocks: the source answers at its next step
+        boundary (export_prefix is a call between steps) with the leading blocks it still caches, unless that is
+        later than prefix_export_timeout_s, when the asking replica computes the prefix."""
+        pool, rid, _ = seq.source
+        src = self.live(pool).get(rid) if pool in self.engines else None
+        hashes = seq.req.hashes[:seq.pull_blocks]
+        t = prefix_export_timeout_s(len(hashes) - engine.kv.match(hashes), engine.bs, engine.computed_tokens,
+                                    engine.busy_s)
+        if src is None:
+            engine.exported(seq, 0)
+            return
+        at = src.boundary()
+        if at - self.now > t:
+            self.prefix_export_timeouts += 1
+            self.at(self.now + t, lambda: engine.exported(seq, 0))
+            return
+
+        def answer() -> None:
+            n = src.kv.match(hashes)
+            enough = n >= engine.kv.match(hashes) + self.cfg.transfer.prefix_pull_min_blocks
+            engine.exported(seq, n if enough else 0)
+        self.at(at, answer)
 
     def prefix_pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
         """A prefix pull of `tokens` from another replica (its blocks are not pinned there: left out)."""
@@ -908,6 +977,7 @@ def summarize(requests: list[SimRequest], sim: Simulator, slo: tuple[float, floa
     q = sum(v[0] for v in sim.hits.values())
     out["prefix_hit_rate"] = sum(v[1] for v in sim.hits.values()) / q if q else None
     out["prefix_pulls"], out["prefix_pulled_tokens"] = sim.prefix_pulls
+    out["prefix_export_timeouts"] = sim.prefix_export_timeouts
     out["rejected_429"] = sum(r.rejected for r in requests)
     if slo is not None:
         good = [r for r in done if r.ttft <= slo[0] and (r.mean_itl is None or r.mean_itl <= slo[1])]

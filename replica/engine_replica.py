@@ -26,7 +26,7 @@ from engine.kv_events import KVEvent, encode_events
 from engine.outputs import RequestOutput
 from engine.parallel import TPWorkerError
 from kvtransfer import KVHandoff, KVLink
-from kvtransfer.config import TransferConfig, prefix_pull_pays
+from kvtransfer.config import TransferConfig, prefix_export_timeout_s, prefix_pull_pays
 from replica.messages import PoolRequest, PrefixExport
 from replica.metrics import LatencyWindow, ReplicaMetrics
 from replica.names import get_state_actor
@@ -40,7 +40,6 @@ DRAIN_POLL_S = 0.5              # a draining replica learns it is being stopped 
 PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
 TP_FAILURE_GRACE_S = 3.0        # a failed step waits this long for Ray to report a dead TP worker (about 1 s)
 RESERVE_MARGIN_S = 2.0          # an import must start this long before its hand-off's lease ends
-PREFIX_EXPORT_TIMEOUT_S = 2.0   # asking another replica for a prefix pull's hand-off: past this, compute it
 
 
 def replica_id() -> str:
@@ -109,14 +108,18 @@ class EngineReplica:
         either pool, the router's index says caches most of it), or None to compute it all. A pull must bring
         transfer.prefix_pull_min_blocks beyond what this replica caches, and be estimated faster than
         computing them: PREFIX_PULL_OVERHEAD_S + bytes / bandwidth (this replica's measured pulls, else
-        transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate."""
+        transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate. The source's answer is
+        waited for as long as kvtransfer.config.prefix_export_timeout_s says."""
         src, bs = req.prefix_source, self.engine.block_size
         if src is None or not self.transfer.prefix_pull or src[1] == self.replica or req.resume is not None:
             return None
         pool, source, blocks = src
         usable = min(blocks, (len(req.token_ids) - 1) // bs, len(req.block_hashes))   # the last token is computed
         hashes, ids = req.block_hashes[:usable], req.token_ids[:usable * bs]
-        local = await run_blocking(self.llm.call, lambda e: len(e.pool.find(hashes, ids)))
+        # read without the engine's lock (find only reads): an engine call waits for the step in progress, a
+        # long prefill's seconds on a slow device; a count off by a racing step only moves the estimate, and
+        # the scheduler matches the prefix again when it reserves the blocks
+        local = len(self.engine.pool.find(hashes, ids))
         gain = usable - local
         if gain < self.transfer.prefix_pull_min_blocks:
             return None
@@ -125,8 +128,10 @@ class EngineReplica:
             return None
         ask = PrefixExport(f"{req.request_id}-prefix", hashes, ids, local + self.transfer.prefix_pull_min_blocks,
                            source)
+        wait_s = prefix_export_timeout_s(gain, bs, self.engine.num_computed_tokens_total,
+                                         self.engine.busy_seconds_total)
         try:
-            handoff = await asyncio.wait_for(self._pool_handle(pool).export_prefix.remote(ask), PREFIX_EXPORT_TIMEOUT_S)
+            handoff = await asyncio.wait_for(self._pool_handle(pool).export_prefix.remote(ask), wait_s)
         except Exception as e:                      # noqa: BLE001 - the source is gone or slow: compute it
             log.warning("%s replica %s: prefix export from %s replica %s failed (%s); computing it", self.pool,
                         self.replica, pool, source, type(e).__name__)

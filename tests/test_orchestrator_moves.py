@@ -168,3 +168,15 @@ def test_a_prefix_pull_is_taken_when_moving_the_blocks_beats_computing_them():
     # before any pull is measured the configured bandwidth counts; before a second of compute, pull
     assert not prefix_pull_pays(8, smol, 16, (0, 0.0), 0.01, 200_000, 10.0)
     assert prefix_pull_pays(8, smol, 16, (1e8, 1.0), 1.0, 0, 0.2)
+
+
+def test_a_replica_waits_for_a_prefix_export_as_long_as_computing_the_prefix_would_take():
+    """The source answers an export between two of its steps. A replica that gave up after a fixed 2 s while the
+    source ran a long prefill computed the prefix itself, and under power-of-two routing on two CPU cores that
+    cascaded into TTFTs of 10-30 s; it now waits as long as computing would take it, at least 2 s."""
+    from kvtransfer.config import PREFIX_EXPORT_TIMEOUT_S, prefix_export_timeout_s
+    assert prefix_export_timeout_s(64, 16, 0, 0.0) == PREFIX_EXPORT_TIMEOUT_S == 2.0      # nothing measured yet
+    assert prefix_export_timeout_s(64, 16, 5_000, 0.5) == 2.0                            # under a busy second
+    # the Zen 1 VM: 157.5 prompt tokens a busy second; 1,024 tokens would take 6.5 s to compute
+    assert prefix_export_timeout_s(64, 16, 1_575, 10.0) == pytest.approx(1024 / 157.5)
+    assert prefix_export_timeout_s(64, 16, 200_000, 10.0) == 2.0                          # a GPU: the floor
