@@ -53,7 +53,7 @@ from replica.messages import PoolRequest
 from replica.names import DECODE, POOLS, PREFILL
 from router.admission import Admission
 from router.openai_protocol import OpenAIError
-from router.orchestrator import prefill_remotely, prefix_source
+from router.orchestrator import prefill_remotely, prefix_sources
 from router.prefix_index import PrefixIndex
 from router.request_routers import DecodeRouter, PrefixAwareRouter
 
@@ -113,6 +113,7 @@ class Seq:
     hashed: list[int] = field(default_factory=list)   # full blocks it holds under their hash
     cached: int = 0              # prompt tokens found cached
     source: tuple[str, str, int] | None = None   # (pool, replica, blocks): where the index says its prefix is
+    fallback: tuple[str, str, int] | None = None  # the other pool's best holder, asked when source answers none
     pull_blocks: int = 0         # a prefix pull brings its first pull_blocks blocks (0: computed here)
 
 
@@ -711,14 +712,15 @@ class Simulator:
                 r.rejected = True
                 self.finished(r)
                 return
-        source = prefix_source(self.mirror.index, hashes, not self.colocated)
+        sources = prefix_sources(self.mirror.index, hashes, not self.colocated)
+        source, fallback = (sources + [None, None])[:2]
         if not self.colocated and prefill_remotely(r.prompt, decode_hit, self.block_size,
                                                    self.cfg.disaggregation.min_remote_prefill_tokens):
             engine = self._route(PREFILL, r, prefill=False)
-            engine.add(Seq(r, need=r.prompt, out=1, source=source))
+            engine.add(Seq(r, need=r.prompt, out=1, source=source, fallback=fallback))
         else:
             engine = self._route(DECODE, r, prefill=False)
-            engine.add(Seq(r, need=r.prompt, out=r.output, source=source))
+            engine.add(Seq(r, need=r.prompt, out=r.output, source=source, fallback=fallback))
 
     def _route(self, pool: str, r: SimRequest, prefill: bool) -> Engine:
         live = self.live(pool)
@@ -774,8 +776,14 @@ class Simulator:
 
         def answer() -> None:
             n = src.kv.match(hashes)
-            enough = n >= engine.kv.match(hashes) + self.cfg.transfer.prefix_pull_min_blocks
-            engine.exported(seq, n if enough else 0)
+            if n >= engine.kv.match(hashes) + self.cfg.transfer.prefix_pull_min_blocks:
+                engine.exported(seq, n)
+            elif seq.fallback is not None and seq.fallback[1] != engine.rid:     # it no longer holds them
+                seq.source, seq.fallback = seq.fallback, None
+                engine.asking -= 1
+                engine.add(seq)                                # the same rule, against the other holder
+            else:
+                engine.exported(seq, 0)
         self.at(at, answer)
 
     def prefix_pull(self, engine: Engine, seq: Seq, tokens: int) -> None:

@@ -109,11 +109,25 @@ class EngineReplica:
         transfer.prefix_pull_min_blocks beyond what this replica caches, and be estimated faster than
         computing them: PREFIX_PULL_OVERHEAD_S + bytes / bandwidth (this replica's measured pulls, else
         transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate. The source's answer is
-        waited for as long as kvtransfer.config.prefix_export_timeout_s says."""
-        src, bs = req.prefix_source, self.engine.block_size
-        if src is None or not self.transfer.prefix_pull or src[1] == self.replica or req.resume is not None:
+        waited for as long as kvtransfer.config.prefix_export_timeout_s says. A source that answers that it no
+        longer holds the blocks (the index lags its evictions), or fails at once, is followed by
+        req.prefix_fallback, the other pool's best holder."""
+        first = req.prefix_source
+        if first is None or not self.transfer.prefix_pull or first[1] == self.replica or req.resume is not None:
             return None
+        for n, src in enumerate((first, req.prefix_fallback)):
+            if src is None or src[1] == self.replica:
+                return None
+            remote, ask_next = await self._prefix_from(req, src, f"{req.request_id}-prefix{n or ''}")
+            if remote is not None or not ask_next:
+                return remote
+        return None
+
+    async def _prefix_from(self, req: PoolRequest, src: tuple[str, str, int], pin_id: str
+                           ) -> tuple[RemotePrefill | None, bool]:
+        """One source's answer to prefix_remote: the pull, or None and whether another source may be asked."""
         pool, source, blocks = src
+        bs = self.engine.block_size
         usable = min(blocks, (len(req.token_ids) - 1) // bs, len(req.block_hashes))   # the last token is computed
         hashes, ids = req.block_hashes[:usable], req.token_ids[:usable * bs]
         # read without the engine's lock (find only reads): an engine call waits for the step in progress, a
@@ -122,27 +136,26 @@ class EngineReplica:
         local = len(self.engine.pool.find(hashes, ids))
         gain = usable - local
         if gain < self.transfer.prefix_pull_min_blocks:
-            return None
+            return None, False
         if not self._pull_pays(gain):
             self.metrics.prefix_pull("computed")
-            return None
-        ask = PrefixExport(f"{req.request_id}-prefix", hashes, ids, local + self.transfer.prefix_pull_min_blocks,
-                           source)
+            return None, False
+        ask = PrefixExport(pin_id, hashes, ids, local + self.transfer.prefix_pull_min_blocks, source)
         wait_s = prefix_export_timeout_s(gain, bs, self.engine.num_computed_tokens_total,
                                          self.engine.busy_seconds_total)
         try:
             handoff = await asyncio.wait_for(self._pool_handle(pool).export_prefix.remote(ask), wait_s)
         except Exception as e:                      # noqa: BLE001 - the source is gone or slow: compute it
-            log.warning("%s replica %s: prefix export from %s replica %s failed (%s); computing it", self.pool,
-                        self.replica, pool, source, type(e).__name__)
+            log.warning("%s replica %s: prefix export from %s replica %s failed (%s)", self.pool, self.replica,
+                        pool, source, type(e).__name__)
             self.metrics.prefix_pull("failed")
-            return None
+            return None, not isinstance(e, asyncio.TimeoutError)     # (waited as long as computing takes)
         if handoff is None:
             self.metrics.prefix_pull("none")
-            return None
+            return None, True
         h = handoff.handle
         return RemotePrefill(handoff, h.block_hashes, None, None, deadline=h.expiry - RESERVE_MARGIN_S,
-                             num_tokens=h.num_tokens)
+                             num_tokens=h.num_tokens), False
 
     def observe_prefix_pull(self, m) -> int:
         """After a request added with a prefix pull: count it, and learn the bandwidth. Returns tokens pulled."""

@@ -56,6 +56,8 @@ class PoolRequest:
                                                 # are chained under its key (engine.block_hash.namespace_key)
     prefix_source: tuple[str, str, int] | None = None  # (pool, replica, leading blocks the index says it caches):
                                                 # where the replica that prefills may pull the prefix from
+    prefix_fallback: tuple[str, str, int] | None = None  # the other pool's best holder: asked when the first
+                                                # answers that it no longer holds the blocks
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
     token ids + SamplingParams + block hashes (hashed once, by the ingress, with `hashes`)
       -> a PoolRequest (replica/messages.py), naming the replica (of either pool) that caches most of the prompt
-         (prefix_source): the replica that prefills it may pull that prefix instead of computing it
+         (prefix_sources): the replica that prefills it may pull that prefix instead of computing it
       -> disaggregated?  uncached part on the best decode replica > min_remote_prefill_tokens
            yes: prefill pool (PrefixAwareRouter) -> PrefillResult (first token + KVHandoff) -> decode pool pulls
            no:  decode pool prefills itself (DecodeRouter prefers the replica that caches most)
@@ -60,17 +60,18 @@ def prefill_remotely(num_tokens: int, decode_hit_blocks: int, block_size: int, m
     return num_tokens - decode_hit_blocks * block_size > min_remote
 
 
-def prefix_source(index: dict, hashes: list[int], disaggregated: bool) -> tuple[str, str, int] | None:
-    """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): the replica caching most of
-    the prompt's leading blocks, a prefill replica on a tie (Orchestrator.prefix_source; plan/sim.py)."""
+def prefix_sources(index: dict, hashes: list[int], disaggregated: bool) -> list[tuple[str, str, int]]:
+    """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): each pool's replica caching
+    most of the prompt's leading blocks (the greatest name of those: a fixed choice), the most blocks first and
+    a prefill replica on a tie. The replica that prefills the prompt asks the first and, when it answers that
+    it no longer holds them, the second (Orchestrator.prefix_sources; plan/sim.py)."""
     pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
-    longest = [(index[pool].longest(hashes), rank, pool) for pool, rank in pools]
-    most = max(n for (n, _), _, _ in longest)
-    if not most:
-        return None
-    # of the replicas holding the most: the prefill pool's first, then the greatest name (a fixed choice)
-    _, pool, names = max((rank, pool, names) for (n, names), rank, pool in longest if n == most)
-    return pool, max(names), most
+    found = []
+    for pool, rank in pools:
+        n, names = index[pool].longest(hashes)
+        if n:
+            found.append((n, rank, pool, max(names)))
+    return [(pool, name, n) for n, _, pool, name in sorted(found, reverse=True)]
 
 
 class Orchestrator:
@@ -100,14 +101,18 @@ class Orchestrator:
             hit = self.mirror.index[DECODE].longest(hashes)[0]
         return prefill_remotely(len(token_ids), hit, self.model["block_size"], self.min_remote)
 
-    def prefix_source(self, hashes: list[int]) -> tuple[str, str, int] | None:
-        """(pool, replica, blocks): the replica of either pool the index says caches most of the prompt's leading
-        blocks, and how many (a prefill replica on a tie): where the replica that prefills it may pull that
-        prefix from (EngineReplica.prefix_remote)."""
+    def prefix_sources(self, hashes: list[int]) -> list[tuple[str, str, int]]:
+        """(pool, replica, blocks) of each pool's replica the index says caches most of the prompt's leading
+        blocks, the most first (a prefill replica on a tie): where the replica that prefills it may pull that
+        prefix from (EngineReplica.prefix_remote), and where else if the first no longer holds it."""
         if self.mirror is None or not hashes:
-            return None
+            return []
         self.mirror.start()
-        return prefix_source(self.mirror.index, hashes, self.prefill is not None)
+        return prefix_sources(self.mirror.index, hashes, self.prefill is not None)
+
+    def prefix_source(self, hashes: list[int]) -> tuple[str, str, int] | None:
+        sources = self.prefix_sources(hashes)
+        return sources[0] if sources else None
 
     def cached_tokens(self, hashes: list[int]) -> int:
         """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""
@@ -130,7 +135,9 @@ class Orchestrator:
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = hashes if hashes is not None else self.hashes(token_ids, lora)
-        req = PoolRequest(rid, token_ids, hashes, params, lora=lora, prefix_source=self.prefix_source(hashes))
+        sources = self.prefix_sources(hashes)
+        req = PoolRequest(rid, token_ids, hashes, params, lora=lora, prefix_source=sources[0] if sources else None,
+                          prefix_fallback=sources[1] if len(sources) > 1 else None)
         status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:

@@ -121,12 +121,17 @@ def test_every_ingress_replica_routes_a_shared_prefix_to_the_replica_caching_it(
              == (len(holders) - 1) * len(prefix), 10, "every other holder to have pulled the prefix")
 
 
+def _outcomes(m: dict[str, float], outcome: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith("baton_prefix_pulls_total{") and f'outcome="{outcome}"' in k)
+
+
 def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_it(shared_cluster):
     """Cross-replica prefix reuse (issue 21): a prompt whose first 12 blocks one prefill replica caches, sent to
     the other (as a request avoiding the first is): that replica pulls the 12 blocks from it (here over the Ray
     fallback transport), computes only the rest, and the decode pool writes the offline engine's text. Both
     replicas' pins end: the source's when the pull is done, the puller's when the decode replica pulled. Then
-    a prompt only the decode replica caches (it prefilled it itself) is pulled from there by a prefill replica."""
+    a prompt only the decode replica caches (it prefilled it itself) is pulled from there by a prefill replica,
+    after the source named first answered that it holds none of it (the fallback)."""
     from dataclasses import replace
 
     from ray import serve
@@ -167,10 +172,14 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
     want = [t for d in decode.generate.remote(local) for t in d.token_ids]          # cached on the decode replica
     holder = wait_for(lambda: next((r for v in ingress_index_matches("decode", block_hashes(other, BLOCK, key)).values()
                                     if v for r, n in v.items() if n == 10), None), 10, "the index to see it")
-    req = PoolRequest("prefix-pull-from-decode", other, block_hashes(other, BLOCK, key), greedy,
-                      prefix_source=("decode", holder, 10))
+    # named first: the prefill replica holding the other prefix, as an index that lags an eviction names it; it
+    # answers that it holds none of these blocks, and the puller asks the fallback, the decode replica
+    none_before = _outcomes(scrape(BASE, fresh=True), "none")
+    req = PoolRequest("prefix-pull-from-decode", other, block_hashes(other, BLOCK, key), greedy, avoid=(source,),
+                      prefix_source=("prefill", source, 10), prefix_fallback=("decode", holder, 10))
     result = serve.get_deployment_handle("prefill", "baton").prefill.remote(req).result(timeout_s=120)
-    assert result.num_pulled_tokens == 10 * BLOCK
+    assert result.replica != source and result.num_pulled_tokens == 10 * BLOCK
+    assert _outcomes(scrape(BASE, fresh=True), "none") - none_before == 1
     assert [t for d in decode.generate.remote(replace(req, prefill=result)) for t in d.token_ids] == want
     wait_for(lambda: all(pool_total(scrape(BASE), "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")),
              20, "every pin to end")

@@ -128,7 +128,7 @@ def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
 def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     """What the ingress names in PoolRequest.prefix_source (a replica that prefills the prompt may pull from it):
     the replica of either pool with the longest cached run of its leading blocks, a prefill replica on a tie;
-    none when no replica caches any."""
+    none when no replica caches any. PoolRequest.prefix_fallback: the other pool's best holder."""
     from router.prefix_index import PrefixIndex
 
     class Mirror:
@@ -150,12 +150,15 @@ def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:5] + [7])
     o.mirror.index["decode"].load_snapshot("d", 0, hashes[:5])
     assert o.prefix_source(hashes) == ("prefill", "b", 5)          # a tie: the prefill replica
+    # asked second, when the first answers that it no longer holds them: the other pool's best holder
+    assert o.prefix_sources(hashes) == [("prefill", "b", 5), ("decode", "d", 5)]
     o.mirror.index["decode"].load_snapshot("d", 0, hashes)
-    assert o.prefix_source(hashes) == ("decode", "d", len(hashes))
+    assert o.prefix_sources(hashes) == [("decode", "d", len(hashes)), ("prefill", "b", 5)]
     assert o.prefix_source(block_hashes(list(range(300, 340)), BS, KEY)) is None
+    assert o.prefix_sources(block_hashes(list(range(300, 340)), BS, KEY)) == []
     o.prefill = None                                                # colocated: decode replicas only
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes)
-    assert o.prefix_source(hashes) == ("decode", "d", len(hashes))
+    assert o.prefix_sources(hashes) == [("decode", "d", len(hashes))]
 
 
 def test_a_prefix_pull_is_taken_when_moving_the_blocks_beats_computing_them():

@@ -281,6 +281,32 @@ def test_a_prefix_export_is_answered_at_the_source_s_next_step_boundary_or_given
         assert asks.first == pytest.approx(asks.at + waits + whole)         # gave up, then computed it all
 
 
+def test_a_source_that_no_longer_holds_the_prefix_is_followed_by_the_other_pool_s_holder():
+    """The index lags evictions: the prefill replica it names may answer that it holds none of the prefix. The
+    replica asking then asks prefix_fallback (the decode replica, which caches every prompt it pulled) and pulls
+    from there instead of computing the prefix."""
+    import heapq
+
+    from replica.names import DECODE, PREFILL
+    rng = np.random.default_rng(6)
+    prefix = rng.integers(200, 40000, 512).tolist()
+    sim = Simulator(config(prefill=3, kv_blocks=512, policy="pow2"), COST)
+    sim.run([request(0, 0.0, prefix + rng.integers(200, 40000, 32).tolist(), 2)])   # prefilled, pulled by decode
+    (d,) = sim.engines[DECODE]
+    holder = next(e for e in sim.engines[PREFILL] if e.kv.match(sim.done[0].hashes[:32]) == 32)
+    asker, stale = [e for e in sim.engines[PREFILL] if e is not holder]
+    assert d.kv.match(sim.done[0].hashes[:32]) == 32 and stale.kv.match(sim.done[0].hashes[:32]) == 0
+    r = request(1, sim.now, prefix + rng.integers(200, 40000, 32).tolist(), 1)
+    asker.busy_s, asker.computed_tokens = 2.0, 4000                       # a measured rate: pulls pay
+    asker.add(Seq(r, need=544, out=1, source=(PREFILL, stale.rid, 32), fallback=(DECODE, d.rid, 32)))
+    while sim.queue:
+        t, _, fn = heapq.heappop(sim.queue)
+        sim.now = t
+        fn()
+    assert sim.prefix_pulls == [1, 512] and asker.asking == 0 and r.first is not None
+    assert asker.computed_tokens == 4000 + 32                             # only the suffix computed
+
+
 def test_local_prefills_sharing_a_system_prompt_spread_over_the_decode_pool():
     """Colocated replicas all asked to prefill prompts behind one system prompt: the router weighs queued prompt
     tokens (the prefill pool's rule), so the load spreads instead of piling onto the replica caching it."""
