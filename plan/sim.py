@@ -255,6 +255,8 @@ class Engine:
     # -- work in --------------------------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
         if seq.source is not None and not seq.remote:
+            if seq.source[1] == self.rid and seq.fallback is not None:     # named first: the other holder next
+                seq.source, seq.fallback = seq.fallback, None
             seq.pull_blocks = self._prefix_pull(seq)
             if seq.pull_blocks:
                 self.asking += 1

@@ -111,13 +111,15 @@ class EngineReplica:
         transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate. The source's answer is
         waited for as long as kvtransfer.config.prefix_export_timeout_s says. A source that answers that it no
         longer holds the blocks (the index lags its evictions), or fails at once, is followed by
-        req.prefix_fallback, the other pool's best holder."""
-        first = req.prefix_source
-        if first is None or not self.transfer.prefix_pull or first[1] == self.replica or req.resume is not None:
+        req.prefix_fallback, the other pool's best holder; so is this replica itself when it is named first
+        (its own cache is what a pull is counted against)."""
+        if req.prefix_source is None or not self.transfer.prefix_pull or req.resume is not None:
             return None
-        for n, src in enumerate((first, req.prefix_fallback)):
-            if src is None or src[1] == self.replica:
+        for n, src in enumerate((req.prefix_source, req.prefix_fallback)):
+            if src is None:
                 return None
+            if src[1] == self.replica:
+                continue
             remote, ask_next = await self._prefix_from(req, src, f"{req.request_id}-prefix{n or ''}")
             if remote is not None or not ask_next:
                 return remote

@@ -181,5 +181,16 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
     assert result.replica != source and result.num_pulled_tokens == 10 * BLOCK
     assert _outcomes(scrape(BASE, fresh=True), "none") - none_before == 1
     assert [t for d in decode.generate.remote(replace(req, prefill=result)) for t in d.token_ids] == want
+    # named first: the very replica asked (the index had not seen it evict them): it asks the fallback at once
+    third = [rng.randrange(200, 40000) for _ in range(10 * BLOCK + 3)]
+    alone = PoolRequest("prefix-third", third, block_hashes(third, BLOCK, key), greedy)
+    want = [t for d in decode.generate.remote(alone) for t in d.token_ids]
+    wait_for(lambda: any(v and max(v.values()) == 10 for v in
+                         ingress_index_matches("decode", block_hashes(third, BLOCK, key)).values()), 10, "the index")
+    req = PoolRequest("prefix-self-named", third, block_hashes(third, BLOCK, key), greedy, avoid=(source,),
+                      prefix_source=("prefill", result.replica, 10), prefix_fallback=("decode", holder, 10))
+    again = serve.get_deployment_handle("prefill", "baton").prefill.remote(req).result(timeout_s=120)
+    assert again.replica == result.replica and again.num_pulled_tokens == 10 * BLOCK
+    assert [t for d in decode.generate.remote(replace(req, prefill=again)) for t in d.token_ids] == want
     wait_for(lambda: all(pool_total(scrape(BASE), "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")),
              20, "every pin to end")

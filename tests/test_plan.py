@@ -284,7 +284,7 @@ def test_a_prefix_export_is_answered_at_the_source_s_next_step_boundary_or_given
 def test_a_source_that_no_longer_holds_the_prefix_is_followed_by_the_other_pool_s_holder():
     """The index lags evictions: the prefill replica it names may answer that it holds none of the prefix. The
     replica asking then asks prefix_fallback (the decode replica, which caches every prompt it pulled) and pulls
-    from there instead of computing the prefix."""
+    from there instead of computing the prefix. So does a replica named first itself that no longer holds it."""
     import heapq
 
     from replica.names import DECODE, PREFILL
@@ -305,6 +305,16 @@ def test_a_source_that_no_longer_holds_the_prefix_is_followed_by_the_other_pool_
         fn()
     assert sim.prefix_pulls == [1, 512] and asker.asking == 0 and r.first is not None
     assert asker.computed_tokens == 4000 + 32                             # only the suffix computed
+    # named first: the asking replica itself, which does not hold them (evicted since the index saw them)
+    r2 = request(2, sim.now, prefix + rng.integers(200, 40000, 32).tolist(), 1)
+    assert stale.kv.match(r2.hashes[:32]) == 0
+    stale.busy_s, stale.computed_tokens = 2.0, 4000
+    stale.add(Seq(r2, need=544, out=1, source=(PREFILL, stale.rid, 32), fallback=(DECODE, d.rid, 32)))
+    while sim.queue:
+        t, _, fn = heapq.heappop(sim.queue)
+        sim.now = t
+        fn()
+    assert sim.prefix_pulls == [2, 1024] and stale.computed_tokens == 4000 + 32 and r2.first is not None
 
 
 def test_local_prefills_sharing_a_system_prompt_spread_over_the_decode_pool():
