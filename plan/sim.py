@@ -767,8 +767,8 @@ class Simulator:
         hashes = seq.req.hashes[:seq.pull_blocks]
         t = prefix_export_timeout_s(len(hashes) - engine.kv.match(hashes), engine.bs, engine.computed_tokens,
                                     engine.busy_s)
-        if src is None:
-            engine.exported(seq, 0)
+        if src is None:                                 # gone: the call fails at once
+            self._no_export(engine, seq)
             return
         at = src.boundary()
         if at - self.now > t:
@@ -780,13 +780,19 @@ class Simulator:
             n = src.kv.match(hashes)
             if n >= engine.kv.match(hashes) + self.cfg.transfer.prefix_pull_min_blocks:
                 engine.exported(seq, n)
-            elif seq.fallback is not None and seq.fallback[1] != engine.rid:     # it no longer holds them
-                seq.source, seq.fallback = seq.fallback, None
-                engine.asking -= 1
-                engine.add(seq)                                # the same rule, against the other holder
-            else:
-                engine.exported(seq, 0)
+            else:                                       # it no longer holds them
+                self._no_export(engine, seq)
         self.at(at, answer)
+
+    @staticmethod
+    def _no_export(engine: Engine, seq: Seq) -> None:
+        """The source answered none or failed at once: the fallback holder next, by the same rule, if any."""
+        if seq.fallback is not None and seq.fallback[1] != engine.rid:
+            seq.source, seq.fallback = seq.fallback, None
+            engine.asking -= 1
+            engine.add(seq)
+        else:
+            engine.exported(seq, 0)
 
     def prefix_pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
         """A prefix pull of `tokens` from another replica (its blocks are not pinned there: left out)."""
