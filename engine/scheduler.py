@@ -147,8 +147,10 @@ class Scheduler:
         arrive over the network while steps compute. Start those loads now, in queue order while slots and
         blocks allow, instead of holding them behind prompts that take whole steps: a hand-off's lease ends
         transfer.ttl_s after it was made, and behind a few long prefills on a slow device a prefix pull's
-        lease ran out and its prefix was computed after all (docs/benchmarks.md, issue 22's pow2 case)."""
-        for seq in sorted(s for s in self.waiting if s.remote is not None):
+        lease ran out and its prefix was computed after all (docs/benchmarks.md, issue 22's pow2 case). Only
+        imports of the head's priority go: a lower one would hold blocks a higher one waits for."""
+        head = self.waiting[0].priority if self.waiting else 0
+        for seq in sorted(s for s in self.waiting if s.remote is not None and s.priority <= head):
             if self.num_seqs >= self.config.max_num_seqs:
                 break
             if seq.lora_key is not None and seq.lora_key not in adapters and len(adapters) >= self.config.max_loras:

@@ -603,26 +603,26 @@ def test_imports_keep_priority_order():
 def test_an_import_behind_prompts_that_spend_the_step_s_budget_starts_its_load_in_that_step():
     """A pull needs no token budget. Held behind prompts that take whole steps (on a slow CPU, seconds each), a
     prefix pull's lease ran out and the prefix was computed after all; it now loads while they compute, and
-    the prompts keep their order. Imports behind start in priority order while slots and blocks allow."""
-    sched, pool, conn, _ = make_importer(max_num_seqs=2)
+    the prompts keep their order. Only imports of the head's priority start early, while slots allow."""
+    sched, pool, conn, _ = make_importer(max_num_seqs=4)
     a, b = seq("a", 16, max_tokens=1), seq("b", 16, max_tokens=1)        # each a whole step's budget
-    late, x = imported("late", 8, priority=2), imported("x", 8, priority=1)
-    for s in (a, b, late, x):
+    low, x, y = imported("low", 8, priority=1), imported("x", 8), imported("y", 8)
+    for s in (a, b, low, x, y):
         sched.add(s)
     out = step(sched, pool)
     assert out.scheduled == [(a, 16)] and b in sched.waiting
-    assert list(conn.started) == ["x"] and x.status is Status.WAITING_FOR_REMOTE_KVS
-    assert late in sched.waiting and "late" not in conn.started       # max_num_seqs 2: a and x hold the slots
-    conn.done("x")
+    assert list(conn.started) == ["x", "y"] and x.status is y.status is Status.WAITING_FOR_REMOTE_KVS
+    assert low in sched.waiting and "low" not in conn.started        # below b's priority: it waits its turn
+    conn.done("x", "y")
     out = step(sched, pool)
-    assert [s for s, _ in out.scheduled] == [x, b]          # x runs (its last token) and b is next in order
+    assert [s for s, _ in out.scheduled] == [x, y, b]       # x and y run (their last token), b next in order
     for _ in range(10):
-        if "late" in conn.started:
+        if "low" in conn.started:
             break
         step(sched, pool)
-    conn.done("late")
+    conn.done("low")
     run_all(sched, pool)
-    assert all(s.is_finished for s in (a, b, late, x)) and pool.num_free_blocks == pool.num_blocks
+    assert all(s.is_finished for s in (a, b, low, x, y)) and pool.num_free_blocks == pool.num_blocks
 
 
 def test_an_import_past_its_deadline_is_prefilled_here():
