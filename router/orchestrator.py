@@ -110,10 +110,6 @@ class Orchestrator:
         self.mirror.start()
         return prefix_sources(self.mirror.index, hashes, self.prefill is not None)
 
-    def prefix_source(self, hashes: list[int]) -> tuple[str, str, int] | None:
-        sources = self.prefix_sources(hashes)
-        return sources[0] if sources else None
-
     def cached_tokens(self, hashes: list[int]) -> int:
         """The longest prefix of these blocks any replica of either pool caches, in tokens (the index mirror)."""
         if self.mirror is None:

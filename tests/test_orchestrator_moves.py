@@ -140,21 +140,20 @@ def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     prompt = list(range(100, 200))
     hashes = block_hashes(prompt, BS, KEY)
     o = Orchestrator(object(), FakeDecodePool([]), {"block_size": BS, "model_key": KEY}, "", 0, 0.01)
-    assert o.prefix_source(hashes) is None                          # no index (no state actor)
+    assert o.prefix_sources(hashes) == []                          # no index (no state actor)
     o.mirror = Mirror()
-    assert o.prefix_source(hashes) is None                          # both pools' indexes empty (at start-up)
+    assert o.prefix_sources(hashes) == []                          # both pools' indexes empty (at start-up)
     o.mirror.index["decode"].load_snapshot("d", 0, hashes[:3])
-    assert o.prefix_source(hashes) == ("decode", "d", 3)            # the prefill pool's index still empty
+    assert o.prefix_sources(hashes)[0] == ("decode", "d", 3)         # the prefill pool's index still empty
     assert o.cached_tokens(hashes) == 3 * BS and o.remote_prefill(prompt, hashes)
     o.mirror.index["prefill"].load_snapshot("a", 0, hashes[:2])
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:5] + [7])
     o.mirror.index["decode"].load_snapshot("d", 0, hashes[:5])
-    assert o.prefix_source(hashes) == ("prefill", "b", 5)          # a tie: the prefill replica
+    assert o.prefix_sources(hashes)[0] == ("prefill", "b", 5)       # a tie: the prefill replica
     # asked second, when the first answers that it no longer holds them: the other pool's best holder
     assert o.prefix_sources(hashes) == [("prefill", "b", 5), ("decode", "d", 5)]
     o.mirror.index["decode"].load_snapshot("d", 0, hashes)
     assert o.prefix_sources(hashes) == [("decode", "d", len(hashes)), ("prefill", "b", 5)]
-    assert o.prefix_source(block_hashes(list(range(300, 340)), BS, KEY)) is None
     assert o.prefix_sources(block_hashes(list(range(300, 340)), BS, KEY)) == []
     o.prefill = None                                                # colocated: decode replicas only
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes)
