@@ -115,6 +115,7 @@ class Seq:
     source: tuple[str, str, int] | None = None   # (pool, replica, blocks): where the index says its prefix is
     fallback: tuple[str, str, int] | None = None  # the other pool's best holder, asked when source answers none
     pull_blocks: int = 0         # a prefix pull brings its first pull_blocks blocks (0: computed here)
+    floor: int = 0               # blocks an earlier source's answer gave, while the fallback is asked for more
 
 
 class BlockCache:
@@ -268,7 +269,7 @@ class Engine:
     def exported(self, seq: Seq, blocks: int) -> None:
         """The source answered the export with `blocks` leading blocks (0: none, or too late; computed here)."""
         self.asking -= 1
-        seq.pull_blocks = blocks
+        seq.pull_blocks, seq.floor = blocks, 0
         self.waiting.append(seq)
         self.kick()
 
@@ -282,7 +283,7 @@ class Engine:
             return 0
         hashes = seq.req.hashes
         usable = min(n, (seq.need - 1) // self.bs, len(hashes))
-        gain = usable - self.kv.match(hashes[:usable])
+        gain = usable - max(self.kv.match(hashes[:usable]), seq.floor)
         if gain < t.prefix_pull_min_blocks or not prefix_pull_pays(
                 gain, self.sim.cost.kv_bytes_per_token * self.bs, self.bs, self.pull_stats, t.prefix_pull_gbps,
                 self.computed_tokens, self.busy_s):
@@ -761,38 +762,56 @@ class Simulator:
     def ask_export(self, engine: Engine, seq: Seq) -> None:
         """EngineReplica.prefix_remote asks seq.source for its blocks: the source answers at its next step
         boundary (export_prefix is a call between steps) with the leading blocks it still caches, unless that is
-        later than prefix_export_timeout_s, when the asking replica computes the prefix."""
+        later than prefix_export_timeout_s, when the asking replica computes the prefix (or pulls what an
+        earlier answer gave: seq.floor)."""
         pool, rid, _ = seq.source
         src = self.live(pool).get(rid) if pool in self.engines else None
         hashes = seq.req.hashes[:seq.pull_blocks]
-        t = prefix_export_timeout_s(len(hashes) - engine.kv.match(hashes), engine.bs, engine.computed_tokens,
-                                    engine.busy_s)
+        local = max(engine.kv.match(hashes), seq.floor)
+        t = prefix_export_timeout_s(len(hashes) - local, engine.bs, engine.computed_tokens, engine.busy_s)
         if src is None:                                 # gone: the call fails at once
             self._no_export(engine, seq)
             return
         at = src.boundary()
         if at - self.now > t:
             self.prefix_export_timeouts += 1
-            self.at(self.now + t, lambda: engine.exported(seq, 0))
+            self.at(self.now + t, lambda: engine.exported(seq, seq.floor))
             return
 
         def answer() -> None:
             n = src.kv.match(hashes)
-            if n >= engine.kv.match(hashes) + self.cfg.transfer.prefix_pull_min_blocks:
-                engine.exported(seq, n)
+            if n >= max(engine.kv.match(hashes), seq.floor) + self.cfg.transfer.prefix_pull_min_blocks:
+                if not self._more_from_fallback(engine, seq, n):
+                    engine.exported(seq, n)
             else:                                       # it no longer holds them
                 self._no_export(engine, seq)
         self.at(at, answer)
 
+    def _more_from_fallback(self, engine: Engine, seq: Seq, got: int) -> bool:
+        """A source answered with `got` blocks where the index says the fallback holds prefix_pull_min_blocks
+        more (the source evicted part of them): ask the fallback for more than `got` (the pull it would replace
+        stays pinned meanwhile). False when the fallback is not asked."""
+        fb = seq.fallback
+        if fb is None or fb[1] == engine.rid or min(fb[2], (seq.need - 1) // engine.bs, len(seq.req.hashes)) \
+                < got + self.cfg.transfer.prefix_pull_min_blocks:
+            return False
+        seq.source, seq.fallback, seq.floor = fb, None, got
+        seq.pull_blocks = engine._prefix_pull(seq)
+        if not seq.pull_blocks:                         # not worth asking: pull what the first gave
+            return False
+        self.ask_export(engine, seq)
+        return True
+
     @staticmethod
     def _no_export(engine: Engine, seq: Seq) -> None:
-        """The source answered none or failed at once: the fallback holder next, by the same rule, if any."""
+        """The source answered none or failed at once: the fallback holder next, by the same rule, if any (an
+        answer an earlier source gave, seq.floor, is pulled when there is none)."""
         if seq.fallback is not None and seq.fallback[1] != engine.rid:
             seq.source, seq.fallback = seq.fallback, None
             engine.asking -= 1
             engine.add(seq)
         else:
-            engine.exported(seq, 0)
+            engine.exported(seq, seq.floor)
 
     def prefix_pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
         """A prefix pull of `tokens` from another replica (its blocks are not pinned there: left out)."""

@@ -69,6 +69,7 @@ class EngineReplica:
                            peer_metadata=self._peer_metadata, ttl_s=transfer.ttl_s)
         self.transfer = transfer
         self._pool_handles: dict[str, Any] = {}          # pool -> deployment handle, for prefix pulls
+        self._withdrawals: set[asyncio.Future] = set()   # prefix exports being withdrawn (held till done)
         self._pulled = [0, 0.0]                         # bytes and seconds of this replica's prefix pulls
         self.metrics = ReplicaMetrics(self.pool, self.replica, self)
         self.ttft = LatencyWindow(LATENCY_WINDOW_S)      # arrival -> first token at this replica
@@ -103,45 +104,65 @@ class EngineReplica:
             return self.link.export_prefix(req.pin_id, req.block_hashes, req.token_ids, req.min_blocks)
         return await run_blocking(self.llm.call, export)
 
+    async def withdraw_prefix(self, req: PrefixExport) -> None:
+        """The replica that asked for req.pin_id's export will not pull it (another source gave it more): unpin
+        those blocks now rather than when the lease expires."""
+        await run_blocking(self.llm.call, lambda _engine: self.link.withdraw(req.pin_id))
+
     async def prefix_remote(self, req: PoolRequest) -> RemotePrefill | None:
         """For a prompt this replica is about to prefill: a prefix pull from req.prefix_source (the replica, of
         either pool, the router's index says caches most of it), or None to compute it all. A pull must bring
         transfer.prefix_pull_min_blocks beyond what this replica caches, and be estimated faster than
         computing them: PREFIX_PULL_OVERHEAD_S + bytes / bandwidth (this replica's measured pulls, else
         transfer.prefix_pull_gbps) against tokens / this engine's measured compute rate. The source's answer is
-        waited for as long as kvtransfer.config.prefix_export_timeout_s says. A source that answers that it no
-        longer holds the blocks (the index lags its evictions), or fails at once, is followed by
-        req.prefix_fallback, the other pool's best holder; so is this replica itself when it is named first
-        (its own cache is what a pull is counted against)."""
+        waited for as long as kvtransfer.config.prefix_export_timeout_s says. req.prefix_fallback, the other
+        pool's best holder, is asked next when the first source answers that it no longer holds the blocks (the
+        index lags its evictions) or fails at once, when this replica itself is named first (its own cache is
+        what a pull is counted against), and when the first answers with fewer blocks than the index says the
+        fallback holds (it evicted part of them): then the fallback must bring prefix_pull_min_blocks more than
+        that answer, and the pull it replaces is withdrawn."""
         if req.prefix_source is None or not self.transfer.prefix_pull or req.resume is not None:
             return None
+        best: tuple[RemotePrefill, str, PrefixExport] | None = None       # (pull, its pool, what was asked)
         for n, src in enumerate((req.prefix_source, req.prefix_fallback)):
             if src is None:
-                return None
+                break
             if src[1] == self.replica:
                 continue
-            remote, ask_next = await self._prefix_from(req, src, f"{req.request_id}-prefix{n or ''}")
-            if remote is not None or not ask_next:
-                return remote
-        return None
+            got = len(best[0].block_hashes) if best is not None else 0
+            if best is not None and self._usable(req, src[2]) < got + self.transfer.prefix_pull_min_blocks:
+                break                               # the fallback holds no more than the first gave
+            remote, ask_next, ask = await self._prefix_from(req, src, f"{req.request_id}-prefix{n or ''}", got)
+            if remote is not None:
+                if best is not None:                # the fallback gave more: the first's pin is not needed
+                    self._withdraw(best[1], best[2])
+                best = (remote, src[0], ask)
+            elif best is None and not ask_next:
+                return None
+        return best[0] if best is not None else None
 
-    async def _prefix_from(self, req: PoolRequest, src: tuple[str, str, int], pin_id: str
-                           ) -> tuple[RemotePrefill | None, bool]:
-        """One source's answer to prefix_remote: the pull, or None and whether another source may be asked."""
+    def _usable(self, req: PoolRequest, blocks: int) -> int:
+        """Of `blocks` leading blocks a source holds, those a pull may bring: the last prompt token is computed."""
+        return min(blocks, (len(req.token_ids) - 1) // self.engine.block_size, len(req.block_hashes))
+
+    async def _prefix_from(self, req: PoolRequest, src: tuple[str, str, int], pin_id: str, floor: int = 0
+                           ) -> tuple[RemotePrefill | None, bool, PrefixExport | None]:
+        """One source's answer to prefix_remote: the pull (of more than `floor` blocks, what an earlier answer
+        gave), or None and whether another source may be asked; and the request made, if any."""
         pool, source, blocks = src
         bs = self.engine.block_size
-        usable = min(blocks, (len(req.token_ids) - 1) // bs, len(req.block_hashes))   # the last token is computed
+        usable = self._usable(req, blocks)
         hashes, ids = req.block_hashes[:usable], req.token_ids[:usable * bs]
         # read without the engine's lock (find only reads): an engine call waits for the step in progress, a
         # long prefill's seconds on a slow device; a count off by a racing step only moves the estimate, and
         # the scheduler matches the prefix again when it reserves the blocks
-        local = len(self.engine.pool.find(hashes, ids))
+        local = max(len(self.engine.pool.find(hashes, ids)), floor)
         gain = usable - local
         if gain < self.transfer.prefix_pull_min_blocks:
-            return None, False
+            return None, False, None
         if not self._pull_pays(gain):
             self.metrics.prefix_pull("computed")
-            return None, False
+            return None, False, None
         ask = PrefixExport(pin_id, hashes, ids, local + self.transfer.prefix_pull_min_blocks, source)
         wait_s = prefix_export_timeout_s(gain, bs, self.engine.num_computed_tokens_total,
                                          self.engine.busy_seconds_total)
@@ -151,13 +172,25 @@ class EngineReplica:
             log.warning("%s replica %s: prefix export from %s replica %s failed (%s)", self.pool, self.replica,
                         pool, source, type(e).__name__)
             self.metrics.prefix_pull("failed")
-            return None, not isinstance(e, asyncio.TimeoutError)     # (waited as long as computing takes)
+            return None, not isinstance(e, asyncio.TimeoutError), ask    # (waited as long as computing takes)
         if handoff is None:
             self.metrics.prefix_pull("none")
-            return None, True
+            return None, True, ask
         h = handoff.handle
         return RemotePrefill(handoff, h.block_hashes, None, None, deadline=h.expiry - RESERVE_MARGIN_S,
-                             num_tokens=h.num_tokens), False
+                             num_tokens=h.num_tokens), False, ask
+
+    def _withdraw(self, pool: str, ask: PrefixExport) -> None:
+        """Tell a source its export will not be pulled (in the background; its lease ends it anyway)."""
+        async def withdraw() -> None:
+            try:
+                await self._pool_handle(pool).withdraw_prefix.remote(ask)
+            except Exception as e:                  # noqa: BLE001 - gone: nothing of it to unpin
+                log.info("%s replica %s: withdrawing prefix export %s failed (%s)", self.pool, self.replica,
+                         ask.pin_id, type(e).__name__)
+        task = asyncio.ensure_future(withdraw())
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
 
     def observe_prefix_pull(self, m) -> int:
         """After a request added with a prefix pull: count it, and learn the bandwidth. Returns tokens pulled."""

@@ -131,7 +131,8 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
     fallback transport), computes only the rest, and the decode pool writes the offline engine's text. Both
     replicas' pins end: the source's when the pull is done, the puller's when the decode replica pulled. Then
     a prompt only the decode replica caches (it prefilled it itself) is pulled from there by a prefill replica,
-    after the source named first answered that it holds none of it (the fallback)."""
+    after the source named first answered that it holds none of it (the fallback), and a prompt whose named
+    source answers with only its first half is pulled whole from the fallback, which holds all of it."""
     from dataclasses import replace
 
     from ray import serve
@@ -194,3 +195,27 @@ def test_a_prefill_replica_pulls_a_prefix_the_other_caches_instead_of_computing_
     assert [t for d in decode.generate.remote(replace(req, prefill=again)) for t in d.token_ids] == want
     wait_for(lambda: all(pool_total(scrape(BASE), "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")),
              20, "every pin to end")
+    # named first: a prefill replica that holds only the first half (it evicted the rest, as far as the puller
+    # knows): it answers with 8 blocks, the decode replica holds all 16, so the puller asks it for more and pulls
+    # those (it withdraws the first answer; with this cluster's Ray transport that pin ended at the copy anyway)
+    half, rest = ([rng.randrange(200, 40000) for _ in range(8 * BLOCK)] for _ in range(2))
+    fourth = half + rest + [rng.randrange(200, 40000) for _ in range(3)]
+    first = PoolRequest("prefix-half", half + [7, 8, 9], block_hashes(half + [7, 8, 9], BLOCK, key), greedy,
+                        avoid=(result.replica,))
+    first = replace(first, prefill=serve.get_deployment_handle("prefill", "baton").prefill.remote(first)
+                    .result(timeout_s=120))
+    assert first.prefill.replica == source
+    list(decode.generate.remote(first))
+    full = PoolRequest("prefix-full", fourth, block_hashes(fourth, BLOCK, key), greedy)
+    want = [t for d in decode.generate.remote(full) for t in d.token_ids]                # on the decode replica
+    wait_for(lambda: any(v and max(v.values()) == 16 for v in
+                         ingress_index_matches("decode", block_hashes(fourth, BLOCK, key)).values()), 10, "the index")
+    wait_for(lambda: all(pool_total(scrape(BASE), "baton_kv_blocks_used", p) == 0 for p in ("prefill", "decode")),
+             20, "the first half's hand-off to end")
+    req = PoolRequest("prefix-short-answer", fourth, block_hashes(fourth, BLOCK, key), greedy, avoid=(source,),
+                      prefix_source=("prefill", source, 16), prefix_fallback=("decode", holder, 16))
+    fourth_result = serve.get_deployment_handle("prefill", "baton").prefill.remote(req).result(timeout_s=120)
+    assert fourth_result.replica != source and fourth_result.num_pulled_tokens == 16 * BLOCK
+    assert [t for d in decode.generate.remote(replace(req, prefill=fourth_result)) for t in d.token_ids] == want
+    wait_for(lambda: all(pool_total(m, "baton_kv_blocks_used", p) == 0 for m in [scrape(BASE, fresh=True)]
+                         for p in ("prefill", "decode")), 10, "every pin to end")

@@ -324,6 +324,47 @@ def test_a_source_that_no_longer_holds_the_prefix_is_followed_by_the_other_pool_
     assert sim.prefix_pulls == [2, 1024] and stale.computed_tokens == 4000 + 32 and r2.first is not None
 
 
+
+def test_a_source_that_answers_with_part_of_the_prefix_is_followed_by_a_fallback_holding_more():
+    """A source that evicted part of the prefix answers with the blocks it still holds. Where the index says the
+    fallback holds prefix_pull_min_blocks more, the replica asking asks it for more than that answer and pulls
+    from it (EngineReplica.prefix_remote, which withdraws the first answer's pin); where the fallback holds no
+    more, it pulls the first answer and computes the rest."""
+    import heapq
+
+    from replica.names import DECODE, PREFILL
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(200, 40000, 512).tolist()
+
+    def drain(sim):
+        while sim.queue:
+            t, _, fn = heapq.heappop(sim.queue)
+            sim.now = t
+            fn()
+
+    for fallback_blocks in (32, 18):
+        sim = Simulator(config(prefill=3, kv_blocks=512, policy="pow2"), COST)
+        sim.run([request(0, 0.0, prefix + rng.integers(200, 40000, 32).tolist(), 2)])  # prefilled, pulled by decode
+        (d,) = sim.engines[DECODE]
+        holder = next(e for e in sim.engines[PREFILL] if e.kv.match(sim.done[0].hashes[:32]) == 32)
+        asker, part = [e for e in sim.engines[PREFILL] if e is not holder]
+        half = request(1, sim.now, prefix[:256] + rng.integers(200, 40000, 32).tolist(), 1)
+        part.add(Seq(half, need=288, out=1))
+        drain(sim)
+        assert part.kv.match(sim.done[0].hashes[:32]) == 16 and d.kv.match(sim.done[0].hashes[:32]) == 32
+        pulls = list(sim.prefix_pulls)
+        r = request(2, sim.now, prefix + rng.integers(200, 40000, 32).tolist(), 1)
+        asker.busy_s, asker.computed_tokens = 2.0, 4000                   # a measured rate: pulls pay
+        asker.add(Seq(r, need=544, out=1, source=(PREFILL, part.rid, 32), fallback=(DECODE, d.rid, fallback_blocks)))
+        drain(sim)
+        assert asker.asking == 0 and r.first is not None
+        if fallback_blocks == 32:           # the fallback holds 16 more: all 32 pulled from it
+            assert sim.prefix_pulls[0] - pulls[0] == 1 and sim.prefix_pulls[1] - pulls[1] == 512
+            assert asker.computed_tokens == 4000 + 32
+        else:                               # 2 more than the answer, under prefix_pull_min_blocks: the 16 pulled
+            assert sim.prefix_pulls[0] - pulls[0] == 1 and sim.prefix_pulls[1] - pulls[1] == 256
+            assert asker.computed_tokens == 4000 + 256 + 32
+
 def test_local_prefills_sharing_a_system_prompt_spread_over_the_decode_pool():
     """Colocated replicas all asked to prefill prompts behind one system prompt: the router weighs queued prompt
     tokens (the prefill pool's rule), so the load spreads instead of piling onto the replica caching it."""
