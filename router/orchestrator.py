@@ -63,9 +63,15 @@ def prefill_remotely(num_tokens: int, decode_hit_blocks: int, block_size: int, m
 def prefix_sources(index: dict, hashes: list[int], disaggregated: bool) -> list[tuple[str, str, int]]:
     """(pool, replica, blocks) over the pools' prefix indexes (pool -> PrefixIndex): each pool's replica caching
     most of the prompt's leading blocks (the greatest name of those: a fixed choice), the most blocks first and
-    a prefill replica on a tie. The replica that prefills the prompt asks the first and, when it answers that
-    it no longer holds them, the second (Orchestrator.prefix_sources; plan/sim.py)."""
-    pools = ((PREFILL, 1), (DECODE, 0)) if disaggregated else ((DECODE, 0),)
+    a decode replica on a tie. The replica that prefills the prompt asks the first and, when it answers that
+    it no longer holds them or holds fewer, the second (Orchestrator.prefix_sources; plan/sim.py).
+
+    Why decode on a tie: a source answers between two of its steps, and a decode step is short (a token per
+    sequence), where a prefill replica's step may be a whole prompt chunk, seconds on a slow device; and a
+    decode replica's outbound link is mostly idle (it receives prompts), where a prefill replica's carries its
+    hand-offs. A decode replica caches every prompt it pulled, so it ties with the prefill replica that
+    computed the prompt until one of them evicts it."""
+    pools = ((PREFILL, 0), (DECODE, 1)) if disaggregated else ((DECODE, 1),)
     found = []
     for pool, rank in pools:
         n, names = index[pool].longest(hashes)
@@ -103,7 +109,7 @@ class Orchestrator:
 
     def prefix_sources(self, hashes: list[int]) -> list[tuple[str, str, int]]:
         """(pool, replica, blocks) of each pool's replica the index says caches most of the prompt's leading
-        blocks, the most first (a prefill replica on a tie): where the replica that prefills it may pull that
+        blocks, the most first (a decode replica on a tie): where the replica that prefills it may pull that
         prefix from (EngineReplica.prefix_remote), and where else if the first no longer holds it."""
         if self.mirror is None or not hashes:
             return []

@@ -127,7 +127,7 @@ def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
 
 def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     """What the ingress names in PoolRequest.prefix_source (a replica that prefills the prompt may pull from it):
-    the replica of either pool with the longest cached run of its leading blocks, a prefill replica on a tie;
+    the replica of either pool with the longest cached run of its leading blocks, a decode replica on a tie;
     none when no replica caches any. PoolRequest.prefix_fallback: the other pool's best holder."""
     from router.prefix_index import PrefixIndex
 
@@ -149,11 +149,13 @@ def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
     o.mirror.index["prefill"].load_snapshot("a", 0, hashes[:2])
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:5] + [7])
     o.mirror.index["decode"].load_snapshot("d", 0, hashes[:5])
-    assert o.prefix_sources(hashes)[0] == ("prefill", "b", 5)       # a tie: the prefill replica
+    assert o.prefix_sources(hashes)[0] == ("decode", "d", 5)        # a tie: the decode replica
     # asked second, when the first answers that it no longer holds them: the other pool's best holder
-    assert o.prefix_sources(hashes) == [("prefill", "b", 5), ("decode", "d", 5)]
+    assert o.prefix_sources(hashes) == [("decode", "d", 5), ("prefill", "b", 5)]
+    o.mirror.index["prefill"].load_snapshot("b", 0, hashes[:6])
+    assert o.prefix_sources(hashes) == [("prefill", "b", 6), ("decode", "d", 5)]  # the most blocks first
     o.mirror.index["decode"].load_snapshot("d", 0, hashes)
-    assert o.prefix_sources(hashes) == [("decode", "d", len(hashes)), ("prefill", "b", 5)]
+    assert o.prefix_sources(hashes) == [("decode", "d", len(hashes)), ("prefill", "b", 6)]
     assert o.prefix_sources(block_hashes(list(range(300, 340)), BS, KEY)) == []
     o.prefill = None                                                # colocated: decode replicas only
     o.mirror.index["prefill"].load_snapshot("b", 0, hashes)
