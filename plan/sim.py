@@ -282,13 +282,18 @@ class Engine:
         if not t.prefix_pull or rid == self.rid:
             return 0
         hashes = seq.req.hashes
-        usable = min(n, (seq.need - 1) // self.bs, len(hashes))
+        usable = self.usable(seq, n)
         gain = usable - max(self.kv.match(hashes[:usable]), seq.floor)
         if gain < t.prefix_pull_min_blocks or not prefix_pull_pays(
                 gain, self.sim.cost.kv_bytes_per_token * self.bs, self.bs, self.pull_stats, t.prefix_pull_gbps,
                 self.computed_tokens, self.busy_s):
             return 0
         return usable
+
+    def usable(self, seq: Seq, blocks: int) -> int:
+        """Of `blocks` leading blocks a source holds, those a pull may bring (the last prompt token is computed;
+        EngineReplica._usable)."""
+        return min(blocks, (seq.need - 1) // self.bs, len(seq.req.hashes))
 
     def kick(self) -> None:
         """New work: start a step if idle, or cut a decode run at the step in progress."""
@@ -792,8 +797,8 @@ class Simulator:
         more (the source evicted part of them): ask the fallback for more than `got` (the pull it would replace
         stays pinned meanwhile). False when the fallback is not asked."""
         fb = seq.fallback
-        if fb is None or fb[1] == engine.rid or min(fb[2], (seq.need - 1) // engine.bs, len(seq.req.hashes)) \
-                < got + self.cfg.transfer.prefix_pull_min_blocks:
+        if fb is None or fb[1] == engine.rid or \
+                engine.usable(seq, fb[2]) < got + self.cfg.transfer.prefix_pull_min_blocks:
             return False
         seq.source, seq.fallback, seq.floor = fb, None, got
         seq.pull_blocks = engine._prefix_pull(seq)
