@@ -75,12 +75,33 @@ def chat(client, model: str, max_tokens: int = 24) -> str:
     return r.choices[0].message.content
 
 
+def diverging(r, offline: LLM) -> str:
+    """Where the cluster's greedy tokens (response r) leave the offline engine's (token, logprob, runner-up per
+    position), and the cluster's counters of the paths a request can take (pulls, fallbacks, preemptions, hits)."""
+    live = [(t.token, round(t.logprob, 4), [(a.token, round(a.logprob, 4)) for a in t.top_logprobs])
+            for t in r.choices[0].logprobs.content]
+    o = offline.generate(offline.apply_chat_template(MESSAGES), SamplingParams(temperature=0, max_tokens=24,
+                                                                                logprobs=2))[0]
+    tok = offline.engine.tokenizer
+    here = [(tok.decode([t]), round(lp[t], 4)) for t, lp in zip(o.token_ids, o.logprobs)]
+    paths = {k: v for k, v in scrape(BASE, fresh=True).items() if "_bucket{" not in k and "_created{" not in k
+             and any(n in k for n in ("kv_transfer", "prefix_pull", "preemptions", "prefix_cache_hit", "migrat"))}
+    return f"cluster: {live}\noffline: {here}\ncounters: {paths}"
+
+
 def test_model_selects_the_adapter_and_the_text_is_the_offline_engines(client, adapters, offline):
     models = {m.id: m for m in client.models.list().data}
     assert set(models) == {MODEL, "terse"}
     assert models["terse"].model_extra["parent"] == MODEL and models["terse"].model_extra["root"] == adapters["terse"]
-    base, terse = chat(client, MODEL), chat(client, "terse")
-    assert base == want(offline, None)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24, logprobs=True,
+                                       top_logprobs=2)
+    assert r.model == MODEL
+    base, terse = r.choices[0].message.content, chat(client, "terse")
+    if base != want(offline, None):
+        # once in about twenty CI runs (stop 47) the cluster's base text left the offline engine's at a token
+        # whose top two were 0.16 apart, which no kernel path here explains (chunking, batching, threads, a
+        # local prefill after a failed pull all give the offline bits): say which path this request took
+        pytest.fail(f"cluster {base!r} != offline {want(offline, None)!r}\n{diverging(r, offline)}")
     assert terse == want(offline, "terse", adapters["terse"])
     assert terse != base
     r = client.completions.create(model="terse", prompt="The baton passes from", temperature=0, max_tokens=12)
