@@ -10,9 +10,10 @@
    again where it matters, served: streams' token gaps while the prefill replica computes long prompts (the
    ingress, the proxy and the client share the cores too), and keeps that figure.
 3. Overheads: a local disaggregated cluster (1 prefill + 1 decode replica) serves requests one at a time through
-   the HTTP API, then 8 at once; TTFT minus the fitted prefill step is the ingress overhead (`request_s`), the
-   first token gap minus the pull and the decode step the hand-off overhead (`handoff_s`), and the token gaps
-   at batch 1 and 8 against the fitted steps what streaming adds per step and per token (`step_s`, `token_s`).
+   the HTTP API, then 8 at once. The token gaps at batch 1 and 8 against the fitted steps are what streaming adds
+   per step and per token (`step_s`, `token_s`); the TTFT of prompts the decode replica prefills itself, less
+   that step, is the ingress overhead (`request_s`); the TTFT of prompts prefilled remotely, less that, the
+   prefill step, the pull and the decode step that streams the first token, is the hand-off's (`handoff_s`).
 """
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ from typing import Any, Callable
 import numpy as np
 
 from plan.cost import Batch, LinearCost, Overheads, attention_pairs, save_cost
+from replica.names import DECODE, PREFILL
 
 VOCAB = (200, 40000)
+LOCAL_PROMPT = 40           # tokens: under the calibration cluster's min_remote_prefill_tokens (64)
+REMOTE_PROMPT = 256         # tokens: prefilled by the prefill replica
 
 
 def _engine(config) -> Any:
@@ -117,11 +121,12 @@ def contention(config, engine, cost: LinearCost, rng: np.random.Generator, log: 
     return max(ratio - 1.0, 0.0)
 
 
-def gaps_while_prefilling(streams: list, prompts: list, request_s: float) -> list[float]:
+def gaps_while_prefilling(streams: list, prompts: list, request_s: float, after_s: float = 0.0) -> list[float]:
     """The token gaps of `streams` ((Req, Result) pairs, arrival and measured TTFT and gaps) that lay wholly
     inside the time some prompt of `prompts` was being prefilled: from its arrival past the ingress
-    (request_s) to its first token, as measured."""
-    computing = [(r.at + request_s, r.at + res.ttft) for r, res in prompts if res.ok and res.ttft is not None]
+    (request_s) to its first token, as measured, less `after_s` (what follows the prefill: hand-off, pull, the
+    decode step that streams it)."""
+    computing = [(r.at + request_s, r.at + res.ttft - after_s) for r, res in prompts if res.ok and res.ttft is not None]
     gaps = []
     for r, res in streams:
         if res.ok and res.ttft is not None:
@@ -131,13 +136,16 @@ def gaps_while_prefilling(streams: list, prompts: list, request_s: float) -> lis
 
 
 def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Overheads:
-    """From a live 1 + 1 cluster: requests one at a time (request_s from TTFT, handoff_s from the first gap,
-    serving's cost per step at batch 1), then 8 streams at once (serving's cost per token from the gap at batch 8)."""
+    """From a live 1 + 1 cluster: requests one at a time, prefilled remotely and by the decode replica (their
+    TTFTs, and the token gap at batch 1), then 8 streams at once (the gap at batch 8); fit_overheads solves them."""
     import asyncio
 
     from bench.cluster_bench import Req, drive, serve_config, with_cluster
+    from cluster.live_metrics import scrape
     rng = np.random.default_rng(2)
-    alone = [Req(rng.integers(*VOCAB, 256).tolist(), 16, at=2.0 * i) for i in range(6)]
+    alone = [Req(rng.integers(*VOCAB, REMOTE_PROMPT).tolist(), 16, at=2.0 * i) for i in range(6)]
+    # prompts under min_remote_prefill_tokens: the decode replica prefills them (no hand-off, no pull)
+    local = [Req(rng.integers(*VOCAB, LOCAL_PROMPT).tolist(), 16, at=1.0 * i) for i in range(6)]
     together = [Req(rng.integers(*VOCAB, 64).tolist(), 48) for _ in range(8)]
     # 4 streams decoding while the prefill replica computes two 1,024-token prompts (the streams outlast them)
     mixed = [Req(rng.integers(*VOCAB, 64).tolist(), 320) for _ in range(4)] + \
@@ -145,37 +153,93 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
 
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
-        return [asyncio.run(drive(base, model, reqs))[0] for reqs in (alone, together, mixed)]
-    one, eight, busy = with_cluster(serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64),
-                                    work)
+        out, phases = [], []
+        for reqs in (alone, local, together, mixed):
+            before = scrape(base, fresh=True)
+            out.append(asyncio.run(drive(base, model, reqs))[0])
+            phases.append(engine_phase_s(before, scrape(base, fresh=True)))
+        return out, phases
+    (one, here, eight, busy), phases = with_cluster(
+        serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
     ok = [r for r in one if r.ok and r.ttft is not None and len(r.itls) > 2]
+    near = [r for r in here if r.ok and r.ttft is not None]
     batch = [r for r in eight if r.ok and len(r.itls) > 8]
-    if not ok or not batch:
-        raise RuntimeError(f"the calibration cluster served no request: {[r.error for r in one + eight]}")
-    prefill = cost.step_s(Batch(256, attention_pairs(256, 0), 1, 256))
-    pull = ov.transfer_latency_s + 256 * cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9)
-    step1 = cost.step_s(Batch(1, 272, 1, 272))
-    step8 = cost.step_s(Batch(8, 8 * 90, 8, 8 * 90))
+    if not ok or not near or not batch:
+        raise RuntimeError(f"the calibration cluster served no request: {[r.error for r in one + here + eight]}")
     gap1 = float(np.median([x for r in ok for x in r.itls[1:]]))
     gap8 = float(np.median([x for r in batch for x in r.itls[4:-4]]))
-    # served gap at batch b = step(b) + step_s + token_s * b: two batch sizes, two unknowns
-    token_s = max(((gap8 - step8) - (gap1 - step1)) / 7, 0.0)
-    ov.step_s = max(gap1 - step1 - token_s, 0.0)
-    ov.token_s = token_s
-    ov.request_s = max(float(np.median([r.ttft for r in ok])) - prefill, 0.0)
-    ov.handoff_s = max(float(np.median([r.itls[0] for r in ok])) - step1 - ov.step_s - ov.token_s - pull, 0.0)
+    local_ttft, remote_ttft = float(np.median([r.ttft for r in near])), float(np.median([r.ttft for r in ok]))
+    # the engines' own time to the first token in the same runs (the prefill replica's for the remote prompts,
+    # the decode replica's for the local ones), not the fit's: this VM's speed drifts by more than the overheads
+    fit_overheads(ov, cost, local_ttft, remote_ttft, gap1, gap8, local_engine_s=phases[1].get(DECODE),
+                  remote_engine_s=phases[0].get(PREFILL))
     # contention, served: the streams' gaps while the prompts prefill, against the same gaps predicted alone
-    gaps = gaps_while_prefilling(list(zip(mixed[:4], busy[:4])), list(zip(mixed[4:], busy[4:])), ov.request_s)
+    after = ov.handoff_s + ov.transfer_latency_s + 1024 * cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9) \
+        + cost.step_s(Batch(5, 5 * 200, 5, 5 * 200)) + ov.step_s + 5 * ov.token_s      # joins the 4 streams' batch
+    gaps = gaps_while_prefilling(list(zip(mixed[:4], busy[:4])), list(zip(mixed[4:], busy[4:])), ov.request_s, after)
     if gaps:
         alone_gap = cost.step_s(Batch(4, 4 * 100, 4, 4 * 100)) + ov.step_s + 4 * ov.token_s
         served = max(float(np.median(gaps)) / alone_gap - 1.0, 0.0)
         log(f"served contention: stream gaps {np.median(gaps) * 1e3:.1f} ms while the prefill replica computes, "
             f"{alone_gap * 1e3:.1f} ms alone: {served:.2f} per busy neighbour (the engines' own: {cost.contention:.2f})")
         cost.contention = served
+    s = shapes(cost, ov)
+    def engine(pool: str, fitted: float) -> str:
+        got = phases[0 if pool == PREFILL else 1].get(pool)
+        return f"{fitted * 1e3:.1f} ms fitted, " + (f"{got * 1e3:.1f} ms measured" if got else "not measured")
+    log(f"TTFT p50 {local_ttft * 1e3:.1f} ms for {LOCAL_PROMPT}-token prompts the decode replica prefills (its step "
+        f"{engine(DECODE, s['local'])}), {remote_ttft * 1e3:.1f} ms for {REMOTE_PROMPT}-token ones prefilled remotely "
+        f"(prefill {engine(PREFILL, s['prefill'])}, pull {s['pull'] * 1e3:.1f} ms, decode step {s['step1'] * 1e3:.1f} ms)")
     log(f"overheads: request {ov.request_s * 1e3:.1f} ms, hand-off {ov.handoff_s * 1e3:.1f} ms; served gaps "
-        f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {step1 * 1e3:.1f} and "
-        f"{step8 * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
+        f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {s['step1'] * 1e3:.1f} and "
+        f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
     return ov
+
+
+def shapes(cost: LinearCost, ov: Overheads) -> dict[str, float]:
+    """The fitted seconds of the steps the served requests take: the local prompt's step, the remote prompt's
+    prefill and pull, a decode step alone (context as the 16-token streams') and at batch 8."""
+    return {"local": cost.step_s(Batch(LOCAL_PROMPT, attention_pairs(LOCAL_PROMPT, 0), 1, LOCAL_PROMPT)),
+            "prefill": cost.step_s(Batch(REMOTE_PROMPT, attention_pairs(REMOTE_PROMPT, 0), 1, REMOTE_PROMPT)),
+            "pull": ov.transfer_latency_s + REMOTE_PROMPT * cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9),
+            "step1": cost.step_s(Batch(1, REMOTE_PROMPT + 16, 1, REMOTE_PROMPT + 16)),
+            "step8": cost.step_s(Batch(8, 8 * 90, 8, 8 * 90))}
+
+
+def fit_overheads(ov: Overheads, cost: LinearCost, local_ttft: float, remote_ttft: float, gap1: float,
+                  gap8: float, local_engine_s: float | None = None, remote_engine_s: float | None = None) -> Overheads:
+    """Solve the simulator's rules (plan/sim.py) for the serving overheads, from medians measured one request
+    at a time (gap1: a stream's token gap alone; the TTFTs) and 8 streams at once (gap8):
+    - a served gap at batch b = step(b) + step_s + b token_s: two batch sizes, two unknowns;
+    - TTFT of a local prefill = request_s + its prompt's step + step_s + token_s (it streams its first token);
+    - TTFT of a remote one = request_s + the prefill replica's step + step_s + handoff_s + the pull + the decode
+      step that takes the import in and streams the first token with the second (LLMEngine.step).
+    The prompts' steps are the fit's, or where given the engines' own measured seconds to the first token
+    (`local_engine_s`: the decode replica's for the local prompts, `remote_engine_s`: the prefill replica's)."""
+    s = shapes(cost, ov)
+    local = local_engine_s if local_engine_s else s["local"]
+    prefill = remote_engine_s if remote_engine_s else s["prefill"]
+    ov.token_s = max(((gap8 - s["step8"]) - (gap1 - s["step1"])) / 7, 0.0)
+    ov.step_s = max(gap1 - s["step1"] - ov.token_s, 0.0)
+    ov.request_s = max(local_ttft - local - ov.step_s - ov.token_s, 0.0)
+    ov.handoff_s = max(remote_ttft - ov.request_s - prefill - ov.step_s - s["pull"]
+                       - s["step1"] - ov.step_s - ov.token_s, 0.0)
+    return ov
+
+
+def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """pool -> the mean seconds its replicas' engines took from a request's arrival to its first token sampled
+    there (the queue and prefill phase histograms), over the requests that ended between two scrapes."""
+    out = {}
+    for pool in (PREFILL, DECODE):
+        def delta(name: str) -> float:
+            return sum(v - before.get(k, 0.0) for k, v in after.items()
+                       if k.startswith(name + "{") and f'pool="{pool}"' in k)
+        n = delta("baton_request_prefill_time_seconds_count")
+        if n > 0:
+            out[pool] = (delta("baton_request_queue_time_seconds_sum")
+                         + delta("baton_request_prefill_time_seconds_sum")) / n
+    return out
 
 
 def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,
@@ -205,6 +269,23 @@ def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve:
     info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
             "threads": threads, "engine": {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
                        "max_num_batched_tokens": config.max_num_batched_tokens}}
+    return cost, info
+
+
+def served_only(path: str, transfer_gbps: float, log: Callable[[str], None]) -> tuple[LinearCost, dict[str, Any]]:
+    """The step fit of the calibration saved at `path`, with the serving overheads and contention measured anew."""
+    import json
+
+    from plan.cost import load_cost
+    cost = load_cost(path)
+    if not isinstance(cost, LinearCost):
+        raise SystemExit(f"plan calibrate --steps-from: {path} holds a {cost.to_dict().get('kind')} cost model, "
+                         "not the linear fit of this machine's steps")
+    log(f"engine steps: the fit in {path} (step = {cost.c0 * 1e3:.2f} ms + {cost.c_tok * 1e6:.1f} us/token + ...)")
+    t = time.perf_counter()
+    cost.overheads = overheads(Overheads(transfer_gbps=transfer_gbps), cost, log)
+    info = {**json.loads(Path(path).read_text()).get("calibration", {}), "steps_from": str(path),
+            "seconds": time.perf_counter() - t}
     return cost, info
 
 
@@ -245,6 +326,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="with --gpu: the torch device the engine runs on (default cuda)")
     p.add_argument("--quick", action="store_true", help="a smaller grid (tests)")
     p.add_argument("--no-serve", action="store_true", help="skip the live cluster (overheads stay 0)")
+    p.add_argument("--steps-from", default=None, metavar="COST_JSON",
+                   help="keep the engine step fit of an earlier calibration on this machine and measure only the "
+                        "serving overheads and contention on a live cluster (2 minutes instead of 9)")
     p.add_argument("--transfer-gbps", type=float, default=5.5,
                    help="KV pull bandwidth (default 5.5 GB/s: `baton bench transfer`'s NIXL figure on this machine)")
     p.add_argument("--out", default="bench_out/plan/cost.json", help="where the cost model goes")
@@ -273,8 +357,11 @@ def run(args: argparse.Namespace) -> dict:
             init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
                      namespace="baton-plan-calibrate")
         try:
-            cost, info = calibrate(args.model, args.quick, log, serve=not args.no_serve,
-                                   transfer_gbps=args.transfer_gbps)
+            if args.steps_from is not None:
+                cost, info = served_only(args.steps_from, args.transfer_gbps, log)
+            else:
+                cost, info = calibrate(args.model, args.quick, log, serve=not args.no_serve,
+                                       transfer_gbps=args.transfer_gbps)
         finally:
             if ray.is_initialized():
                 ray.shutdown()

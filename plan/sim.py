@@ -15,7 +15,9 @@ What is modelled: an engine is the scheduler's rule (engine/scheduler.py) on blo
 running sequences first (a decode costs one token, an unfinished prompt a chunk of the step's token budget),
 then waiting ones in arrival order while max_num_seqs and KV blocks allow; prefix-cache hits by block hash
 with LRU eviction of free cached blocks; preemption (by recompute) of the newest sequence when blocks run out;
-a decode request's blocks reserved before its KV is pulled. A step costs what the cost model (plan/cost.py)
+a decode request's blocks reserved before its KV is pulled. A remote prefill's first token reaches the client
+as the live one does: with the decode replica's first output, at the end of the step that takes the import in
+(with that step's token), not when the prefill replica samples it. A step costs what the cost model (plan/cost.py)
 says. Steps that only decode are simulated as one run until a sequence finishes or new work arrives (a run
 is cut at the step in progress), not as an event per token. At the 1,000-GPU scale that simulates a few thousand
 requests a second, much of it routing (docs/benchmarks.md): a day of trace there takes over half an hour.
@@ -84,7 +86,7 @@ class SimRequest:
     output: int                  # output tokens (ignore_eos: the trace's length)
     hashes: list[int]            # chained hashes of the prompt's full blocks (the sim's block size)
     # results
-    first: float | None = None   # first token's time
+    first: float | None = None   # first token's time, as the client gets it
     last: float | None = None
     tokens: int = 0
     rejected: bool = False       # admission control answered 429
@@ -514,14 +516,20 @@ class Engine:
 
     def _emit(self, seq: Seq, now: float) -> None:
         r = seq.req
-        if r.first is None:
-            r.first = now
+        if self.pool == PREFILL and r.output > 1:
+            # a remote prefill's first token reaches the client with the decode replica's first output, after
+            # the hand-off, the pull and the step that takes the import in (LLMEngine.step emits it with that
+            # step's token, r.first set there); the prefill replica's own TTFT still feeds the autoscaler
             self.ttfts.append((now, now - r.at))
+        elif r.first is None:
+            r.first = r.last = now
+            if not seq.remote:
+                self.ttfts.append((now, now - r.at))
         else:
             gap = now - r.last
             self.sim.add_itl(gap)
             self.itls.append((now, gap))
-        r.last = now
+            r.last = now
         r.tokens += 1
         if r.ticket is not None:
             r.ticket.progress(0, 1)

@@ -145,7 +145,8 @@ def test_cost_models_round_trip_through_their_file(tmp_path):
 
 def test_one_request_alone_takes_exactly_what_the_cost_model_says():
     """Colocated: TTFT = ingress overhead + one prefill step; every later token one decode step. Disaggregated:
-    the first gap adds the hand-off and the pull of the prompt's KV."""
+    the first token reaches the client with the decode replica's first output, after the hand-off, the pull of
+    the prompt's KV and the step that takes the import in (it brings the second token too)."""
     ids = list(range(300, 300 + 100))
     prefill = COST.step_s(Batch(100, attention_pairs(100, 0), 1, 100))
     colo = simulate(config("colocated"), COST, [request(0, 0.0, ids, 5)])
@@ -153,9 +154,34 @@ def test_one_request_alone_takes_exactly_what_the_cost_model_says():
     steps = COST.decode_steps_s(1, 101, 4)
     assert colo["wall_s"] == pytest.approx(0.05 + prefill + steps.sum())
     dis = simulate(config(), COST, [request(0, 0.0, ids, 5)])
-    assert dis["ttft_ms"]["p50"] == pytest.approx(colo["ttft_ms"]["p50"])
     pull = 0.001 + 100 * 46080 / 1e9
+    assert dis["ttft_ms"]["p50"] == pytest.approx((0.05 + prefill + 0.02 + pull + steps[0]) * 1e3)
     assert dis["wall_s"] == pytest.approx(colo["wall_s"] + 0.02 + pull)
+    r = request(0, 0.0, ids, 5)
+    Simulator(config(), COST).run([r])
+    assert r.ttft == pytest.approx(dis["ttft_ms"]["p50"] / 1e3) and r.tokens == 5
+    assert r.last - r.first == pytest.approx(steps[1:].sum(), rel=1e-4)     # the 2nd token came with the 1st
+
+
+def test_calibration_solves_the_simulator_s_own_ttfts_for_the_overheads_it_ran_with():
+    """`baton plan calibrate` reads request_s and handoff_s off TTFTs by the simulator's rules: TTFTs the simulator
+    gives a prompt the decode replica prefills and one the prefill replica does (first token after the hand-off,
+    the pull and the decode step that takes it in) give back the overheads it ran with."""
+    from plan.calibrate import LOCAL_PROMPT, REMOTE_PROMPT, fit_overheads, shapes
+    ov = Overheads(request_s=0.03, handoff_s=0.04, transfer_gbps=1.0, transfer_latency_s=0.001, step_s=0.002,
+                   token_s=0.0005)
+    cost = LinearCost(c0=0.010, c_tok=0.0005, c_attn=2e-8, c_seq=0.0002, kv_bytes_per_token=46080, overheads=ov)
+    local, remote = (request(i, 0.0, list(range(1000 * i, 1000 * i + n)), 16)
+                     for i, n in ((1, LOCAL_PROMPT), (2, REMOTE_PROMPT)))
+    for r in (local, remote):
+        Simulator(config(min_remote=64), cost).run([r])
+    s = shapes(cost, ov)
+    gap1, gap8 = s["step1"] + ov.step_s + ov.token_s, s["step8"] + ov.step_s + 8 * ov.token_s
+    got = fit_overheads(Overheads(transfer_gbps=1.0, transfer_latency_s=0.001), cost, local.ttft, remote.ttft, gap1,
+                        gap8)
+    assert (got.step_s, got.token_s) == (pytest.approx(ov.step_s), pytest.approx(ov.token_s))
+    assert got.request_s == pytest.approx(ov.request_s, abs=1e-6)
+    assert got.handoff_s == pytest.approx(ov.handoff_s, abs=2e-4)   # (the decode step's context: 257, not 272)
 
 
 def test_blocks_are_all_returned_after_a_run_that_preempts():
