@@ -229,7 +229,9 @@ def fit_overheads(ov: Overheads, cost: LinearCost, local_ttft: float, remote_ttf
 
 def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """pool -> the mean seconds its replicas' engines took from a request's arrival to its first token sampled
-    there (the queue and prefill phase histograms), over the requests that ended between two scrapes."""
+    there (the queue and prefill phase histograms), over the requests that ended between two scrapes. The queue
+    histogram also counts imports (no first token sampled there): a phase must not mix them with prompts the
+    same pool prefills (the calibration's phases do not)."""
     out = {}
     for pool in (PREFILL, DECODE):
         def delta(name: str) -> float:

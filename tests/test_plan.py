@@ -184,6 +184,24 @@ def test_calibration_solves_the_simulator_s_own_ttfts_for_the_overheads_it_ran_w
     assert got.handoff_s == pytest.approx(ov.handoff_s, abs=2e-4)   # (the decode step's context: 257, not 272)
 
 
+def test_calibration_reads_each_pool_s_time_to_first_token_off_two_scrapes():
+    """The engines' own seconds to a first token in a served phase: the queue and prefill histograms' sums over
+    the requests that ended between two scrapes, per pool, summed over its replicas (a pool whose engines
+    sampled no first token in the phase, as the decode pool for imports, gives none)."""
+    from plan.calibrate import engine_phase_s
+
+    def hist(pool: str, replica: str, queue: float, prefill: float, n: int, imports: int = 0) -> dict:
+        lab = f'pool="{pool}",replica="{replica}"'
+        return {f"baton_request_queue_time_seconds_sum{{{lab}}}": queue,
+                f"baton_request_queue_time_seconds_count{{{lab}}}": n + imports,
+                f"baton_request_prefill_time_seconds_sum{{{lab}}}": prefill,
+                f"baton_request_prefill_time_seconds_count{{{lab}}}": n}
+    before = {**hist("prefill", "a", 1.0, 10.0, 5), **hist("decode", "d", 0.5, 2.0, 4, imports=5)}
+    after = {**hist("prefill", "a", 1.3, 16.0, 7), **hist("prefill", "b", 0.1, 2.9, 1),
+             **hist("decode", "d", 0.7, 2.0, 4, imports=8)}
+    assert engine_phase_s(before, after) == {"prefill": pytest.approx((0.3 + 6.0 + 0.1 + 2.9) / 3)}
+
+
 def test_blocks_are_all_returned_after_a_run_that_preempts():
     """A KV cache too small for the batch preempts (recompute) and still finishes every request, every block
     back in the free or cached pool: no leak in the engine model."""
