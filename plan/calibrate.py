@@ -171,10 +171,11 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     local_ttft, remote_ttft = float(np.median([r.ttft for r in near])), float(np.median([r.ttft for r in ok]))
     # the engines' own time to the first token in the same runs (the prefill replica's for the remote prompts,
     # the decode replica's for the local ones), not the fit's: this VM's speed drifts by more than the overheads
-    fit_overheads(ov, cost, local_ttft, remote_ttft, gap1, gap8, local_engine_s=phases[1].get(DECODE),
-                  remote_engine_s=phases[0].get(PREFILL))
+    local_engine, remote_engine = phases[1].get(DECODE), phases[0].get(PREFILL)
+    fit_overheads(ov, cost, local_ttft, remote_ttft, gap1, gap8, local_engine_s=local_engine,
+                  remote_engine_s=remote_engine)
     # contention, served: the streams' gaps while the prompts prefill, against the same gaps predicted alone
-    after = ov.handoff_s + ov.transfer_latency_s + 1024 * cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9) \
+    after = ov.handoff_s + ov.pull_s(1024 * cost.kv_bytes_per_token) \
         + cost.step_s(Batch(5, 5 * 200, 5, 5 * 200)) + ov.step_s + 5 * ov.token_s      # joins the 4 streams' batch
     gaps = gaps_while_prefilling(list(zip(mixed[:4], busy[:4])), list(zip(mixed[4:], busy[4:])), ov.request_s, after)
     if gaps:
@@ -184,12 +185,12 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
             f"{alone_gap * 1e3:.1f} ms alone: {served:.2f} per busy neighbour (the engines' own: {cost.contention:.2f})")
         cost.contention = served
     s = shapes(cost, ov)
-    def engine(pool: str, fitted: float) -> str:
-        got = phases[0 if pool == PREFILL else 1].get(pool)
+    def engine(fitted: float, got: float | None) -> str:
         return f"{fitted * 1e3:.1f} ms fitted, " + (f"{got * 1e3:.1f} ms measured" if got else "not measured")
     log(f"TTFT p50 {local_ttft * 1e3:.1f} ms for {LOCAL_PROMPT}-token prompts the decode replica prefills (its step "
-        f"{engine(DECODE, s['local'])}), {remote_ttft * 1e3:.1f} ms for {REMOTE_PROMPT}-token ones prefilled remotely "
-        f"(prefill {engine(PREFILL, s['prefill'])}, pull {s['pull'] * 1e3:.1f} ms, decode step {s['step1'] * 1e3:.1f} ms)")
+        f"{engine(s['local'], local_engine)}), {remote_ttft * 1e3:.1f} ms for {REMOTE_PROMPT}-token ones prefilled "
+        f"remotely (prefill {engine(s['prefill'], remote_engine)}, pull {s['pull'] * 1e3:.1f} ms, decode step "
+        f"{s['step1'] * 1e3:.1f} ms)")
     log(f"overheads: request {ov.request_s * 1e3:.1f} ms, hand-off {ov.handoff_s * 1e3:.1f} ms; served gaps "
         f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {s['step1'] * 1e3:.1f} and "
         f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
@@ -201,7 +202,7 @@ def shapes(cost: LinearCost, ov: Overheads) -> dict[str, float]:
     prefill and pull, a decode step alone (context as the 16-token streams') and at batch 8."""
     return {"local": cost.step_s(Batch(LOCAL_PROMPT, attention_pairs(LOCAL_PROMPT, 0), 1, LOCAL_PROMPT)),
             "prefill": cost.step_s(Batch(REMOTE_PROMPT, attention_pairs(REMOTE_PROMPT, 0), 1, REMOTE_PROMPT)),
-            "pull": ov.transfer_latency_s + REMOTE_PROMPT * cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9),
+            "pull": ov.pull_s(REMOTE_PROMPT * cost.kv_bytes_per_token),
             "step1": cost.step_s(Batch(1, REMOTE_PROMPT + 16, 1, REMOTE_PROMPT + 16)),
             "step8": cost.step_s(Batch(8, 8 * 90, 8, 8 * 90))}
 

@@ -55,6 +55,10 @@ class Overheads:
     step_s: float = 0.0            # what serving adds to each engine step (streaming its outputs, the ingress's SSE)
     token_s: float = 0.0           # ... and to each token a step streams (on a CPU these share the engine's cores)
 
+    def pull_s(self, nbytes: float) -> float:
+        """Seconds a KV pull of `nbytes` takes: the transfer's latency, then its bandwidth."""
+        return self.transfer_latency_s + nbytes / (self.transfer_gbps * 1e9)
+
 
 @dataclass
 class LinearCost:

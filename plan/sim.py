@@ -763,7 +763,7 @@ class Simulator:
 
     def pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
         ov = self.cost.overheads
-        seconds = ov.transfer_latency_s + tokens * self.cost.kv_bytes_per_token / (ov.transfer_gbps * 1e9)
+        seconds = ov.pull_s(tokens * self.cost.kv_bytes_per_token)
 
         def arrived() -> None:
             src = self._pins.pop(seq.req.id, None)
