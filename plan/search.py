@@ -14,7 +14,12 @@ The cost model is a roofline of the GPU (plan/cost.py: H100/H200 presets; --mfu,
 calibrated one (--cost). Stated assumptions travel in the JSON.
 
 Each run is one process's work; --workers (default one per core) runs ahead the runs the search may read next,
-and the day's two runs side by side, in worker processes. The answer does not depend on the number of workers.
+and the day's runs side by side, in worker processes. The answer does not depend on the number of workers.
+
+--cells K plans a fleet of K identical clusters (plan/cells.py): the search finds one cell's replicas, each run
+simulating every cell (or --simulate-cells of them), and each cell's day autoscales on its own. Routing is then
+over a cell's replicas, and a sample of the cells stands for the fleet: a day at the 1,000-GPU scale takes
+minutes, where one cluster of that size takes about an hour a run.
 """
 from __future__ import annotations
 
@@ -25,7 +30,6 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,8 +37,9 @@ import numpy as np
 
 from cluster.config import ClusterConfig
 from plan.cost import Batch, Cost, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape
-from plan.sim import Simulator, simulate, summarize
-from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake
+from plan.cells import cell_tally, fleet_summary, simulate_fleet, split
+from plan.sim import Simulator, Tally
+from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake, iter_day
 
 
 def cluster(mode: str, prefill: int, decode: int, engine: dict[str, Any], min_remote: int,
@@ -88,10 +93,11 @@ def usable_workers(n: int) -> int:
 
 
 def _simulate_row(mode: str, p: int, d: int) -> dict[str, Any]:
-    """One candidate run (in a worker process, or in this one): its row of the search's table."""
+    """One candidate run (in a worker process, or in this one): its row of the search's table. With cells,
+    p and d are a cell's replicas and the GPUs the fleet's."""
     j, t = _JOB, time.perf_counter()
-    out = simulate(cluster(mode, p, d, j["engine"], j["min_remote"]), j["cost"], j["requests"], j["slo"])
-    return {"mode": mode, "prefill": p, "decode": d, "gpus": (p + d) * cost_tp(j["cost"]),
+    out = simulate_fleet(cluster(mode, p, d, j["engine"], j["min_remote"]), j["cost"], j["parts"], j["cells"], j["slo"])
+    return {"mode": mode, "prefill": p, "decode": d, "gpus": (p + d) * cost_tp(j["cost"]) * j["cells"],
             "attainment": out["slo_attainment"], "goodput_rps": out["goodput_rps"], "ttft_ms": out["ttft_ms"],
             "itl_ms": out["itl_ms"], "prefix_hit_rate": out["prefix_hit_rate"], "sim_s": time.perf_counter() - t}
 
@@ -112,12 +118,17 @@ def bisection_order(lo: int, hi: int, n: int) -> list[int]:
 class Planner:
     """The search. With `workers` > 1, runs the search may read next start ahead in worker processes while it waits
     for the one it reads now (the next doubling; the next bisection step of either outcome): the same runs are
-    read in the same order, so the plan, the table and the log are those of one process, only sooner."""
+    read in the same order, so the plan, the table and the log are those of one process, only sooner.
+
+    With `cells` > 1 the fleet is that many copies of one cluster (plan/cells.py): the search finds a cell's
+    replicas, and each run simulates `sample` of the cells (default all)."""
 
     def __init__(self, requests, cost: Cost, engine: dict[str, Any], slo: tuple[float, float], target: float,
-                 min_remote: int, log: Callable[[str], None], workers: int = 1):
+                 min_remote: int, log: Callable[[str], None], workers: int = 1, cells: int = 1,
+                 sample: int | None = None):
         self.requests, self.cost, self.engine, self.slo, self.target = requests, cost, engine, slo, target
-        self.min_remote, self.log = min_remote, log
+        self.min_remote, self.log, self.cells = min_remote, log, max(cells, 1)
+        self.parts = split(requests, self.cells)[:sample or self.cells]
         self.workers = usable_workers(workers)
         self.runs: list[dict[str, Any]] = []
         self._rows: dict[tuple, dict] = {}          # finished runs, by (mode, prefill, decode)
@@ -136,7 +147,8 @@ class Planner:
             self._rows[key] = _simulate_row(*key)
         row = dict(self._rows[key])
         self.runs.append(row)
-        self.log(f"{mode} {p}P+{d}D: {row['attainment']:.1%} within SLOs, TTFT p90 "
+        cells = f" x {self.cells} cells" if self.cells > 1 else ""
+        self.log(f"{mode} {p}P+{d}D{cells}: {row['attainment']:.1%} within SLOs, TTFT p90 "
                  f"{(row['ttft_ms'] or {}).get('p90', float('nan')):.0f} ms, ITL p90 "
                  f"{(row['itl_ms'] or {}).get('p90', float('nan')):.1f} ms ({row['sim_s']:.1f} s)")
         return row
@@ -157,7 +169,8 @@ class Planner:
                 self.started_ahead += 1
 
     def _share(self) -> None:
-        _JOB.update(requests=self.requests, cost=self.cost, engine=self.engine, slo=self.slo, min_remote=self.min_remote)
+        _JOB.update(parts=self.parts, cells=self.cells, cost=self.cost, engine=self.engine, slo=self.slo,
+                    min_remote=self.min_remote)
 
     def close(self) -> None:
         """Stop the workers: runs started ahead and never read are dropped."""
@@ -201,9 +214,9 @@ class Planner:
 
     def estimate(self) -> tuple[int, int]:
         """Replicas the offered load needs at full use: prompt tokens/s over one replica's prefill rate; KV-bound
-        decode sequences (Little's law) over what one replica's KV holds."""
+        decode sequences (Little's law) over what one replica's KV holds. A cell's, with cells."""
         reqs = self.requests
-        span = max(r.at for r in reqs) - min(r.at for r in reqs) or 1.0
+        span = (max(r.at for r in reqs) - min(r.at for r in reqs) or 1.0) * self.cells
         prompt_rate = sum(r.prompt for r in reqs) / span
         budget = self.engine.get("max_num_batched_tokens", 2048)
         per_prefill = budget / self.cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget))
@@ -222,7 +235,7 @@ class Planner:
         self.log(f"load estimate: {p0} prefill and {d0} decode replicas at full use")
         try:
             colo = self.fewest(lambda n: ("colocated", 0, n), lo=max(1, (p0 + d0) // 2))
-            colocated = {"replicas": colo, "gpus": colo * self.tp}
+            colocated = {"replicas": colo, "gpus": colo * self.tp * self.cells}
         except RuntimeError as e:           # e.g. long prompts' chunks stall the decodes batched with them
             colo, colocated = None, {"replicas": None, "gpus": None, "why": str(e)}
             self.log(f"colocated: {e}")
@@ -233,18 +246,35 @@ class Planner:
             d = self.fewest(lambda n: ("disaggregated", pp, n), lo=max(1, d0 // 2))
             if best is None or pp + d < sum(best):
                 best = (pp, d)
-        return {"colocated": colocated,
-                "disaggregated": {"prefill": best[0], "decode": best[1], "gpus": sum(best) * self.tp}}
+        return {"colocated": colocated, "cells": self.cells,
+                "disaggregated": {"prefill": best[0], "decode": best[1], "gpus": sum(best) * self.tp * self.cells}}
 
 
 def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: float, plan: dict, slo, min_remote: int,
-            startup_s: float, hours: float, seed: int, log, queued_s: float = 0.5, workers: int = 1) -> dict[str, Any]:
+            startup_s: float, hours: float, seed: int, log, queued_s: float = 0.5, workers: int = 1,
+            cells: int = 1, sample: int | None = None) -> dict[str, Any]:
     """A day on the diurnal curve: the plan's fixed size against both pools autoscaling up to it x 1.5, the
-    prefill pool's queued-token target `queued_s` of prefill per replica. With workers > 1 the two runs go side
-    by side in worker processes, each on its own copy of the day's requests (as in one process, where the two
-    copies are made one after the other: twice the memory at once)."""
-    day = from_mooncake(day_of(rows, peak_rps, hours=hours, seed=seed))
-    log(f"day: {len(day):,} requests over {hours:g} h (peak {peak_rps:g} req/s)")
+    prefill pool's queued-token target `queued_s` of prefill per replica. With cells, the plan is a cell's and
+    every cell (or the first `sample` of them) runs its day and autoscales on its own. With workers > 1 the runs
+    (fixed and autoscaled, each cell) go side by side in worker processes, each on its own copy of its requests
+    (as in one process, where the copies are made one after the other)."""
+    cells = max(cells, 1)
+    if cells == 1:
+        parts = [from_mooncake(day_of(rows, peak_rps, hours=hours, seed=seed))]
+        total = len(parts[0])
+    else:       # the rows stream through the front balancer: only the simulated cells' are kept
+        seen = [0, None]
+
+        def counted(it):
+            for row in it:
+                seen[0] += 1
+                seen[1] = row["timestamp"] if seen[1] is None else seen[1]
+                yield row
+        kept = split(counted(iter_day(rows, peak_rps, hours=hours, seed=seed)), cells, sample,
+                     blocks=lambda row: row["hash_ids"], size=lambda row: row["input_length"] + row["output_length"])
+        total, parts = seen[0], [from_mooncake(p, t0=seen[1]) for p in kept]
+    log(f"day: {total:,} requests over {hours:g} h (peak {peak_rps:g} req/s)" +
+        (f", {cells} cells, {len(parts)} simulated ({sum(map(len, parts)):,} requests)" if cells > 1 else ""))
     p, d = plan["disaggregated"]["prefill"], plan["disaggregated"]["decode"]
     scale = {"min_replicas": 1, "upscale_delay_s": 30, "downscale_delay_s": 600, "cooldown_s": startup_s + 30,
              "look_back_period_s": 60, "metrics_interval_s": 10}
@@ -257,40 +287,44 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
         "prefill": {**scale, "max_replicas": math.ceil(p * 1.5), "initial_replicas": 1, "ttft_slo_s": 0,
                     "target_queued_prefill_tokens": max(queued, 1)},      # seconds of this GPU's prefill
         "decode": {**scale, "max_replicas": math.ceil(d * 1.5), "initial_replicas": 1, "itl_slo_s": 0}}}
-    _JOB.update(day=day, day_clusters={name: cluster("disaggregated", p, d, engine, min_remote, auto)
-                                       for name, auto in runs.items()},
-                cost=cost, seed=seed, startup_s=startup_s, hours=hours, slo=slo, log=log)
+    _JOB.update(parts=parts, day_clusters={name: cluster("disaggregated", p, d, engine, min_remote, auto)
+                                           for name, auto in runs.items()},
+                cost=cost, seed=seed, startup_s=startup_s, hours=hours, log=log, cells=cells)
+    jobs = [(name, i) for name in runs for i in range(len(parts))]
     if usable_workers(workers) > 1:
-        with _workers(min(workers, len(runs))) as pool:
-            done = pool.map(_day_one, list(runs))
+        with _workers(min(workers, len(jobs))) as pool:
+            done = pool.starmap(_day_one, jobs)
     else:
-        done = [_day_one(name) for name in runs]
+        done = [_day_one(*job) for job in jobs]
     _JOB.clear()
-    for name, s in zip(runs, done):
+    out = {}
+    for name in runs:
+        tallies = [tl for (n, _), (tl, _) in zip(jobs, done) if n == name]
+        s = fleet_summary(tallies, cells, slo)
+        merged = Tally.merge(tallies)
+        good = merged.good(slo)
+        hourly = []
+        for h in range(int(math.ceil(hours))):
+            inside = (merged.at >= h * 3600) & (merged.at < (h + 1) * 3600)
+            hourly.append({"hour": h, "requests": round(int(inside.sum()) * cells / len(parts)),
+                           "attainment": int((good & inside).sum()) / max(int(inside.sum()), 1)})
+        s.update(hourly=hourly, gpu_hours=sum(s["replica_seconds"].values()) * cost_tp(cost) / 3600,
+                 sim_s=sum(sec for (n, _), (_, sec) in zip(jobs, done) if n == name))
         log(f"day {name}: {s['slo_attainment']:.1%} within SLOs, {s['gpu_hours']:,.0f} GPU-hours, "
             f"simulated in {s['sim_s']:.0f} s")
-    return dict(zip(runs, done))
+        out[name] = s
+    return out
 
 
-def _day_one(name: str) -> dict[str, Any]:
-    """One of the day's runs (in a worker process, or in this one): its summary, hour by hour. Its progress lines
-    are logged where it runs (the CLI's log writes to stderr from any process)."""
+def _day_one(name: str, cell: int) -> tuple[Tally, float]:
+    """One cell's run of the day (in a worker process, or in this one): its tally and the seconds it took. Its
+    progress lines are logged where it runs (the CLI's log writes to stderr from any process)."""
     j, t = _JOB, time.perf_counter()
-    cost, hours, slo, log = j["cost"], j["hours"], j["slo"], j["log"]
-    sim = Simulator(j["day_clusters"][name], cost, seed=j["seed"], startup_s=j["startup_s"], horizon_s=hours * 3600,
-                    progress=lambda m: log(f"day {name}: {m}"))
-    reqs = [replace(r) for r in j["day"]]           # each run's results on its own copies
-    sim.run(reqs)
-    s = summarize(reqs, sim, slo)
-    hourly = []
-    for h in range(int(math.ceil(hours))):
-        inside = [r for r in reqs if h * 3600 <= r.at < (h + 1) * 3600]
-        good = [r for r in inside if r.ttft is not None and r.ttft <= slo[0]
-                and (r.mean_itl is None or r.mean_itl <= slo[1])]
-        hourly.append({"hour": h, "requests": len(inside), "attainment": len(good) / max(len(inside), 1)})
-    s.update(hourly=hourly, timeline=sim.timeline, gpu_hours=sum(s["replica_seconds"].values()) * cost_tp(cost) / 3600,
-             sim_s=time.perf_counter() - t)
-    return s
+    where = f"day {name}" + (f", cell {cell}" if j["cells"] > 1 else "")
+    tally = cell_tally(j["day_clusters"][name], j["cost"], j["parts"][cell], seed=j["seed"],
+                       startup_s=j["startup_s"], horizon_s=j["hours"] * 3600,
+                       progress=lambda m: j["log"](f"{where}: {m}"))
+    return tally, time.perf_counter() - t
 
 
 def cost_tp(cost: Cost) -> int:
@@ -325,7 +359,8 @@ def plot_day(result: dict, path: Path) -> None:
         t = [x["t"] / 3600 for x in tl]
         for pool in ("prefill", "decode"):
             a.plot(t, [x.get(f"{pool}_replicas", 0) for x in tl], label=f"{pool} replicas (autoscaled)")
-    p, d = result["plan"]["disaggregated"]["prefill"], result["plan"]["disaggregated"]["decode"]
+    cells = result["plan"].get("cells", 1)          # the timeline counts the fleet's replicas
+    p, d = (result["plan"]["disaggregated"][k] * cells for k in ("prefill", "decode"))
     a.axhline(p, color="tab:blue", linestyle=":", label="prefill (fixed)")
     a.axhline(d, color="tab:orange", linestyle=":", label="decode (fixed)")
     a.set_ylabel("replicas")
@@ -373,6 +408,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=default_workers(),
                    help="processes the search's and the day's runs use (default: one per core; Linux only, elsewhere "
                         "1); the answer is the same for any number")
+    p.add_argument("--cells", type=int, default=1,
+                   help="the fleet as this many identical clusters behind a front load balancer (plan/cells.py); "
+                        "the plan is one cell's replicas (default 1: one cluster)")
+    p.add_argument("--simulate-cells", type=int, default=None,
+                   help="simulate only this many of the cells and scale their rates and replica-hours to the fleet "
+                        "(default: all); at the 1,000-GPU scale one cell of eight makes a day a matter of minutes")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
     p.add_argument("--json", action="store_true")
 
@@ -399,17 +440,23 @@ def run(args: argparse.Namespace) -> dict:
     if isinstance(cost, RooflineCost):
         engine["kv_cache_memory"] = 0.9
     requests = from_mooncake(at_rate(rows, rps, args.seconds, args.seed))
-    log(f"{len(requests):,} requests at {rps:g} req/s for {args.seconds:g} s; cost model: {cost.name}")
+    if args.cells < 1 or not 1 <= (args.simulate_cells or args.cells) <= args.cells:
+        raise SystemExit("baton plan search: --cells must be at least 1 and --simulate-cells between 1 and --cells")
+    sample = args.simulate_cells or args.cells
+    log(f"{len(requests):,} requests at {rps:g} req/s for {args.seconds:g} s; cost model: {cost.name}" +
+        (f"; {args.cells} cells, {sample} simulated" if args.cells > 1 else ""))
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-    planner = Planner(requests, cost, engine, slo, args.target, args.min_remote_prefill_tokens, log, args.workers)
+    planner = Planner(requests, cost, engine, slo, args.target, args.min_remote_prefill_tokens, log, args.workers,
+                      args.cells, sample)
     try:
         plan = planner.plan()
     finally:
         planner.close()
     colo, dis = plan["colocated"], plan["disaggregated"]
-    log(f"plan: colocated " + (f"{colo['replicas']} replicas ({colo['gpus']} GPUs)" if colo["gpus"] else
+    per = f" a cell, x {args.cells} cells" if args.cells > 1 else ""
+    log(f"plan: colocated " + (f"{colo['replicas']} replicas{per} ({colo['gpus']} GPUs)" if colo["gpus"] else
                                "cannot meet the target") +
-        f"; disaggregated {dis['prefill']} prefill + {dis['decode']} decode ({dis['gpus']} GPUs)")
+        f"; disaggregated {dis['prefill']} prefill + {dis['decode']} decode{per} ({dis['gpus']} GPUs)")
     result: dict[str, Any] = {
         "benchmark": "plan-search", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "trace": str(args.trace), "trace_rps": own, "rps": rps, "seconds": args.seconds, "requests": len(requests),
@@ -417,7 +464,7 @@ def run(args: argparse.Namespace) -> dict:
         "gpu": args.gpu if isinstance(cost, RooflineCost) else "calibrated", "tp": cost_tp(cost),
         "cost_model": cost.to_dict(), "engine": engine, "min_remote_prefill_tokens": args.min_remote_prefill_tokens,
         "slo_ms": {"ttft": args.slo_ttft_ms, "itl": args.slo_itl_ms}, "target_attainment": args.target,
-        "plan": plan, "runs": planner.runs,
+        "cells": args.cells, "cells_simulated": sample, "plan": plan, "runs": planner.runs,
         "assumptions": [
             "prompts and outputs have the trace's lengths; outputs run to their length (ignore_eos)",
             "prefix sharing as the trace's hash ids say, at their 512-token granularity (the simulator's KV block)",
@@ -426,12 +473,18 @@ def run(args: argparse.Namespace) -> dict:
             "latency, not overlapped with compute)" if isinstance(cost, RooflineCost) else
             "step costs from the calibrated model (--cost), fitted to measured steps",
             "KV: 90% of the replica's HBM less the bf16 weights; KV pulls at the cost model's bandwidth",
-            "no failures, LoRA, speculative decoding or host KV tier"],
+            "no failures, LoRA, speculative decoding or host KV tier"] + ([
+            f"the fleet is {args.cells} identical cells (a cell: one cluster with its own routers, prefix index and "
+            "autoscaling) behind a front balancer that keeps a conversation in its cell and evens the tokens sent; "
+            "replica counts are a cell's, GPUs the fleet's" + (
+                f"; {sample} of the cells simulated, their rates and replica-hours scaled by {args.cells}/{sample}"
+                if sample < args.cells else "")] if args.cells > 1 else []),
     }
     plots = {"plan": plot}
     if args.day:
         result["day"] = day_run(rows, cost, engine, rps, plan, slo, args.min_remote_prefill_tokens, args.startup_s,
-                                args.day_hours, args.seed, log, args.queued_target_s, args.workers)
+                                args.day_hours, args.seed, log, args.queued_target_s, args.workers, args.cells,
+                                sample)
         plots["day"] = plot_day
     result["seconds_taken"] = time.perf_counter() - started
     out_dir = Path(args.out_dir)

@@ -868,7 +868,7 @@ class Simulator:
 
     # -- run -------------------------------------------------------------------------------------------
     def run(self, requests: list[SimRequest]) -> None:
-        """Every request through the cluster (their results land on them; `summarize` reads them)."""
+        """Every request through the cluster (their results land on them; `Tally.of` reads them)."""
         self.expected = len(requests)
         ov = self.cost.overheads
         for r in requests:
@@ -1008,30 +1008,98 @@ class _Scaler:
             sim.at(sim.now + 1.0, lambda: self._retire(e))
 
 
-def summarize(requests: list[SimRequest], sim: Simulator, slo: tuple[float, float] | None = None) -> dict[str, Any]:
-    """The simulated run in `baton bench`'s terms (bench/cluster_bench.summarize): TTFT and ITL percentiles
-    (ITL pooled over every token gap), goodput under SLOs when given, prefix hit rate, replica-seconds."""
-    done = [r for r in requests if r.first is not None and r.last is not None]
-    ttft = np.array([r.ttft for r in done])
-    wall = max((r.last for r in done), default=0.0) - min(0.0, min((r.at for r in requests), default=0.0))
+@dataclass
+class Tally:
+    """What a summary reads of a run: each request's times and tokens as arrays (NaN: none), and the run's
+    counters. Small enough to come back from a worker process, and tallies add up (`merge`): the cells of a
+    fleet (plan/cells.py) are summarized as one."""
+    at: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    tokens: np.ndarray
+    rejected: np.ndarray
+    itl_hist: np.ndarray
+    preemptions: int
+    replica_seconds: dict[str, float]
+    hits: dict[str, list[int]]                  # pool -> [query tokens, hit tokens]
+    prefix_pulls: list[int]                     # pulls, tokens pulled
+    prefix_export_timeouts: int
+    timeline: list[dict[str, Any]]
 
-    def pct(a: np.ndarray) -> dict | None:
-        return {f"p{q}": float(np.percentile(a, q)) * 1e3 for q in (50, 90, 99)} if len(a) else None
-    out: dict[str, Any] = {"requests": len(requests), "completed": len(done), "wall_s": wall,
-                           "ttft_ms": pct(ttft), "itl_ms": hist_percentiles(sim.itl_hist),
-                           "output_tokens_per_s": sum(r.tokens for r in done) / wall if wall else 0.0,
-                           "preemptions": sim.preemptions,
-                           "replica_seconds": {p: round(v, 1) for p, v in sim.replica_seconds.items()}}
-    q = sum(v[0] for v in sim.hits.values())
-    out["prefix_hit_rate"] = sum(v[1] for v in sim.hits.values()) / q if q else None
-    out["prefix_pulls"], out["prefix_pulled_tokens"] = sim.prefix_pulls
-    out["prefix_export_timeouts"] = sim.prefix_export_timeouts
-    out["rejected_429"] = sum(r.rejected for r in requests)
-    if slo is not None:
-        good = [r for r in done if r.ttft <= slo[0] and (r.mean_itl is None or r.mean_itl <= slo[1])]
-        out["goodput_rps"] = len(good) / wall if wall else 0.0
-        out["slo_attainment"] = len(good) / max(len(requests), 1)
-    return out
+    @classmethod
+    def of(cls, requests: list[SimRequest], sim: Simulator) -> Tally:
+        def times(xs) -> np.ndarray:
+            return np.array([np.nan if x is None else x for x in xs], dtype=float)
+        return cls(at=np.array([r.at for r in requests], dtype=float), first=times(r.first for r in requests),
+                   last=times(r.last for r in requests), tokens=np.array([r.tokens for r in requests], dtype=np.int64),
+                   rejected=np.array([r.rejected for r in requests], dtype=bool), itl_hist=sim.itl_hist.copy(),
+                   preemptions=sim.preemptions, replica_seconds=dict(sim.replica_seconds),
+                   hits={p: list(v) for p, v in sim.hits.items()}, prefix_pulls=list(sim.prefix_pulls),
+                   prefix_export_timeouts=sim.prefix_export_timeouts, timeline=list(sim.timeline))
+
+    @classmethod
+    def merge(cls, parts: list[Tally]) -> Tally:
+        """Runs side by side as one: requests pooled, counters summed, the replica timelines added up tick by
+        tick (a run that stopped ticking counts its last sizes)."""
+        if len(parts) == 1:
+            return parts[0]
+        keys = list(dict.fromkeys(k for t in parts for k in t.replica_seconds))
+        timeline, nxt, last = [], [0] * len(parts), [{}] * len(parts)
+        for now in sorted({x["t"] for t in parts for x in t.timeline}):
+            row: dict[str, Any] = {"t": now}
+            for i, t in enumerate(parts):
+                while nxt[i] < len(t.timeline) and t.timeline[nxt[i]]["t"] <= now:
+                    last[i], nxt[i] = t.timeline[nxt[i]], nxt[i] + 1
+                for k, v in last[i].items():
+                    if k != "t":
+                        row[k] = row.get(k, 0) + v
+            timeline.append(row)
+        return cls(at=np.concatenate([t.at for t in parts]), first=np.concatenate([t.first for t in parts]),
+                   last=np.concatenate([t.last for t in parts]), tokens=np.concatenate([t.tokens for t in parts]),
+                   rejected=np.concatenate([t.rejected for t in parts]), itl_hist=sum(t.itl_hist for t in parts),
+                   preemptions=sum(t.preemptions for t in parts),
+                   replica_seconds={k: sum(t.replica_seconds.get(k, 0.0) for t in parts) for k in keys},
+                   hits={p: [sum(t.hits[p][i] for t in parts) for i in (0, 1)] for p in parts[0].hits},
+                   prefix_pulls=[sum(t.prefix_pulls[i] for t in parts) for i in (0, 1)],
+                   prefix_export_timeouts=sum(t.prefix_export_timeouts for t in parts), timeline=timeline)
+
+    def good(self, slo: tuple[float, float]) -> np.ndarray:
+        """Which requests met both SLOs: first token within slo[0], mean gap (if it has gaps) within slo[1]."""
+        done = ~np.isnan(self.first) & ~np.isnan(self.last)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            itl = (self.last - self.first) / (self.tokens - 1)
+        return done & (self.first - self.at <= slo[0]) & ((self.tokens <= 1) | (itl <= slo[1]))
+
+    def summary(self, slo: tuple[float, float] | None = None, scale: float = 1.0) -> dict[str, Any]:
+        """The run in `baton bench`'s terms (bench/cluster_bench.summarize): TTFT and ITL percentiles (ITL
+        pooled over every token gap), goodput under SLOs when given, prefix hit rate, replica-seconds. `scale`:
+        the fleet these requests are a sample of, in their multiples (its rates and replica-seconds)."""
+        done = ~np.isnan(self.first) & ~np.isnan(self.last)
+        ttft = self.first[done] - self.at[done]
+        wall = (float(self.last[done].max()) if done.any() else 0.0) - min(0.0, float(self.at.min()) if len(self.at)
+                                                                          else 0.0)
+
+        def pct(a: np.ndarray) -> dict | None:
+            return {f"p{q}": float(np.percentile(a, q)) * 1e3 for q in (50, 90, 99)} if len(a) else None
+        out: dict[str, Any] = {"requests": len(self.at), "completed": int(done.sum()), "wall_s": wall,
+                               "ttft_ms": pct(ttft), "itl_ms": hist_percentiles(self.itl_hist),
+                               "output_tokens_per_s": int(self.tokens[done].sum()) / wall * scale if wall else 0.0,
+                               "preemptions": self.preemptions,
+                               "replica_seconds": {p: round(v * scale, 1) for p, v in self.replica_seconds.items()}}
+        q = sum(v[0] for v in self.hits.values())
+        out["prefix_hit_rate"] = sum(v[1] for v in self.hits.values()) / q if q else None
+        out["prefix_pulls"], out["prefix_pulled_tokens"] = self.prefix_pulls
+        out["prefix_export_timeouts"] = self.prefix_export_timeouts
+        out["rejected_429"] = int(self.rejected.sum())
+        if slo is not None:
+            good = int(self.good(slo).sum())
+            out["goodput_rps"] = good / wall * scale if wall else 0.0
+            out["slo_attainment"] = good / max(len(self.at), 1)
+        return out
+
+    def ttft_points(self) -> list[tuple[float, float]]:
+        seen = ~np.isnan(self.first)
+        return list(zip(self.at[seen].tolist(), (self.first[seen] - self.at[seen]).tolist()))
 
 
 def hist_percentiles(hist: np.ndarray) -> dict | None:
@@ -1045,14 +1113,12 @@ def hist_percentiles(hist: np.ndarray) -> dict | None:
 
 def simulate(config: ClusterConfig, cost: Cost, requests: list[SimRequest], slo: tuple[float, float] | None = None,
              warm: list[SimRequest] = (), **kw: Any) -> dict[str, Any]:
-    """One run: the summary (summarize's fields) of `requests` on `config`, the clock's 0 being the first
+    """One run: the summary (Tally.summary's fields) of `requests` on `config`, the clock's 0 being the first
     request's start (`warm`: requests before it, at negative times, left out of the summary; ITL percentiles
     count theirs too). The requests are copied, so one list can run on several configs."""
     warm = [replace(r, first=None, last=None, tokens=0) for r in warm]
     requests = [replace(r, first=None, last=None, tokens=0) for r in requests]
     sim = Simulator(config, cost, **kw)
     sim.run([*warm, *requests])
-    out = summarize(requests, sim, slo)
-    out["timeline"] = sim.timeline
-    out["ttft_points"] = [(r.at, r.ttft) for r in requests if r.ttft is not None]
-    return out
+    tally = Tally.of(requests, sim)
+    return {**tally.summary(slo), "timeline": tally.timeline, "ttft_points": tally.ttft_points()}

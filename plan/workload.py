@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -42,11 +42,12 @@ def diurnal(hour: np.ndarray, trough: float = 0.15) -> np.ndarray:
     return trough + (1 - trough) * 0.5 * (1 + np.cos(2 * math.pi * (hour - 14) / 24))
 
 
-def day_of(rows: list[dict], peak_rps: float, hours: float = 24.0, seed: int = 0, trough: float = 0.15
-           ) -> list[dict]:
+def iter_day(rows: list[dict], peak_rps: float, hours: float = 24.0, seed: int = 0, trough: float = 0.15
+              ) -> Iterator[dict]:
     """A day of Mooncake-shaped requests: arrivals a Poisson process whose rate follows `diurnal` (peak
     `peak_rps`); request i is row i mod len(rows) of the trace, its conversation's hash ids renamed per pass
-    over the trace (a new set of users), ids shared by at least a tenth of the rows kept (system prompts)."""
+    over the trace (a new set of users), ids shared by at least a tenth of the rows kept (system prompts). One
+    by one, in arrival order: a day at the 1,000-GPU scale is millions of them."""
     rng = np.random.default_rng(seed)
     counts = Counter(h for r in rows for h in set(r["hash_ids"]))
     shared = {h for h, c in counts.items() if c >= max(2, len(rows) / 10)}
@@ -55,11 +56,14 @@ def day_of(rows: list[dict], peak_rps: float, hours: float = 24.0, seed: int = 0
     n = rng.poisson(peak_rps * hours * 3600)
     times = np.sort(rng.uniform(0, hours * 3600, n))
     times = times[rng.uniform(size=n) < diurnal(times / 3600, trough)]
-    out = []
     for i, t in enumerate(times):
         r = rows[i % len(rows)]
         k = i // len(rows)
-        out.append({"timestamp": float(t) * 1e3, "input_length": r["input_length"],
-                    "output_length": r["output_length"],
-                    "hash_ids": [h if h in shared else h + k * span for h in r["hash_ids"]]})
-    return out
+        yield {"timestamp": float(t) * 1e3, "input_length": r["input_length"], "output_length": r["output_length"],
+               "hash_ids": [h if h in shared else h + k * span for h in r["hash_ids"]]}
+
+
+def day_of(rows: list[dict], peak_rps: float, hours: float = 24.0, seed: int = 0, trough: float = 0.15
+           ) -> list[dict]:
+    """iter_day's requests as a list."""
+    return list(iter_day(rows, peak_rps, hours, seed, trough))

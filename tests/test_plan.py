@@ -683,3 +683,125 @@ def test_validate_simulates_a_pow2_case_over_several_draws_and_compares_their_me
         runs.append(one)
     assert len({r["ttft_ms"]["p90"] for r in runs}) > 1, "the draws differ"
     assert res["tenants_pow2"]["simulated"]["ttft_ms"] == median_run(runs)["ttft_ms"]
+
+
+# -- a fleet of cells (plan/cells.py) --------------------------------------------------------------------------------
+def conversations(n: int, turns: int, gap_s: float = 5.0) -> list[SimRequest]:
+    """n conversations of `turns` turns under one shared system prompt: each turn's prompt is the one before,
+    its answer and a new question (so its blocks extend the earlier turn's); turns of different conversations
+    interleave."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(200, 40000, 2 * BS).tolist()
+    talk = [system + rng.integers(200, 40000, int(rng.integers(3, 7)) * BS).tolist() for _ in range(n)]
+    out = []
+    for t in range(turns):
+        for c in range(n):
+            if t:
+                talk[c] = talk[c] + rng.integers(200, 40000, int(rng.integers(1, 5)) * BS).tolist()
+            out.append(request(len(out), t * gap_s + c * gap_s / n, list(talk[c]), 8))
+    return out
+
+
+def test_the_front_balancer_keeps_a_conversation_in_its_cell_and_spreads_the_rest():
+    from plan.cells import split
+    reqs = conversations(24, 5)
+    cells = split(reqs, 4)
+    where = {r.id: c for c, part in enumerate(cells) for r in part}
+    assert sorted(where) == [r.id for r in reqs], "every request goes to exactly one cell"
+    for c in range(24):                      # request t * 24 + c is conversation c's turn t
+        assert len({where[t * 24 + c] for t in range(5)}) == 1, f"conversation {c} stayed in its cell"
+    work = [sum(r.prompt + r.output for r in p) for p in cells]
+    assert max(work) < 1.15 * min(work), f"the tokens sent are even: {work}"
+    assert min(len(p) for p in cells) >= 15, "the shared system prompt does not pin the conversations to a cell"
+    assert all([r.at for r in p] == sorted(r.at for r in p) for p in cells), "each cell's requests in arrival order"
+    assert [r.id for r in split(reqs, 4, keep=1)[0]] == [r.id for r in cells[0]], "a sample is the full split's cell"
+    assert split(reqs, 1) == [reqs]
+    # one conversation alone cannot hold one cell: past `slack` mean requests above the least-loaded cell, its
+    # turns go elsewhere
+    alone = conversations(1, 40)
+    work = [sum(r.prompt + r.output for r in p) for p in split(alone, 4, slack=2.0)]
+    biggest = max(r.prompt + r.output for r in alone)
+    assert max(work) - min(work) <= 2.0 * sum(work) / len(alone) + biggest, work
+    assert min(work) > 0
+
+
+def test_a_fleet_is_its_cells_pooled_and_a_sample_of_cells_stands_for_the_fleet():
+    """Two cells' summary is the pooled summary of each cell simulated alone; one cell of two simulated gives that
+    cell's attainment and percentiles, and twice its rates and replica-seconds."""
+    from plan.cells import simulate_fleet, split
+    reqs = conversations(16, 4, gap_s=0.5)
+    parts = split(reqs, 2)
+    slo = (0.15, 0.05)
+    cfg = config(prefill=1, decode=1, kv_blocks=2048)
+    alone = [simulate(cfg, COST, p, slo) for p in parts]
+    fleet = simulate_fleet(cfg, COST, parts, 2, slo)
+    assert fleet["completed"] == len(reqs) and (fleet["cells"], fleet["cells_simulated"]) == (2, 2)
+    good = sum(a["slo_attainment"] * a["requests"] for a in alone)
+    assert 0 < good < len(reqs), "the SLOs split the requests: the check below can tell the cells apart"
+    assert fleet["slo_attainment"] == pytest.approx(good / len(reqs))
+    ttfts = [t for a in alone for _, t in a["ttft_points"]]
+    assert fleet["ttft_ms"]["p90"] == pytest.approx(float(np.percentile(ttfts, 90)) * 1e3)
+    for pool in ("prefill", "decode"):
+        assert fleet["replica_seconds"][pool] == pytest.approx(sum(a["replica_seconds"][pool] for a in alone), abs=0.2)
+    one = simulate_fleet(cfg, COST, parts[:1], 2, slo)
+    assert one["requests"] == len(parts[0]) and one["cells_simulated"] == 1
+    assert one["slo_attainment"] == alone[0]["slo_attainment"] and one["ttft_ms"] == alone[0]["ttft_ms"]
+    assert one["goodput_rps"] == pytest.approx(2 * alone[0]["goodput_rps"])
+    assert one["replica_seconds"]["decode"] == pytest.approx(2 * alone[0]["replica_seconds"]["decode"], abs=0.2)
+
+
+def test_a_search_over_cells_plans_a_cell_and_prices_the_fleet():
+    """`baton plan search --cells 3 --simulate-cells 1` (40 req/s of the shipped slice, Llama-3.1-8B on H100s): the
+    plan is a cell's replicas, its GPUs the fleet's; the cell it simulates (about a third of the requests) meets
+    the target at the plan, and one replica fewer of either pool does not."""
+    import argparse
+
+    from plan import search
+    parser = argparse.ArgumentParser()
+    search.add_arguments(parser)
+    logs: list[str] = []
+    from bench.replay_bench import DEFAULT_TRACE, load_trace
+    _, rows = load_trace(DEFAULT_TRACE)
+    requests = from_mooncake(search.at_rate(rows, 40, 20, 0))
+    planner = search.Planner(requests, RooflineCost(), TRACE_ENGINE, (5.0, 0.1), 0.9, 512, logs.append, 1, 3, 1)
+    plan = planner.plan()
+    p, d = plan["disaggregated"]["prefill"], plan["disaggregated"]["decode"]
+    assert plan["cells"] == 3 and plan["disaggregated"]["gpus"] == 3 * (p + d)
+    assert plan["colocated"]["gpus"] == 3 * plan["colocated"]["replicas"]
+    assert len(planner.parts) == 1 and 0.2 < len(planner.parts[0]) / len(requests) < 0.45
+    rows_read = {(r["mode"], r["prefill"], r["decode"]): r for r in planner.runs}
+    assert rows_read[("disaggregated", p, d)]["attainment"] >= 0.9
+    assert rows_read[("disaggregated", p, d)]["gpus"] == 3 * (p + d)
+    assert rows_read[("disaggregated", p, d - 1)]["attainment"] < 0.9
+    assert [r["attainment"] < 0.9 for (m, pp, _), r in rows_read.items() if m == "disaggregated" and pp == p - 1] == [True]
+    assert any(" x 3 cells: " in line for line in logs)
+    with pytest.raises(SystemExit, match="--simulate-cells"):
+        search.run(parser.parse_args(["--cells", "2", "--simulate-cells", "3"]))
+
+
+def test_a_day_of_cells_runs_each_cell_s_autoscaling_and_adds_them_up():
+    """A day over two cells: each cell autoscales on its own and the fleet's replicas are their sum; the hours
+    count the whole day's requests; the same with one worker or two; one cell of two simulated stands for both."""
+    from bench.replay_bench import DEFAULT_TRACE, load_trace
+    from plan.search import day_run
+    _, rows = load_trace(DEFAULT_TRACE)
+    plan = {"disaggregated": {"prefill": 2, "decode": 1}}
+    days, logs = {}, []
+    for workers, sample in ((1, None), (2, None), (2, 1)):
+        day = day_run(rows, RooflineCost(), TRACE_ENGINE, 8.0, plan, (5.0, 0.1), 512, 60.0, 0.25, 0, logs.append,
+                      workers=workers, cells=2, sample=sample)
+        for run in day.values():
+            run.pop("sim_s")
+        days[(workers, sample)] = day
+    both, one = days[(1, None)], days[(2, 1)]
+    assert json.dumps(days[(2, None)], sort_keys=True, default=str) == json.dumps(both, sort_keys=True, default=str)
+    total = next(int(line.split()[1].replace(",", "")) for line in logs if line.startswith("day: "))
+    assert both["fixed"]["requests"] == total > 1000 and sum(h["requests"] for h in both["fixed"]["hourly"]) == total
+    tl = both["autoscaled"]["timeline"]
+    assert all(2 <= x["prefill_replicas"] <= 2 * 3 for x in tl), "two cells, each 1 to ceil(2 x 1.5) replicas"
+    assert max(x["prefill_replicas"] for x in tl) > 2, "the cells scaled up"
+    assert both["fixed"]["gpu_hours"] == pytest.approx(2 * 3 * 0.25, rel=0.15), "two cells of 2 + 1 for the day"
+    assert 0.35 * total < one["fixed"]["requests"] < 0.65 * total
+    assert one["fixed"]["gpu_hours"] == pytest.approx(both["fixed"]["gpu_hours"], rel=0.15)
+    assert any(line.startswith("day: ") and line.endswith(f"2 cells, 1 simulated ({one['fixed']['requests']:,} requests)")
+               for line in logs)
