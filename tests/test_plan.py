@@ -13,6 +13,7 @@ from cluster.config import ClusterConfig
 from engine.block_hash import block_hashes
 from plan.cost import (Batch, LinearCost, Overheads, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape,
                        save_cost)
+from plan.search import held
 from plan.sim import Seq, SimRequest, Simulator, simulate
 from plan.workload import KEY, day_of, diurnal, from_mooncake
 from tests.conftest import ROOT
@@ -465,9 +466,9 @@ def test_baton_plan_search_writes_a_plan_table_and_plots(tmp_path):
     assert plan["colocated"]["gpus"] >= 1 and plan["disaggregated"]["prefill"] >= 1
     best = [r for r in out["runs"] if r["mode"] == "disaggregated" and r["prefill"] == plan["disaggregated"]["prefill"]
             and r["decode"] == plan["disaggregated"]["decode"]]
-    assert best and best[0]["attainment"] >= 0.9
+    assert best and held(best[0]) >= 0.9
     smaller = [r for r in out["runs"] if r["mode"] == "colocated" and r["gpus"] < plan["colocated"]["gpus"]]
-    assert all(r["attainment"] < 0.9 for r in smaller), "nothing smaller that was tried met the target"
+    assert all(held(r) < 0.9 for r in smaller), "nothing smaller that was tried met the target"
     assert (tmp_path / "plan.png").stat().st_size > 0
     assert "prefill + " in res.stderr and "plan: colocated" in res.stderr       # progress and the answer
     assert any("all-reduce" in a for a in out["assumptions"]), out["assumptions"]   # what the roofline prices
@@ -770,10 +771,10 @@ def test_a_search_over_cells_plans_a_cell_and_prices_the_fleet():
     assert plan["colocated"]["gpus"] == 3 * plan["colocated"]["replicas"]
     assert len(planner.parts) == 1 and 0.2 < len(planner.parts[0]) / len(requests) < 0.45
     rows_read = {(r["mode"], r["prefill"], r["decode"]): r for r in planner.runs}
-    assert rows_read[("disaggregated", p, d)]["attainment"] >= 0.9
+    assert held(rows_read[("disaggregated", p, d)]) >= 0.9
     assert rows_read[("disaggregated", p, d)]["gpus"] == 3 * (p + d)
-    assert rows_read[("disaggregated", p, d - 1)]["attainment"] < 0.9
-    assert [r["attainment"] < 0.9 for (m, pp, _), r in rows_read.items() if m == "disaggregated" and pp == p - 1] == [True]
+    assert held(rows_read[("disaggregated", p, d - 1)]) < 0.9
+    assert [held(r) < 0.9 for (m, pp, _), r in rows_read.items() if m == "disaggregated" and pp == p - 1] == [True]
     assert any(" x 3 cells: " in line for line in logs)
     with pytest.raises(SystemExit, match="--simulate-cells"):
         search.run(parser.parse_args(["--cells", "2", "--simulate-cells", "3"]))
@@ -805,3 +806,22 @@ def test_a_day_of_cells_runs_each_cell_s_autoscaling_and_adds_them_up():
     assert one["fixed"]["gpu_hours"] == pytest.approx(both["fixed"]["gpu_hours"], rel=0.15)
     assert any(line.startswith("day: ") and line.endswith(f"2 cells, 1 simulated ({one['fixed']['requests']:,} requests)")
                for line in logs)
+
+
+def test_a_pool_short_of_a_sustained_load_fails_the_search_though_the_run_s_start_passes():
+    """One replica takes a prompt every 0.09 s for 36 s a little slower than they come: the queue grows through the
+    run, so 95% of all requests but only 82% of the last quarter's arrivals are within the SLOs. The search
+    wants the target over the last quarter too (the 1,000-GPU plan's day fell to 9% at its peak hours with a
+    pool sized on a 120 s run), so it plans two replicas."""
+    from plan.search import Planner
+    rng = np.random.default_rng(5)
+    reqs = [request(i, i * 0.09, rng.integers(200, 40000, 192).tolist(), 4) for i in range(400)]
+    slo = (4.5, 5.0)
+    one = simulate(config("colocated", decode=1, kv_blocks=2048), COST, reqs, slo)
+    assert one["slo_attainment"] >= 0.9 > one["slo_attainment_last_quarter"]
+    early = [t for at, t in one["ttft_points"] if at < 9]
+    late = [t for at, t in one["ttft_points"] if at >= 27]
+    assert np.median(late) > 3 * np.median(early), "the queue grew through the run"
+    planner = Planner(reqs, COST, {"num_kv_blocks": 2048, "max_model_len": 4096}, slo, 0.9, 0, lambda m: None)
+    assert planner.fewest(lambda n: ("colocated", 0, n)) == 2
+    assert [held(r) >= 0.9 for r in planner.runs] == [False, True]
