@@ -20,12 +20,11 @@ from, another cell, and each cell's pools autoscale on their own. docs/benchmark
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable, Iterable, TypeVar
 
 from cluster.config import ClusterConfig
 from plan.cost import Cost
-from plan.sim import SimRequest, Simulator, Tally
+from plan.sim import SimRequest, Tally, run_tally
 
 T = TypeVar("T")
 MEMORY = 1 << 20      # blocks the balancer remembers (twice: this generation and the last)
@@ -80,14 +79,6 @@ def split(items: Iterable[T], cells: int, keep: int | None = None, slack: float 
     return out
 
 
-def cell_tally(config: ClusterConfig, cost: Cost, requests: list[SimRequest], **kw: Any) -> Tally:
-    """One cell's run (on copies of its requests)."""
-    requests = [replace(r, first=None, last=None, tokens=0) for r in requests]
-    sim = Simulator(config, cost, **kw)
-    sim.run(requests)
-    return Tally.of(requests, sim)
-
-
 def fleet_summary(tallies: list[Tally], cells: int, slo: tuple[float, float] | None) -> dict[str, Any]:
     """The fleet's summary from the cells simulated (all `cells` of them, or a sample): attainment and
     percentiles over the sample's requests, rates and replica-seconds scaled to the fleet."""
@@ -103,4 +94,4 @@ def simulate_fleet(config: ClusterConfig, cost: Cost, parts: list[list[SimReques
                    slo: tuple[float, float] | None = None, **kw: Any) -> dict[str, Any]:
     """`cells` copies of `config`, of which the cells whose requests `parts` holds are simulated (split's
     answer, all of it or its first few), one after the other: the fleet's summary."""
-    return fleet_summary([cell_tally(config, cost, p, **kw) for p in parts], cells, slo)
+    return fleet_summary([run_tally(config, cost, p, **kw) for p in parts], cells, slo)

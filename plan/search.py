@@ -38,8 +38,8 @@ import numpy as np
 
 from cluster.config import ClusterConfig
 from plan.cost import Batch, Cost, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape
-from plan.cells import cell_tally, fleet_summary, simulate_fleet, split
-from plan.sim import Simulator, Tally
+from plan.cells import fleet_summary, simulate_fleet, split
+from plan.sim import Tally, run_tally
 from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake, iter_day
 
 
@@ -331,7 +331,7 @@ def _day_one(name: str, cell: int) -> tuple[Tally, float]:
     progress lines are logged where it runs (the CLI's log writes to stderr from any process)."""
     j, t = _JOB, time.perf_counter()
     where = f"day {name}" + (f", cell {cell}" if j["cells"] > 1 else "")
-    tally = cell_tally(j["day_clusters"][name], j["cost"], j["parts"][cell], seed=j["seed"],
+    tally = run_tally(j["day_clusters"][name], j["cost"], j["parts"][cell], seed=j["seed"],
                        startup_s=j["startup_s"], horizon_s=j["hours"] * 3600,
                        progress=lambda m: j["log"](f"{where}: {m}"))
     return tally, time.perf_counter() - t

@@ -20,7 +20,8 @@ as the live one does: with the decode replica's first output, at the end of the 
 (with that step's token), not when the prefill replica samples it. A step costs what the cost model (plan/cost.py)
 says. Steps that only decode are simulated as one run until a sequence finishes or new work arrives (a run
 is cut at the step in progress), not as an event per token. At the 1,000-GPU scale that simulates a few thousand
-requests a second, much of it routing (docs/benchmarks.md): a day of trace there takes over half an hour.
+requests a second, much of it routing (docs/benchmarks.md): a day of trace on one cluster of that size takes over
+half an hour; as cells (plan/cells.py), one of which stands for the fleet, minutes.
 
 Prefix pulls (issue 21) run by the replicas' rule: the ingress names the replica whose cached prefix is longest
 (router.orchestrator.prefix_source), and the engine that is to prefill the prompt pulls those blocks instead
@@ -1121,9 +1122,15 @@ def simulate(config: ClusterConfig, cost: Cost, requests: list[SimRequest], slo:
     """One run: the summary (Tally.summary's fields) of `requests` on `config`, the clock's 0 being the first
     request's start (`warm`: requests before it, at negative times, left out of the summary; ITL percentiles
     count theirs too). The requests are copied, so one list can run on several configs."""
+    tally = run_tally(config, cost, requests, warm, **kw)
+    return {**tally.summary(slo), "timeline": tally.timeline, "ttft_points": tally.ttft_points()}
+
+
+def run_tally(config: ClusterConfig, cost: Cost, requests: list[SimRequest], warm: list[SimRequest] = (),
+              **kw: Any) -> Tally:
+    """One run on copies of the requests (`warm` first, left out of the tally): its Tally."""
     warm = [replace(r, first=None, last=None, tokens=0) for r in warm]
     requests = [replace(r, first=None, last=None, tokens=0) for r in requests]
     sim = Simulator(config, cost, **kw)
     sim.run([*warm, *requests])
-    tally = Tally.of(requests, sim)
-    return {**tally.summary(slo), "timeline": tally.timeline, "ttft_points": tally.ttft_points()}
+    return Tally.of(requests, sim)
