@@ -65,6 +65,7 @@ def at_rate(rows: list[dict], rps: float, seconds: float, seed: int) -> list[dic
     return day_of(rows, rps, hours=seconds / 3600, seed=seed, trough=1.0)
 
 
+DAY_PROGRESS = 1_000_000         # a day's progress line every this many requests through the front balancer
 MAX_REPLICAS = 20_000              # a search that passes this many replicas of a pool gives up
 
 # What every run of one search (or day) shares, set before its worker processes fork from this one: they read it
@@ -279,6 +280,8 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
             for row in it:
                 seen[0] += 1
                 seen[1] = row["timestamp"] if seen[1] is None else seen[1]
+                if seen[0] % DAY_PROGRESS == 0:
+                    log(f"day: {seen[0]:,} requests through the front balancer (at {row['timestamp'] / 3.6e6:.1f} h)")
                 yield row
         kept = split(counted(iter_day(rows, peak_rps, hours=hours, seed=seed)), cells, sample,
                      blocks=lambda row: row["hash_ids"], size=lambda row: row["input_length"] + row["output_length"])

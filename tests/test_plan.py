@@ -780,11 +780,14 @@ def test_a_search_over_cells_plans_a_cell_and_prices_the_fleet():
         search.run(parser.parse_args(["--cells", "2", "--simulate-cells", "3"]))
 
 
-def test_a_day_of_cells_runs_each_cell_s_autoscaling_and_adds_them_up():
+def test_a_day_of_cells_runs_each_cell_s_autoscaling_and_adds_them_up(monkeypatch):
     """A day over two cells: each cell autoscales on its own and the fleet's replicas are their sum; the hours
-    count the whole day's requests; the same with one worker or two; one cell of two simulated stands for both."""
+    count the whole day's requests; the same with one worker or two; one cell of two simulated stands for both.
+    The requests streaming through the front balancer show progress (a million at a time; 1,000 here)."""
     from bench.replay_bench import DEFAULT_TRACE, load_trace
+    from plan import search
     from plan.search import day_run
+    monkeypatch.setattr(search, "DAY_PROGRESS", 1000)
     _, rows = load_trace(DEFAULT_TRACE)
     plan = {"disaggregated": {"prefill": 2, "decode": 1}}
     days, logs = {}, []
@@ -796,7 +799,7 @@ def test_a_day_of_cells_runs_each_cell_s_autoscaling_and_adds_them_up():
         days[(workers, sample)] = day
     both, one = days[(1, None)], days[(2, 1)]
     assert json.dumps(days[(2, None)], sort_keys=True, default=str) == json.dumps(both, sort_keys=True, default=str)
-    total = next(int(line.split()[1].replace(",", "")) for line in logs if line.startswith("day: "))
+    total = next(int(line.split()[1].replace(",", "")) for line in logs if " requests over " in line)
     assert both["fixed"]["requests"] == total > 1000 and sum(h["requests"] for h in both["fixed"]["hourly"]) == total
     tl = both["autoscaled"]["timeline"]
     assert all(2 <= x["prefill_replicas"] <= 2 * 3 for x in tl), "two cells, each 1 to ceil(2 x 1.5) replicas"
@@ -806,6 +809,7 @@ def test_a_day_of_cells_runs_each_cell_s_autoscaling_and_adds_them_up():
     assert one["fixed"]["gpu_hours"] == pytest.approx(both["fixed"]["gpu_hours"], rel=0.15)
     assert any(line.startswith("day: ") and line.endswith(f"2 cells, 1 simulated ({one['fixed']['requests']:,} requests)")
                for line in logs)
+    assert any(line.startswith("day: 1,000 requests through the front balancer (at ") for line in logs)
 
 
 def test_a_pool_short_of_a_sustained_load_fails_the_search_though_the_run_s_start_passes():
