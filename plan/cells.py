@@ -79,14 +79,14 @@ def split(items: Iterable[T], cells: int, keep: int | None = None, slack: float 
     return out
 
 
-def fleet_summary(tallies: list[Tally], cells: int, slo: tuple[float, float] | None) -> dict[str, Any]:
-    """The fleet's summary from the cells simulated (all `cells` of them, or a sample): attainment and
-    percentiles over the sample's requests, rates and replica-seconds scaled to the fleet."""
-    scale = cells / len(tallies)
-    t = Tally.merge(tallies)
+def fleet_summary(t: Tally, cells: int, simulated: int, slo: tuple[float, float] | None) -> dict[str, Any]:
+    """The fleet's summary from the tally of the cells simulated (Tally.merge of all `cells` of them, or of a
+    sample of `simulated`): attainment and percentiles over the sample's requests, rates and replica-seconds
+    scaled to the fleet."""
+    scale = cells / simulated
     out = t.summary(slo, scale)
     out["timeline"] = [{k: v if k == "t" or scale == 1 else v * scale for k, v in x.items()} for x in t.timeline]
-    out.update(cells=cells, cells_simulated=len(tallies))
+    out.update(cells=cells, cells_simulated=simulated)
     return out
 
 
@@ -94,4 +94,4 @@ def simulate_fleet(config: ClusterConfig, cost: Cost, parts: list[list[SimReques
                    slo: tuple[float, float] | None = None, **kw: Any) -> dict[str, Any]:
     """`cells` copies of `config`, of which the cells whose requests `parts` holds are simulated (split's
     answer, all of it or its first few), one after the other: the fleet's summary."""
-    return fleet_summary([run_tally(config, cost, p, **kw) for p in parts], cells, slo)
+    return fleet_summary(Tally.merge([run_tally(config, cost, p, **kw) for p in parts]), cells, len(parts), slo)

@@ -313,8 +313,8 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
     out = {}
     for name in runs:
         tallies = [tl for (n, _), (tl, _) in zip(jobs, done) if n == name]
-        s = fleet_summary(tallies, cells, slo)
         merged = Tally.merge(tallies)
+        s = fleet_summary(merged, cells, len(tallies), slo)
         good = merged.good(slo)
         hourly = []
         for h in range(int(math.ceil(hours))):
