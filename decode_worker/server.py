@@ -19,7 +19,7 @@ from typing import AsyncIterator
 
 from engine import RemotePrefill
 from engine.outputs import RequestMetrics
-from replica.engine_replica import DRAIN_POLL_S, RESERVE_MARGIN_S, EngineReplica, export_pinned
+from replica.engine_replica import DRAIN_POLL_S, MIGRATION_POLL_S, RESERVE_MARGIN_S, EngineReplica, export_pinned
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE
 
@@ -87,13 +87,23 @@ class DecodeServer(EngineReplica):
 
     def _watch_stop(self) -> None:
         """Learn that Serve is stopping this replica, then hand over every sequence, now and any that slips in
-        (a request added as the drain began) until the process goes."""
+        (a request added as the drain began) until the process goes. The stop shows in this process within
+        DRAIN_POLL_S (serve_stop_begun); a node's drain, which Serve marks before it starts the successors and
+        stops this replica, only in the controller's answer, asked every MIGRATION_POLL_S (it answers from the
+        state of every replica of the deployment: a 0.5 s poll of it was most of an idle cluster's controller
+        CPU, 2026-11-29)."""
+        asked = time.monotonic()
         while not self._closed:
             time.sleep(DRAIN_POLL_S)
             try:
-                if not self.draining and serve_is_stopping(self.replica):
-                    log.warning("decode replica %s: Serve is stopping it; handing over its requests", self.replica)
-                    self.draining = True
+                if not self.draining:
+                    begun = serve_stop_begun()
+                    if begun is None or time.monotonic() - asked >= MIGRATION_POLL_S:
+                        asked = time.monotonic()
+                        begun = serve_is_stopping(self.replica)
+                    if begun:
+                        log.warning("decode replica %s: Serve is stopping it; handing over its requests", self.replica)
+                        self.draining = True
                 if self.draining:
                     ids = self.llm.call(lambda eng: list(eng.requests))
                     if ids:
@@ -114,6 +124,20 @@ def _remote(p: PrefillResult, hashes: list[int]) -> RemotePrefill:
     """What the engine needs to import the prompt's KV: the producer's pin ends at the handle's expiry."""
     return RemotePrefill(p.handoff, hashes, p.first_token, p.first_logprobs,
                          deadline=p.handoff.handle.expiry - RESERVE_MARGIN_S)
+
+
+def serve_stop_begun() -> bool | None:
+    """Whether Serve has begun this replica's graceful stop, read in this process: None outside a Serve replica,
+    or where Ray's private attributes differ (the caller then asks the controller). Private API, checked against
+    Ray 2.60: the process's actor instance (Serve's ReplicaActor) has `_replica_impl._shutting_down`, set as
+    `perform_graceful_shutdown` begins and before it waits for ongoing requests."""
+    try:
+        import ray._private.worker as ray_worker
+        worker = ray_worker.global_worker
+        flag = worker.actors[worker.actor_id]._replica_impl._shutting_down
+    except Exception:                                   # noqa: BLE001 - not a Serve replica, or another Ray
+        return None
+    return flag if isinstance(flag, bool) else None
 
 
 def serve_is_stopping(replica: str) -> bool:

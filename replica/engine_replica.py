@@ -37,6 +37,7 @@ PUBLISH_INTERVAL_S = 0.01       # KV events and unpins: the router's index lags 
 LATENCY_WINDOW_S = 10.0         # the TTFT / ITL quantiles the autoscaler sees cover this much recent time
 REPORT_INTERVAL_S = 0.5         # metrics text to the state actor (the ingress /metrics shows it)
 DRAIN_POLL_S = 0.5              # a draining replica learns it is being stopped within about this long
+MIGRATION_POLL_S = 5.0          # ... and that its node is draining (Serve's PENDING_MIGRATION) within this long
 PEER_TIMEOUT_S = 10.0           # asking the state actor for a producer's transfer metadata (once per producer)
 TP_FAILURE_GRACE_S = 3.0        # a failed step waits this long for Ray to report a dead TP worker (about 1 s)
 RESERVE_MARGIN_S = 2.0          # an import must start this long before its hand-off's lease ends

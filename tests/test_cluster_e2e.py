@@ -84,22 +84,66 @@ def test_models_and_health(client):
 
 
 def test_every_replica_runs_serve_in_its_throughput_optimized_mode(server):
-    """What Serve itself read in each replica's and proxy's process (cluster/serving.py SERVE_ENV): user code and
-    the handle's router on the process's event loop, gRPC between deployments and from the HTTP proxy, no direct
-    ingress."""
+    """What Serve itself read in each replica's, proxy's and its controller's process (cluster/serving.py SERVE_ENV):
+    user code and the handle's router on the process's event loop, gRPC between deployments and from the HTTP
+    proxy, no direct ingress, and the two timers slowed down."""
     import ray
 
-    def mode() -> tuple[bool, ...]:
+    def mode() -> tuple:
         from ray.serve._private import constants as c
         return (c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
-                c.RAY_SERVE_USE_GRPC_BY_DEFAULT, c.RAY_SERVE_PROXY_USE_GRPC, c.RAY_SERVE_ENABLE_DIRECT_INGRESS)
+                c.RAY_SERVE_USE_GRPC_BY_DEFAULT, c.RAY_SERVE_PROXY_USE_GRPC, c.RAY_SERVE_ENABLE_DIRECT_INGRESS,
+                c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS)
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(("SERVE_REPLICA::baton#", "SERVE_PROXY_ACTOR"))]
-    kinds = {n.split("#")[1] if "#" in n else "proxy" for n in names}
-    assert {"ingress", "prefill", "decode", "proxy"} <= kinds, names
+             if a["name"].startswith(("SERVE_REPLICA::baton#", "SERVE_PROXY_ACTOR")) or a["name"] == SERVE_CONTROLLER_NAME]
+    kinds = {n.split("#")[1] if "#" in n else n.split("-")[0] for n in names}
+    assert {"ingress", "prefill", "decode", "SERVE_PROXY_ACTOR", SERVE_CONTROLLER_NAME} <= kinds, names
     modes = ray.get([ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _a: mode()) for n in names],
                     timeout=30)
-    assert all(m == (False, False, True, True, False) for m in modes), dict(zip(names, modes))
+    # and the two slower timers: the controller's loop every 0.5 s, Serve's metrics exported every second
+    assert all(m == (False, False, True, True, False, 0.5, 1000) for m in modes), dict(zip(names, modes))
+
+
+def test_a_replica_reads_the_start_of_its_graceful_stop_in_its_own_process(server):
+    """A decode replica learns that Serve is stopping it from Serve's own state in its process
+    (decode_worker.server.serve_stop_begun, a private attribute of Ray 2.60's replica) rather than by asking the
+    controller every half second. Held against the real Serve: inside a replica it reads False, not None (None
+    would mean the attribute moved, and the drain watch would fall back to the controller's answer); once Serve
+    begins the replica's graceful stop (its app deleted while a call is in flight), True, before that call ends."""
+    import asyncio
+    import threading
+    import time
+
+    import ray
+    from ray import serve
+
+    @serve.deployment(graceful_shutdown_timeout_s=60, ray_actor_options={"num_cpus": 0})
+    class StopWatch:
+        async def __call__(self, timeout_s: float) -> list:
+            from decode_worker.server import serve_stop_begun
+            seen, deadline = [serve_stop_begun()], time.monotonic() + timeout_s
+            while serve_stop_begun() is False and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return seen + [serve_stop_begun()]
+
+    decode = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("SERVE_REPLICA::baton#decode")]
+    from decode_worker.server import serve_stop_begun
+    assert serve_stop_begun() is None                               # not a Serve replica
+    assert ray.get([ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _a: serve_stop_begun())
+                    for n in decode], timeout=30) == [False] * len(decode)
+    handle = serve.run(StopWatch.bind(), name="stop-watch", route_prefix=None)
+    try:
+        watching = handle.remote(60)
+        time.sleep(1.0)                                             # the call is in flight
+        deleting = threading.Thread(target=serve.delete, args=("stop-watch",), daemon=True)
+        deleting.start()
+        assert watching.result(timeout_s=60) == [False, True]
+        deleting.join(60)
+    finally:
+        if "stop-watch" in serve.status().applications:
+            serve.delete("stop-watch")
 
 
 def test_chat_greedy_equals_the_offline_engine_streamed_or_not(client, offline):
