@@ -20,6 +20,8 @@ Loads (streamed /v1/completions with token-id prompts, greedy, ignore_eos; bench
 Baton runs colocated (one replica doing both phases, the whole machine, as llama.cpp's one process does) and
 disaggregated (1 prefill + 1 decode replica); both use the model as `baton serve` runs it (a GGUF stays packed).
 The streams and decode loads also run through LLM.generate, the engine alone: the HTTP path's share of its tokens/s.
+--rounds N runs the whole sequence N times; each ratio is then the median of the rounds' own ratios (a server is
+compared only with the others of its round, minutes apart, on a VM whose speed may drift more than that).
 """
 from __future__ import annotations
 
@@ -174,6 +176,24 @@ def ratios(result: dict) -> dict[str, Any]:
     return out
 
 
+def median_ratios(rounds: list[dict]) -> dict[str, Any]:
+    """Each ratio as the median over rounds of that round's own ratio, and the goals checked on the medians. A
+    round's servers run minutes apart; the rounds may not be (a 2-core VM's speed moved 2x within an hour on
+    2026-11-29), so a server is compared only with the others of its round. `each_round` keeps every round's."""
+    each = [ratios(r) for r in rounds]
+    if len(each) == 1:
+        return each[0]
+    med = lambda values: float(np.median(values))                        # noqa: E731
+    out: dict[str, Any] = {}
+    for mode in rounds[0]["baton"]:
+        out[mode] = {k: med([e[mode][k] for e in each]) for k in each[0][mode] if k != "meets"}
+        out[mode]["meets"] = {k: out[mode][k] >= v for k, v in GOALS.items()}
+    out["best_mode_for_streams"] = max(rounds[0]["baton"], key=lambda m: out[m]["streams_x"])
+    out["engine_alone_decode_x"] = med([e["engine_alone_decode_x"] for e in each])
+    out["each_round"] = each
+    return out
+
+
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -192,8 +212,37 @@ def plot(result: dict, path: Path) -> None:
     for ax, key in ((axes[0], "decode_tokens_per_s"), (axes[2], "output_tokens_per_s")):
         ax.axhline(result["engine_alone"][key], ls="--", color="k", lw=1)
         ax.text(0, result["engine_alone"][key], " Baton engine alone", fontsize=8, va="bottom")
-    fig.suptitle(f"Baton vs llama.cpp on {result['model']} ({result['date']})", fontsize=10)
+    of = f", round 1 of {len(result['rounds'])}" if len(result.get("rounds", ())) > 1 else ""
+    fig.suptitle(f"Baton vs llama.cpp on {result['model']} ({result['date']}{of})", fontsize=10)
     save(fig, path)
+
+
+def one_round(args: argparse.Namespace, gguf: str, work: dict[str, list[Req]], threads: int, i: int) -> dict:
+    """Every server once, one after the other: llama.cpp and the engine alone with no Ray running, then Baton in
+    each mode on a Ray started for it and shut down after."""
+    import ray
+    tag = f"round {i + 1}/{args.rounds}: " if args.rounds > 1 else ""
+    log(f"{tag}llama.cpp: {args.llama_server}, {threads} threads, {args.streams} slots")
+    peer = with_llama_server(args.llama_server, gguf, args.streams, threads, lambda b, m: measure(b, m, work))
+    log(f"{tag}llama.cpp: decode {peer['decode']['tokens_per_s']:.0f} tok/s, prefill "
+        f"{peer['prefill']['tokens_per_s']:.0f} tok/s, streams {peer['streams']['output_tokens_per_s']:.0f} tok/s")
+    alone = engine_alone(gguf, work["streams"], work["decode"])
+    log(f"{tag}Baton engine alone ({alone['quantization']}): decode {alone['decode_tokens_per_s']:.0f} tok/s, streams "
+        f"{alone['output_tokens_per_s']:.0f} tok/s")
+    baton = {}
+    init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             namespace="baton-bench-peer")
+    try:
+        for mode in args.modes.split(","):
+            cfg = replica_cpus(serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf), threads,
+                               args.stream_interval_ms)
+            baton[mode] = with_cluster(cfg, lambda b, m: measure(b, m, work))
+            r = baton[mode]
+            log(f"{tag}Baton {mode}: decode {r['decode']['tokens_per_s']:.0f} tok/s, prefill "
+                f"{r['prefill']['tokens_per_s']:.0f} tok/s, streams {r['streams']['output_tokens_per_s']:.0f} tok/s")
+    finally:
+        ray.shutdown()
+    return {"llama_cpp": peer, "engine_alone": alone, "baton": baton}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,6 +254,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-trials", type=int, default=5,
                    help="batch-1 decode requests timed, one at a time; the figure is their median (default 5)")
     p.add_argument("--modes", default="colocated,disaggregated", help="Baton's modes (default both)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every server this many times, in turn; each ratio is the median of the rounds' own "
+                        "(default 1)")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="Baton's decode.stream_interval_ms (default 0: every step's tokens at once)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 streams of 16 tokens, 1 prefill trial, "
@@ -215,8 +267,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import ray
-
     from engine.loader import default_gguf
     if args.quick:
         args.streams, args.stream_tokens, args.prefill_trials, args.modes = 4, 16, 1, "colocated"
@@ -230,33 +280,15 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     work = loads(np.random.default_rng(7), args.streams, args.stream_tokens, args.prefill_trials, args.decode_trials)
     threads = os.cpu_count() or 1
-    log(f"llama.cpp: {args.llama_server}, {threads} threads, {args.streams} slots")
-    peer = with_llama_server(args.llama_server, gguf, args.streams, threads, lambda b, m: measure(b, m, work))
-    log(f"llama.cpp: decode {peer['decode']['tokens_per_s']:.0f} tok/s, prefill {peer['prefill']['tokens_per_s']:.0f} "
-        f"tok/s, streams {peer['streams']['output_tokens_per_s']:.0f} tok/s")
-    alone = engine_alone(gguf, work["streams"], work["decode"])
-    log(f"Baton engine alone ({alone['quantization']}): decode {alone['decode_tokens_per_s']:.0f} tok/s, streams "
-        f"{alone['output_tokens_per_s']:.0f} tok/s")
-    baton = {}
-    init_ray(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             namespace="baton-bench-peer")
-    try:
-        for mode in args.modes.split(","):
-            cfg = replica_cpus(serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf), threads,
-                               args.stream_interval_ms)
-            baton[mode] = with_cluster(cfg, lambda b, m: measure(b, m, work))
-            r = baton[mode]
-            log(f"Baton {mode}: decode {r['decode']['tokens_per_s']:.0f} tok/s, prefill "
-                f"{r['prefill']['tokens_per_s']:.0f} tok/s, streams {r['streams']['output_tokens_per_s']:.0f} tok/s")
-    finally:
-        ray.shutdown()
+    rounds = [one_round(args, gguf, work, threads, i) for i in range(max(1, args.rounds))]
     result: dict[str, Any] = {
         "benchmark": "peer", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "model": Path(gguf).name, "llama_server": args.llama_server,
         "stream_interval_ms": args.stream_interval_ms,
         "streams": args.streams, "stream_tokens": args.stream_tokens, "quick": args.quick,
-        "llama_cpp": peer, "engine_alone": alone, "baton": baton, "goals": GOALS}
-    result["ratios"] = ratios(result)
+        "llama_cpp": rounds[0]["llama_cpp"], "engine_alone": rounds[0]["engine_alone"], "baton": rounds[0]["baton"],
+        "rounds": rounds, "goals": GOALS}
+    result["ratios"] = median_ratios(rounds)
     write_result(result, out_dir / "peer.json", {"peer": plot})
     for mode, r in result["ratios"].items():
         if isinstance(r, dict):
