@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 # resources), and each replica's export of Serve's own metrics every second instead of 100 ms (Prometheus scrapes
 # every few seconds). On a small host each of their wake-ups takes a core from an engine whose OpenMP team then
 # waits for it: with both, and the decode replica reading its own stop in-process, an idle 2-core cluster used
-# 0.23 cores instead of 0.30 and 16 streams ran about 12% faster (docs/benchmarks.md, 2026-11-29). Serve reacts
+# 0.23 cores instead of 0.30 and 16 streams ran 15-20% faster (docs/benchmarks.md, 2026-11-29). Serve reacts
 # to a replica's start, death or an autoscaling decision up to 0.4 s later. Every process of the cluster reads
 # these at start: a local Ray started by init_ray takes them from this process's environment, `ray start` (the
 # namespace cluster) and the chart's pods from theirs. RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment turns
