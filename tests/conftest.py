@@ -344,3 +344,13 @@ def served_model_key(app: str = "baton") -> str:
     """The model key block hashes of this app's prompts use (from a decode replica)."""
     from ray import serve
     return serve.get_deployment_handle("decode", app).model_info.remote().result()["model_key"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """Keep faulthandler on through the interpreter's exit, after pytest's own plugin turns it off: the process of
+    the tests that start Ray once died of a segmentation fault after its summary (2026-11-29, after "76 passed",
+    exit 139; the cause not found). A next one prints every thread's stack."""
+    import faulthandler
+    import sys
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
