@@ -228,21 +228,22 @@ def fit_overheads(ov: Overheads, cost: LinearCost, local_ttft: float, remote_ttf
     return ov
 
 
+def phase_sums(before: dict[str, float], after: dict[str, float]) -> dict[str, list]:
+    """pool -> [queue seconds, queue count, prefill seconds, prefill count] of its replicas' phase histograms over
+    the requests that ended between two scrapes (the simulator's Simulator.phases, read by plan.sim.phase_means)."""
+    from cluster.live_metrics import pool_total
+    return {pool: [pool_total(after, f"baton_request_{phase}_time_seconds_{part}", pool)
+                   - pool_total(before, f"baton_request_{phase}_time_seconds_{part}", pool)
+                   for phase in ("queue", "prefill") for part in ("sum", "count")]
+            for pool in (PREFILL, DECODE)}
+
+
 def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """pool -> the mean seconds its replicas' engines took from a request's arrival to its first token sampled
     there (the queue and prefill phase histograms), over the requests that ended between two scrapes. The queue
     histogram also counts imports (no first token sampled there): a phase must not mix them with prompts the
     same pool prefills (the calibration's phases do not)."""
-    out = {}
-    for pool in (PREFILL, DECODE):
-        def delta(name: str) -> float:
-            return sum(v - before.get(k, 0.0) for k, v in after.items()
-                       if k.startswith(name + "{") and f'pool="{pool}"' in k)
-        n = delta("baton_request_prefill_time_seconds_count")
-        if n > 0:
-            out[pool] = (delta("baton_request_queue_time_seconds_sum")
-                         + delta("baton_request_prefill_time_seconds_sum")) / n
-    return out
+    return {pool: (q + f) / nf for pool, (q, _, f, nf) in phase_sums(before, after).items() if nf > 0}
 
 
 def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,

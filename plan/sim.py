@@ -119,6 +119,9 @@ class Seq:
     fallback: tuple[str, str, int] | None = None  # the other pool's best holder, asked when source answers none
     pull_blocks: int = 0         # a prefix pull brings its first pull_blocks blocks (0: computed here)
     floor: int = 0               # blocks an earlier source's answer gave, while the fallback is asked for more
+    added: float = 0.0           # its arrival at this engine (the replica's metrics' phases start here)
+    scheduled: float | None = None   # its first step here (an import: its KV's arrival)
+    prefilled: bool = False      # its first token was sampled here (the prefill phase recorded)
 
 
 class BlockCache:
@@ -258,6 +261,7 @@ class Engine:
 
     # -- work in --------------------------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
+        seq.added = self.sim.now
         if seq.source is not None and not seq.remote:
             if seq.source[1] == self.rid and seq.fallback is not None:     # named first: the other holder next
                 seq.source, seq.fallback = seq.fallback, None
@@ -390,10 +394,14 @@ class Engine:
             return
         self.computed_tokens += sum(n for _, n in sched)
         b = Batch(0, 0.0, len(sched), 0)
+        now = self.sim.now
         for seq, n in sched:
             b.tokens += n
             b.pairs += attention_pairs(n, seq.tokens)
             b.context += seq.tokens + n
+            if seq.scheduled is None:               # its first step (a decode-only batch holds none)
+                seq.scheduled = now
+                self.sim.phase(self.pool, 0, now - seq.added, seq.req)
         ov = self.sim.cost.overheads
         streams = sum(seq.computed + n >= seq.need for seq, n in sched) if self.pool != PREFILL else 0
         dur = (self.sim.cost.step_s(b) + ov.step_s + ov.token_s * streams) * slow
@@ -517,6 +525,9 @@ class Engine:
 
     def _emit(self, seq: Seq, now: float) -> None:
         r = seq.req
+        if not seq.remote and not seq.prefilled:
+            seq.prefilled = True
+            self.sim.phase(self.pool, 1, now - seq.scheduled, r)
         if self.pool == PREFILL and r.output > 1:
             # a remote prefill's first token reaches the client with the decode replica's first output, after
             # the hand-off, the pull and the step that takes the import in (LLMEngine.step emits it with that
@@ -564,6 +575,8 @@ class Engine:
     def pulled(self, seq: Seq) -> None:
         """An import's KV arrived: it runs (its prompt's blocks cached here too)."""
         self.loading -= 1
+        seq.scheduled = self.sim.now                    # its queue phase ends here, as the replica's metrics'
+        self.sim.phase(self.pool, 0, seq.scheduled - seq.added, seq.req)
         seq.computed = seq.tokens = seq.need
         self.kv.register(seq, min(seq.need // self.bs, len(seq.req.hashes)))
         self._flush_events()
@@ -629,6 +642,11 @@ class Simulator:
         self._itl_pending: list[tuple[np.ndarray, int]] = []     # add_itls' gaps not binned yet
         self._itl_pending_n = 0
         self.preemptions = 0
+        # pool -> [queue seconds, queue count, prefill seconds, prefill count] of the measured requests (at >= 0):
+        # the phases the replicas' histograms hold (replica/metrics.py), queue from a request's arrival at an
+        # engine to its first step there (an import: to its KV's arrival), prefill from that step to the first
+        # token sampled there
+        self.phases = {p: [0.0, 0, 0.0, 0] for p in POOLS}
         self.done: list[SimRequest] = []
         self.replica_seconds = {p: 0.0 for p in self.pools}
         self.timeline: list[dict[str, Any]] = []
@@ -835,6 +853,13 @@ class Simulator:
         self.prefix_pulls[1] += tokens
         self.at(self.now + seconds, lambda: engine.prefix_pulled(seq, nbytes, seconds))
 
+    def phase(self, pool: str, which: int, seconds: float, r: SimRequest) -> None:
+        """A request's queue (which 0) or prefill (1) phase on an engine of `pool` (warm-up requests left out)."""
+        if r.at >= 0:
+            acc = self.phases[pool]
+            acc[2 * which] += seconds
+            acc[2 * which + 1] += 1
+
     def add_itl(self, gap: float) -> None:
         self._itl_hist[_itl_bin_one(gap)] += 1
 
@@ -1026,6 +1051,7 @@ class Tally:
     prefix_pulls: list[int]                     # pulls, tokens pulled
     prefix_export_timeouts: int
     timeline: list[dict[str, Any]]
+    phases: dict[str, list] = field(default_factory=dict)     # Simulator.phases
 
     @classmethod
     def of(cls, requests: list[SimRequest], sim: Simulator) -> Tally:
@@ -1036,7 +1062,8 @@ class Tally:
                    rejected=np.array([r.rejected for r in requests], dtype=bool), itl_hist=sim.itl_hist.copy(),
                    preemptions=sim.preemptions, replica_seconds=dict(sim.replica_seconds),
                    hits={p: list(v) for p, v in sim.hits.items()}, prefix_pulls=list(sim.prefix_pulls),
-                   prefix_export_timeouts=sim.prefix_export_timeouts, timeline=list(sim.timeline))
+                   prefix_export_timeouts=sim.prefix_export_timeouts, timeline=list(sim.timeline),
+                   phases={p: list(v) for p, v in sim.phases.items()})
 
     @classmethod
     def merge(cls, parts: list[Tally]) -> Tally:
@@ -1062,7 +1089,9 @@ class Tally:
                    replica_seconds={k: sum(t.replica_seconds.get(k, 0.0) for t in parts) for k in keys},
                    hits={p: [sum(t.hits[p][i] for t in parts) for i in (0, 1)] for p in parts[0].hits},
                    prefix_pulls=[sum(t.prefix_pulls[i] for t in parts) for i in (0, 1)],
-                   prefix_export_timeouts=sum(t.prefix_export_timeouts for t in parts), timeline=timeline)
+                   prefix_export_timeouts=sum(t.prefix_export_timeouts for t in parts), timeline=timeline,
+                   phases={p: [sum(t.phases[p][i] for t in parts if p in t.phases) for i in range(4)]
+                           for p in parts[0].phases})
 
     def good(self, slo: tuple[float, float]) -> np.ndarray:
         """Which requests met both SLOs: first token within slo[0], mean gap (if it has gaps) within slo[1]."""
@@ -1091,6 +1120,7 @@ class Tally:
         out["prefix_hit_rate"] = sum(v[1] for v in self.hits.values()) / q if q else None
         out["prefix_pulls"], out["prefix_pulled_tokens"] = self.prefix_pulls
         out["prefix_export_timeouts"] = self.prefix_export_timeouts
+        out["engine_phases_ms"] = phase_means(self.phases)
         out["rejected_429"] = int(self.rejected.sum())
         if slo is not None:
             ok = self.good(slo)
@@ -1106,6 +1136,15 @@ class Tally:
     def ttft_points(self) -> list[tuple[float, float]]:
         seen = ~np.isnan(self.first)
         return list(zip(self.at[seen].tolist(), (self.first[seen] - self.at[seen]).tolist()))
+
+
+def phase_means(phases: dict[str, list]) -> dict[str, dict[str, float | int | None]]:
+    """pool -> the mean queue and prefill phase in ms and how many requests each holds, from
+    [queue seconds, queue count, prefill seconds, prefill count] (pools with none left out): the replicas'
+    phase histograms read the same way (plan/calibrate.py phase_sums)."""
+    return {p: {"queue": q / nq * 1e3 if nq else None, "queued": int(nq),
+                "prefill": f / nf * 1e3 if nf else None, "prefilled": int(nf)}
+            for p, (q, nq, f, nf) in phases.items() if nq or nf}
 
 
 def hist_percentiles(hist: np.ndarray) -> dict | None:

@@ -90,14 +90,22 @@ def cases(args: argparse.Namespace, cost) -> dict[str, tuple[Any, list, list]]:
 
 
 def measure(config, warm: list, reqs: list, slo: tuple[float, float]) -> dict[str, Any]:
+    """One live run of a case: `baton bench`'s summary, and the engines' queue and prefill phases of the measured
+    requests from the replicas' histograms (`engine_phases_ms`, as the simulator reports them): where a TTFT
+    error lies, in the engines or on the serving path around them."""
     from bench.cluster_bench import drive, summarize, with_cluster
+    from cluster.live_metrics import scrape
+    from plan.calibrate import phase_sums
+    from plan.sim import phase_means
 
     def work(base: str, model: str) -> dict:
         for w in warm:                                   # one at a time, as the simulator's warm-up runs them
             asyncio.run(drive(base, model, [type(w)(w.prompt, w.max_tokens)]))
         time.sleep(1.0)
+        before = scrape(base, fresh=True)
         results, wall = asyncio.run(drive(base, model, reqs))
-        return summarize(results, wall, *slo)
+        return {**summarize(results, wall, *slo),
+                "engine_phases_ms": phase_means(phase_sums(before, scrape(base, fresh=True)))}
     return with_cluster(config, work)
 
 
@@ -122,7 +130,24 @@ def median_run(runs: list[dict]) -> dict:
                 out[key] = med
             else:
                 out.setdefault(key, {})[q] = med
+    phases = [r["engine_phases_ms"] for r in runs if r.get("engine_phases_ms")]
+    if phases:                                           # (live runs from before they were read: none)
+        out["engine_phases_ms"] = {
+            pool: {k: float(np.median(vals)) if (vals := [p[pool][k] for p in phases
+                                                          if p.get(pool, {}).get(k) is not None]) else None
+                   for k in ("queue", "queued", "prefill", "prefilled")}
+            for pool in dict.fromkeys(pool for p in phases for pool in p)}
     return out
+
+
+def phases_line(measured: dict | None, simulated: dict) -> str:
+    """The engines' mean queue and prefill phases per pool, measured against simulated (ms)."""
+    def one(run: dict | None, pool: str, k: str) -> str:
+        v = ((run or {}).get("engine_phases_ms") or {}).get(pool, {}).get(k)
+        return "-" if v is None else f"{v:.0f}"
+    pools = dict.fromkeys([*((measured or {}).get("engine_phases_ms") or {}), *(simulated.get("engine_phases_ms") or {})])
+    return "; ".join(f"{pool} queue {one(measured, pool, 'queue')} vs {one(simulated, pool, 'queue')}, prefill "
+                     f"{one(measured, pool, 'prefill')} vs {one(simulated, pool, 'prefill')}" for pool in pools)
 
 
 def spread(runs: list[dict]) -> dict[str, float | None]:
@@ -175,6 +200,7 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             worst = max((abs(v) for v in err.values() if v is not None), default=None)
             log(f"{name}: " + ", ".join(f"{k} {v:+.0%}" for k, v in err.items() if v is not None)
                 + (f" (worst {worst:.0%})" if worst is not None else ""))
+            log(f"{name}: engine phases in ms, measured vs simulated: {phases_line(measured, sim)}")
         else:
             log(f"{name}: simulated {sim['ttft_ms']} TTFT, {sim['itl_ms']} ITL")
     return out

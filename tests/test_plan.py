@@ -164,6 +164,27 @@ def test_one_request_alone_takes_exactly_what_the_cost_model_says():
     assert r.last - r.first == pytest.approx(steps[1:].sum(), rel=1e-4)     # the 2nd token came with the 1st
 
 
+def test_the_simulator_reports_each_pool_s_engine_phases_as_the_replicas_histograms_hold_them():
+    """Queue: a request's arrival at an engine to its first step there (an import: to its KV's arrival); prefill:
+    that step to the first token sampled there. A prompt arriving while a step runs queues for the rest of it;
+    warm-up requests (negative arrival) are left out, as the live scrapes leave them."""
+    a_ids, b_ids = list(range(300, 400)), list(range(1000, 1040))
+    step_a = COST.step_s(Batch(100, attention_pairs(100, 0), 1, 100))
+    step_b = COST.step_s(Batch(40, attention_pairs(40, 0), 1, 40))
+    warm = request(9, -30.0, list(range(5000, 5100)), 3)
+    # colocated: b arrives 10 ms into a's prefill, queues for the rest of it, then prefills alone (a is done)
+    colo = simulate(config("colocated"), COST, [request(0, 0.0, a_ids, 1), request(1, 0.010, b_ids, 1)], warm=[warm])
+    ph = colo["engine_phases_ms"]["decode"]
+    assert (ph["queued"], ph["prefilled"]) == (2, 2)
+    assert ph["queue"] == pytest.approx((0 + step_a - 0.010) / 2 * 1e3)
+    assert ph["prefill"] == pytest.approx((step_a + step_b) / 2 * 1e3)
+    # disaggregated: the prefill pool prefills it; the decode pool queues the import for the pull, prefills nothing
+    dis = simulate(config(), COST, [request(0, 0.0, a_ids, 5)])["engine_phases_ms"]
+    pull = 0.001 + 100 * 46080 / 1e9
+    assert dis["prefill"] == {"queue": 0.0, "queued": 1, "prefill": pytest.approx(step_a * 1e3), "prefilled": 1}
+    assert dis["decode"] == {"queue": pytest.approx(pull * 1e3), "queued": 1, "prefill": None, "prefilled": 0}
+
+
 def test_calibration_solves_the_simulator_s_own_ttfts_for_the_overheads_it_ran_with():
     """`baton plan calibrate` reads request_s and handoff_s off TTFTs by the simulator's rules: TTFTs the simulator
     gives a prompt the decode replica prefills and one the prefill replica does (first token after the hand-off,
@@ -189,7 +210,8 @@ def test_calibration_reads_each_pool_s_time_to_first_token_off_two_scrapes():
     """The engines' own seconds to a first token in a served phase: the queue and prefill histograms' sums over
     the requests that ended between two scrapes, per pool, summed over its replicas (a pool whose engines
     sampled no first token in the phase, as the decode pool for imports, gives none)."""
-    from plan.calibrate import engine_phase_s
+    from plan.calibrate import engine_phase_s, phase_sums
+    from plan.sim import phase_means
 
     def hist(pool: str, replica: str, queue: float, prefill: float, n: int, imports: int = 0) -> dict:
         lab = f'pool="{pool}",replica="{replica}"'
@@ -201,6 +223,9 @@ def test_calibration_reads_each_pool_s_time_to_first_token_off_two_scrapes():
     after = {**hist("prefill", "a", 1.3, 16.0, 7), **hist("prefill", "b", 0.1, 2.9, 1),
              **hist("decode", "d", 0.7, 2.0, 4, imports=8)}
     assert engine_phase_s(before, after) == {"prefill": pytest.approx((0.3 + 6.0 + 0.1 + 2.9) / 3)}
+    assert phase_means(phase_sums(before, after)) == {
+        "prefill": {"queue": pytest.approx(400 / 3), "queued": 3, "prefill": pytest.approx(8900 / 3), "prefilled": 3},
+        "decode": {"queue": pytest.approx(200 / 3), "queued": 3, "prefill": None, "prefilled": 0}}
 
 
 def test_blocks_are_all_returned_after_a_run_that_preempts():
@@ -517,7 +542,9 @@ def test_validate_compares_the_simulator_with_the_median_of_several_live_runs(tm
     files = []
     for i, (ttft50, itl90, good) in enumerate([(100.0, 30.0, 1.0), (300.0, 10.0, 0.5), (200.0, 20.0, 2.0)]):
         run = {"ttft_ms": {"p50": ttft50, "p90": 2 * ttft50}, "itl_ms": {"p50": 10.0, "p90": itl90},
-               "goodput_rps": good, "requests": 12}
+               "goodput_rps": good, "requests": 12,
+               "engine_phases_ms": {"decode": {"queue": ttft50 / 10, "queued": 12, "prefill": ttft50 / 2,
+                                               "prefilled": 12}}}
         files.append(tmp_path / f"live{i}.json")
         files[-1].write_text(json.dumps({"cases": {"replay": {"measured": run}}}))
     res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "validate", "--cost", str(tmp_path / "cost.json"),
@@ -529,6 +556,9 @@ def test_validate_compares_the_simulator_with_the_median_of_several_live_runs(tm
     m = case["measured"]
     assert (m["ttft_ms"]["p50"], m["ttft_ms"]["p90"], m["itl_ms"]["p90"], m["goodput_rps"]) == (200.0, 400.0, 20.0, 1.0)
     assert len(case["measured_runs"]) == 3
+    assert m["engine_phases_ms"]["decode"] == {"queue": 20.0, "queued": 12, "prefill": 100.0, "prefilled": 12}
+    sim_phases = case["simulated"]["engine_phases_ms"]
+    assert sim_phases["prefill"]["prefilled"] + sim_phases["decode"]["prefilled"] == 12   # every prompt, once
     assert case["live_spread"]["ttft_ms.p50"] == pytest.approx(1.0) and case["live_spread"]["itl_ms.p50"] == 0.0
     sim = case["simulated"]["ttft_ms"]["p50"]
     assert case["relative_error"]["ttft_ms.p50"] == pytest.approx((sim - 200.0) / 200.0)
