@@ -86,6 +86,20 @@ def grid(engine, rng: np.random.Generator, log: Callable[[str], None], quick: bo
     return rows
 
 
+def speed(engine, cost: LinearCost) -> float:
+    """How slowly this machine steps now against the fit: the median of measured / fitted seconds over a fixed
+    probe of about a second (a 256-token prompt, then 8 sequences decoding 24 steps). A VM's speed drifts by more
+    than the simulator's error goal from one quarter of an hour to the next (docs/benchmarks.md): the calibration
+    keeps this figure at the fit (cost.fit["probe"]), measures the serving overheads at the speed of their
+    cluster's minutes and keeps them at the fit's, and `baton plan validate` simulates each live run at its own
+    (drift())."""
+    rng = np.random.default_rng(7)
+    vocab = VOCAB if engine is None or engine.hf_config.vocab_size >= VOCAB[1] else (0, engine.hf_config.vocab_size)
+    rows = step_timings(engine, [rng.integers(*vocab, 256).tolist()], 1)
+    rows += step_timings(engine, [rng.integers(*vocab, 64).tolist() for _ in range(8)], 24)
+    return float(np.median([s / cost.step_s(b) for b, s in rows]))
+
+
 def replica_threads(num_cpus: float) -> int:
     """The torch threads a replica runs with: Ray sets OMP_NUM_THREADS to its whole CPUs, 1 when it has none."""
     return max(int(num_cpus), 1)
@@ -135,9 +149,12 @@ def gaps_while_prefilling(streams: list, prompts: list, request_s: float, after_
     return gaps
 
 
-def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Overheads:
+def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
+              probe: Callable[[], float] | None = None) -> Overheads:
     """From a live 1 + 1 cluster: requests one at a time, prefilled remotely and by the decode replica (their
-    TTFTs, and the token gap at batch 1), then 8 streams at once (the gap at batch 8); fit_overheads solves them."""
+    TTFTs, and the token gap at batch 1), then 8 streams at once (the gap at batch 8); fit_overheads solves them.
+    `probe` (speed() on an engine of this process) runs before and after the cluster: the overheads are solved
+    at the machine's speed of those minutes and kept at the fit's (cost.fit["serving_speed"] holds both)."""
     import asyncio
 
     from bench.cluster_bench import Req, drive, serve_config, with_cluster
@@ -159,8 +176,16 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
             out.append(asyncio.run(drive(base, model, reqs))[0])
             phases.append(engine_phase_s(before, scrape(base, fresh=True)))
         return out, phases
+    before_s = probe() if probe else 1.0
     (one, here, eight, busy), phases = with_cluster(
         serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
+    after_s = probe() if probe else 1.0
+    factor = (before_s + after_s) / 2
+    cost.fit["serving_speed"] = [before_s, after_s]
+    if probe:
+        log(f"the machine stepped {before_s:.2f}x and {after_s:.2f}x as slowly as at the fit before and after the "
+            "cluster: the overheads are solved at that speed and kept at the fit's")
+    now = cost.at_speed(factor)
     ok = [r for r in one if r.ok and r.ttft is not None and len(r.itls) > 2]
     near = [r for r in here if r.ok and r.ttft is not None]
     batch = [r for r in eight if r.ok and len(r.itls) > 8]
@@ -172,19 +197,19 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     # the engines' own time to the first token in the same runs (the prefill replica's for the remote prompts,
     # the decode replica's for the local ones), not the fit's: this VM's speed drifts by more than the overheads
     local_engine, remote_engine = phases[1].get(DECODE), phases[0].get(PREFILL)
-    fit_overheads(ov, cost, local_ttft, remote_ttft, gap1, gap8, local_engine_s=local_engine,
+    fit_overheads(ov, now, local_ttft, remote_ttft, gap1, gap8, local_engine_s=local_engine,
                   remote_engine_s=remote_engine)
     # contention, served: the streams' gaps while the prompts prefill, against the same gaps predicted alone
     after = ov.handoff_s + ov.pull_s(1024 * cost.kv_bytes_per_token) \
-        + cost.step_s(Batch(5, 5 * 200, 5, 5 * 200)) + ov.step_s + 5 * ov.token_s      # joins the 4 streams' batch
+        + now.step_s(Batch(5, 5 * 200, 5, 5 * 200)) + ov.step_s + 5 * ov.token_s      # joins the 4 streams' batch
     gaps = gaps_while_prefilling(list(zip(mixed[:4], busy[:4])), list(zip(mixed[4:], busy[4:])), ov.request_s, after)
     if gaps:
-        alone_gap = cost.step_s(Batch(4, 4 * 100, 4, 4 * 100)) + ov.step_s + 4 * ov.token_s
+        alone_gap = now.step_s(Batch(4, 4 * 100, 4, 4 * 100)) + ov.step_s + 4 * ov.token_s
         served = max(float(np.median(gaps)) / alone_gap - 1.0, 0.0)
         log(f"served contention: stream gaps {np.median(gaps) * 1e3:.1f} ms while the prefill replica computes, "
             f"{alone_gap * 1e3:.1f} ms alone: {served:.2f} per busy neighbour (the engines' own: {cost.contention:.2f})")
         cost.contention = served
-    s = shapes(cost, ov)
+    s = shapes(now, ov)
     def engine(fitted: float, got: float | None) -> str:
         return f"{fitted * 1e3:.1f} ms fitted, " + (f"{got * 1e3:.1f} ms measured" if got else "not measured")
     log(f"TTFT p50 {local_ttft * 1e3:.1f} ms for {LOCAL_PROMPT}-token prompts the decode replica prefills (its step "
@@ -193,7 +218,11 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
         f"{s['step1'] * 1e3:.1f} ms)")
     log(f"overheads: request {ov.request_s * 1e3:.1f} ms, hand-off {ov.handoff_s * 1e3:.1f} ms; served gaps "
         f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {s['step1'] * 1e3:.1f} and "
-        f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
+        f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token"
+        + (f" (at the fit's speed: {ov.request_s / factor * 1e3:.1f} ms, {ov.handoff_s / factor * 1e3:.1f} ms, "
+           f"{ov.step_s / factor * 1e3:.2f} ms, {ov.token_s / factor * 1e3:.2f} ms)" if probe else ""))
+    for k in ("request_s", "handoff_s", "step_s", "token_s"):       # the CPU work, as LinearCost.at_speed scales it
+        setattr(ov, k, getattr(ov, k) / factor)
     return ov
 
 
@@ -246,16 +275,28 @@ def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {pool: (q + f) / nf for pool, (q, _, f, nf) in phase_sums(before, after).items() if nf > 0}
 
 
-def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,
-              transfer_gbps: float = 5.5) -> tuple[LinearCost, dict[str, Any]]:
+def probe_engine(model: str | None = None):
+    """(engine, its config, threads): the calibration cluster's decode engine in this process, on the torch
+    threads Ray gives its replica, for the step grid and the speed probe."""
     from bench.cluster_bench import serve_config
     import torch
     cfg = serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, model=model)
     config = cfg.engine_config("decode")
     threads = replica_threads(cfg.decode.num_cpus)          # time steps as a replica runs them
     torch.set_num_threads(threads)
-    log(f"engine steps on {threads} thread(s), as a replica with num_cpus {cfg.decode.num_cpus} runs them")
-    engine = _engine(config)
+    return _engine(config), config, threads
+
+
+def drift(engine, cost: LinearCost) -> float:
+    """speed() against the same probe's at the fit (cost.fit["probe"]; 1.0 where the file has none): how many
+    times as slowly the machine runs now as when its steps were fitted."""
+    return speed(engine, cost) / cost.fit.get("probe", 1.0)
+
+
+def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,
+              transfer_gbps: float = 5.5) -> tuple[LinearCost, dict[str, Any]]:
+    engine, config, threads = probe_engine(model)
+    log(f"engine steps on {threads} thread(s), as a replica of the calibration cluster runs them")
     kv_bytes_per_token = engine.runner.block_bytes // config.block_size
     rng = np.random.default_rng(0)
     t = time.perf_counter()
@@ -267,9 +308,11 @@ def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve:
         f"{cost.fit['median_rel_error']:.1%}, p90 {cost.fit['p90_rel_error']:.1%})")
     cost.contention = contention(config, engine, cost, rng, log, threads)
     cost.cores, cost.threads = os.cpu_count() or 1, threads
-    engine.shutdown()
+    cost.fit["probe"] = speed(engine, cost)
+    log(f"speed probe: {cost.fit['probe']:.2f}x the fit's step times (the reference of later probes)")
     if serve:
-        cost.overheads = overheads(cost.overheads, cost, log)
+        cost.overheads = overheads(cost.overheads, cost, log, probe=lambda: drift(engine, cost))
+    engine.shutdown()
     info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
             "threads": threads, "engine": {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
                        "max_num_batched_tokens": config.max_num_batched_tokens}}
@@ -287,7 +330,15 @@ def served_only(path: str, transfer_gbps: float, log: Callable[[str], None]) -> 
                          "not the linear fit of this machine's steps")
     log(f"engine steps: the fit in {path} (step = {cost.c0 * 1e3:.2f} ms + {cost.c_tok * 1e6:.1f} us/token + ...)")
     t = time.perf_counter()
-    cost.overheads = overheads(Overheads(transfer_gbps=transfer_gbps), cost, log)
+    engine = None
+    if "probe" in cost.fit:
+        engine, _, _ = probe_engine()
+    else:
+        log(f"{path} holds no speed probe (an older calibration): the overheads are kept at this cluster's speed")
+    cost.overheads = overheads(Overheads(transfer_gbps=transfer_gbps), cost, log,
+                               probe=(lambda: drift(engine, cost)) if engine is not None else None)
+    if engine is not None:
+        engine.shutdown()
     info = {**json.loads(Path(path).read_text()).get("calibration", {}), "steps_from": str(path),
             "seconds": time.perf_counter() - t}
     return cost, info

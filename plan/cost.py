@@ -81,6 +81,16 @@ class LinearCost:
     def step_s(self, b: Batch) -> float:
         return self.c0 + self.c_tok * b.tokens + self.c_attn * b.pairs + self.c_ctx * b.context + self.c_seq * b.seqs
 
+    def at_speed(self, factor: float) -> LinearCost:
+        """This machine running `factor` times as slow as when it was fitted (plan/calibrate.py speed(): a VM's
+        speed drifts): every step, and the serving path's CPU work (request, hand-off, streaming), take `factor`
+        times as long; transfers and contention do not change."""
+        ov = self.overheads
+        return replace(self, c0=self.c0 * factor, c_tok=self.c_tok * factor, c_attn=self.c_attn * factor,
+                       c_ctx=self.c_ctx * factor, c_seq=self.c_seq * factor,
+                       overheads=replace(ov, request_s=ov.request_s * factor, handoff_s=ov.handoff_s * factor,
+                                         step_s=ov.step_s * factor, token_s=ov.token_s * factor))
+
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first."""
         ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)        # each step reads its new token too

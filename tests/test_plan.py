@@ -206,6 +206,63 @@ def test_calibration_solves_the_simulator_s_own_ttfts_for_the_overheads_it_ran_w
     assert got.handoff_s == pytest.approx(ov.handoff_s, abs=2e-4)   # (the decode step's context: 257, not 272)
 
 
+def test_a_machine_running_slower_takes_longer_for_its_steps_and_serving_work_but_not_its_transfers():
+    """LinearCost.at_speed(f): steps, the ingress's and the hand-off's work and streaming take f times as long;
+    a KV pull does not (TTFT of one request alone, disaggregated)."""
+    ids = list(range(300, 400))
+    slow = COST.at_speed(2.0)
+    assert slow.step_s(Batch(100, 5050.0, 1, 100)) == pytest.approx(2 * COST.step_s(Batch(100, 5050.0, 1, 100)))
+    assert slow.overheads.transfer_gbps == COST.overheads.transfer_gbps and slow.contention == COST.contention
+    pull = 0.001 + 100 * 46080 / 1e9
+    fast, two = (simulate(config(), c, [request(0, 0.0, ids, 5)])["ttft_ms"]["p50"] / 1e3 for c in (COST, slow))
+    assert two - pull == pytest.approx(2 * (fast - pull))
+    assert COST.overheads.request_s == 0.05          # a copy: the model it came from is unchanged
+
+
+def test_the_speed_probe_reads_the_machine_against_its_own_figure_at_the_fit(monkeypatch):
+    """drift() = the probe's median measured / fitted step time, over the same probe's at the fit: a fit whose
+    residual on the probe's shapes is +10% reads 1.0 at the fit's speed and 1.5 when steps take 1.5x as long."""
+    import plan.calibrate as cal
+    factor = {"now": 1.1}
+
+    def timings(engine, prompts, max_tokens):
+        b = Batch(8 * len(prompts), 100.0, len(prompts), 8 * len(prompts))
+        return [(b, factor["now"] * COST.step_s(b))] * 3
+    monkeypatch.setattr(cal, "step_timings", timings)
+    cost = LinearCost(**{**COST.to_dict(), "overheads": COST.overheads, "fit": {}})
+    assert cal.drift(None, cost) == pytest.approx(1.1)          # an older file: no figure at its fit
+    cost.fit["probe"] = cal.speed(None, cost)
+    assert cal.drift(None, cost) == pytest.approx(1.0)
+    factor["now"] = 1.65
+    assert cal.drift(None, cost) == pytest.approx(1.5)
+
+
+def test_calibration_keeps_overheads_solved_at_a_slower_minute_at_the_fit_s_speed():
+    """The overheads' cluster ran while the machine stepped 1.5x as slowly as at the fit: solving the served
+    TTFTs and gaps with the steps at that speed, then dividing the CPU work by it, gives the overheads at the
+    fit's speed back."""
+    from plan.calibrate import LOCAL_PROMPT, REMOTE_PROMPT, fit_overheads, shapes
+    ov = Overheads(request_s=0.03, handoff_s=0.04, transfer_gbps=1.0, transfer_latency_s=0.001, step_s=0.002,
+                   token_s=0.0005)
+    cost = LinearCost(c0=0.010, c_tok=0.0005, c_attn=2e-8, c_seq=0.0002, kv_bytes_per_token=46080, overheads=ov)
+    then = cost.at_speed(1.5)
+    local, remote = (request(i, 0.0, list(range(1000 * i, 1000 * i + n)), 16)
+                     for i, n in ((1, LOCAL_PROMPT), (2, REMOTE_PROMPT)))
+    for r in (local, remote):
+        Simulator(config(min_remote=64), then).run([r])
+    s, tov = shapes(then, then.overheads), then.overheads
+    gap1, gap8 = s["step1"] + tov.step_s + tov.token_s, s["step8"] + tov.step_s + 8 * tov.token_s
+    got = fit_overheads(Overheads(transfer_gbps=1.0, transfer_latency_s=0.001), then, local.ttft, remote.ttft,
+                        gap1, gap8)
+    assert got.request_s / 1.5 == pytest.approx(ov.request_s, abs=1e-6)
+    assert (got.step_s / 1.5, got.token_s / 1.5) == (pytest.approx(ov.step_s), pytest.approx(ov.token_s))
+    assert got.handoff_s / 1.5 == pytest.approx(ov.handoff_s, abs=2e-4)
+    # at the fit's steps the same measurements would have put the slowness on the serving path
+    wrong = fit_overheads(Overheads(transfer_gbps=1.0, transfer_latency_s=0.001), cost, local.ttft, remote.ttft,
+                          gap1, gap8)
+    assert wrong.request_s > 1.5 * ov.request_s
+
+
 def test_calibration_reads_each_pool_s_time_to_first_token_off_two_scrapes():
     """The engines' own seconds to a first token in a served phase: the queue and prefill histograms' sums over
     the requests that ended between two scrapes, per pool, summed over its replicas (a pool whose engines
@@ -516,6 +573,9 @@ def test_calibration_records_each_engine_step_with_the_shape_the_scheduler_gave_
     assert len(decodes) == 3 and [b.context for b in decodes] == [3 * 41, 3 * 42, 3 * 43]
     fit = LinearCost.fitted(rows + step_timings(engine, [list(range(250, 450))], 1), 64)
     assert fit.c0 >= 0 and fit.c_tok >= 0 and fit.c_attn >= 0 and fit.c_seq >= 0
+    # the speed probe's steps against the fit of the same engine's steps: near 1, not a prefill against a decode
+    from plan.calibrate import speed
+    assert 0.25 < speed(engine, fit) < 4.0
     engine.shutdown()
 
 
@@ -557,11 +617,48 @@ def test_validate_compares_the_simulator_with_the_median_of_several_live_runs(tm
     assert (m["ttft_ms"]["p50"], m["ttft_ms"]["p90"], m["itl_ms"]["p90"], m["goodput_rps"]) == (200.0, 400.0, 20.0, 1.0)
     assert len(case["measured_runs"]) == 3
     assert m["engine_phases_ms"]["decode"] == {"queue": 20.0, "queued": 12, "prefill": 100.0, "prefilled": 12}
+    assert "relative_error_at_fit" not in case          # runs without the speed probe: simulated at the fit's
     sim_phases = case["simulated"]["engine_phases_ms"]
     assert sim_phases["prefill"]["prefilled"] + sim_phases["decode"]["prefilled"] == 12   # every prompt, once
     assert case["live_spread"]["ttft_ms.p50"] == pytest.approx(1.0) and case["live_spread"]["itl_ms.p50"] == 0.0
     sim = case["simulated"]["ttft_ms"]["p50"]
     assert case["relative_error"]["ttft_ms.p50"] == pytest.approx((sim - 200.0) / 200.0)
+
+
+def _validate(tmp_path, cost: str, files: list) -> dict:
+    res = subprocess.run([sys.executable, "-m", "cli.main", "plan", "validate", "--cost", cost, "--cases", "replay",
+                          "--replay-requests", "12", "--measured", *map(str, files), "--out", str(tmp_path / "out"),
+                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def test_validate_simulates_each_live_run_at_the_speed_its_probe_read(tmp_path):
+    """Live runs bracketed by the speed probe (1.0, 2.0 and 1.5 times as slow as at the fit) are simulated at
+    those speeds: the compared figure is the median of the three simulations, the run at 1.5x, and the figures
+    simulated at the fit's speed stay in the JSON with their own errors and count."""
+    save_cost(COST, tmp_path / "cost.json")
+    save_cost(COST.at_speed(1.5), tmp_path / "slow.json")
+    files, plain = [], []
+    for i, sp in enumerate([[1.0, 1.0], [1.8, 2.2], [1.5, 1.5]]):
+        run = {"ttft_ms": {"p50": 500.0, "p90": 900.0}, "itl_ms": {"p50": 10.0, "p90": 20.0}, "goodput_rps": 1.0,
+               "requests": 12}
+        for out, extra in ((files, {"speed": sp}), (plain, {})):
+            out.append(tmp_path / f"live{i}{len(extra)}.json")
+            out[-1].write_text(json.dumps({"cases": {"replay": {"measured": {**run, **extra}}}}))
+    result = _validate(tmp_path, str(tmp_path / "cost.json"), files)
+    case = result["cases"]["replay"]
+    assert case["speeds"] == [1.0, 2.0, 1.5]
+    at_15 = _validate(tmp_path, str(tmp_path / "slow.json"), plain)["cases"]["replay"]["simulated"]
+    at_fit = _validate(tmp_path, str(tmp_path / "cost.json"), plain)["cases"]["replay"]["simulated"]
+    for key in ("ttft_ms", "itl_ms"):                  # (the compared percentiles)
+        for q in ("p50", "p90"):
+            assert case["simulated"][key][q] == pytest.approx(at_15[key][q])
+            assert case["simulated_at_fit"][key][q] == pytest.approx(at_fit[key][q])
+    assert case["simulated"]["ttft_ms"]["p50"] > 1.3 * at_fit["ttft_ms"]["p50"]
+    assert case["relative_error"]["ttft_ms.p50"] == pytest.approx(at_15["ttft_ms"]["p50"] / 500.0 - 1)
+    assert case["relative_error_at_fit"]["ttft_ms.p50"] == pytest.approx(at_fit["ttft_ms"]["p50"] / 500.0 - 1)
+    assert result["figures"] == 5 and "within_goal_at_fit" in result
 
 
 def test_admission_control_in_the_simulator_refuses_the_excess_and_keeps_the_admitted_fast():
