@@ -14,6 +14,10 @@
    per step and per token (`step_s`, `token_s`); the TTFT of prompts the decode replica prefills itself, less
    that step, is the ingress overhead (`request_s`); the TTFT of prompts prefilled remotely, less that, the
    prefill step, the pull and the decode step that streams the first token, is the hand-off's (`handoff_s`).
+   Last, local prompts again while 8 answers stream: their TTFT less their engine phases (the replicas'
+   histograms), against the same alone, is what each stream adds to the serving path (`stream_s`).
+A one-second speed probe of the engine's steps is kept with the fit, and read before and after the cluster: the
+overheads are solved at the speed the machine ran at then, and kept at the fit's (speed(), drift()).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from replica.names import DECODE, PREFILL
 
 VOCAB = (200, 40000)
 LOCAL_PROMPT = 40           # tokens: under the calibration cluster's min_remote_prefill_tokens (64)
+STREAMS = 8                 # answers streaming while local prompts are timed (stream_s)
 REMOTE_PROMPT = 256         # tokens: prefilled by the prefill replica
 
 
@@ -167,6 +172,27 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
     # 4 streams decoding while the prefill replica computes two 1,024-token prompts (the streams outlast them)
     mixed = [Req(rng.integers(*VOCAB, 64).tolist(), 320) for _ in range(4)] + \
         [Req(rng.integers(*VOCAB, 1024).tolist(), 2, at=1.0 + 0.1 * i) for i in range(2)]
+    # local prompts while STREAMS answers stream, their prompts prefilled remotely so that the decode pool's
+    # prefill histogram holds only the local ones, and no stream ends between the two scrapes around them
+    streaming = [Req(rng.integers(*VOCAB, 128).tolist(), 400) for _ in range(STREAMS)]
+    under = [Req(rng.integers(*VOCAB, LOCAL_PROMPT).tolist(), 2, at=0.5 * i) for i in range(8)]
+
+    def loaded(base: str, model: str):
+        import threading
+
+        from cluster.live_metrics import pool_total
+        t = threading.Thread(target=lambda: asyncio.run(drive(base, model, streaming)), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 300
+        while pool_total(scrape(base), "baton_num_requests_running", DECODE) < STREAMS:
+            if time.monotonic() > deadline or not t.is_alive():
+                raise RuntimeError(f"the calibration cluster never ran {STREAMS} streams at once")
+            time.sleep(0.2)
+        before = scrape(base, fresh=True)
+        res = asyncio.run(drive(base, model, under))[0]
+        sums = phase_sums(before, scrape(base, fresh=True))
+        t.join()
+        return res, sums
 
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
@@ -175,9 +201,9 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
             before = scrape(base, fresh=True)
             out.append(asyncio.run(drive(base, model, reqs))[0])
             phases.append(engine_phase_s(before, scrape(base, fresh=True)))
-        return out, phases
+        return out, phases, loaded(base, model)
     before_s = probe() if probe else 1.0
-    (one, here, eight, busy), phases = with_cluster(
+    (one, here, eight, busy), phases, (under_res, under_sums) = with_cluster(
         serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
     after_s = probe() if probe else 1.0
     factor = (before_s + after_s) / 2
@@ -209,6 +235,16 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
         log(f"served contention: stream gaps {np.median(gaps) * 1e3:.1f} ms while the prefill replica computes, "
             f"{alone_gap * 1e3:.1f} ms alone: {served:.2f} per busy neighbour (the engines' own: {cost.contention:.2f})")
         cost.contention = served
+    # the serving path carrying streams: the local prompts' TTFT less their engine phases, against the same alone
+    q, nq, f, nf = under_sums[DECODE]
+    timed = [r.ttft for r in under_res if r.ok and r.ttft is not None]
+    if timed and nq and nf and local_engine:
+        alone_out, loaded_out = local_ttft - local_engine, float(np.median(timed)) - (q / nq + f / nf)
+        ov.stream_s = max((loaded_out - alone_out) / STREAMS, 0.0)
+        log(f"the serving path carrying {STREAMS} streams: {LOCAL_PROMPT}-token prompts' TTFT p50 "
+            f"{np.median(timed) * 1e3:.1f} ms, {(q / nq + f / nf) * 1e3:.1f} ms of it in the engine "
+            f"({loaded_out * 1e3:.1f} ms outside it, {alone_out * 1e3:.1f} ms alone): "
+            f"{ov.stream_s * 1e3:.2f} ms more per stream")
     s = shapes(now, ov)
     def engine(fitted: float, got: float | None) -> str:
         return f"{fitted * 1e3:.1f} ms fitted, " + (f"{got * 1e3:.1f} ms measured" if got else "not measured")
@@ -221,7 +257,7 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
         f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token"
         + (f" (at the fit's speed: {ov.request_s / factor * 1e3:.1f} ms, {ov.handoff_s / factor * 1e3:.1f} ms, "
            f"{ov.step_s / factor * 1e3:.2f} ms, {ov.token_s / factor * 1e3:.2f} ms)" if probe else ""))
-    for k in ("request_s", "handoff_s", "step_s", "token_s"):       # the CPU work, as LinearCost.at_speed scales it
+    for k in ("request_s", "handoff_s", "step_s", "token_s", "stream_s"):   # the CPU work, as at_speed scales it
         setattr(ov, k, getattr(ov, k) / factor)
     return ov
 

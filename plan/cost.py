@@ -20,7 +20,8 @@ Two models answer it:
 
 Both give the KV bytes of a token (transfers, capacity), the KV-transfer bandwidth, and the fixed overheads of
 the serving path the engine does not see: ingress to first step (`request_s`), prefill to decode hand-off
-(`handoff_s`), and what streaming adds to a step (`step_s` + `token_s` per token it streams).
+(`handoff_s`), both longer by `stream_s` for each sequence the decode pool runs (the serving path carries their
+tokens), and what streaming adds to a step (`step_s` + `token_s` per token it streams).
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class Overheads:
     transfer_latency_s: float = 0.002
     step_s: float = 0.0            # what serving adds to each engine step (streaming its outputs, the ingress's SSE)
     token_s: float = 0.0           # ... and to each token a step streams (on a CPU these share the engine's cores)
+    stream_s: float = 0.0          # request_s and handoff_s grow by this for each sequence the decode pool runs:
+                                   # the ingress's event loop and the cores it shares carry every stream's tokens
 
     def pull_s(self, nbytes: float) -> float:
         """Seconds a KV pull of `nbytes` takes: the transfer's latency, then its bandwidth."""
@@ -89,7 +92,8 @@ class LinearCost:
         return replace(self, c0=self.c0 * factor, c_tok=self.c_tok * factor, c_attn=self.c_attn * factor,
                        c_ctx=self.c_ctx * factor, c_seq=self.c_seq * factor,
                        overheads=replace(ov, request_s=ov.request_s * factor, handoff_s=ov.handoff_s * factor,
-                                         step_s=ov.step_s * factor, token_s=ov.token_s * factor))
+                                         step_s=ov.step_s * factor, token_s=ov.token_s * factor,
+                                         stream_s=ov.stream_s * factor))
 
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first."""

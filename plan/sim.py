@@ -721,6 +721,10 @@ class Simulator:
         share = max(1.0, (k + 1) * self.cost.threads / self.cost.cores) if self.cost.cores else 1.0
         return share * (1.0 + self.cost.contention * k)
 
+    def streams(self) -> int:
+        """Sequences the decode pool runs now: the streams the serving path carries (Overheads.stream_s)."""
+        return sum(len(e.running) for e in self.engines[DECODE])
+
     def live(self, pool: str) -> dict[str, Engine]:
         """The pool's replicas that take work now (started, not stopping): kept until a replica is added or
         stopped, or the next one starting is ready (a request routes over it twice). Callers do not change it."""
@@ -778,7 +782,8 @@ class Simulator:
         def go() -> None:
             self._pins[r.id] = (source, seq)
             self._route(DECODE, r, prefill=True).add(Seq(r, need=r.prompt, out=r.output - 1, remote=True))
-        self.at(self.now + self.cost.overheads.handoff_s, go)
+        ov = self.cost.overheads
+        self.at(self.now + ov.handoff_s + (ov.stream_s * self.streams() if ov.stream_s else 0.0), go)
 
     def pull(self, engine: Engine, seq: Seq, tokens: int) -> None:
         ov = self.cost.overheads
@@ -898,7 +903,11 @@ class Simulator:
         self.expected = len(requests)
         ov = self.cost.overheads
         for r in requests:
-            self.at(r.at + ov.request_s, lambda r=r: self.arrive(r))
+            if ov.stream_s:                             # the ingress's time grows with the streams it carries
+                self.at(r.at, lambda r=r: self.at(self.now + ov.request_s + ov.stream_s * self.streams(),
+                                                  lambda: self.arrive(r)))
+            else:
+                self.at(r.at + ov.request_s, lambda r=r: self.arrive(r))
         end = self.horizon or (max((r.at for r in requests), default=0.0) + 3600.0)
         if self.scaler is not None:
             self.scaler.start()

@@ -5,7 +5,10 @@ through the HTTP API (bench/cluster_bench.py's client), and in the simulator (pl
 cost model (`baton plan calibrate`). Reported per case: TTFT and ITL p50/p90, goodput under the SLOs, measured
 and simulated, and the relative error of each (goal: within 15%). With `--repeats N` (or several `--measured`
 files) the measured figure is the median of N live runs, and their spread is reported: on this 2-core machine
-most p90s of a few dozen requests move by more than 15% from one run to the next.
+most p90s of a few dozen requests move by more than 15% from one run to the next. Each live run is bracketed by
+the calibration's speed probe and simulated at its own speed (`relative_error`) as well as at the fit's
+(`relative_error_at_fit`, which adds the machine's drift since its calibration), and the engines' queue and
+prefill phases per pool are reported measured and simulated (`engine_phases_ms`).
 
 Cases:
   replay         the first --replay-requests of Mooncake's conversation trace (bench/traces), 16-token blocks
@@ -192,8 +195,11 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
 
 
 def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, log) -> dict[str, Any]:
-    if args.measured:                                # previous runs' live figures (same cases and flags)
-        runs = [json.loads(Path(f).read_text())["cases"][name]["measured"] for f in args.measured]
+    if args.measured:                                # previous runs' live figures (same cases and flags): each run
+        runs = []
+        for f in args.measured:
+            case = json.loads(Path(f).read_text())["cases"][name]
+            runs += case.get("measured_runs") or [case["measured"]]
     elif args.simulate_only:
         runs = []
     else:

@@ -219,6 +219,22 @@ def test_a_machine_running_slower_takes_longer_for_its_steps_and_serving_work_bu
     assert COST.overheads.request_s == 0.05          # a copy: the model it came from is unchanged
 
 
+def test_a_request_reaches_the_engines_later_the_more_streams_the_serving_path_carries():
+    """Overheads.stream_s: the ingress's time grows by it for each sequence the decode pool runs when a request
+    arrives (the serving path carries their tokens). A prompt arriving beside 4 streams: its TTFT less its engine
+    phases is request_s + 4 stream_s; with none running, request_s."""
+    from replica.names import DECODE
+    cost = LinearCost(**{**COST.to_dict(), "overheads": Overheads(**{**COST.overheads.__dict__, "stream_s": 0.01})})
+    for streams in (0, 4):
+        warm = [request(10 + i, -1.0, list(range(2000 + 50 * i, 2040 + 50 * i)), 500) for i in range(streams)]
+        probe = request(0, 0.0, list(range(300, 340)), 2)
+        sim = Simulator(config("colocated"), cost)
+        sim.run([*warm, probe])
+        q, nq, f, nf = sim.phases[DECODE]
+        assert (nq, nf) == (1, 1)
+        assert probe.ttft - q - f == pytest.approx(0.05 + 0.01 * streams)
+
+
 def test_the_speed_probe_reads_the_machine_against_its_own_figure_at_the_fit(monkeypatch):
     """drift() = the probe's median measured / fitted step time, over the same probe's at the fit: a fit whose
     residual on the probe's shapes is +10% reads 1.0 at the fit's speed and 1.5 when steps take 1.5x as long."""
