@@ -649,6 +649,7 @@ def _validate(tmp_path, cost: str, files: list) -> dict:
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow          # a subprocess or an engine: the full suite
 def test_validate_simulates_each_live_run_at_the_speed_its_probe_read(tmp_path):
     """Live runs bracketed by the speed probe (1.0, 2.0 and 1.5 times as slow as at the fit) are simulated at
     those speeds: the compared figure is the median of the three simulations, the run at 1.5x, and the figures
