@@ -120,7 +120,7 @@ class Seq:
     pull_blocks: int = 0         # a prefix pull brings its first pull_blocks blocks (0: computed here)
     floor: int = 0               # blocks an earlier source's answer gave, while the fallback is asked for more
     added: float = 0.0           # its arrival at this engine (the replica's metrics' phases start here)
-    scheduled: float | None = None   # its first step here (an import: its KV's arrival)
+    scheduled: float | None = None   # its first step here (an import: the step boundary that finds its KV)
     prefilled: bool = False      # its first token was sampled here (the prefill phase recorded)
 
 
@@ -210,6 +210,7 @@ class Engine:
         self.running: list[Seq] = []
         self.loading = 0
         self.asking = 0                      # requests waiting for another replica's prefix export
+        self.arrived: list[Seq] = []         # imports whose KV arrived since the last step boundary
         self.busy = False
         self.step_end = 0.0                  # when its step in progress ends (a step; a run's are in self.run)
         self.version = 0                     # a cut run's end event is stale
@@ -324,6 +325,12 @@ class Engine:
     def _step(self) -> None:
         if self.busy:
             return
+        if self.arrived:                     # LLMEngine.step finds the finished loads as it starts: their queue
+            now = self.sim.now               # phase ends here (replica/metrics.py), not at the KV's arrival
+            for seq in self.arrived:
+                seq.scheduled = now
+                self.sim.phase(self.pool, 0, now - seq.added, seq.req)
+            self.arrived = []
         sched: list[tuple[Seq, int]] = []
         budget, bs, kv = self.budget, self.bs, self.kv
         preempted = 0                                   # (the running list is only searched after a preemption)
@@ -575,8 +582,7 @@ class Engine:
     def pulled(self, seq: Seq) -> None:
         """An import's KV arrived: it runs (its prompt's blocks cached here too)."""
         self.loading -= 1
-        seq.scheduled = self.sim.now                    # its queue phase ends here, as the replica's metrics'
-        self.sim.phase(self.pool, 0, seq.scheduled - seq.added, seq.req)
+        self.arrived.append(seq)                        # its queue phase ends at the next step boundary
         seq.computed = seq.tokens = seq.need
         self.kv.register(seq, min(seq.need // self.bs, len(seq.req.hashes)))
         self._flush_events()
@@ -644,8 +650,8 @@ class Simulator:
         self.preemptions = 0
         # pool -> [queue seconds, queue count, prefill seconds, prefill count] of the measured requests (at >= 0):
         # the phases the replicas' histograms hold (replica/metrics.py), queue from a request's arrival at an
-        # engine to its first step there (an import: to its KV's arrival), prefill from that step to the first
-        # token sampled there
+        # engine to its first step there (an import: to the step boundary that finds its KV arrived), prefill from
+        # that step to the first token sampled there
         self.phases = {p: [0.0, 0, 0.0, 0] for p in POOLS}
         self.done: list[SimRequest] = []
         self.replica_seconds = {p: 0.0 for p in self.pools}
