@@ -225,7 +225,7 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, 
     t = time.perf_counter()
     sim, sims = simulated([1.0])
     sim_s = time.perf_counter() - t
-    speeds = [float(np.mean(r["speed"])) for r in runs if r.get("speed")]
+    speeds = [float(np.mean(r["speed"])) for r in runs if r.get("speed")] if hasattr(cost, "at_speed") else []
     measured = median_run(runs) if runs else None
     res = {"requests": len(reqs), "measured": measured, "simulated": sim, "relative_error": None,
            "simulator_seconds": sim_s}
