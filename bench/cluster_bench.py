@@ -470,10 +470,15 @@ def lora_run(args: argparse.Namespace, slo: tuple[float, float], out_dir: Path, 
     """`--workload lora`: the tenants' routing comparison with one LoRA adapter per tenant."""
     import tempfile
 
-    from bench.models import make_lora_adapter
     from engine.loader import resolve_model
     base = resolve_model(None)
-    tmp = Path(tempfile.mkdtemp(prefix="baton-bench-lora-"))
+    with tempfile.TemporaryDirectory(prefix="baton-bench-lora-") as tmp:      # the adapters go with the run
+        return _lora_run(args, slo, out_dir, started, base, Path(tmp))
+
+
+def _lora_run(args: argparse.Namespace, slo: tuple[float, float], out_dir: Path, started: float, base: str,
+              tmp: Path) -> dict:
+    from bench.models import make_lora_adapter
     adapters = {f"tenant{t}": make_lora_adapter(base, tmp / f"tenant{t}", rank=8, seed=t + 1, scale=0.5)
                 for t in range(4)}
     log(f"routing with 4 LoRA tenants: prefix_aware (adapter-aware) then pow2, {args.requests} requests at "

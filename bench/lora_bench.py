@@ -54,17 +54,21 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-
-    from bench.models import make_lora_adapter
-    from engine import LLM, LoRARequest, SamplingParams
     from engine.loader import resolve_model
     cfg = QUICK if args.quick else FULL
     n = args.loras
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args.model)
-    tmp = tempfile.mkdtemp(prefix="baton-loras-")
+    with tempfile.TemporaryDirectory(prefix="baton-loras-") as tmp:          # the adapters go with the run
+        return _run(args, model, cfg, n, out, tmp)
+
+
+def _run(args: argparse.Namespace, model: str, cfg: dict, n: int, out: Path, tmp: str) -> dict:
+    import torch
+
+    from bench.models import make_lora_adapter
+    from engine import LLM, LoRARequest, SamplingParams
     log(f"making {n} adapters of rank {cfg['rank']} with PEFT on {model}")
     paths = [make_lora_adapter(model, Path(tmp) / f"a{i}", rank=cfg["rank"], seed=i + 1, scale=0.5) for i in range(n)]
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
