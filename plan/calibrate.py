@@ -100,7 +100,7 @@ def speed(engine, cost: LinearCost) -> float:
     (drift())."""
     rng = np.random.default_rng()       # new prompts each time: repeated ones would hit the prefix cache and step
                                         # other shapes than the probe at the fit did
-    vocab = VOCAB if engine is None or engine.hf_config.vocab_size >= VOCAB[1] else (0, engine.hf_config.vocab_size)
+    vocab = VOCAB if engine.hf_config.vocab_size >= VOCAB[1] else (0, engine.hf_config.vocab_size)
     rows = step_timings(engine, [rng.integers(*vocab, 256).tolist()], 1)
     rows += step_timings(engine, [rng.integers(*vocab, 64).tolist() for _ in range(8)], 24)
     return float(np.median([s / cost.step_s(b) for b, s in rows]))
@@ -255,12 +255,13 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
         f"{s['step1'] * 1e3:.1f} ms)")
     log(f"overheads: request {ov.request_s * 1e3:.1f} ms, hand-off {ov.handoff_s * 1e3:.1f} ms; served gaps "
         f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {s['step1'] * 1e3:.1f} and "
-        f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token"
-        + (f" (at the fit's speed: {ov.request_s / factor * 1e3:.1f} ms, {ov.handoff_s / factor * 1e3:.1f} ms, "
-           f"{ov.step_s / factor * 1e3:.2f} ms, {ov.token_s / factor * 1e3:.2f} ms)" if probe else ""))
-    for k in ("request_s", "handoff_s", "step_s", "token_s", "stream_s"):   # the CPU work, as at_speed scales it
-        setattr(ov, k, getattr(ov, k) / factor)
-    return ov
+        f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
+    kept = ov.at_speed(1.0 / factor)                    # the CPU work at the fit's speed
+    if probe:
+        log(f"at the fit's speed: request {kept.request_s * 1e3:.1f} ms, hand-off {kept.handoff_s * 1e3:.1f} ms, "
+            f"{kept.step_s * 1e3:.2f} ms a step, {kept.token_s * 1e3:.2f} ms a token, "
+            f"{kept.stream_s * 1e3:.2f} ms a stream")
+    return kept
 
 
 def shapes(cost: LinearCost, ov: Overheads) -> dict[str, float]:

@@ -58,6 +58,11 @@ class Overheads:
     stream_s: float = 0.0          # request_s and handoff_s grow by this for each sequence the decode pool runs:
                                    # the ingress's event loop and the cores it shares carry every stream's tokens
 
+    def at_speed(self, factor: float) -> Overheads:
+        """The serving path's CPU work (request, hand-off, streaming) taking `factor` times as long; transfers not."""
+        return replace(self, request_s=self.request_s * factor, handoff_s=self.handoff_s * factor,
+                       step_s=self.step_s * factor, token_s=self.token_s * factor, stream_s=self.stream_s * factor)
+
     def pull_s(self, nbytes: float) -> float:
         """Seconds a KV pull of `nbytes` takes: the transfer's latency, then its bandwidth."""
         return self.transfer_latency_s + nbytes / (self.transfer_gbps * 1e9)
@@ -88,12 +93,9 @@ class LinearCost:
         """This machine running `factor` times as slow as when it was fitted (plan/calibrate.py speed(): a VM's
         speed drifts): every step, and the serving path's CPU work (request, hand-off, streaming), take `factor`
         times as long; transfers and contention do not change."""
-        ov = self.overheads
         return replace(self, c0=self.c0 * factor, c_tok=self.c_tok * factor, c_attn=self.c_attn * factor,
                        c_ctx=self.c_ctx * factor, c_seq=self.c_seq * factor,
-                       overheads=replace(ov, request_s=ov.request_s * factor, handoff_s=ov.handoff_s * factor,
-                                         step_s=ov.step_s * factor, token_s=ov.token_s * factor,
-                                         stream_s=ov.stream_s * factor))
+                       overheads=self.overheads.at_speed(factor))
 
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first."""

@@ -1066,7 +1066,7 @@ class Tally:
     prefix_pulls: list[int]                     # pulls, tokens pulled
     prefix_export_timeouts: int
     timeline: list[dict[str, Any]]
-    phases: dict[str, list] = field(default_factory=dict)     # Simulator.phases
+    phases: dict[str, list]                      # Simulator.phases
 
     @classmethod
     def of(cls, requests: list[SimRequest], sim: Simulator) -> Tally:
@@ -1105,8 +1105,7 @@ class Tally:
                    hits={p: [sum(t.hits[p][i] for t in parts) for i in (0, 1)] for p in parts[0].hits},
                    prefix_pulls=[sum(t.prefix_pulls[i] for t in parts) for i in (0, 1)],
                    prefix_export_timeouts=sum(t.prefix_export_timeouts for t in parts), timeline=timeline,
-                   phases={p: [sum(t.phases[p][i] for t in parts if p in t.phases) for i in range(4)]
-                           for p in parts[0].phases})
+                   phases={p: [sum(t.phases[p][i] for t in parts) for i in range(4)] for p in parts[0].phases})
 
     def good(self, slo: tuple[float, float]) -> np.ndarray:
         """Which requests met both SLOs: first token within slo[0], mean gap (if it has gaps) within slo[1]."""

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from plan.cost import load_cost
+from plan.cost import LinearCost, load_cost
 from plan.sim import simulate
 from plan.workload import from_reqs
 
@@ -175,7 +175,6 @@ def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     run is bracketed by the speed probe (plan/calibrate.py drift()) and simulated at its run's speed as well as
     at the fit's: the first error is the simulator's, the second adds how far this machine drifted since its
     calibration."""
-    from plan.cost import LinearCost
     cost = load_cost(args.cost)
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     live = not (args.measured or args.simulate_only)
@@ -225,7 +224,7 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, 
     t = time.perf_counter()
     sim, sims = simulated([1.0])
     sim_s = time.perf_counter() - t
-    speeds = [float(np.mean(r["speed"])) for r in runs if r.get("speed")] if hasattr(cost, "at_speed") else []
+    speeds = [float(np.mean(r["speed"])) for r in runs if r.get("speed")] if isinstance(cost, LinearCost) else []
     measured = median_run(runs) if runs else None
     res = {"requests": len(reqs), "measured": measured, "simulated": sim, "relative_error": None,
            "simulator_seconds": sim_s}

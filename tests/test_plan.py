@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -256,11 +257,12 @@ def test_the_speed_probe_reads_the_machine_against_its_own_figure_at_the_fit(mon
         return [(b, factor["now"] * COST.step_s(b))] * 3
     monkeypatch.setattr(cal, "step_timings", timings)
     cost = LinearCost(**{**COST.to_dict(), "overheads": COST.overheads, "fit": {}})
-    assert cal.drift(None, cost) == pytest.approx(1.1)          # an older file: no figure at its fit
-    cost.fit["probe"] = cal.speed(None, cost)
-    assert cal.drift(None, cost) == pytest.approx(1.0)
+    engine = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=49152))
+    assert cal.drift(engine, cost) == pytest.approx(1.1)        # an older file: no figure at its fit
+    cost.fit["probe"] = cal.speed(engine, cost)
+    assert cal.drift(engine, cost) == pytest.approx(1.0)
     factor["now"] = 1.65
-    assert cal.drift(None, cost) == pytest.approx(1.5)
+    assert cal.drift(engine, cost) == pytest.approx(1.5)
 
 
 def test_calibration_keeps_overheads_solved_at_a_slower_minute_at_the_fit_s_speed():
