@@ -88,6 +88,9 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0            # prompts of requests whose first token was sampled here
         self.num_generation_tokens_total = 0        # tokens sampled here and kept (not a producer's first token)
         self.busy_seconds_total = 0.0               # time spent in model steps (the autoscaler's utilisation)
+        # steps that computed something: how many, their wall seconds (all of step()), and the sums of their
+        # shapes (SchedulerOutput.shape): a cost model's predicted seconds for them, against the measured
+        self.step_totals = {"steps": 0, "seconds": 0.0, "tokens": 0, "pairs": 0.0, "seqs": 0, "context": 0}
         log.info("engine ready: %s (weights %s, %.0f MiB), %s on %s (%d threads), %d KV blocks of %d tokens (%.1f MiB, %d tokens), "
                  "%d host-tier blocks, max_model_len %d, weights loaded in %.1f s", self.model_path, quant,
                  self.runner.weight_bytes / 2**20, self.runner.dtype,
@@ -304,6 +307,7 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         self._start_imported(self.scheduler.finish_loads())
         early, self._early_outputs = self._early_outputs, []
         drafted = self.spec.propose(self.scheduler.running) if self.spec is not None else []
@@ -313,6 +317,7 @@ class LLMEngine:
             self._leave_batch(seq)
         if not sched.scheduled:
             return early
+        shape = sched.shape()
         now = time.monotonic()
         for seq, _ in sched.scheduled:
             seq.first_scheduled_time = seq.first_scheduled_time or now
@@ -350,6 +355,11 @@ class LLMEngine:
             outputs.append(self._output(seq))
         if self.spec is not None:
             self.spec.end_step(drafted, [s for s, _ in verify], sched.scheduled, seconds)
+        totals = self.step_totals
+        totals["steps"] += 1
+        totals["seconds"] += time.perf_counter() - began
+        for key, value in zip(("tokens", "pairs", "seqs", "context"), shape):
+            totals[key] += value
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> int:
@@ -495,6 +505,7 @@ class LLMEngine:
             "kv_onloaded_blocks": self.pool.onloaded_blocks,
             "kv_block_bytes": self.executor.block_bytes,
             "busy_seconds_total": self.busy_seconds_total,
+            "step_totals": dict(self.step_totals),
             **(self.spec.stats() if self.spec is not None else {}),
             **(self.runner.lora.stats() if self.runner.lora is not None else {}),
         }

@@ -31,6 +31,11 @@ from engine.sequence import Sequence, Status
 log = logging.getLogger(__name__)
 
 
+def attention_pairs(new: int, cached: int) -> float:
+    """A chunk of `new` tokens after `cached` ones attends to cached + its own earlier tokens (causal)."""
+    return new * cached + new * (new + 1) / 2
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, new tokens)
@@ -39,6 +44,17 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    def shape(self) -> tuple[int, float, int, int]:
+        """The step's shape before it runs, as the planner's cost models read it (plan/cost.py Batch): new
+        tokens, attention pairs, sequences, and the KV tokens it reads (each sequence's cached + new)."""
+        tokens, pairs, context = 0, 0.0, 0
+        for seq, n in self.scheduled:
+            done = seq.num_computed_tokens
+            tokens += n
+            pairs += attention_pairs(n, done)
+            context += done + n
+        return tokens, pairs, len(self.scheduled), context
 
 
 class Scheduler:

@@ -6,6 +6,9 @@ Contract names (like vLLM's, stable):
       vllm:generation_tokens_total): a request's prompt and its first token count on the replica that
       sampled that token (the prefill pool's, after a KV hand-off), the tokens after it where decoded
   baton_num_preemptions_total (counter, as vllm:num_preemptions_total): sequences preempted for KV room
+  baton_engine_steps_total, baton_engine_step_{seconds,tokens,attention_pairs,sequences,context_tokens}_total
+      (counters): the engine's steps that computed tokens, their wall time and their summed shapes (what a
+      step cost model reads: `baton plan validate` holds the fit's seconds for them against the measured)
   baton_request_{queue,prefill,decode}_time_seconds (histograms, as vLLM's): a finished request's time
       queued in this engine, prefilling here, decoding here; the ingress adds baton_request_prompt_tokens
       and baton_request_generation_tokens (histograms of finished requests' lengths)
@@ -30,6 +33,19 @@ from replica.names import PREFILL
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# the engine's steps that computed something (LLMEngine.step_totals): their count, wall seconds and summed shapes,
+# so that a cost model's seconds for the same steps can be held against the measured (plan/validate.py)
+STEP_COUNTERS = (
+    ("steps", "baton_engine_steps", "Engine steps that computed tokens"),
+    ("seconds", "baton_engine_step_seconds", "Wall seconds of those steps (scheduling, forward, sampling, outputs)"),
+    ("tokens", "baton_engine_step_tokens", "Tokens those steps computed (prompt chunks and decodes)"),
+    ("pairs", "baton_engine_step_attention_pairs", "Attention pairs of those steps: each sequence's new tokens "
+                                                   "times the tokens they attend to (causal)"),
+    ("seqs", "baton_engine_step_sequences", "Sequences in those steps, summed over steps (mean batch: / steps)"),
+    ("context", "baton_engine_step_context_tokens", "KV tokens those steps read: each sequence's cached and new "
+                                                    "tokens, summed over steps"),
+)
 
 
 class _EngineCollector:
@@ -74,6 +90,9 @@ class _EngineCollector:
                                                  "prefill sampled it)", s["generation_tokens"])
         yield counter("baton_num_preemptions", "Sequences preempted for KV room (recomputed later)",
                       s["num_preemptions"])
+        steps = s["step_totals"]
+        for key, name, doc in STEP_COUNTERS:
+            yield counter(name, doc, steps[key])
         yield counter("baton_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
                       s["prefix_cache_query_tokens"])
         yield counter("baton_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",

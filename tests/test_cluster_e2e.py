@@ -15,6 +15,7 @@ from cluster.live_metrics import pool_total as _pool_sum
 from cluster.live_metrics import scrape
 from engine import LLM, SamplingParams
 from engine.block_hash import block_hashes
+from engine.scheduler import attention_pairs
 from tests.conftest import (CLUSTER_ENGINE, DISAGGREGATED, DISAGGREGATED_ENV, TEST_KEY, assert_not_in_ray_logs,
                             ingress_index_matches, served_model_key, wait_for)
 
@@ -237,6 +238,16 @@ def test_metrics_show_both_pools_and_the_transfer(client):
     for pool in ("prefill", "decode"):
         assert _pool_sum(m, "baton_kv_blocks_free", pool) > 0, pool
         assert _pool_sum(m, "baton_prefix_cache_query_tokens_total", pool) > 0, pool
+    # its steps, as the engines count them: the prefill pool computed the prompt (less what it had cached) in one
+    # step, the decode pool the three tokens after the first, one a step, each reading its context
+    hit = grew(m, "baton_prefix_cache_hit_tokens_total", ["prefill"])
+    prompt = r.usage.prompt_tokens
+    assert [grew(m, f"baton_engine_step_{k}_total", ["prefill"]) for k in ("tokens", "sequences")] == [prompt - hit, 1]
+    assert grew(m, "baton_engine_steps_total", ["prefill"]) == 1
+    assert grew(m, "baton_engine_step_attention_pairs_total", ["prefill"]) == attention_pairs(prompt - hit, hit)
+    assert [grew(m, f"baton_engine_step{k}_total", ["decode"]) for k in ("s", "_tokens", "_sequences")] == [3, 3, 3]
+    assert grew(m, "baton_engine_step_context_tokens_total", ["decode"]) == 3 * prompt + 1 + 2 + 3
+    assert 0 < grew(m, "baton_engine_step_seconds_total") < 30
     assert _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") > 0
     assert _pool_sum(m, "baton_kv_pins_released_total", "prefill") >= 1
     assert sum(v for k, v in m.items() if k.startswith('baton_requests_total{') and 'status="ok"' in k) >= 1
