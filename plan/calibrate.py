@@ -16,8 +16,10 @@
    prefill step, the pull and the decode step that streams the first token, is the hand-off's (`handoff_s`).
    Last, local prompts again while 8 answers stream: their TTFT less their engine phases (the replicas'
    histograms), against the same alone, is what each stream adds to the serving path (`stream_s`).
-A one-second speed probe of the engine's steps is kept with the fit, and read before and after the cluster: the
-overheads are solved at the speed the machine ran at then, and kept at the fit's (speed(), drift()).
+The cluster's engines count their steps' seconds and shapes (replica/metrics.py STEP_COUNTERS): over the requests
+served one at a time, against the fit's seconds for the same shapes, they say how slowly the machine ran in those
+minutes (a VM's speed drifts by more than the simulator's error goal from one quarter of an hour to the next), so
+the overheads are solved at that speed and kept at the fit's (engine_speed()).
 """
 from __future__ import annotations
 
@@ -54,8 +56,7 @@ def step_timings(engine, prompts: list[list[int]], max_tokens: int) -> list[tupl
 
     def recording():
         out = schedule()
-        seen.append(Batch(out.num_tokens, sum(attention_pairs(n, s.num_computed_tokens) for s, n in out.scheduled),
-                          len(out.scheduled), sum(s.num_computed_tokens + n for s, n in out.scheduled)))
+        seen.append(Batch(*out.shape()))
         return out
     sched.schedule = recording
     try:
@@ -89,21 +90,6 @@ def grid(engine, rng: np.random.Generator, log: Callable[[str], None], quick: bo
             rows += step_timings(engine, [rng.integers(*VOCAB, ctx).tolist() for _ in range(b)], 8 if quick else 16)
         log(f"decode at context {ctx}: {len(rows)} steps")
     return rows
-
-
-def speed(engine, cost: LinearCost) -> float:
-    """How slowly this machine steps now against the fit: the median of measured / fitted seconds over a fixed
-    probe of about a second (a 256-token prompt, then 8 sequences decoding 24 steps). A VM's speed drifts by more
-    than the simulator's error goal from one quarter of an hour to the next (docs/benchmarks.md): the calibration
-    keeps this figure at the fit (cost.fit["probe"]), measures the serving overheads at the speed of their
-    cluster's minutes and keeps them at the fit's, and `baton plan validate` simulates each live run at its own
-    (drift())."""
-    rng = np.random.default_rng()       # new prompts each time: repeated ones would hit the prefix cache and step
-                                        # other shapes than the probe at the fit did
-    vocab = VOCAB if engine.hf_config.vocab_size >= VOCAB[1] else (0, engine.hf_config.vocab_size)
-    rows = step_timings(engine, [rng.integers(*vocab, 256).tolist()], 1)
-    rows += step_timings(engine, [rng.integers(*vocab, 64).tolist() for _ in range(8)], 24)
-    return float(np.median([s / cost.step_s(b) for b, s in rows]))
 
 
 def replica_threads(num_cpus: float) -> int:
@@ -155,12 +141,11 @@ def gaps_while_prefilling(streams: list, prompts: list, request_s: float, after_
     return gaps
 
 
-def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
-              probe: Callable[[], float] | None = None) -> Overheads:
+def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Overheads:
     """From a live 1 + 1 cluster: requests one at a time, prefilled remotely and by the decode replica (their
     TTFTs, and the token gap at batch 1), then 8 streams at once (the gap at batch 8); fit_overheads solves them.
-    `probe` (speed() on an engine of this process) runs before and after the cluster: the overheads are solved
-    at the machine's speed of those minutes and kept at the fit's (cost.fit["serving_speed"] holds both)."""
+    The engines' steps while requests came one at a time, against the fit's seconds for them, give the machine's
+    speed in those minutes: the overheads are solved at it and kept at the fit's (cost.fit["serving_speed"])."""
     import asyncio
 
     from bench.cluster_bench import Req, drive, serve_config, with_cluster
@@ -197,21 +182,21 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
 
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
-        out, phases = [], []
+        out, phases, steps = [], [], []
         for reqs in (alone, local, together, mixed):
             before = scrape(base, fresh=True)
             out.append(asyncio.run(drive(base, model, reqs))[0])
-            phases.append(engine_phase_s(before, scrape(base, fresh=True)))
-        return out, phases, loaded(base, model)
-    before_s = probe() if probe else 1.0
-    (one, here, eight, busy), phases, (under_res, under_sums) = with_cluster(
+            after = scrape(base, fresh=True)
+            phases.append(engine_phase_s(before, after))
+            steps.append(step_sums(before, after))
+        return out, phases, steps, loaded(base, model)
+    (one, here, eight, busy), phases, steps, (under_res, under_sums) = with_cluster(
         serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
-    after_s = probe() if probe else 1.0
-    factor = (before_s + after_s) / 2
-    cost.fit["serving_speed"] = [before_s, after_s]
-    if probe:
-        log(f"the machine stepped {before_s:.2f}x and {after_s:.2f}x as slowly as at the fit before and after the "
-            "cluster: the overheads are solved at that speed and kept at the fit's")
+    # one request at a time: the engines rarely step together, so their steps against the fit's are the speed
+    factor = engine_speed(cost, [steps[0], steps[1]])
+    cost.fit["serving_speed"] = factor
+    log(f"the cluster's engines stepped {factor:.2f}x as slowly as the fit while requests came one at a time: the "
+        "overheads are solved at that speed and kept at the fit's")
     now = cost.at_speed(factor)
     ok = [r for r in one if r.ok and r.ttft is not None and len(r.itls) > 2]
     near = [r for r in here if r.ok and r.ttft is not None]
@@ -257,7 +242,7 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None],
         f"{gap1 * 1e3:.1f} ms at batch 1 and {gap8 * 1e3:.1f} ms at 8 against steps of {s['step1'] * 1e3:.1f} and "
         f"{s['step8'] * 1e3:.1f} ms: serving adds {ov.step_s * 1e3:.2f} ms a step + {ov.token_s * 1e3:.2f} ms a token")
     kept = ov.at_speed(1.0 / factor)                    # the CPU work at the fit's speed
-    if probe:
+    if factor != 1.0:
         log(f"at the fit's speed: request {kept.request_s * 1e3:.1f} ms, hand-off {kept.handoff_s * 1e3:.1f} ms, "
             f"{kept.step_s * 1e3:.2f} ms a step, {kept.token_s * 1e3:.2f} ms a token, "
             f"{kept.stream_s * 1e3:.2f} ms a stream")
@@ -305,6 +290,35 @@ def phase_sums(before: dict[str, float], after: dict[str, float]) -> dict[str, l
             for pool in (PREFILL, DECODE)}
 
 
+def step_sums(before: dict[str, float], after: dict[str, float]) -> dict[str, dict[str, float]]:
+    """pool -> its replicas' engine step counters between two scrapes (replica/metrics.py STEP_COUNTERS, keyed
+    as LLMEngine.step_totals: steps, seconds, tokens, pairs, seqs, context); pools that stepped none left out."""
+    from cluster.live_metrics import pool_total
+    from replica.metrics import STEP_COUNTERS
+    out = {}
+    for pool in (PREFILL, DECODE):
+        sums = {key: pool_total(after, f"{name}_total", pool) - pool_total(before, f"{name}_total", pool)
+                for key, name, _ in STEP_COUNTERS}
+        if sums["steps"] > 0:
+            out[pool] = sums
+    return out
+
+
+def engine_speed(cost: LinearCost, runs: list[dict[str, dict[str, float]]],
+                 slowdown: dict[str, float] | None = None) -> float:
+    """How many times as slowly the engines stepped as the fit says, over the pools' step sums of `runs`
+    (step_sums()): their measured seconds over the fit's for the same steps, each pool's fit times `slowdown`
+    (its engines' slowdown by their neighbours where they stepped together: the simulator's figure for the same
+    workload, Simulator.steps; none where requests came one at a time). 1.0 where nothing stepped."""
+    measured = fitted = 0.0
+    for sums in runs:
+        for pool, t in sums.items():
+            measured += t["seconds"]
+            fitted += cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"])) \
+                * (slowdown or {}).get(pool, 1.0)
+    return measured / fitted if fitted > 0 else 1.0
+
+
 def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """pool -> the mean seconds its replicas' engines took from a request's arrival to its first token sampled
     there (the queue and prefill phase histograms), over the requests that ended between two scrapes. The queue
@@ -313,9 +327,9 @@ def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {pool: (q + f) / nf for pool, (q, _, f, nf) in phase_sums(before, after).items() if nf > 0}
 
 
-def probe_engine(model: str | None = None):
+def grid_engine(model: str | None = None):
     """(engine, its config, threads): the calibration cluster's decode engine in this process, on the torch
-    threads Ray gives its replica, for the step grid and the speed probe."""
+    threads Ray gives its replica, for the step grid."""
     from bench.cluster_bench import serve_config
     import torch
     cfg = serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, model=model)
@@ -325,15 +339,9 @@ def probe_engine(model: str | None = None):
     return _engine(config), config, threads
 
 
-def drift(engine, cost: LinearCost) -> float:
-    """speed() against the same probe's at the fit (cost.fit["probe"]; 1.0 where the file has none): how many
-    times as slowly the machine runs now as when its steps were fitted."""
-    return speed(engine, cost) / cost.fit.get("probe", 1.0)
-
-
 def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve: bool = True,
               transfer_gbps: float = 5.5) -> tuple[LinearCost, dict[str, Any]]:
-    engine, config, threads = probe_engine(model)
+    engine, config, threads = grid_engine(model)
     log(f"engine steps on {threads} thread(s), as a replica of the calibration cluster runs them")
     kv_bytes_per_token = engine.runner.block_bytes // config.block_size
     rng = np.random.default_rng(0)
@@ -346,11 +354,9 @@ def calibrate(model: str | None, quick: bool, log: Callable[[str], None], serve:
         f"{cost.fit['median_rel_error']:.1%}, p90 {cost.fit['p90_rel_error']:.1%})")
     cost.contention = contention(config, engine, cost, rng, log, threads)
     cost.cores, cost.threads = os.cpu_count() or 1, threads
-    cost.fit["probe"] = speed(engine, cost)
-    log(f"speed probe: {cost.fit['probe']:.2f}x the fit's step times (the reference of later probes)")
-    if serve:
-        cost.overheads = overheads(cost.overheads, cost, log, probe=lambda: drift(engine, cost))
     engine.shutdown()
+    if serve:
+        cost.overheads = overheads(cost.overheads, cost, log)
     info = {"steps": [[b.tokens, b.pairs, b.seqs, b.context, s] for b, s in rows], "seconds": time.perf_counter() - t,
             "threads": threads, "engine": {"block_size": config.block_size, "max_num_seqs": config.max_num_seqs,
                        "max_num_batched_tokens": config.max_num_batched_tokens}}
@@ -368,15 +374,7 @@ def served_only(path: str, transfer_gbps: float, log: Callable[[str], None]) -> 
                          "not the linear fit of this machine's steps")
     log(f"engine steps: the fit in {path} (step = {cost.c0 * 1e3:.2f} ms + {cost.c_tok * 1e6:.1f} us/token + ...)")
     t = time.perf_counter()
-    engine = None
-    if "probe" in cost.fit:
-        engine, _, _ = probe_engine()
-    else:
-        log(f"{path} holds no speed probe (an older calibration): the overheads are kept at this cluster's speed")
-    cost.overheads = overheads(Overheads(transfer_gbps=transfer_gbps), cost, log,
-                               probe=(lambda: drift(engine, cost)) if engine is not None else None)
-    if engine is not None:
-        engine.shutdown()
+    cost.overheads = overheads(Overheads(transfer_gbps=transfer_gbps), cost, log)
     info = {**json.loads(Path(path).read_text()).get("calibration", {}), "steps_from": str(path),
             "seconds": time.perf_counter() - t}
     return cost, info

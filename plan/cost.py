@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.scheduler import attention_pairs  # noqa: F401  (the engine's rule; the planner's modules take it here)
+
 
 @dataclass
 class Batch:
@@ -40,11 +42,6 @@ class Batch:
     pairs: float
     seqs: int
     context: int
-
-
-def attention_pairs(new: int, cached: int) -> float:
-    """A chunk of `new` tokens after `cached` ones attends to cached + its own earlier tokens (causal)."""
-    return new * cached + new * (new + 1) / 2
 
 
 @dataclass
@@ -88,6 +85,12 @@ class LinearCost:
 
     def step_s(self, b: Batch) -> float:
         return self.c0 + self.c_tok * b.tokens + self.c_attn * b.pairs + self.c_ctx * b.context + self.c_seq * b.seqs
+
+    def steps_s(self, steps: int, total: Batch) -> float:
+        """The fit's seconds for `steps` steps whose shapes sum to `total` (a linear model sums): what the engine's
+        step counters (replica/metrics.py STEP_COUNTERS) predict."""
+        return self.c0 * steps + self.c_tok * total.tokens + self.c_attn * total.pairs + self.c_ctx * total.context \
+            + self.c_seq * total.seqs
 
     def at_speed(self, factor: float) -> LinearCost:
         """This machine running `factor` times as slow as when it was fitted (plan/calibrate.py speed(): a VM's

@@ -214,7 +214,8 @@ class Engine:
         self.busy = False
         self.step_end = 0.0                  # when its step in progress ends (a step; a run's are in self.run)
         self.version = 0                     # a cut run's end event is stale
-        self.run: tuple | None = None        # (start, cumulative ends, seqs) of a multi-step decode run
+        self.run: tuple | None = None        # (start, cumulative ends, seqs, each step's cost alone, slowdown) of
+                                             # a multi-step decode run
         self.busy_s = 0.0
         self.computed_tokens = 0             # tokens its steps computed (the prefix-pull rule's rate)
         self.pull_stats = [0.0, 0.0]         # bytes, seconds of its prefix pulls (the rule's bandwidth)
@@ -252,7 +253,7 @@ class Engine:
         if not self.busy:
             return self.sim.now
         if self.run is not None:
-            start, ends, _ = self.run
+            start, ends = self.run[:2]
             i = min(int(np.searchsorted(ends, self.sim.now - start, side="right")), len(ends) - 1)
             return start + float(ends[i])
         return self.step_end
@@ -312,13 +313,13 @@ class Engine:
 
     def _cut(self) -> None:
         """End the run with the step in progress (its next step sees the new work)."""
-        start, ends, seqs = self.run
+        start, ends, *rest = self.run
         done = int(np.searchsorted(ends, self.sim.now - start, side="left")) + 1
         if done >= len(ends):
             return
         self.version += 1
         v = self.version
-        self.run = (start, ends[:done], seqs)
+        self.run = (start, ends[:done], *rest)
         self.sim.at(start + float(ends[done - 1]), lambda: self._end_run(v))
 
     # -- one step ---------------------------------------------------------------------------------------
@@ -411,7 +412,9 @@ class Engine:
                 self.sim.phase(self.pool, 0, now - seq.added, seq.req)
         ov = self.sim.cost.overheads
         streams = sum(seq.computed + n >= seq.need for seq, n in sched) if self.pool != PREFILL else 0
-        dur = (self.sim.cost.step_s(b) + ov.step_s + ov.token_s * streams) * slow
+        alone = self.sim.cost.step_s(b)
+        self.sim.stepped(self.pool, now, alone, slow)
+        dur = (alone + ov.step_s + ov.token_s * streams) * slow
         self.version += 1
         v, start = self.version, self.sim.now
         self.step_end = start + dur
@@ -456,18 +459,18 @@ class Engine:
             self.kv.allocate(seqs[i], int(more[i]))
         self._flush_events()
         ov = self.sim.cost.overheads
-        durations = (self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
-                     + ov.step_s + ov.token_s * len(seqs)) * slow
-        ends = np.cumsum(durations)
+        alone = self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
+        ends = np.cumsum((alone + ov.step_s + ov.token_s * len(seqs)) * slow)
         self.version += 1
         v, start = self.version, self.sim.now
-        self.run = (start, ends, seqs)
+        self.run = (start, ends, seqs, alone, slow)
         self.sim.at(start + float(ends[-1]), lambda: self._end_run(v))
 
     def _end_run(self, v: int) -> None:
         if v != self.version or self.run is None:
             return
-        start, ends, seqs = self.run
+        start, ends, seqs, alone, slow = self.run
+        self.sim.stepped(self.pool, start, float(alone[:len(ends)].sum()), slow)
         self._finish_run(start, ends, seqs)
 
     def _finish_run(self, start: float, ends: np.ndarray, seqs: list[Seq]) -> None:
@@ -653,6 +656,11 @@ class Simulator:
         # engine to its first step there (an import: to the step boundary that finds its KV arrived), prefill from
         # that step to the first token sampled there
         self.phases = {p: [0.0, 0, 0.0, 0] for p in POOLS}
+        # pool -> [seconds its engines stepped, the cost model's seconds for those steps alone] over the steps that
+        # began at >= 0 (the engine's part: no serving overheads): stepped / alone is the slowdown the engines met
+        # from their neighbours (LinearCost.shared_device), which the replicas' step counters measure with the
+        # machine's speed (plan/validate.py run_speed)
+        self.steps = {p: [0.0, 0.0] for p in POOLS}
         self.done: list[SimRequest] = []
         self.replica_seconds = {p: 0.0 for p in self.pools}
         self.timeline: list[dict[str, Any]] = []
@@ -871,6 +879,14 @@ class Simulator:
             acc[2 * which] += seconds
             acc[2 * which + 1] += 1
 
+    def stepped(self, pool: str, start: float, alone: float, slow: float) -> None:
+        """Steps of an engine of `pool` that began at `start`, costing `alone` seconds alone and run `slow` times
+        as slowly (warm-up steps, before 0, left out)."""
+        if start >= 0:
+            acc = self.steps[pool]
+            acc[0] += alone * slow
+            acc[1] += alone
+
     def add_itl(self, gap: float) -> None:
         self._itl_hist[_itl_bin_one(gap)] += 1
 
@@ -1067,6 +1083,7 @@ class Tally:
     prefix_export_timeouts: int
     timeline: list[dict[str, Any]]
     phases: dict[str, list]                      # Simulator.phases
+    steps: dict[str, list]                       # Simulator.steps
 
     @classmethod
     def of(cls, requests: list[SimRequest], sim: Simulator) -> Tally:
@@ -1078,7 +1095,7 @@ class Tally:
                    preemptions=sim.preemptions, replica_seconds=dict(sim.replica_seconds),
                    hits={p: list(v) for p, v in sim.hits.items()}, prefix_pulls=list(sim.prefix_pulls),
                    prefix_export_timeouts=sim.prefix_export_timeouts, timeline=list(sim.timeline),
-                   phases={p: list(v) for p, v in sim.phases.items()})
+                   phases={p: list(v) for p, v in sim.phases.items()}, steps={p: list(v) for p, v in sim.steps.items()})
 
     @classmethod
     def merge(cls, parts: list[Tally]) -> Tally:
@@ -1105,7 +1122,8 @@ class Tally:
                    hits={p: [sum(t.hits[p][i] for t in parts) for i in (0, 1)] for p in parts[0].hits},
                    prefix_pulls=[sum(t.prefix_pulls[i] for t in parts) for i in (0, 1)],
                    prefix_export_timeouts=sum(t.prefix_export_timeouts for t in parts), timeline=timeline,
-                   phases={p: [sum(t.phases[p][i] for t in parts) for i in range(4)] for p in parts[0].phases})
+                   phases={p: [sum(t.phases[p][i] for t in parts) for i in range(4)] for p in parts[0].phases},
+                   steps={p: [sum(t.steps[p][i] for t in parts) for i in (0, 1)] for p in parts[0].steps})
 
     def good(self, slo: tuple[float, float]) -> np.ndarray:
         """Which requests met both SLOs: first token within slo[0], mean gap (if it has gaps) within slo[1]."""
@@ -1135,6 +1153,7 @@ class Tally:
         out["prefix_pulls"], out["prefix_pulled_tokens"] = self.prefix_pulls
         out["prefix_export_timeouts"] = self.prefix_export_timeouts
         out["engine_phases_ms"] = phase_means(self.phases)
+        out["engine_steps_s"] = {p: {"stepped": a, "alone": b} for p, (a, b) in self.steps.items() if b}
         out["rejected_429"] = int(self.rejected.sum())
         if slo is not None:
             ok = self.good(slo)

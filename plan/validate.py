@@ -5,10 +5,13 @@ through the HTTP API (bench/cluster_bench.py's client), and in the simulator (pl
 cost model (`baton plan calibrate`). Reported per case: TTFT and ITL p50/p90, goodput under the SLOs, measured
 and simulated, and the relative error of each (goal: within 15%). With `--repeats N` (or several `--measured`
 files) the measured figure is the median of N live runs, and their spread is reported: on this 2-core machine
-most p90s of a few dozen requests move by more than 15% from one run to the next. Each live run is bracketed by
-the calibration's speed probe and simulated at its own speed (`relative_error`) as well as at the fit's
-(`relative_error_at_fit`, which adds the machine's drift since its calibration), and the engines' queue and
-prefill phases per pool are reported measured and simulated (`engine_phases_ms`).
+most p90s of a few dozen requests move by more than 15% from one run to the next. The replicas' step counters
+(replica/metrics.py STEP_COUNTERS) say how slowly each live run's engines stepped against the calibration's fit
+(its `speed`: measured step seconds over the fit's for the same steps, times the slowdown the simulator gives
+engines stepping together), and each run is simulated at its own speed (`relative_error`) as well as at the fit's
+(`relative_error_at_fit`, which adds the machine's drift since its calibration). The engines' queue and prefill
+phases per pool (`engine_phases_ms`) and their step seconds (`engine_steps_s`) are reported measured and simulated:
+where a TTFT error lies, in the engines or on the serving path around them.
 
 Cases:
   replay         the first --replay-requests of Mooncake's conversation trace (bench/traces), 16-token blocks
@@ -34,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from plan.cost import LinearCost, load_cost
+from plan.cost import Batch, LinearCost, attention_pairs, load_cost
 from plan.sim import simulate
 from plan.workload import from_reqs
 
@@ -48,7 +51,6 @@ def one_at_a_time(warm: list, cost) -> list:
     (at least 5 s) after the one before, and the last is over before the measured requests arrive at 0. With a
     fixed 5 s, a prompt of 1,056 tokens at 6.35 ms a token (a 2-core AVX2 VM) overlapped the next warm-up and the
     measured requests, and the simulated tenants queued for 27 s where the live ones waited 0.7 s."""
-    from plan.cost import Batch, attention_pairs
     overhead = getattr(getattr(cost, "overheads", None), "request_s", 0.0)
     gaps = []
     for w in warm:
@@ -93,12 +95,12 @@ def cases(args: argparse.Namespace, cost) -> dict[str, tuple[Any, list, list]]:
 
 
 def measure(config, warm: list, reqs: list, slo: tuple[float, float]) -> dict[str, Any]:
-    """One live run of a case: `baton bench`'s summary, and the engines' queue and prefill phases of the measured
-    requests from the replicas' histograms (`engine_phases_ms`, as the simulator reports them): where a TTFT
-    error lies, in the engines or on the serving path around them."""
+    """One live run of a case: `baton bench`'s summary, the engines' queue and prefill phases of the measured
+    requests from the replicas' histograms (`engine_phases_ms`, as the simulator reports them), and their
+    engines' step counters over the same requests (`engine_steps`, plan/calibrate.py step_sums)."""
     from bench.cluster_bench import drive, summarize, with_cluster
     from cluster.live_metrics import scrape
-    from plan.calibrate import phase_sums
+    from plan.calibrate import phase_sums, step_sums
     from plan.sim import phase_means
 
     def work(base: str, model: str) -> dict:
@@ -107,8 +109,9 @@ def measure(config, warm: list, reqs: list, slo: tuple[float, float]) -> dict[st
         time.sleep(1.0)
         before = scrape(base, fresh=True)
         results, wall = asyncio.run(drive(base, model, reqs))
-        return {**summarize(results, wall, *slo),
-                "engine_phases_ms": phase_means(phase_sums(before, scrape(base, fresh=True)))}
+        after = scrape(base, fresh=True)
+        return {**summarize(results, wall, *slo), "engine_phases_ms": phase_means(phase_sums(before, after)),
+                "engine_steps": step_sums(before, after)}
     return with_cluster(config, work)
 
 
@@ -172,28 +175,44 @@ def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
 
 def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """Each case measured live (or read from --measured) and simulated. With a calibrated cost model, each live
-    run is bracketed by the speed probe (plan/calibrate.py drift()) and simulated at its run's speed as well as
-    at the fit's: the first error is the simulator's, the second adds how far this machine drifted since its
-    calibration."""
+    run is simulated at the speed its engines stepped (run_speed()) as well as at the fit's: the first error is
+    the simulator's, the second adds how far this machine drifted since its calibration."""
     cost = load_cost(args.cost)
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
-    live = not (args.measured or args.simulate_only)
-    probe, engine = None, None
-    if live and isinstance(cost, LinearCost):
-        from plan.calibrate import drift, probe_engine
-        engine, _, _ = probe_engine()
-        probe = lambda: drift(engine, cost)                 # noqa: E731
-    out = {}
-    try:
-        for name, (config, warm, reqs) in cases(args, cost).items():
-            out[name] = one_case(args, name, config, warm, reqs, cost, slo, probe, log)
-    finally:
-        if engine is not None:
-            engine.shutdown()
-    return out
+    return {name: one_case(args, name, config, warm, reqs, cost, slo, log)
+            for name, (config, warm, reqs) in cases(args, cost).items()}
 
 
-def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, log) -> dict[str, Any]:
+def slowdowns(sims: list[dict]) -> dict[str, float]:
+    """pool -> how many times as long its engines' steps took in simulation as alone (their neighbours' share of
+    the cores, engine_steps_s): the median over the simulated runs."""
+    pools = dict.fromkeys(p for s in sims for p in s.get("engine_steps_s", {}))
+    return {p: float(np.median([s["engine_steps_s"][p]["stepped"] / s["engine_steps_s"][p]["alone"]
+                                for s in sims if p in s.get("engine_steps_s", {})])) for p in pools}
+
+
+def run_speed(run: dict, cost: LinearCost, slowdown: dict[str, float]) -> float | None:
+    """How many times as slowly a live run's engines stepped as the fit says, their neighbours' slowdown in the
+    simulation of the same workload taken out (plan/calibrate.py engine_speed); None for a run read from a file
+    written before the replicas counted their steps."""
+    from plan.calibrate import engine_speed
+    return engine_speed(cost, [run["engine_steps"]], slowdown) if run.get("engine_steps") else None
+
+
+def steps_line(runs: list[dict], cost: LinearCost, simulated: dict) -> str:
+    """Per pool: the seconds the engines stepped, measured (median over the runs) and simulated, and the fit's
+    seconds for the measured steps alone."""
+    out = []
+    for pool, sim in simulated.get("engine_steps_s", {}).items():
+        got = [r["engine_steps"][pool] for r in runs if pool in (r.get("engine_steps") or {})]
+        if got:
+            alone = [cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"])) for t in got]
+            out.append(f"{pool} {np.median([t['seconds'] for t in got]):.2f} vs {sim['stepped']:.2f} "
+                       f"({np.median(alone):.2f} at the fit alone)")
+    return "; ".join(out)
+
+
+def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, log) -> dict[str, Any]:
     if args.measured:                                # previous runs' live figures (same cases and flags): each run
         runs = []
         for f in args.measured:
@@ -202,15 +221,7 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, 
     elif args.simulate_only:
         runs = []
     else:
-        runs = []
-        for _ in range(args.repeats):
-            before = probe() if probe else None
-            run = measure(config, warm, reqs, slo)
-            if probe:
-                run["speed"] = [before, probe()]
-                log(f"{name}: the machine stepped {before:.2f}x and {run['speed'][1]:.2f}x as slowly as at the "
-                    "calibration before and after this run")
-            runs.append(run)
+        runs = [measure(config, warm, reqs, slo) for _ in range(args.repeats)]
     bs = config.decode.engine.block_size or 16
     seeds = args.sim_seeds if config.router.policy == "pow2" else 1     # only Serve's power of two draws
 
@@ -224,7 +235,13 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, 
     t = time.perf_counter()
     sim, sims = simulated([1.0])
     sim_s = time.perf_counter() - t
-    speeds = [float(np.mean(r["speed"])) for r in runs if r.get("speed")] if isinstance(cost, LinearCost) else []
+    speeds = []
+    if isinstance(cost, LinearCost):                     # (a GPU roofline does not scale with a CPU's drift)
+        slow = slowdowns(sims)
+        speeds = [v for v in (run_speed(r, cost, slow) for r in runs) if v is not None]
+        if speeds:
+            log(f"{name}: the engines stepped {', '.join(f'{v:.2f}' for v in speeds)}x as slowly as the fit in "
+                f"the live runs (their neighbours' slowdown as simulated, {_fmt(slow)}, taken out)")
     measured = median_run(runs) if runs else None
     res = {"requests": len(reqs), "measured": measured, "simulated": sim, "relative_error": None,
            "simulator_seconds": sim_s}
@@ -252,9 +269,15 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, probe, 
         if speeds:
             log(f"{name}: at the fit's speed: {line(res['relative_error_at_fit'])}")
         log(f"{name}: engine phases in ms, measured vs simulated: {phases_line(measured, sim)}")
+        if isinstance(cost, LinearCost) and (steps := steps_line(runs, cost, sim)):
+            log(f"{name}: engine step seconds, measured vs simulated: {steps}")
     else:
         log(f"{name}: simulated {sim['ttft_ms']} TTFT, {sim['itl_ms']} ITL")
     return res
+
+
+def _fmt(slow: dict[str, float]) -> str:
+    return ", ".join(f"{p} {v:.2f}x" for p, v in slow.items()) or "none"
 
 
 def plot(result: dict, path: Path) -> None:

@@ -246,23 +246,50 @@ def test_a_request_reaches_the_engines_later_the_more_streams_the_serving_path_c
         assert probe.ttft - q - f == pytest.approx(0.05 + 0.01 * streams)
 
 
-def test_the_speed_probe_reads_the_machine_against_its_own_figure_at_the_fit(monkeypatch):
-    """drift() = the probe's median measured / fitted step time, over the same probe's at the fit: a fit whose
-    residual on the probe's shapes is +10% reads 1.0 at the fit's speed and 1.5 when steps take 1.5x as long."""
-    import plan.calibrate as cal
-    factor = {"now": 1.1}
+def _sums(cost: LinearCost, speed: float, slowdown: float = 1.0, steps: int = 40) -> dict[str, float]:
+    """A pool's step counters (plan/calibrate.py step_sums) for `steps` steps that ran `speed` x `slowdown` times
+    as long as the fit says."""
+    total = Batch(steps * 6, steps * 900.0, steps * 3, steps * 600)
+    return {"steps": steps, "seconds": speed * slowdown * cost.steps_s(steps, total), "tokens": total.tokens,
+            "pairs": total.pairs, "seqs": total.seqs, "context": total.context}
 
-    def timings(engine, prompts, max_tokens):
-        b = Batch(8 * len(prompts), 100.0, len(prompts), 8 * len(prompts))
-        return [(b, factor["now"] * COST.step_s(b))] * 3
-    monkeypatch.setattr(cal, "step_timings", timings)
-    cost = LinearCost(**{**COST.to_dict(), "overheads": COST.overheads, "fit": {}})
-    engine = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=49152))
-    assert cal.drift(engine, cost) == pytest.approx(1.1)        # an older file: no figure at its fit
-    cost.fit["probe"] = cal.speed(engine, cost)
-    assert cal.drift(engine, cost) == pytest.approx(1.0)
-    factor["now"] = 1.65
-    assert cal.drift(engine, cost) == pytest.approx(1.5)
+
+def test_the_engines_step_counters_read_the_machine_s_speed_against_the_fit():
+    """engine_speed: the engines' measured step seconds over the fit's for the same steps (a linear fit sums over
+    the counters' totals), each pool's fit times the slowdown its neighbours caused: steps that took 1.5x as long
+    as the fit read 1.5 whether or not the decode pool also met a 1.2x slowdown from the prefill pool's steps."""
+    from plan.calibrate import engine_speed
+    from replica.names import DECODE, PREFILL
+    total = Batch(240, 36000.0, 120, 24000)
+    assert COST.steps_s(40, total) == pytest.approx(40 * COST.step_s(Batch(6, 900.0, 3, 600)))
+    assert engine_speed(COST, [{DECODE: _sums(COST, 1.5)}]) == pytest.approx(1.5)
+    runs = [{PREFILL: _sums(COST, 1.5), DECODE: _sums(COST, 1.5, 1.2)}, {DECODE: _sums(COST, 1.5, 1.2, steps=7)}]
+    assert engine_speed(COST, runs, {DECODE: 1.2}) == pytest.approx(1.5)
+    assert engine_speed(COST, runs) > 1.5                      # the neighbours' share read as the machine's
+    assert engine_speed(COST, [{}]) == 1.0
+
+
+def test_the_simulator_books_its_engines_steps_alone_and_as_their_neighbours_slowed_them():
+    """Simulator.steps per pool: the cost model's seconds for the measured requests' steps alone, and as they
+    ran. One request on one engine steps alone: its prefill and its decode steps, as the cost model prices them.
+    Prompts prefilled while the decode replica streams, on a shared CPU, slow both pools' steps."""
+    from replica.names import DECODE, PREFILL
+    ids = list(range(300, 400))
+    sim = Simulator(config("colocated"), COST)
+    sim.run([request(0, 0.0, ids, 5)])
+    alone = COST.step_s(Batch(100, attention_pairs(100, 0), 1, 100)) + float(COST.decode_steps_s(1, 100, 4).sum())
+    assert sim.steps[DECODE] == [pytest.approx(alone), pytest.approx(alone)]
+    shared = LinearCost(**{**COST.to_dict(), "overheads": COST.overheads, "shared_device": True, "contention": 0.5})
+    rng = np.random.default_rng(3)
+    reqs = [request(i, 0.3 * i, rng.integers(200, 40000, 400).tolist(), 40) for i in range(8)]
+    warm = [request(99, -30.0, list(range(5000, 5300)), 3)]
+    out = simulate(config(), shared, reqs, warm=warm)
+    for pool in (PREFILL, DECODE):
+        steps = out["engine_steps_s"][pool]
+        assert steps["stepped"] > 1.1 * steps["alone"] > 0, pool
+    solo = simulate(config(), shared, reqs[:1])["engine_steps_s"]
+    assert solo[PREFILL]["stepped"] == pytest.approx(solo[PREFILL]["alone"])        # (nothing else ran)
+    assert solo[PREFILL]["alone"] == pytest.approx(COST.step_s(Batch(400, attention_pairs(400, 0), 1, 400)))
 
 
 def test_calibration_keeps_overheads_solved_at_a_slower_minute_at_the_fit_s_speed():
@@ -593,30 +620,24 @@ def test_calibration_records_each_engine_step_with_the_shape_the_scheduler_gave_
     from plan.calibrate import step_timings
     engine = LLMEngine(EngineConfig(model="llama-tiny", load_format="dummy", max_model_len=512,
                                     kv_cache_memory=8 << 20))
-    rows = step_timings(engine, [list(range(10, 110))], 1)
-    assert [(b.tokens, b.seqs, b.context) for b, _ in rows] == [(100, 1, 100)]
-    assert rows[0][0].pairs == attention_pairs(100, 0) and rows[0][1] > 0
+    first = step_timings(engine, [list(range(10, 110))], 1)
+    assert [(b.tokens, b.seqs, b.context) for b, _ in first] == [(100, 1, 100)]
+    assert first[0][0].pairs == attention_pairs(100, 0) and first[0][1] > 0
     rows = step_timings(engine, [list(range(120 + 40 * i, 160 + 40 * i)) for i in range(3)], 4)
     decodes = [b for b, _ in rows if b.tokens == 3]
     assert len(decodes) == 3 and [b.context for b in decodes] == [3 * 41, 3 * 42, 3 * 43]
-    fit = LinearCost.fitted(rows + step_timings(engine, [list(range(250, 450))], 1), 64)
+    more = step_timings(engine, [list(range(250, 450))], 1)
+    fit = LinearCost.fitted(rows + more, 64)
     assert fit.c0 >= 0 and fit.c_tok >= 0 and fit.c_attn >= 0 and fit.c_seq >= 0
-    # the speed probe steps the same shapes every time it runs on an engine: its prompts never hit the prefix
-    # cache its earlier runs filled (each step's measured time is held against the cost of its own shape)
-    from plan.calibrate import speed
-
-    class Shapes:
-        def __init__(self):
-            self.seen = []
-
-        def step_s(self, b):
-            self.seen.append((b.tokens, b.seqs))
-            return 1.0
-    runs = [Shapes() for _ in range(3)]
-    for shapes in runs:
-        assert 0 < speed(engine, shapes) < 1           # (every step here takes well under a second)
-    assert runs[0].seen == runs[1].seen == runs[2].seen
-    assert runs[0].seen[0] == (256, 1) and runs[0].seen.count((8, 8)) >= 20
+    # the engine's own step counters (replica/metrics.py) hold the same steps: their shapes summed, and their
+    # seconds within the wall time around each step() call
+    timed = first + rows + more
+    t = engine.stats()["step_totals"]
+    assert (t["steps"], t["tokens"], t["pairs"], t["seqs"], t["context"]) == (
+        len(timed), sum(b.tokens for b, _ in timed), sum(b.pairs for b, _ in timed), sum(b.seqs for b, _ in timed),
+        sum(b.context for b, _ in timed))
+    wall = sum(s for _, s in timed)
+    assert 0.5 * wall < t["seconds"] <= wall
     engine.shutdown()
 
 
@@ -658,7 +679,7 @@ def test_validate_compares_the_simulator_with_the_median_of_several_live_runs(tm
     assert (m["ttft_ms"]["p50"], m["ttft_ms"]["p90"], m["itl_ms"]["p90"], m["goodput_rps"]) == (200.0, 400.0, 20.0, 1.0)
     assert len(case["measured_runs"]) == 3
     assert m["engine_phases_ms"]["decode"] == {"queue": 20.0, "queued": 12, "prefill": 100.0, "prefilled": 12}
-    assert "relative_error_at_fit" not in case          # runs without the speed probe: simulated at the fit's
+    assert "relative_error_at_fit" not in case          # runs without step counters: simulated at the fit's
     sim_phases = case["simulated"]["engine_phases_ms"]
     assert sim_phases["prefill"]["prefilled"] + sim_phases["decode"]["prefilled"] == 12   # every prompt, once
     assert case["live_spread"]["ttft_ms.p50"] == pytest.approx(1.0) and case["live_spread"]["itl_ms.p50"] == 0.0
@@ -675,22 +696,23 @@ def _validate(tmp_path, cost: str, files: list) -> dict:
 
 
 @pytest.mark.slow          # a subprocess or an engine: the full suite
-def test_validate_simulates_each_live_run_at_the_speed_its_probe_read(tmp_path):
-    """Live runs bracketed by the speed probe (1.0, 2.0 and 1.5 times as slow as at the fit) are simulated at
-    those speeds: the compared figure is the median of the three simulations, the run at 1.5x, and the figures
-    simulated at the fit's speed stay in the JSON with their own errors and count."""
+def test_validate_simulates_each_live_run_at_the_speed_its_engines_stepped(tmp_path):
+    """Live runs whose engines' step counters read 1.0, 2.0 and 1.5 times the fit's seconds for their steps are
+    simulated at those speeds: the compared figure is the median of the three simulations, the run at 1.5x, and
+    the figures simulated at the fit's speed stay in the JSON with their own errors and count."""
+    from replica.names import DECODE
     save_cost(COST, tmp_path / "cost.json")
     save_cost(COST.at_speed(1.5), tmp_path / "slow.json")
     files, plain = [], []
-    for i, sp in enumerate([[1.0, 1.0], [1.8, 2.2], [1.5, 1.5]]):
+    for i, sp in enumerate([1.0, 2.0, 1.5]):
         run = {"ttft_ms": {"p50": 500.0, "p90": 900.0}, "itl_ms": {"p50": 10.0, "p90": 20.0}, "goodput_rps": 1.0,
                "requests": 12}
-        for out, extra in ((files, {"speed": sp}), (plain, {})):
+        for out, extra in ((files, {"engine_steps": {DECODE: _sums(COST, sp)}}), (plain, {})):
             out.append(tmp_path / f"live{i}{len(extra)}.json")
             out[-1].write_text(json.dumps({"cases": {"replay": {"measured": {**run, **extra}}}}))
     result = _validate(tmp_path, str(tmp_path / "cost.json"), files)
     case = result["cases"]["replay"]
-    assert case["speeds"] == [1.0, 2.0, 1.5]
+    assert case["speeds"] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(1.5)]
     at_15 = _validate(tmp_path, str(tmp_path / "slow.json"), plain)["cases"]["replay"]["simulated"]
     at_fit = _validate(tmp_path, str(tmp_path / "cost.json"), plain)["cases"]["replay"]["simulated"]
     for key in ("ttft_ms", "itl_ms"):                  # (the compared percentiles)
