@@ -7,8 +7,10 @@
    step = c0 + c_tok T + c_attn A + c_seq S (plan/cost.py).
 2. Contention: the same decode batches again while another process runs prompts on its own engine; the
    slowdown says how much two replicas sharing these cores slow each other (`contention`). Step 3 measures it
-   again where it matters, served: streams' token gaps while the prefill replica computes long prompts (the
-   ingress, the proxy and the client share the cores too), and keeps that figure.
+   again where it matters, served (the ingress, the proxy and the client share the cores too), and keeps that
+   figure: 4 streams decode alone, then while the prefill replica computes long prompts; the decode engine's
+   step counters give its steps' slowdown (`contention`) and that of the serving work between them, its step
+   period less its steps (`serving_contention`).
 3. Overheads: a local disaggregated cluster (1 prefill + 1 decode replica) serves requests one at a time through
    the HTTP API, then 8 at once. The token gaps at batch 1 and 8 against the fitted steps are what streaming adds
    per step and per token (`step_s`, `token_s`); the TTFT of prompts the decode replica prefills itself, less
@@ -38,6 +40,7 @@ from replica.names import DECODE, PREFILL
 VOCAB = (200, 40000)
 LOCAL_PROMPT = 40           # tokens: under the calibration cluster's min_remote_prefill_tokens (64)
 STREAMS = 8                 # answers streaming while local prompts are timed (stream_s)
+BESIDE_S = 4.0              # seconds 4 streams decode alone before long prompts join them (contention)
 REMOTE_PROMPT = 256         # tokens: prefilled by the prefill replica
 
 
@@ -127,18 +130,39 @@ def contention(config, engine, cost: LinearCost, rng: np.random.Generator, log: 
     return max(ratio - 1.0, 0.0)
 
 
-def gaps_while_prefilling(streams: list, prompts: list, request_s: float, after_s: float = 0.0) -> list[float]:
-    """The token gaps of `streams` ((Req, Result) pairs, arrival and measured TTFT and gaps) that lay wholly
-    inside the time some prompt of `prompts` was being prefilled: from its arrival past the ingress
-    (request_s) to its first token, as measured, less `after_s` (what follows the prefill: hand-off, pull, the
-    decode step that streams it)."""
-    computing = [(r.at + request_s, r.at + res.ttft - after_s) for r, res in prompts if res.ok and res.ttft is not None]
-    gaps = []
-    for r, res in streams:
-        if res.ok and res.ttft is not None:
-            ends = r.at + res.ttft + np.cumsum(res.itls)
-            gaps += [g for g, end in zip(res.itls, ends) if any(a <= end - g and end <= b for a, b in computing)]
-    return gaps
+def contention_beside(cost: LinearCost, alone: dict, beside: dict, prefill_speed: float) -> tuple[float, float]:
+    """(contention, serving_contention) per busy neighbour, from the decode engine's step counters over two windows
+    of the same streams (step_window(): the pool's step sums and the wall seconds between its reports), decoding
+    alone and then while the prefill replica computes long prompts:
+    - its steps against the fit's for them, beside over alone, less 1, over the share of the window the prefill
+      engine was busy (its own step seconds over the window), with the prefill engine's steps against the fit at
+      its speed alone (`prefill_speed`) beside a decode engine busy all along: the mean of the two is `contention`;
+    - its step period (the window over its steps) less its mean step is the serving work each step waits for
+      (the engine loop streaming the step's tokens); beside over alone, less 1, over the same share, is
+      `serving_contention`."""
+    (a, wa), (b, wb) = alone[DECODE], beside[DECODE]
+    p = beside[PREFILL][0]
+    busy = min(p["seconds"] / wb, 1.0)
+
+    def ratio(t: dict) -> float:
+        return t["seconds"] / cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"]))
+    decode = (ratio(b) / ratio(a) - 1.0) / busy
+    prefill = ratio(p) / prefill_speed - 1.0
+    serving_a = wa / a["steps"] - a["seconds"] / a["steps"]
+    serving_b = wb / b["steps"] - b["seconds"] / b["steps"]
+    serving = (serving_b / serving_a - 1.0) / busy if serving_a > 0 else 0.0
+    return max((decode + prefill) / 2, 0.0), max(serving, 0.0)
+
+
+def step_window(before: dict[str, float], after: dict[str, float]) -> dict[str, tuple[dict[str, float], float]]:
+    """pool -> (its step sums between two scrapes, step_sums(), and the seconds between its replicas' reports
+    read by them): a pool of one replica."""
+    from cluster.live_metrics import replica_gauges
+    t0, t1 = (replica_gauges(m, "baton_replica_metrics_timestamp_seconds") for m in (before, after))
+    walls = {}
+    for key, t in t1.items():
+        walls.setdefault(key.split("/")[0], t - t0.get(key, t))
+    return {pool: (sums, walls[pool]) for pool, sums in step_sums(before, after).items()}
 
 
 def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Overheads:
@@ -149,48 +173,65 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     import asyncio
 
     from bench.cluster_bench import Req, drive, serve_config, with_cluster
-    from cluster.live_metrics import scrape
+    from cluster.live_metrics import pool_total, scrape
     rng = np.random.default_rng(2)
     alone = [Req(rng.integers(*VOCAB, REMOTE_PROMPT).tolist(), 16, at=2.0 * i) for i in range(6)]
     # prompts under min_remote_prefill_tokens: the decode replica prefills them (no hand-off, no pull)
     local = [Req(rng.integers(*VOCAB, LOCAL_PROMPT).tolist(), 16, at=1.0 * i) for i in range(6)]
     together = [Req(rng.integers(*VOCAB, 64).tolist(), 48) for _ in range(8)]
-    # 4 streams decoding while the prefill replica computes two 1,024-token prompts (the streams outlast them)
-    mixed = [Req(rng.integers(*VOCAB, 64).tolist(), 320) for _ in range(4)] + \
-        [Req(rng.integers(*VOCAB, 1024).tolist(), 2, at=1.0 + 0.1 * i) for i in range(2)]
+    # 4 streams decoding alone, then while the prefill replica computes 1,024-token prompts (the streams outlast
+    # them; one token each, so that no answer joins the streams)
+    beside_streams = [Req(rng.integers(*VOCAB, 64).tolist(), 900) for _ in range(4)]
+    beside_prompts = [Req(rng.integers(*VOCAB, 1024).tolist(), 1) for _ in range(3)]
     # local prompts while STREAMS answers stream, their prompts prefilled remotely so that the decode pool's
     # prefill histogram holds only the local ones, and no stream ends between the two scrapes around them
     streaming = [Req(rng.integers(*VOCAB, 128).tolist(), 400) for _ in range(STREAMS)]
     under = [Req(rng.integers(*VOCAB, LOCAL_PROMPT).tolist(), 2, at=0.5 * i) for i in range(8)]
 
-    def loaded(base: str, model: str):
+    def streaming_while(base: str, model: str, streams: list, n: int):
+        """Start `streams` in a thread; return it once the decode pool runs `n` of them."""
         import threading
-
-        from cluster.live_metrics import pool_total
-        t = threading.Thread(target=lambda: asyncio.run(drive(base, model, streaming)), daemon=True)
+        t = threading.Thread(target=lambda: asyncio.run(drive(base, model, streams)), daemon=True)
         t.start()
         deadline = time.monotonic() + 300
-        while pool_total(scrape(base), "baton_num_requests_running", DECODE) < STREAMS:
+        while pool_total(scrape(base), "baton_num_requests_running", DECODE) < n:
             if time.monotonic() > deadline or not t.is_alive():
-                raise RuntimeError(f"the calibration cluster never ran {STREAMS} streams at once")
+                raise RuntimeError(f"the calibration cluster never ran {n} streams at once")
             time.sleep(0.2)
+        return t
+
+    def loaded(base: str, model: str):
+        t = streaming_while(base, model, streaming, STREAMS)
         before = scrape(base, fresh=True)
         res = asyncio.run(drive(base, model, under))[0]
         sums = phase_sums(before, scrape(base, fresh=True))
         t.join()
         return res, sums
 
+    def beside(base: str, model: str):
+        t = streaming_while(base, model, beside_streams, len(beside_streams))
+        first = scrape(base, fresh=True)
+        time.sleep(BESIDE_S)
+        second = scrape(base, fresh=True)
+        asyncio.run(drive(base, model, beside_prompts))
+        third = scrape(base, fresh=True)
+        # the streams must outlast the window (a faster engine once ended them before the prompts came, and the
+        # contention measured nothing)
+        lasted = pool_total(third, "baton_num_requests_running", DECODE) >= len(beside_streams)
+        t.join()
+        return (step_window(first, second), step_window(second, third)) if lasted else None
+
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
         out, phases, steps = [], [], []
-        for reqs in (alone, local, together, mixed):
+        for reqs in (alone, local, together):
             before = scrape(base, fresh=True)
             out.append(asyncio.run(drive(base, model, reqs))[0])
             after = scrape(base, fresh=True)
             phases.append(engine_phase_s(before, after))
             steps.append(step_sums(before, after))
-        return out, phases, steps, loaded(base, model)
-    (one, here, eight, busy), phases, steps, (under_res, under_sums) = with_cluster(
+        return out, phases, steps, beside(base, model), loaded(base, model)
+    (one, here, eight), phases, steps, windows, (under_res, under_sums) = with_cluster(
         serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
     # one request at a time: the engines rarely step together, so their steps against the fit's are the speed
     factor = engine_speed(cost, [steps[0], steps[1]])
@@ -211,16 +252,18 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     local_engine, remote_engine = phases[1].get(DECODE), phases[0].get(PREFILL)
     fit_overheads(ov, now, local_ttft, remote_ttft, gap1, gap8, local_engine_s=local_engine,
                   remote_engine_s=remote_engine)
-    # contention, served: the streams' gaps while the prompts prefill, against the same gaps predicted alone
-    after = ov.handoff_s + ov.pull_s(1024 * cost.kv_bytes_per_token) \
-        + now.step_s(Batch(5, 5 * 200, 5, 5 * 200)) + ov.step_s + 5 * ov.token_s      # joins the 4 streams' batch
-    gaps = gaps_while_prefilling(list(zip(mixed[:4], busy[:4])), list(zip(mixed[4:], busy[4:])), ov.request_s, after)
-    if gaps:
-        alone_gap = now.step_s(Batch(4, 4 * 100, 4, 4 * 100)) + ov.step_s + 4 * ov.token_s
-        served = max(float(np.median(gaps)) / alone_gap - 1.0, 0.0)
-        log(f"served contention: stream gaps {np.median(gaps) * 1e3:.1f} ms while the prefill replica computes, "
-            f"{alone_gap * 1e3:.1f} ms alone: {served:.2f} per busy neighbour (the engines' own: {cost.contention:.2f})")
-        cost.contention = served
+    # contention, served: the decode engine's steps and step period while the prefill replica computes, against
+    # the same streams' alone
+    try:
+        if windows is None:
+            raise ValueError("the streams ended before the long prompts did")
+        cost.contention, cost.serving_contention = contention_beside(
+            cost, *windows, engine_speed(cost, [{PREFILL: steps[0][PREFILL]}]))
+        log(f"served contention per busy neighbour: engine steps {cost.contention:.2f}, the serving work around "
+            f"them {cost.serving_contention:.2f}")
+    except (ValueError, KeyError, ZeroDivisionError) as e:
+        log(f"served contention not measured ({e!r}): the engines' own ({cost.contention:.2f}) is kept for both")
+        cost.serving_contention = cost.contention
     # the serving path carrying streams: the local prompts' TTFT less their engine phases, against the same alone
     q, nq, f, nf = under_sums[DECODE]
     timed = [r.ttft for r in under_res if r.ok and r.ttft is not None]

@@ -12,7 +12,10 @@ Two models answer it:
   is compute, pairs; a decode's is reading its context's KV). On a CPU the replicas of one
   machine share its cores (`shared_device`): a step that starts while k other engines are busy takes
   max(1, (k + 1) x threads / cores) x (1 + contention x k) times as long: the cores shared out, and the
-  interference of a busy neighbour on a core of its own (memory bandwidth, caches; measured).
+  interference of a busy neighbour on a core of its own (memory bandwidth, caches; measured by the engines'
+  step counters). The serving work around those steps (streaming their tokens: the ingress, the proxy, the
+  replica's event loop) has no core of its own and slows more, by 1 + serving_contention x k (measured from the
+  decode engine's step period less its steps).
 - RooflineCost, for a GPU that was never measured: FLOPs (2 x parameters per token, 4 x layers x heads x
   head_dim per attention pair) at a fraction of peak, against the bytes read (the weights once per step, the
   context's KV) at a fraction of HBM bandwidth; the slower wins, plus a fixed per-step overhead. Presets for
@@ -77,6 +80,8 @@ class LinearCost:
     overheads: Overheads = field(default_factory=Overheads)
     shared_device: bool = False    # the replicas of this machine share its compute (CPU cores)
     contention: float = 1.0        # with shared_device: a step takes 1 + contention x (other busy engines) as long
+    serving_contention: float = 0.0    # ... and the serving work around it (Overheads.step_s, token_s) takes
+                                       # 1 + serving_contention x (other busy engines) as long
     cores: int = 0                 # with shared_device: the machine's cores (0: not modelled) ...
     threads: int = 1               # ... and each engine's threads: k busy engines share the cores (k x threads / cores)
     name: str = "calibrated"

@@ -214,8 +214,8 @@ class Engine:
         self.busy = False
         self.step_end = 0.0                  # when its step in progress ends (a step; a run's are in self.run)
         self.version = 0                     # a cut run's end event is stale
-        self.run: tuple | None = None        # (start, cumulative ends, seqs, each step's cost alone, slowdown) of
-                                             # a multi-step decode run
+        self.run: tuple | None = None        # (start, cumulative ends, seqs, each step's cost alone, the steps'
+                                             # slowdown) of a multi-step decode run
         self.busy_s = 0.0
         self.computed_tokens = 0             # tokens its steps computed (the prefix-pull rule's rate)
         self.pull_stats = [0.0, 0.0]         # bytes, seconds of its prefix pulls (the rule's bandwidth)
@@ -395,10 +395,10 @@ class Engine:
         if not sched:
             return
         self.busy = True
-        slow = self.sim.slowdown(self)
+        slow, serving = self.sim.slowdown(self)
         if decode_only:
             self.computed_tokens += len(sched)
-            self._decode_run([seq for seq, _ in sched], slow)
+            self._decode_run([seq for seq, _ in sched], slow, serving)
             return
         self.computed_tokens += sum(n for _, n in sched)
         b = Batch(0, 0.0, len(sched), 0)
@@ -414,7 +414,7 @@ class Engine:
         streams = sum(seq.computed + n >= seq.need for seq, n in sched) if self.pool != PREFILL else 0
         alone = self.sim.cost.step_s(b)
         self.sim.stepped(self.pool, now, alone, slow)
-        dur = (alone + ov.step_s + ov.token_s * streams) * slow
+        dur = alone * slow + (ov.step_s + ov.token_s * streams) * serving
         self.version += 1
         v, start = self.version, self.sim.now
         self.step_end = start + dur
@@ -443,7 +443,7 @@ class Engine:
             self.sim.pull(self, seq, seq.need - seq.cached)
         return True
 
-    def _decode_run(self, seqs: list[Seq], slow: float) -> None:
+    def _decode_run(self, seqs: list[Seq], slow: float, serving: float) -> None:
         bs = self.bs
         k = min([s.out for s in seqs])                  # (list comprehensions: cheaper than generators here)
         tokens = np.array([s.tokens for s in seqs], np.int64)
@@ -460,7 +460,7 @@ class Engine:
         self._flush_events()
         ov = self.sim.cost.overheads
         alone = self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
-        ends = np.cumsum((alone + ov.step_s + ov.token_s * len(seqs)) * slow)
+        ends = np.cumsum(alone * slow + (ov.step_s + ov.token_s * len(seqs)) * serving)
         self.version += 1
         v, start = self.version, self.sim.now
         self.run = (start, ends, seqs, alone, slow)
@@ -721,19 +721,20 @@ class Simulator:
         self.n += 1
         heapq.heappush(self.queue, (t, self.n, fn))
 
-    def slowdown(self, engine: Engine) -> float:
+    def slowdown(self, engine: Engine) -> tuple[float, float]:
         """Replicas sharing one machine's compute (LinearCost.shared_device): a step started while k other engines
-        are busy shares the cores with them and meets their interference (plan/cost.py); the others' decode runs
-        are cut so that their next steps see it too."""
+        are busy shares the cores with them and meets their interference, and so does the serving work around it
+        (plan/cost.py): how many times as long each takes. The others' decode runs are cut so that their next steps
+        see it too."""
         if not self.cost.shared_device:
-            return 1.0
+            return 1.0, 1.0
         busy = [e for p in self.pools for e in self.engines[p] if e.busy and e is not engine]
         for e in busy:
             if e.run is not None:
                 e._cut()
         k = len(busy)
         share = max(1.0, (k + 1) * self.cost.threads / self.cost.cores) if self.cost.cores else 1.0
-        return share * (1.0 + self.cost.contention * k)
+        return share * (1.0 + self.cost.contention * k), share * (1.0 + self.cost.serving_contention * k)
 
     def streams(self) -> int:
         """Sequences the decode pool runs now: the streams the serving path carries (Overheads.stream_s)."""

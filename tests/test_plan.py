@@ -367,7 +367,7 @@ def test_a_decode_run_takes_the_blocks_each_sequence_needs_for_all_its_steps():
         assert e.kv.allocate(seq, held)
         e.running.append(seq)
     e.busy = True
-    e._decode_run(list(e.running), 1.0)                        # 3 blocks free: 50 steps would need 4 for `short`
+    e._decode_run(list(e.running), 1.0, 1.0)                      # 3 blocks free: 50 steps would need 4 for `short`
     steps = len(e.run[1])
     assert steps == 25 and e.kv.used == roomy.nblocks + short.nblocks == 9
     assert all(seq.nblocks * 16 >= seq.tokens + steps for seq in (roomy, short))
@@ -738,20 +738,44 @@ def test_admission_control_in_the_simulator_refuses_the_excess_and_keeps_the_adm
     assert on["ttft_ms"]["p90"] < 4_000
 
 
-def test_served_contention_reads_the_gaps_that_lay_inside_a_prefill():
-    """`baton plan calibrate` prices a busy neighbour from the gaps of streams that decoded while the prefill
-    replica computed: only gaps wholly inside a prompt's measured prefill count, however fast the engine is
-    (a faster engine once ended every stream before the prompts arrived, and the calibration kept the engines'
-    own contention without a word)."""
-    from bench.cluster_bench import Req, Result
-    from plan.calibrate import gaps_while_prefilling
-    stream = (Req([1], 8, at=0.0), Result("s", True, ttft=0.1, itls=[0.1] * 8))      # tokens at 0.1, 0.2 .. 0.9 s
-    busy = (Req([1], 8, at=0.2), Result("s", True, ttft=0.1, itls=[0.3, 0.3]))       # tokens at 0.3, 0.6, 0.9 s
-    prompts = [(Req([2] * 64, 2, at=0.35), Result("p", True, ttft=0.3)),              # computing 0.4 .. 0.65 s
-               (Req([2] * 64, 2, at=5.0), Result("p", False))]                       # failed: no window
-    got = gaps_while_prefilling([stream, busy], prompts, request_s=0.05)
-    assert got == pytest.approx([0.1, 0.1])                # the gaps ending at 0.5 and 0.6 s of the first stream
-    assert gaps_while_prefilling([stream], [(Req([2], 2, at=2.0), Result("p", True, ttft=0.5))], 0.05) == []
+def test_served_contention_reads_the_decode_engine_s_steps_and_their_period_beside_a_busy_prefill():
+    """contention_beside: the same streams decoding alone, then while the prefill engine is busy 80% of the window.
+    Their steps take 1.2x the fit's alone (the machine, the replica's event loop) and 1.2 x (1 + 0.3 x 0.8)
+    beside; the prefill engine's, at 1.1x alone, 1.1 x 1.3 beside a decode engine busy all along: contention 0.3.
+    The serving work between steps (period less step) grows from 5 ms to 5 x (1 + 2 x 0.8): serving 2."""
+    from plan.calibrate import contention_beside
+    from replica.names import DECODE, PREFILL
+
+    def window(sums: dict, serving_s: float) -> tuple[dict, float]:
+        return sums, sums["seconds"] + sums["steps"] * serving_s
+    a = _sums(COST, 1.2, steps=100)
+    b = _sums(COST, 1.2, 1 + 0.3 * 0.8, steps=150)
+    wall_b = window(b, 0.005 * (1 + 2 * 0.8))[1]
+    p = _sums(COST, 1.1, 1.3, steps=5)
+    p["seconds"] = 0.8 * wall_b                                # (its steps' shapes scaled to fill 80% of it)
+    p["steps"] = p["seconds"] / (1.1 * 1.3 * COST.steps_s(1, Batch(6, 900.0, 3, 600)))
+    for k in ("tokens", "pairs", "seqs", "context"):
+        p[k] = p[k] / 5 * p["steps"]
+    got = contention_beside(COST, {DECODE: window(a, 0.005)}, {DECODE: (b, wall_b), PREFILL: (p, wall_b)}, 1.1)
+    assert got == (pytest.approx(0.3), pytest.approx(2.0))
+
+
+def test_the_serving_work_between_steps_slows_by_its_own_contention_beside_a_busy_engine():
+    """A stream decoding while the prefill replica computes a long prompt (shared CPU, contention 0.5, serving
+    contention 3): each token gap is its step alone x 1.5 plus token_s x 4; with no serving contention, plus
+    token_s."""
+    from plan.sim import Simulator
+    ov = Overheads(request_s=0.05, handoff_s=0.02, transfer_gbps=1.0, token_s=0.002)
+    prompt = np.random.default_rng(4).integers(200, 40000, 3000).tolist()
+    step = COST.step_s(Batch(1, 50.0, 1, 50))                  # (the stream's decode steps, context 41..60)
+    for serving, want in ((3.0, 1.5 * step + 0.008), (0.0, 1.5 * step + 0.002)):
+        long, stream = request(0, 0.0, prompt, 2), request(1, 0.3, list(range(300, 340)), 20)
+        cost = LinearCost(**{**COST.to_dict(), "overheads": ov, "shared_device": True, "contention": 0.5,
+                             "serving_contention": serving})
+        sim = Simulator(config(min_remote=1000, kv_blocks=1024), cost)
+        sim.run([long, stream])
+        assert long.first > stream.last                         # the prompt outlasted the stream
+        assert stream.mean_itl == pytest.approx(want, rel=0.02)
 
 
 # `baton plan search`'s engine settings for Mooncake's trace (512-token blocks, KV in 90% of the GPU's memory)
