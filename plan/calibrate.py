@@ -362,6 +362,12 @@ def engine_speed(cost: LinearCost, runs: list[dict[str, dict[str, float]]],
     return measured / fitted if fitted > 0 else 1.0
 
 
+def pool_speeds(cost: LinearCost, sums: dict[str, dict[str, float]],
+                slowdown: dict[str, float] | None = None) -> dict[str, float]:
+    """engine_speed() of each pool alone."""
+    return {pool: engine_speed(cost, [{pool: t}], slowdown) for pool, t in sums.items()}
+
+
 def engine_phase_s(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """pool -> the mean seconds its replicas' engines took from a request's arrival to its first token sampled
     there (the queue and prefill phase histograms), over the requests that ended between two scrapes. The queue
