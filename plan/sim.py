@@ -471,7 +471,7 @@ class Engine:
         if v != self.version or self.run is None:
             return
         start, ends, seqs, alone, slow = self.run
-        self.sim.stepped(self.pool, start, float(alone[:len(ends)].sum()), slow)
+        self.sim.stepped(self.pool, start, float(alone[:len(ends)].sum()), slow, len(ends))
         self._finish_run(start, ends, seqs)
 
     def _finish_run(self, start: float, ends: np.ndarray, seqs: list[Seq]) -> None:
@@ -661,11 +661,11 @@ class Simulator:
         # engine to its first step there (an import: to the step boundary that finds its KV arrived), prefill from
         # that step to the first token sampled there
         self.phases = {p: [0.0, 0, 0.0, 0] for p in POOLS}
-        # pool -> [seconds its engines stepped, the cost model's seconds for those steps alone] over the steps that
+        # pool -> [seconds its engines stepped, the cost model's seconds for those steps alone, steps] over those that
         # began at >= 0 (the engine's part: no serving overheads): stepped / alone is the slowdown the engines met
         # from their neighbours (LinearCost.shared_device), which the replicas' step counters measure with the
         # machine's speed (plan/validate.py run_speed)
-        self.steps = {p: [0.0, 0.0] for p in POOLS}
+        self.steps = {p: [0.0, 0.0, 0] for p in POOLS}
         self.done: list[SimRequest] = []
         self.replica_seconds = {p: 0.0 for p in self.pools}
         self.timeline: list[dict[str, Any]] = []
@@ -885,13 +885,14 @@ class Simulator:
             acc[2 * which] += seconds
             acc[2 * which + 1] += 1
 
-    def stepped(self, pool: str, start: float, alone: float, slow: float) -> None:
-        """Steps of an engine of `pool` that began at `start`, costing `alone` seconds alone and run `slow` times
-        as slowly (warm-up steps, before 0, left out)."""
+    def stepped(self, pool: str, start: float, alone: float, slow: float, steps: int = 1) -> None:
+        """`steps` steps of an engine of `pool` that began at `start`, costing `alone` seconds alone and run `slow`
+        times as slowly (warm-up steps, before 0, left out)."""
         if start >= 0:
             acc = self.steps[pool]
             acc[0] += alone * slow
             acc[1] += alone
+            acc[2] += steps
 
     def add_itl(self, gap: float) -> None:
         self._itl_hist[_itl_bin_one(gap)] += 1
@@ -1129,7 +1130,7 @@ class Tally:
                    prefix_pulls=[sum(t.prefix_pulls[i] for t in parts) for i in (0, 1)],
                    prefix_export_timeouts=sum(t.prefix_export_timeouts for t in parts), timeline=timeline,
                    phases={p: [sum(t.phases[p][i] for t in parts) for i in range(4)] for p in parts[0].phases},
-                   steps={p: [sum(t.steps[p][i] for t in parts) for i in (0, 1)] for p in parts[0].steps})
+                   steps={p: [sum(t.steps[p][i] for t in parts) for i in range(3)] for p in parts[0].steps})
 
     def good(self, slo: tuple[float, float]) -> np.ndarray:
         """Which requests met both SLOs: first token within slo[0], mean gap (if it has gaps) within slo[1]."""
@@ -1159,7 +1160,7 @@ class Tally:
         out["prefix_pulls"], out["prefix_pulled_tokens"] = self.prefix_pulls
         out["prefix_export_timeouts"] = self.prefix_export_timeouts
         out["engine_phases_ms"] = phase_means(self.phases)
-        out["engine_steps_s"] = {p: {"stepped": a, "alone": b} for p, (a, b) in self.steps.items() if b}
+        out["engine_steps_s"] = {p: {"stepped": a, "alone": b, "steps": n} for p, (a, b, n) in self.steps.items() if b}
         out["rejected_429"] = int(self.rejected.sum())
         if slo is not None:
             ok = self.good(slo)

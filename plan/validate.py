@@ -197,14 +197,15 @@ def slowdowns(sims: list[dict]) -> dict[str, float]:
 
 
 def steps_line(runs: list[dict], cost: LinearCost, simulated: dict) -> str:
-    """Per pool: the seconds the engines stepped, measured (median over the runs) and simulated, and the fit's
-    seconds for the measured steps alone."""
+    """Per pool: the seconds the engines stepped and their steps, measured (median over the runs) and simulated,
+    and the fit's seconds for the measured steps alone."""
     out = []
     for pool, sim in simulated.get("engine_steps_s", {}).items():
         got = [r["engine_steps"][pool] for r in runs if pool in (r.get("engine_steps") or {})]
         if got:
             alone = [cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"])) for t in got]
-            out.append(f"{pool} {np.median([t['seconds'] for t in got]):.2f} vs {sim['stepped']:.2f} "
+            out.append(f"{pool} {np.median([t['seconds'] for t in got]):.2f} vs {sim['stepped']:.2f} in "
+                       f"{np.median([t['steps'] for t in got]):.0f} vs {sim['steps']} steps "
                        f"({np.median(alone):.2f} at the fit alone)")
     return "; ".join(out)
 

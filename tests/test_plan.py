@@ -288,7 +288,7 @@ def test_the_simulator_books_its_engines_steps_alone_and_as_their_neighbours_slo
     sim = Simulator(config("colocated"), COST)
     sim.run([request(0, 0.0, ids, 5)])
     alone = COST.step_s(Batch(100, attention_pairs(100, 0), 1, 100)) + float(COST.decode_steps_s(1, 100, 4).sum())
-    assert sim.steps[DECODE] == [pytest.approx(alone), pytest.approx(alone)]
+    assert sim.steps[DECODE] == [pytest.approx(alone), pytest.approx(alone), 5]           # its prompt and 4 decodes
     shared = LinearCost(**{**COST.to_dict(), "overheads": COST.overheads, "shared_device": True, "contention": 0.5})
     rng = np.random.default_rng(3)
     reqs = [request(i, 0.3 * i, rng.integers(200, 40000, 400).tolist(), 40) for i in range(8)]
