@@ -203,7 +203,6 @@ class Engine:
 
     def __init__(self, sim: Simulator, rid: str, pool: str, kv_tokens: int, knobs: dict[str, Any]):
         self.sim, self.rid, self.pool = sim, rid, pool
-        self.cost = sim.step_costs.get(pool, sim.cost)     # its steps' (the serving overheads are sim.cost's)
         self.bs = knobs["block_size"]
         self.max_seqs, self.budget = knobs["max_num_seqs"], knobs["max_num_batched_tokens"]
         self.kv = BlockCache(kv_tokens // self.bs)
@@ -413,7 +412,7 @@ class Engine:
                 self.sim.phase(self.pool, 0, now - seq.added, seq.req)
         ov = self.sim.cost.overheads
         streams = sum(seq.computed + n >= seq.need for seq, n in sched) if self.pool != PREFILL else 0
-        alone = self.cost.step_s(b)
+        alone = self.sim.cost.step_s(b)
         self.sim.stepped(self.pool, now, alone, slow)
         dur = alone * slow + (ov.step_s + ov.token_s * streams) * serving
         self.version += 1
@@ -460,7 +459,7 @@ class Engine:
             self.kv.allocate(seqs[i], int(more[i]))
         self._flush_events()
         ov = self.sim.cost.overheads
-        alone = self.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
+        alone = self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
         ends = np.cumsum(alone * slow + (ov.step_s + ov.token_s * len(seqs)) * serving)
         self.version += 1
         v, start = self.version, self.sim.now
@@ -627,12 +626,8 @@ class Simulator:
     """Runs `requests` through a cluster built from `config`, with step costs from `cost`."""
 
     def __init__(self, config: ClusterConfig, cost: Cost, seed: int = 0, startup_s: float = 60.0,
-                 horizon_s: float | None = None, progress: Callable[[str], None] | None = None,
-                 step_costs: dict[str, Cost] | None = None):
+                 horizon_s: float | None = None, progress: Callable[[str], None] | None = None):
         self.cfg, self.cost, self.startup_s, self.horizon = config, cost, startup_s, horizon_s
-        # pool -> the cost model its engines' steps take, where it is not `cost` (plan/validate.py: each pool at
-        # the speed its live engines stepped)
-        self.step_costs = step_costs or {}
         self.rng = random.Random(seed)
         self.now = 0.0
         self.queue: list = []

@@ -6,13 +6,12 @@ cost model (`baton plan calibrate`). Reported per case: TTFT and ITL p50/p90, go
 and simulated, and the relative error of each (goal: within 15%). With `--repeats N` (or several `--measured`
 files) the measured figure is the median of N live runs, and their spread is reported: on this 2-core machine
 most p90s of a few dozen requests move by more than 15% from one run to the next. The replicas' step counters
-(replica/metrics.py STEP_COUNTERS) say how slowly each live run's engines stepped against the calibration's fit,
-pool by pool (`pool_speeds`: measured step seconds over the fit's for the same steps, times the slowdown the
-simulator gives engines stepping together), and each run is simulated with each pool's steps at its own speed
-(`relative_error`) as well as at the fit's (`relative_error_at_fit`, which adds the machine's drift since its
-calibration and the fit's error on the run's steps). The engines' queue and prefill
-phases per pool (`engine_phases_ms`) and their step seconds (`engine_steps_s`) are reported measured and simulated:
-where a TTFT error lies, in the engines or on the serving path around them.
+(replica/metrics.py STEP_COUNTERS) say how slowly each live run's engines stepped against the calibration's fit
+(`speeds`, and by pool `pool_speeds`: measured step seconds over the fit's for the same steps, times the slowdown
+the simulator gives engines stepping together), and each run is simulated at its own speed (`relative_error`) as
+well as at the fit's (`relative_error_at_fit`, which adds the machine's drift since its calibration). The engines'
+queue and prefill phases per pool (`engine_phases_ms`) and their step seconds (`engine_steps_s`) are reported
+measured and simulated: where a TTFT error lies, in the engines or on the serving path around them.
 
 Cases:
   replay         the first --replay-requests of Mooncake's conversation trace (bench/traces), 16-token blocks
@@ -177,11 +176,11 @@ def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
 
 def validate(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     """Each case measured live (or read from --measured) and simulated. With a calibrated cost model, each live
-    run is simulated with each pool's steps at the speed its engines stepped in that run (pool_speeds(), from the
-    replicas' step counters: measured seconds over the fit's for the same steps, the neighbours' slowdown as
-    simulated taken out; the serving overheads at the run's overall speed), as well as at the fit's: the first
-    error is the simulator's, the second adds how far this machine drifted since its calibration and how far
-    the fit misprices the run's steps."""
+    run is simulated at the speed its engines stepped in that run (engine_speed(), from the replicas' step
+    counters: measured seconds over the fit's for the same steps, the neighbours' slowdown as simulated taken
+    out) as well as at the fit's: the first error is the simulator's, the second adds how far this machine
+    drifted since its calibration. Each pool's own speed is reported (`pool_speeds`): simulating each pool at it
+    was tried, and was no closer (docs/benchmarks.md)."""
     cost = load_cost(args.cost)
     slo = (args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3)
     return {name: one_case(args, name, config, warm, reqs, cost, slo, log)
@@ -223,11 +222,9 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, log) ->
     bs = config.decode.engine.block_size or 16
     seeds = args.sim_seeds if config.router.policy == "pow2" else 1     # only Serve's power of two draws
 
-    def simulated(speeds: list[float], pools: list[dict[str, float]] | None = None) -> tuple[dict, list[dict]]:
+    def simulated(speeds: list[float]) -> tuple[dict, list[dict]]:
         sims = [simulate(config, cost.at_speed(f) if f != 1.0 else cost, from_reqs(reqs, bs), slo,
-                         warm=from_reqs(warm, bs), seed=s,
-                         step_costs={p: cost.at_speed(v) for p, v in pools[i].items()} if pools else None)
-                for i, f in enumerate(speeds) for s in range(seeds)]
+                         warm=from_reqs(warm, bs), seed=s) for f in speeds for s in range(seeds)]
         for one in sims:
             one.pop("timeline")
             one.pop("ttft_points")
@@ -252,7 +249,7 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, log) ->
         res["relative_error"] = errors(measured, sim)
     if speeds and measured:                              # each run at its own speed: the simulator's own error
         res["simulated_at_fit"], res["relative_error_at_fit"] = sim, res["relative_error"]
-        sim, sims = simulated(speeds, per_pool)
+        sim, sims = simulated(speeds)
         res["simulated"], res["relative_error"] = sim, errors(measured, sim)
         res["speeds"], res["pool_speeds"] = speeds, per_pool
     if seeds > 1:

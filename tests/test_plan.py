@@ -230,16 +230,6 @@ def test_a_machine_running_slower_takes_longer_for_its_steps_and_serving_work_bu
     assert COST.overheads.request_s == 0.05          # a copy: the model it came from is unchanged
 
 
-def test_each_pool_s_engines_may_step_at_their_own_speed():
-    """Simulator(step_costs=): the prefill pool's steps at twice the fit's seconds, the decode pool's and the
-    serving path's at the fit's: one request's TTFT grows by its prefill step alone."""
-    from replica.names import PREFILL
-    ids = list(range(300, 400))
-    base, slow = (simulate(config(), COST, [request(0, 0.0, ids, 5)], step_costs=c)["ttft_ms"]["p50"] / 1e3
-                  for c in (None, {PREFILL: COST.at_speed(2.0)}))
-    assert slow - base == pytest.approx(COST.step_s(Batch(100, attention_pairs(100, 0), 1, 100)))
-
-
 def test_a_request_reaches_the_engines_later_the_more_streams_the_serving_path_carries():
     """Overheads.stream_s: the ingress's time grows by it for each sequence the decode pool runs when a request
     arrives (the serving path carries their tokens). A prompt arriving beside 4 streams: its TTFT less its engine
