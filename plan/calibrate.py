@@ -16,8 +16,10 @@
    per step and per token (`step_s`, `token_s`); the TTFT of prompts the decode replica prefills itself, less
    that step, is the ingress overhead (`request_s`); the TTFT of prompts prefilled remotely, less that, the
    prefill step, the pull and the decode step that streams the first token, is the hand-off's (`handoff_s`).
-   Last, local prompts again while 8 answers stream: their TTFT less their engine phases (the replicas'
-   histograms), against the same alone, is what each stream adds to the serving path (`stream_s`).
+   Bursts of 8 local prompts sent at once: the spacing at which the simulator gives their TTFTs, fastest to
+   slowest, is the serial part of the serving path's work (`ingress_s`). Last, local prompts again while 8
+   answers stream: their TTFT less their engine phases (the replicas' histograms), against the same alone, is
+   what each stream adds to the serving path (`stream_s`).
 The cluster's engines count their steps' seconds and shapes (replica/metrics.py STEP_COUNTERS): over the requests
 served one at a time, against the fit's seconds for the same shapes, they say how slowly the machine ran in those
 minutes (a VM's speed drifts by more than the simulator's error goal from one quarter of an hour to the next), so
@@ -41,6 +43,7 @@ VOCAB = (200, 40000)
 LOCAL_PROMPT = 40           # tokens: under the calibration cluster's min_remote_prefill_tokens (64)
 STREAMS = 8                 # answers streaming while local prompts are timed (stream_s)
 BESIDE_S = 4.0              # seconds 4 streams decode alone before long prompts join them (contention)
+BURST = 8                   # local prompts sent at once, three times (the serving path's serial part, ingress_s)
 REMOTE_PROMPT = 256         # tokens: prefilled by the prefill replica
 
 
@@ -187,6 +190,8 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     # prefill histogram holds only the local ones, and no stream ends between the two scrapes around them
     streaming = [Req(rng.integers(*VOCAB, 128).tolist(), 400) for _ in range(STREAMS)]
     under = [Req(rng.integers(*VOCAB, LOCAL_PROMPT).tolist(), 2, at=0.5 * i) for i in range(8)]
+    # bursts of local prompts sent at once: how far apart the serving path delivers them (ingress_s)
+    bursts = [Req(rng.integers(*VOCAB, LOCAL_PROMPT).tolist(), 2, at=2.0 * k) for k in range(3) for _ in range(BURST)]
 
     def streaming_while(base: str, model: str, streams: list, n: int):
         """Start `streams` in a thread; return it once the decode pool runs `n` of them."""
@@ -224,15 +229,15 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     def work(base: str, model: str):
         asyncio.run(drive(base, model, [Req(list(range(300, 340)), 2)]))
         out, phases, steps = [], [], []
-        for reqs in (alone, local, together):
+        for reqs in (alone, local, together, bursts):
             before = scrape(base, fresh=True)
             out.append(asyncio.run(drive(base, model, reqs))[0])
             after = scrape(base, fresh=True)
             phases.append(engine_phase_s(before, after))
             steps.append(step_sums(before, after))
         return out, phases, steps, beside(base, model), loaded(base, model)
-    (one, here, eight), phases, steps, windows, (under_res, under_sums) = with_cluster(
-        serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64), work)
+    config = serve_config("disaggregated", "prefix_aware", 1, 1, 256 << 20, min_remote=64)
+    (one, here, eight, burst), phases, steps, windows, (under_res, under_sums) = with_cluster(config, work)
     # one request at a time: the engines rarely step together, so their steps against the fit's are the speed
     factor = engine_speed(cost, [steps[0], steps[1]])
     cost.fit["serving_speed"] = factor
@@ -252,6 +257,13 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     local_engine, remote_engine = phases[1].get(DECODE), phases[0].get(PREFILL)
     fit_overheads(ov, now, local_ttft, remote_ttft, gap1, gap8, local_engine_s=local_engine,
                   remote_engine_s=remote_engine)
+    # the serving path's serial part: the bursts' TTFTs, fastest to slowest, against the simulator's for each
+    ttfts = [[r.ttft for r in burst[k * BURST:(k + 1) * BURST]] for k in range(3)]
+    if all(t is not None for b in ttfts for t in b):
+        ov.ingress_s = fit_ingress(now, ov, config, bursts[:BURST], ttfts)
+        seen = ", ".join(f"{t * 1e3:.0f}" for t in np.sort(ttfts, axis=1).mean(axis=0))
+        log(f"{BURST} local prompts at once, three times: TTFTs {seen} ms fastest to slowest; the serving path takes "
+            f"them one after another, {ov.ingress_s * 1e3:.1f} ms each")
     # contention, served: the decode engine's steps and step period while the prefill replica computes, against
     # the same streams' alone
     try:
@@ -290,6 +302,29 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
             f"{kept.step_s * 1e3:.2f} ms a step, {kept.token_s * 1e3:.2f} ms a token, "
             f"{kept.stream_s * 1e3:.2f} ms a stream")
     return kept
+
+
+def fit_ingress(cost: LinearCost, ov: Overheads, config, burst: list, ttfts: list[list[float]],
+                grid: np.ndarray = np.arange(0.0, 0.1001, 0.001)) -> float:
+    """Overheads.ingress_s from bursts of `burst`'s prompts sent at once: the spacing (on `grid`) at which the
+    simulator, with the other overheads `ov` and the steps of `cost`, gives TTFTs closest to the measured ones,
+    taken fastest to slowest and averaged over the bursts. With none, a burst's prompts reach the engine at
+    once and share its first step; one after another, the first steps alone and the rest wait for it. Only the
+    steps the prompts share show in their TTFTs, so a range of spacings fits as well as any: the middle one."""
+    from dataclasses import replace
+
+    from plan.sim import Simulator
+    from plan.workload import from_reqs
+    want = np.sort(np.array(ttfts, dtype=float), axis=1).mean(axis=0)
+    bs = config.decode.engine.block_size or 16
+
+    def error(spacing: float) -> float:
+        reqs = from_reqs([type(r)(r.prompt, r.max_tokens) for r in burst], bs)
+        Simulator(config, replace(cost, overheads=replace(ov, ingress_s=spacing))).run(reqs)
+        return float(np.abs(np.sort([r.ttft for r in reqs]) - want).mean())
+    errors = np.array([error(float(g)) for g in grid])
+    best = grid[errors <= errors.min() + 1e-6]
+    return float(best[len(best) // 2])
 
 
 def shapes(cost: LinearCost, ov: Overheads) -> dict[str, float]:

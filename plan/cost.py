@@ -22,7 +22,8 @@ Two models answer it:
   H100 and H200 SXM, a model's shape from its Hugging Face config (or a preset name).
 
 Both give the KV bytes of a token (transfers, capacity), the KV-transfer bandwidth, and the fixed overheads of
-the serving path the engine does not see: ingress to first step (`request_s`), prefill to decode hand-off
+the serving path the engine does not see: ingress to first step (`request_s`, of which `ingress_s` is serial: a
+burst's requests wait for each other's), prefill to decode hand-off
 (`handoff_s`), both longer by `stream_s` for each sequence the decode pool runs (the serving path carries their
 tokens), and what streaming adds to a step (`step_s` + `token_s` per token it streams).
 """
@@ -57,11 +58,14 @@ class Overheads:
     token_s: float = 0.0           # ... and to each token a step streams (on a CPU these share the engine's cores)
     stream_s: float = 0.0          # request_s and handoff_s grow by this for each sequence the decode pool runs:
                                    # the ingress's event loop and the cores it shares carry every stream's tokens
+    ingress_s: float = 0.0         # the serial part of request_s: the client, the ingress and the proxy take a
+                                   # burst's requests one after another, each this long (a queue with one server)
 
     def at_speed(self, factor: float) -> Overheads:
         """The serving path's CPU work (request, hand-off, streaming) taking `factor` times as long; transfers not."""
         return replace(self, request_s=self.request_s * factor, handoff_s=self.handoff_s * factor,
-                       step_s=self.step_s * factor, token_s=self.token_s * factor, stream_s=self.stream_s * factor)
+                       step_s=self.step_s * factor, token_s=self.token_s * factor, stream_s=self.stream_s * factor,
+                       ingress_s=self.ingress_s * factor)
 
     def pull_s(self, nbytes: float) -> float:
         """Seconds a KV pull of `nbytes` takes: the transfer's latency, then its bandwidth."""

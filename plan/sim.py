@@ -926,12 +926,19 @@ class Simulator:
         """Every request through the cluster (their results land on them; `Tally.of` reads them)."""
         self.expected = len(requests)
         ov = self.cost.overheads
-        for r in requests:
-            if ov.stream_s:                             # the ingress's time grows with the streams it carries
-                self.at(r.at, lambda r=r: self.at(self.now + ov.request_s + ov.stream_s * self.streams(),
-                                                  lambda: self.arrive(r)))
+        free = -math.inf                                # when the serving path's serial part is next free
+        for r in sorted(requests, key=lambda r: r.at) if ov.ingress_s else requests:
+            if ov.ingress_s:                            # a burst's requests wait for each other's serial part
+                start = max(r.at, free)
+                free = start + ov.ingress_s
+                at = start
             else:
-                self.at(r.at + ov.request_s, lambda r=r: self.arrive(r))
+                at = r.at
+            if ov.stream_s:                             # the ingress's time grows with the streams it carries
+                self.at(at, lambda r=r: self.at(self.now + ov.request_s + ov.stream_s * self.streams(),
+                                                lambda: self.arrive(r)))
+            else:
+                self.at(at + ov.request_s, lambda r=r: self.arrive(r))
         end = self.horizon or (max((r.at for r in requests), default=0.0) + 3600.0)
         if self.scaler is not None:
             self.scaler.start()

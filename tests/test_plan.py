@@ -230,6 +230,42 @@ def test_a_machine_running_slower_takes_longer_for_its_steps_and_serving_work_bu
     assert COST.overheads.request_s == 0.05          # a copy: the model it came from is unchanged
 
 
+def test_a_burst_s_requests_reach_the_engines_one_serial_part_apart():
+    """Overheads.ingress_s: requests sent at once reach the engines request_s, then ingress_s apart, in the order
+    sent (a queue with one server); a request sent after the burst has cleared waits for none of it."""
+    arrived = []
+
+    class Watched(Simulator):
+        def arrive(self, r):
+            arrived.append((r.id, round(self.now, 6)))
+            super().arrive(r)
+    cost = LinearCost(**{**COST.to_dict(), "overheads": Overheads(**{**COST.overheads.__dict__, "ingress_s": 0.01})})
+    reqs = [request(i, 0.0, list(range(300 + 50 * i, 340 + 50 * i)), 2) for i in range(3)]
+    Watched(config("colocated"), cost).run([*reqs, request(3, 1.0, list(range(900, 940)), 2)])
+    assert arrived == [(0, 0.05), (1, 0.06), (2, 0.07), (3, 1.05)]
+
+
+def test_calibration_finds_the_serial_part_from_a_burst_s_ttfts():
+    """fit_ingress: the bursts' TTFTs, fastest to slowest, as the simulator gives them with a 12 ms serial part,
+    give back a spacing that shares out the prompts' steps as 12 ms does (only that shows in their TTFTs); with
+    none, 0 (every prompt shares the first step)."""
+    from bench.cluster_bench import Req
+    from plan.calibrate import fit_ingress
+    from plan.workload import from_reqs
+    cfg = config(min_remote=64)
+    burst = [Req(list(range(300 + 50 * i, 340 + 50 * i)), 2) for i in range(8)]
+    def ttfts(spacing: float) -> list[float]:
+        cost = LinearCost(**{**COST.to_dict(), "overheads": Overheads(**{**COST.overheads.__dict__,
+                                                                         "ingress_s": spacing})})
+        reqs = from_reqs(burst, BS)
+        Simulator(cfg, cost).run(reqs)
+        return sorted(r.ttft for r in reqs)
+    assert len(set(ttfts(0.0))) == 1 and len({round(t, 6) for t in ttfts(0.012)}) > 2
+    assert fit_ingress(COST, COST.overheads, cfg, burst, [ttfts(0.0)] * 3) == 0.0
+    got = fit_ingress(COST, COST.overheads, cfg, burst, [ttfts(0.012)] * 3)
+    assert 0.001 <= got and ttfts(got) == pytest.approx(ttfts(0.012))
+
+
 def test_a_request_reaches_the_engines_later_the_more_streams_the_serving_path_carries():
     """Overheads.stream_s: the ingress's time grows by it for each sequence the decode pool runs when a request
     arrives (the serving path carries their tokens). A prompt arriving beside 4 streams: its TTFT less its engine
