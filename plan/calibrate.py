@@ -148,7 +148,7 @@ def contention_beside(cost: LinearCost, alone: dict, beside: dict, prefill_speed
     busy = min(p["seconds"] / wb, 1.0)
 
     def ratio(t: dict) -> float:
-        return t["seconds"] / cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"]))
+        return t["seconds"] / fitted_s(cost, t)
     decode = (ratio(b) / ratio(a) - 1.0) / busy
     prefill = ratio(p) / prefill_speed - 1.0
     serving_a = wa / a["steps"] - a["seconds"] / a["steps"]
@@ -382,6 +382,11 @@ def step_sums(before: dict[str, float], after: dict[str, float]) -> dict[str, di
     return out
 
 
+def fitted_s(cost: LinearCost, t: dict[str, float]) -> float:
+    """The fit's seconds for the steps of one pool's step sums (step_sums())."""
+    return cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"]))
+
+
 def engine_speed(cost: LinearCost, runs: list[dict[str, dict[str, float]]],
                  slowdown: dict[str, float] | None = None) -> float:
     """How many times as slowly the engines stepped as the fit says, over the pools' step sums of `runs`
@@ -392,8 +397,7 @@ def engine_speed(cost: LinearCost, runs: list[dict[str, dict[str, float]]],
     for sums in runs:
         for pool, t in sums.items():
             measured += t["seconds"]
-            fitted += cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"])) \
-                * (slowdown or {}).get(pool, 1.0)
+            fitted += fitted_s(cost, t) * (slowdown or {}).get(pool, 1.0)
     return measured / fitted if fitted > 0 else 1.0
 
 

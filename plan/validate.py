@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from plan.calibrate import engine_speed, pool_speeds
+from plan.calibrate import engine_speed, fitted_s, pool_speeds
 from plan.cost import Batch, LinearCost, attention_pairs, load_cost
 from plan.sim import simulate
 from plan.workload import from_reqs
@@ -202,7 +202,7 @@ def steps_line(runs: list[dict], cost: LinearCost, simulated: dict) -> str:
     for pool, sim in simulated.get("engine_steps_s", {}).items():
         got = [r["engine_steps"][pool] for r in runs if pool in (r.get("engine_steps") or {})]
         if got:
-            alone = [cost.steps_s(t["steps"], Batch(t["tokens"], t["pairs"], t["seqs"], t["context"])) for t in got]
+            alone = [fitted_s(cost, t) for t in got]
             out.append(f"{pool} {np.median([t['seconds'] for t in got]):.2f} vs {sim['stepped']:.2f} in "
                        f"{np.median([t['steps'] for t in got]):.0f} vs {sim['steps']} steps "
                        f"({np.median(alone):.2f} at the fit alone)")
