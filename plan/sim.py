@@ -659,7 +659,7 @@ class Simulator:
         # pool -> [seconds its engines stepped, the cost model's seconds for those steps alone, steps] over those that
         # began at >= 0 (the engine's part: no serving overheads): stepped / alone is the slowdown the engines met
         # from their neighbours (LinearCost.shared_device), which the replicas' step counters measure with the
-        # machine's speed (plan/validate.py run_speed)
+        # machine's speed (plan/calibrate.py engine_speed)
         self.steps = {p: [0.0, 0.0, 0] for p in POOLS}
         self.done: list[SimRequest] = []
         self.replica_seconds = {p: 0.0 for p in self.pools}
@@ -928,12 +928,8 @@ class Simulator:
         ov = self.cost.overheads
         free = -math.inf                                # when the serving path's serial part is next free
         for r in sorted(requests, key=lambda r: r.at) if ov.ingress_s else requests:
-            if ov.ingress_s:                            # a burst's requests wait for each other's serial part
-                start = max(r.at, free)
-                free = start + ov.ingress_s
-                at = start
-            else:
-                at = r.at
+            at = max(r.at, free) if ov.ingress_s else r.at    # a burst's requests wait for each other's serial part
+            free = at + ov.ingress_s
             if ov.stream_s:                             # the ingress's time grows with the streams it carries
                 self.at(at, lambda r=r: self.at(self.now + ov.request_s + ov.stream_s * self.streams(),
                                                 lambda: self.arrive(r)))
