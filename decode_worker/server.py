@@ -8,7 +8,13 @@ running sequences over instead of finishing them: each leaves the engine with it
 (LLMEngine.migrate_out) and its stream ends with a TokenDelta whose `migrate` is the KV hand-off of
 prompt + outputs (the last output plays the first token); the ingress continues it on another replica,
 which pulls the KV. A sequence with no KV to give (still waiting, or arriving while draining) ends with
-finish_reason "migrated" and no hand-off: the ingress replays it there."""
+finish_reason "migrated" and no hand-off: the ingress replays it there.
+
+Channels: an ingress replica opens one DeltaChannel on each decode replica it streams from (`deltas`). A request
+that names it sends its first delta on its own call, marked `channeled`, and the rest through the channel: the
+deltas one engine step made for all of that ingress's requests here leave as one message, not one each. The
+request's own call stays open until it finishes, so an error, a cancellation or the replica's death still
+reaches its caller as before. A draining replica ends its channels once no request sends through them."""
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +26,7 @@ from typing import AsyncIterator
 from engine import RemotePrefill
 from engine.outputs import RequestMetrics
 from replica.engine_replica import DRAIN_POLL_S, MIGRATION_POLL_S, RESERVE_MARGIN_S, EngineReplica, export_pinned
-from replica.messages import PoolRequest, PrefillResult, TokenDelta
+from replica.messages import DeltaChannel, PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE
 
 log = logging.getLogger(__name__)
@@ -34,42 +40,88 @@ class DecodeServer(EngineReplica):
         super().__init__(*args, **kwargs)
         self.draining = False
         self.stream_interval_s = stream_interval_s      # the decode section's stream_interval_ms
+        self._channels: dict[str, _Channel] = {}         # DeltaChannel.channel -> its channel here
         threading.Thread(target=self._watch_stop, name="baton-drain-watch", daemon=True).start()
 
     async def generate(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
         """The request's deltas: its KV pulled from req.prefill's hand-off, or prefilled here when that is
-        None (or the pull fails). The last delta has finished=True and the usage."""
+        None (or the pull fails). The last delta has finished=True and the usage. With req.channel open here,
+        only the first comes this way (marked `channeled`); the rest go through the channel."""
         if self.draining:               # a router that has not heard yet: hand it back untouched
+            self.metrics.observe_streamed("request", 1)
             yield TokenDelta([], "", True, replica=self.replica, finish_reason=MIGRATED)
             return
         # the hand-off of a prefill, or for a local prefill a pull of its prefix from a prefill replica caching it
         remote = _remote(req.prefill, req.block_hashes) if req.prefill is not None else await self.prefix_remote(req)
-        first, last = True, time.perf_counter()
-        async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
-                                           block_hashes=req.block_hashes, resume=req.resume, lora_request=req.lora):
-            if out.finish_reason == MIGRATED:
-                yield await self._hand_over(out, first)
-                return
-            now = time.perf_counter()
-            if first:
-                self.ttft.observe(now - last)
-            elif out.new_token_ids:
-                self.itl.observe((now - last) / len(out.new_token_ids))
-            last = now
-            if first and remote is not None:          # the import has ended (loaded or fallen back) by now
-                if remote.num_tokens is not None:
-                    self.observe_prefix_pull(out.metrics)
+        first, last, chan = True, time.perf_counter(), None
+        try:
+            async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
+                                               block_hashes=req.block_hashes, resume=req.resume,
+                                               lora_request=req.lora):
+                if out.finish_reason == MIGRATED:
+                    delta = await self._hand_over(out, first)
                 else:
-                    self._observe_import(out.metrics)
-            if out.finished:
-                self.metrics.observe_finished(out.metrics, req.lora, len(out.prompt_token_ids), len(out.token_ids),
-                                              prefilled=req.prefill is None or not out.metrics.kv_transferred)
-            yield TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
-            first = False
-            if self.stream_interval_s and not out.finished:
-                # the tokens made meanwhile wait in the engine's queue for this stream, and come out of the next
-                # iteration as one output (AsyncLLM.generate coalesces what a slow reader left there)
-                await asyncio.sleep(max(0.0, now + self.stream_interval_s - time.perf_counter()))
+                    now = time.perf_counter()
+                    if first:
+                        self.ttft.observe(now - last)
+                    elif out.new_token_ids:
+                        self.itl.observe((now - last) / len(out.new_token_ids))
+                    last = now
+                    if first and remote is not None:          # the import has ended (loaded or fallen back) by now
+                        if remote.num_tokens is not None:
+                            self.observe_prefix_pull(out.metrics)
+                        else:
+                            self._observe_import(out.metrics)
+                    if out.finished:
+                        self.metrics.observe_finished(out.metrics, req.lora, len(out.prompt_token_ids),
+                                                      len(out.token_ids),
+                                                      prefilled=req.prefill is None or not out.metrics.kv_transferred)
+                    delta = TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
+                if first and not delta.finished and (chan := self._channels.get(req.channel)) is not None \
+                        and not chan.closing:
+                    chan.users += 1
+                    delta.channeled = True
+                if chan is not None and not first:
+                    chan.put(req.request_id, delta)
+                else:
+                    self.metrics.observe_streamed("request", 1)
+                    yield delta
+                if delta.finished:
+                    return
+                first = False
+                if self.stream_interval_s:
+                    # the tokens made meanwhile wait in the engine's queue for this stream, and come out of the
+                    # next iteration as one output (AsyncLLM.generate coalesces what a slow reader left there)
+                    await asyncio.sleep(max(0.0, now + self.stream_interval_s - time.perf_counter()))
+        finally:
+            if chan is not None:
+                chan.leave()
+
+    async def deltas(self, ch: DeltaChannel) -> AsyncIterator[list[tuple[str, TokenDelta]]]:
+        """An ingress replica's channel here: the deltas of its channeled requests, a batch each time this
+        event loop gets to it (once per engine step: the step's outputs reach their requests together). Ends
+        when the replica drains and no request sends through it; a new one with the same id replaces it."""
+        chan = _Channel(asyncio.get_running_loop(), closing=self.draining)
+        self._channels[ch.channel] = chan
+        try:
+            while True:
+                if not chan.batch:
+                    if chan.closing and chan.users == 0:
+                        return
+                    chan.ready.clear()
+                    await chan.ready.wait()
+                    continue
+                batch, chan.batch = chan.batch, []
+                self.metrics.observe_streamed("channel", len(batch))
+                yield batch
+        finally:
+            if self._channels.get(ch.channel) is chan:
+                del self._channels[ch.channel]
+
+    def _close_channels(self) -> None:
+        """Draining (from the watch thread): every channel ends once its requests have handed over."""
+        for chan in list(self._channels.values()):
+            chan.loop.call_soon_threadsafe(chan.close)
 
     async def _hand_over(self, out, first: bool) -> TokenDelta:
         """The last delta of a sequence drained out of the engine: its new tokens, and the hand-off of its
@@ -104,6 +156,7 @@ class DecodeServer(EngineReplica):
                     if begun:
                         log.warning("decode replica %s: Serve is stopping it; handing over its requests", self.replica)
                         self.draining = True
+                        self._close_channels()
                 if self.draining:
                     ids = self.llm.call(lambda eng: list(eng.requests))
                     if ids:
@@ -118,6 +171,31 @@ class DecodeServer(EngineReplica):
         elif m.kv_transfer_error is not None:
             self.metrics.transfer_failed()
             self.metrics.transfer_fallback()
+
+
+class _Channel:
+    """One ingress's channel on this replica (DecodeServer.deltas): the deltas waiting for its next message. Used
+    only on the replica's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, closing: bool = False):
+        self.loop = loop
+        self.batch: list[tuple[str, TokenDelta]] = []
+        self.ready = asyncio.Event()
+        self.users = 0                  # requests sending through it
+        self.closing = closing          # the replica drains: no new users, and it ends when the last leaves
+
+    def put(self, request_id: str, delta: TokenDelta) -> None:
+        self.batch.append((request_id, delta))
+        self.ready.set()
+
+    def leave(self) -> None:
+        self.users -= 1
+        if self.closing and self.users == 0:
+            self.ready.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self.ready.set()
 
 
 def _remote(p: PrefillResult, hashes: list[int]) -> RemotePrefill:

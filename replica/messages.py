@@ -9,6 +9,9 @@
         |-- PoolRequest(prefill=result) --> decode replica (DecodeServer.generate)
         |                                   (prefill=None: the decode replica prefills the prompt itself)
         |<- TokenDelta, TokenDelta, ... --  streamed; the last has finished=True and the usage
+        |-- DeltaChannel -----------------> decode replica (DecodeServer.deltas), once per replica it streams from
+        |<- [(request_id, TokenDelta)] ---  a batch per engine step: every delta after the first of this
+        |                                   ingress's requests on that replica (PoolRequest.channel names it)
       router/openai_protocol.py's ResponseBuilder turns the deltas into OpenAI bodies and SSE chunks
 
 Each hop is a Serve call: Ray pickles these dataclasses (small, typed, in one Python version per cluster).
@@ -58,6 +61,8 @@ class PoolRequest:
                                                 # where the replica that prefills may pull the prefix from
     prefix_fallback: tuple[str, str, int] | None = None  # the other pool's best holder: asked when the first
                                                 # answers that it no longer holds the blocks
+    channel: str | None = None                  # the ingress's DeltaChannel: a decode replica holding it sends
+                                                # the deltas after the first through it (None: all on the call)
 
 
 @dataclass(slots=True)
@@ -69,6 +74,16 @@ class PrefixExport:
     token_ids: list[int]                        # the blocks' tokens (checked against the cached ones)
     min_blocks: int
     target: str                                 # Serve's id of the replica asked (both pools' routers obey it)
+
+
+@dataclass(slots=True)
+class DeltaChannel:
+    """An ingress replica's call that opens its channel on the decode replica `target`: a stream of batches, each
+    `[(request_id, TokenDelta), ...]`, the deltas one engine step made for every request of that ingress on the
+    replica whose first delta said `channeled`. One message a step for all of them, where each request's own
+    call would carry one a token (vLLM's engine core sends its API server one output batch a step)."""
+    channel: str                                # the ingress replica's id for it (PoolRequest.channel)
+    target: str                                 # Serve's id of the decode replica (its router obeys it)
 
 
 @dataclass(slots=True)
@@ -86,6 +101,7 @@ class TokenDelta:
     cached_tokens: int = 0
     transferred: bool = False                   # the prompt's KV came from a prefill replica
     migrate: PrefillResult | None = None        # a draining replica's last delta: continue from this hand-off
+    channeled: bool = False                     # on a first delta: the rest come through the request's channel
 
     @classmethod
     def of(cls, out: RequestOutput, replica: str | None = None, transferred: bool = False) -> TokenDelta:

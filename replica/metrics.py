@@ -18,6 +18,9 @@ Contract names (like vLLM's, stable):
   baton_prefix_cache_hits_by_tier_tokens_total{tier="device"|"host"} (counter): the hit tokens by the tier
       they were found in; baton_kv_tier_moves_blocks_total / _bytes_total{direction="offload"|"onload"}:
       blocks copied device -> host (evicted) and host -> device (hit); baton_kv_host_blocks_used / _total
+  baton_stream_messages_total / baton_stream_deltas_total{path="request"|"channel"} (counters, decode pool):
+      the Serve messages that carried streamed tokens and the token deltas they carried, on a request's own call
+      or batched per engine step on an ingress's channel (replica/messages.py DeltaChannel)
 """
 from __future__ import annotations
 
@@ -199,6 +202,16 @@ class ReplicaMetrics:
                                      "base model)", names + ["adapter"], registry=self.registry)
         self.lora_tokens = Counter("baton_lora_tokens", "Tokens of those requests: prompt (prefilled here) and "
                                    "generation", names + ["adapter", "kind"], registry=self.registry)
+        self._streamed = {}                     # path -> (messages, deltas): the decode pool streams
+        if pool != PREFILL:
+            messages = Counter("baton_stream_messages", "Serve messages that carried streamed tokens, by path: a "
+                               "request's own call, or an ingress's channel (a batch per step)", names + ["path"],
+                               registry=self.registry)
+            deltas = Counter("baton_stream_deltas", "Token deltas those messages carried, by path",
+                             names + ["path"], registry=self.registry)
+            self._streamed = {path: (messages.labels(**self.labels, path=path),
+                                     deltas.labels(**self.labels, path=path)) for path in ("request", "channel")}
+
         def phase(name: str, doc: str):
             return Histogram(name, doc, names, buckets=PHASE_BUCKETS, registry=self.registry).labels(**self.labels)
         self.queue_time = phase("baton_request_queue_time_seconds", "Seconds from a request's arrival at this "
@@ -220,6 +233,12 @@ class ReplicaMetrics:
         if self.labels["pool"] != PREFILL and m.first_token_time is not None and m.last_token_time is not None:
             self.decode_time.observe(max(m.last_token_time - m.first_token_time, 0.0))
         self.observe_lora(lora, prompt_tokens, generated_tokens)
+
+    def observe_streamed(self, path: str, deltas: int) -> None:
+        """One message of streamed deltas sent on `path` ("request" or "channel")."""
+        messages, counted = self._streamed[path]
+        messages.inc()
+        counted.inc(deltas)
 
     def observe_lora(self, lora, prompt_tokens: int, generated_tokens: int) -> None:
         """A finished request of this replica, by adapter (engine.lora.LoRARequest, None: the base model)."""

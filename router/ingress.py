@@ -92,10 +92,12 @@ class Ingress:
     def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
                  router: RouterConfig, migration: MigrationConfig = MigrationConfig(),
-                 tools: ToolsConfig = ToolsConfig(), lora: LoRAConfig = LoRAConfig()):
+                 tools: ToolsConfig = ToolsConfig(), lora: LoRAConfig = LoRAConfig(), stream_channels: bool = True):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
-        share the decode pool's KV budget; the rest are the cluster config's sections."""
+        share the decode pool's KV budget; stream_channels: the decode section's; the rest are the cluster
+        config's sections."""
+        self.stream_channels = stream_channels
         self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
         self.migration, self.tools_config, self.lora_config = migration, tools, lora
         self._loras: dict[str, LoRARequest] = {}     # the registry's copy: adapter name -> request
@@ -132,7 +134,7 @@ class Ingress:
                     self.orchestrator = Orchestrator(self._prefill, self.decode, info, self._state_name,
                                              self.disaggregation.min_remote_prefill_tokens,
                                              self.router_config.index_sync_interval_s,
-                                             self.migration.max_moves)
+                                             self.migration.max_moves, self.stream_channels)
         return self.orchestrator
 
     # -- LoRA adapters ----------------------------------------------------------------------------

@@ -6,7 +6,8 @@
       -> disaggregated?  uncached part on the best decode replica > min_remote_prefill_tokens
            yes: prefill pool (PrefixAwareRouter) -> PrefillResult (first token + KVHandoff) -> decode pool pulls
            no:  decode pool prefills itself (DecodeRouter prefers the replica that caches most)
-      -> TokenDeltas streamed back from the decode replica (Serve streaming handle)
+      -> TokenDeltas streamed back from the decode replica (Serve streaming handle): the first on the request's
+         own call, the rest batched per engine step with this ingress's other requests there (`Channels`)
 A failed prefill call, or a decode replica that dies before its first delta, sends the request to the
 decode pool to prefill itself. A decode replica that dies mid-stream costs the client nothing either: the
 request continues on another decode replica (never the one it left) from the tokens already sent
@@ -17,6 +18,8 @@ sees them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
 import uuid
@@ -28,7 +31,7 @@ from prometheus_client import Counter, Histogram
 from engine import Resume, SamplingParams
 from engine.block_hash import block_hashes, namespace_key
 from engine.lora import LoRARequest
-from replica.messages import PoolRequest, PrefillResult, TokenDelta
+from replica.messages import DeltaChannel, PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
 from router.request_routers import observe_found, prefill_finished
@@ -80,10 +83,105 @@ def prefix_sources(index: dict, hashes: list[int], disaggregated: bool) -> list[
     return [(pool, name, n) for n, _, pool, name in sorted(found, reverse=True)]
 
 
+class ChannelLost(Exception):
+    """A decode replica's channel ended (or failed) while a request read its deltas from it: the replica died,
+    or can no longer send them. The request continues elsewhere, as if the replica had died."""
+
+
+class Channels:
+    """This ingress replica's DeltaChannels (replica/messages.py): one per decode replica it streams from, opened
+    when a request's first delta comes from a replica without one. A reader task per channel hands each batch's
+    deltas to the requests waiting for them. A request's own call stays open beside it and is watched for its
+    errors; a channel that ends or fails fails the requests still reading from it."""
+
+    def __init__(self, decode_handle):
+        self.id = uuid.uuid4().hex
+        self.decode = decode_handle                 # a streaming handle
+        self.readers: dict[str, asyncio.Task] = {}  # decode replica -> the task reading its channel
+        self.waiting: dict[str, list] = {}          # request id -> [its replica (once known), its queue]
+
+    async def stream(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
+        """req's deltas from the decode pool, as DecodeServer.generate yields them: the first from its call; the
+        rest from the channel when the first says so, else from the call."""
+        entry = [None, asyncio.Queue()]
+        self.waiting[req.request_id] = entry        # before the call: the channel may bring the second delta
+        call = self.decode.generate.remote(replace(req, channel=self.id))    # before the first is read
+        watch, done = None, False
+        try:
+            first = await call.__anext__()
+            yield first
+            if first.finished:
+                done = True
+                return
+            if not first.channeled:
+                if first.replica is not None and first.replica not in self.readers:
+                    self.open(first.replica)
+                async for delta in call:
+                    yield delta
+                done = True
+                return
+            entry[0] = first.replica
+            if first.replica not in self.readers:
+                raise ChannelLost(f"the channel to decode replica {first.replica} ended")
+            watch = asyncio.ensure_future(_watch(call, entry[1]))
+            while True:
+                item = await entry[1].get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    done = True
+                    return
+        finally:
+            if self.waiting.get(req.request_id) is entry:
+                del self.waiting[req.request_id]
+            if watch is not None:
+                watch.cancel()
+            if not done:
+                call.cancel()                       # the replica aborts the request and frees its blocks
+
+    def open(self, replica: str) -> None:
+        """Start reading a channel from `replica`, in a task of its own (a context of its own: it is no
+        request's Serve call)."""
+        task = asyncio.get_running_loop().create_task(self._read(replica), context=contextvars.Context())
+        self.readers[replica] = task
+
+    async def _read(self, replica: str) -> None:
+        _own_serve_request_ids(f"channel-{replica}")
+        error: BaseException | None = None
+        try:
+            async for batch in self.decode.deltas.remote(DeltaChannel(self.id, replica)):
+                for rid, delta in batch:
+                    if (entry := self.waiting.get(rid)) is not None:
+                        entry[1].put_nowait(delta)
+        except Exception as e:                      # noqa: BLE001 - its readers get it
+            error = e
+            log.warning("the delta channel to decode replica %s failed (%s)", replica, _short(e))
+        finally:
+            if self.readers.get(replica) is asyncio.current_task():
+                del self.readers[replica]
+            for entry in self.waiting.values():
+                if entry[0] == replica:
+                    entry[1].put_nowait(error if error is not None and _replica_died(error)
+                                        else ChannelLost(f"the channel to decode replica {replica} ended"))
+
+
+async def _watch(call, queue: asyncio.Queue) -> None:
+    """A channeled request's own call: it ends when the request does, or raises what the request's caller must
+    see (the replica died, the engine failed it)."""
+    try:
+        async for delta in call:                    # none: the replica sends them through the channel
+            queue.put_nowait(delta)
+    except Exception as e:                          # noqa: BLE001 - the request's reader raises it
+        queue.put_nowait(e)
+
+
 class Orchestrator:
     def __init__(self, prefill_handle, decode_handle, model: dict[str, Any], state_actor: str,
-                 min_remote_prefill_tokens: int, sync_interval_s: float, max_moves: int = 3):
+                 min_remote_prefill_tokens: int, sync_interval_s: float, max_moves: int = 3,
+                 channels: bool = False):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
+        self.channels = Channels(self.decode) if channels else None     # the decode section's stream_channels
         self.model = model                        # DecodeServer.model_info(): key, block size, limits
         self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
         self.min_remote = min_remote_prefill_tokens
@@ -192,16 +290,18 @@ class Orchestrator:
         while True:
             try:
                 handed_over = None
-                async for delta in self.decode.generate.remote(req):
-                    replica = delta.replica or replica
-                    sent += delta.token_ids
-                    chars += len(delta.text)
-                    if delta.finish_reason == "migrated":        # the replica is draining: it handed us over
-                        handed_over = delta
-                        if delta.token_ids or delta.text:
-                            yield TokenDelta(delta.token_ids, delta.text, False, delta.logprobs, delta.replica)
-                        break
-                    yield delta
+                calls = self.channels.stream(req) if self.channels is not None else self.decode.generate.remote(req)
+                async with _closing(calls):
+                    async for delta in calls:
+                        replica = delta.replica or replica
+                        sent += delta.token_ids
+                        chars += len(delta.text)
+                        if delta.finish_reason == "migrated":      # the replica is draining: it handed us over
+                            handed_over = delta
+                            if delta.token_ids or delta.text:
+                                yield TokenDelta(delta.token_ids, delta.text, False, delta.logprobs, delta.replica)
+                            break
+                        yield delta
                 if handed_over is None:
                     return
                 req = self._handed_over(req, sent, chars, replica, handed_over.migrate)
@@ -251,12 +351,19 @@ class Orchestrator:
                        avoid=req.avoid + ((left,) if left else ()), num_moves=req.num_moves + 1)
 
 
+def _closing(calls):
+    """Close a Channels.stream when the loop over it stops early (it cancels the request's call); a Serve
+    response generator has nothing to close."""
+    return contextlib.aclosing(calls) if hasattr(calls, "aclose") else contextlib.nullcontext()
+
+
 def _replica_died(e: BaseException) -> bool:
-    """The replica's actor died, or its tensor-parallel group broke (replica/engine_replica.py ReplicaLLM)."""
+    """The replica's actor died, or its tensor-parallel group broke (replica/engine_replica.py ReplicaLLM), or
+    the channel its deltas came through ended under the request."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     from engine.parallel import TPWorkerError
-    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, TPWorkerError)) \
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, TPWorkerError, ChannelLost)) \
         or isinstance(getattr(e, "cause", None), TPWorkerError)
 
 

@@ -6,7 +6,8 @@ they routed themselves since), and return ranked tiers like Serve's own routers.
   by queued prefill tokens (router.prefix_index.PrefillRanker states the rule and its fallback).
 - DecodeRouter (decode pool): a request that brings its KV goes to the replica with the most free KV
   and fewest running sequences; one that prefills locally prefers the replica caching most of it.
-A PrefixExport (one replica asking another for a cached prefix) goes to its target, and nowhere else.
+A PrefixExport (one replica asking another for a cached prefix) and a DeltaChannel (an ingress opening its
+channel on one decode replica) go to their target, and nowhere else.
 Requests without routing fields (control calls) go to any replica.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client import Counter, Histogram
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from engine.block_pool import blocks_for
-from replica.messages import PoolRequest, PrefixExport
+from replica.messages import DeltaChannel, PoolRequest, PrefixExport
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
 from router.config import RouterConfig
@@ -205,7 +206,7 @@ class _PoolRouter(_ForgetsGoneReplicas, RequestRouter):
         req = request_payload(pending_request)
         if req is None:
             target = pending_request.args[0].target if pending_request is not None and pending_request.args \
-                and isinstance(pending_request.args[0], PrefixExport) else None
+                and isinstance(pending_request.args[0], (PrefixExport, DeltaChannel)) else None
             if target is not None:              # none while the target is not listed: Serve asks again
                 return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
             return [candidate_replicas]

@@ -274,6 +274,53 @@ def test_a_request_aborted_mid_stream_frees_its_blocks_in_both_pools(client):
              20, "both pools to free the aborted request's blocks")
 
 
+def _streamed(m: dict[str, float], metric: str) -> float:
+    """The decode pool's baton_stream_{messages,deltas}_total on its channels."""
+    return sum(v for k, v in m.items() if k.startswith(metric + "{") and 'path="channel"' in k)
+
+
+def test_concurrent_streams_share_the_channels_messages_and_a_client_leaving_one_frees_its_blocks(client, offline):
+    """decode.stream_channels (on by default): the tokens one decode step makes for several streams of the
+    ingress leave the replica as one message, every stream gets the engine's text, and a client that leaves one
+    stream mid-way aborts only that request."""
+    import concurrent.futures
+    prompts = [f"Describe leg {i} of a relay race across the mountains." for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.text for o in offline.generate(prompts, params)]
+
+    def stream(prompt: str, leave_after: int | None = None) -> str:
+        chunks = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24, stream=True,
+                                           extra_body={"ignore_eos": True})
+        text = []
+        for c in chunks:
+            text += [c.choices[0].text] if c.choices else []
+            if len(text) == leave_after:
+                chunks.close()                      # the client goes away mid-stream
+                break
+        return "".join(text)
+    # the ingress opens its channel on a decode replica once a first request streams from it: one that comes
+    # through the channel shows it is open
+    start = _metrics(fresh=True)
+    wait_for(lambda: stream("Warm up the channel.", None) is not None
+             and _streamed(_metrics(fresh=True), "baton_stream_deltas_total") > _streamed(
+                 start, "baton_stream_deltas_total"), 60, "a request's deltas through the channel")
+    before = _metrics(fresh=True)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts) + 1) as pool:
+        leaving = pool.submit(stream, "Write a very long story about a relay race. " * 3, 4)
+        got = list(pool.map(stream, prompts))
+        leaving.result()
+    assert got == want
+    after = wait_for(lambda: (lambda m: m if _streamed(m, "baton_stream_deltas_total") - _streamed(
+        before, "baton_stream_deltas_total") >= len(prompts) * 23 else None)(_metrics(fresh=True)), 20,
+        "the replica's report counting every delta after each stream's first")
+    deltas = _streamed(after, "baton_stream_deltas_total") - _streamed(before, "baton_stream_deltas_total")
+    messages = _streamed(after, "baton_stream_messages_total") - _streamed(before, "baton_stream_messages_total")
+    assert messages <= deltas / 2, (messages, deltas)       # streams in one step shared a message
+    wait_for(lambda: (lambda m: all(_pool_sum(m, "baton_kv_blocks_used", p) == 0
+                                    for p in ("prefill", "decode")))(_metrics(fresh=True)),
+             20, "both pools to free every block, the left stream's too")
+
+
 def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offline):
     """Conditional disaggregation: the second time, the decode replica holds all but the last partial
     block (< min_remote_prefill_tokens uncached), so it prefills locally: same text, no transfer. On this

@@ -1,7 +1,9 @@
 """The ingress's Orchestrator when a decode replica dies mid-stream (router/orchestrator.py): the request
 continues on another replica from what the client already has, as one stream, within the move budget, and
 never goes back to the replica it left. The decode pool is a fake Serve handle whose replicas "die" (raise
-Ray's ActorDiedError) after some deltas; the live cluster's version is in tests/test_reliability.py."""
+Ray's ActorDiedError) after some deltas; the live cluster's version is in tests/test_reliability.py. Each case
+runs with the ingress's delta channels too (decode.stream_channels): a request's deltas after the first come
+through its replica's channel, which dies with the replica."""
 from __future__ import annotations
 
 import asyncio
@@ -59,13 +61,104 @@ class FakeDecodePool:
             yield d
 
 
-def run(pool: FakeDecodePool, max_moves: int = 3) -> list[TokenDelta]:
-    o = Orchestrator(None, pool, {"block_size": BS, "model_key": KEY}, "", 0, 0.01, max_moves=max_moves)
+class _Call:
+    """What a Serve streaming call returns: an async iterator with cancel()."""
+
+    def __init__(self, agen):
+        self.agen, self.cancelled = agen, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.agen.__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@dataclass
+class FakeChannelPool(FakeDecodePool):
+    """The same replicas, with DeltaChannels: deltas.remote(ch) opens replica ch.target's channel; a request that
+    names it gets its first delta on its call, marked channeled, and the rest through the channel. A replica that
+    dies fails both."""
+    channels: dict = field(default_factory=dict)       # replica -> queue of batches (or the error that ends it)
+    opened: list = field(default_factory=list)
+    calls_made: list = field(default_factory=list)
+
+    @property
+    def generate(self):
+        return self
+
+    @property
+    def deltas(self):
+        pool = self
+
+        class _Deltas:
+            def remote(self, ch):
+                pool.opened.append(ch.target)
+                queue = pool.channels[ch.target] = asyncio.Queue()
+
+                async def read():
+                    while True:
+                        item = await queue.get()
+                        if isinstance(item, BaseException):
+                            raise item
+                        yield item
+                return _Call(read())
+        return _Deltas()
+
+    def remote(self, req: PoolRequest):
+        k = len(self.calls)
+        name = f"d{k}"
+        inner = super().remote(req)
+        call = _Call(self._channeled(req, name, inner) if req.channel and name in self.channels else inner)
+        self.calls_made.append(call)
+        return call
+
+    async def _channeled(self, req, name, inner):
+        first = True
+        try:
+            async for d in inner:
+                if first:
+                    d.channeled, first = not d.finished, False
+                    yield d
+                else:
+                    self.channels[name].put_nowait([(req.request_id, d)])
+                if d.finished:
+                    return
+        except ActorDiedError as e:
+            self.channels[name].put_nowait(e)
+            raise
+
+
+def run(pool: FakeDecodePool, max_moves: int = 3, take: int | None = None) -> list[TokenDelta]:
+    """The request's deltas as the orchestrator streams them (the first `take` only: then the client leaves)."""
+    channels = isinstance(pool, FakeChannelPool)
+    o = Orchestrator(None, pool, {"block_size": BS, "model_key": KEY}, "", 0, 0.01, max_moves=max_moves,
+                     channels=channels)
     req = PoolRequest("r1", PROMPT, block_hashes(PROMPT, BS, KEY), SamplingParams(max_tokens=len(ANSWER)))
 
     async def collect():
-        return [d async for d in o._decode(req)]
+        if channels:                              # every replica's channel open, as after a first request there
+            for k in range(len(pool.die_after)):
+                o.channels.open(f"d{k}")
+            await asyncio.sleep(0)
+        out = []
+        stream = o._decode(req)
+        async for d in stream:
+            out.append(d)
+            if len(out) == take:
+                await stream.aclose()
+                break
+        if channels:
+            assert o.channels.waiting == {}       # nothing left waiting for a delta
+        return out
     return asyncio.run(collect())
+
+
+def pools(*args, **kwargs) -> list[FakeDecodePool]:
+    return [FakeDecodePool(*args, **kwargs), FakeChannelPool(*args, **kwargs)]
 
 
 @pytest.fixture(autouse=True)
@@ -73,25 +166,32 @@ def _no_serve_context(monkeypatch):
     monkeypatch.setattr("router.orchestrator._own_serve_request_ids", lambda rid: None)
 
 
-def test_a_replica_dying_mid_stream_costs_the_client_nothing():
-    pool = FakeDecodePool([3, 4, None])                    # two deaths: 3 tokens, 4 more, then the rest
+@pytest.mark.parametrize("channels", [False, True])
+def test_a_replica_dying_mid_stream_costs_the_client_nothing(channels):
+    pool = pools([3, 4, None])[channels]                   # two deaths: 3 tokens, 4 more, then the rest
     out = run(pool)
     assert [t for d in out for t in d.token_ids] == ANSWER                 # no token repeated or skipped
     assert "".join(d.text for d in out) == "".join(f"<{t}>" for t in ANSWER)
     assert out[-1].finished and out[-1].completion_tokens == len(ANSWER)
     first, second, third = pool.calls
     assert first.resume is None and first.avoid == ()
-    assert second.resume.token_ids == ANSWER[:3] and second.resume.text_chars == len("".join(
-        f"<{t}>" for t in ANSWER[:3]))
+    # what reached the client before each death: all 3 and 4 of the replicas' tokens on their own calls; through a
+    # channel the call's error may overtake the channel's last batch (the replica's tokens in flight are lost, and
+    # computed again where the request continues)
+    n1, n2 = len(second.resume.token_ids), len(third.resume.token_ids)
+    assert (n1, n2) == (3, 7) if not channels else 1 <= n1 <= 3 and n1 + 1 <= n2 <= n1 + 4
+    assert second.resume.token_ids == ANSWER[:n1] and second.resume.text_chars == len("".join(
+        f"<{t}>" for t in ANSWER[:n1]))
     assert second.avoid == ("d0",) and third.avoid == ("d0", "d1")        # never back to a replica it left
-    assert third.resume.token_ids == ANSWER[:7] and third.num_moves == 2
+    assert third.resume.token_ids == ANSWER[:n2] and third.num_moves == 2
     # the continuation's block hashes cover prompt + sent tokens, chained from the prompt's
-    assert third.block_hashes == block_hashes(PROMPT + ANSWER[:7], BS, KEY)
+    assert third.block_hashes == block_hashes(PROMPT + ANSWER[:n2], BS, KEY)
     assert third.token_ids == PROMPT and third.prefill is None
 
 
-def test_past_the_move_budget_the_error_goes_up():
-    pool = FakeDecodePool([2, 2, None])
+@pytest.mark.parametrize("channels", [False, True])
+def test_past_the_move_budget_the_error_goes_up(channels):
+    pool = pools([2, 2, None])[channels]
     with pytest.raises(ActorDiedError):
         run(pool, max_moves=1)
     assert len(pool.calls) == 2
@@ -111,8 +211,9 @@ def test_the_client_sees_a_503_in_openai_shape_when_the_budget_is_spent():
     assert isinstance(err, OpenAIError) and err.status == 503
 
 
-def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
-    pool = FakeDecodePool([None, None, None], drain_after=[0, 4, None])   # handed back at once, then after 5 tokens
+@pytest.mark.parametrize("channels", [False, True])
+def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on(channels):
+    pool = pools([None, None, None], drain_after=[0, 4, None])[channels]  # handed back at once, then after 5 tokens
     out = run(pool, max_moves=0)                           # planned moves spend no budget
     assert [t for d in out for t in d.token_ids] == ANSWER
     assert not any(d.finished for d in out[:-1]) and out[-1].finished and out[-1].finish_reason == "length"
@@ -123,6 +224,29 @@ def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on():
     assert third.resume.token_ids == ANSWER[:5] and third.avoid == ("d0", "d1")
     # the KV it pulls is prompt + sent[:-1]: that is what the hashes cover
     assert third.block_hashes == block_hashes(PROMPT + ANSWER[:4], BS, KEY)
+
+
+def test_channeled_deltas_arrive_in_order_and_a_client_that_leaves_cancels_the_call():
+    pool = FakeChannelPool([None])
+    out = run(pool)
+    assert [t for d in out for t in d.token_ids] == ANSWER and out[-1].finished
+    assert out[0].channeled and pool.opened == ["d0"]
+    assert not pool.calls_made[0].cancelled                # it ended by itself
+    pool = FakeChannelPool([None])
+    assert [t for d in run(pool, take=3) for t in d.token_ids] == ANSWER[:3]
+    assert pool.calls_made[0].cancelled                    # the replica aborts it
+
+
+def test_without_its_channel_a_replica_streams_on_the_call_and_the_ingress_opens_one():
+    pool = FakeChannelPool([None])
+    o = Orchestrator(None, pool, {"block_size": BS, "model_key": KEY}, "", 0, 0.01, channels=True)
+    req = PoolRequest("r1", PROMPT, block_hashes(PROMPT, BS, KEY), SamplingParams(max_tokens=len(ANSWER)))
+
+    async def collect():
+        return [d async for d in o._decode(req)]
+    out = asyncio.run(collect())
+    assert [t for d in out for t in d.token_ids] == ANSWER and not out[0].channeled
+    assert pool.opened == ["d0"]                           # for the requests after it
 
 
 def test_the_prefix_source_is_the_replica_caching_most_of_the_prompt():
