@@ -124,16 +124,17 @@ def with_llama_server(binary: str, gguf: str, slots: int, threads: int, fn: Call
         proc.wait(timeout=30)
 
 
-def replica_cpus(cfg, cores: int, stream_interval_ms: float = 0.0):
+def replica_cpus(cfg, cores: int, stream_interval_ms: float = 0.0, stream_channels: bool = True):
     """Each engine replica reserves its share of the machine's cores (the whole machine colocated, half each
     disaggregated): Ray gives a replica as many torch threads as the CPUs it reserves, at least one. The decode
-    pool batches its streams' tokens per `stream_interval_ms`."""
+    pool batches its streams' tokens per `stream_interval_ms`, and per step on channels (`stream_channels`)."""
     from cluster.config import ClusterConfig
     d = cfg.model_dump()
     pools = [p for p in ("prefill", "decode") if d.get(p)]
     for p in pools:
         d[p]["num_cpus"] = max(1, cores // len(pools))
     d["decode"]["stream_interval_ms"] = stream_interval_ms
+    d["decode"]["stream_channels"] = stream_channels
     return ClusterConfig.from_dict(d)
 
 
@@ -235,7 +236,7 @@ def one_round(args: argparse.Namespace, gguf: str, work: dict[str, list[Req]], t
     try:
         for mode in args.modes.split(","):
             cfg = replica_cpus(serve_config(mode, "prefix_aware", 1, 1, 512 << 20, model=gguf), threads,
-                               args.stream_interval_ms)
+                               args.stream_interval_ms, args.stream_channels)
             baton[mode] = with_cluster(cfg, lambda b, m: measure(b, m, work))
             r = baton[mode]
             log(f"{tag}Baton {mode}: decode {r['decode']['tokens_per_s']:.0f} tok/s, prefill "
@@ -259,6 +260,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1)")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="Baton's decode.stream_interval_ms (default 0: every step's tokens at once)")
+    p.add_argument("--stream-channels", action=argparse.BooleanOptionalAction, default=True,
+                   help="Baton's decode.stream_channels: one message per engine step for all of an ingress's "
+                        "streams (default on)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 streams of 16 tokens, 1 prefill trial, "
                                                         "colocated only")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/peer",
@@ -284,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict[str, Any] = {
         "benchmark": "peer", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "model": Path(gguf).name, "llama_server": args.llama_server,
-        "stream_interval_ms": args.stream_interval_ms,
+        "stream_interval_ms": args.stream_interval_ms, "stream_channels": args.stream_channels,
         "streams": args.streams, "stream_tokens": args.stream_tokens, "quick": args.quick,
         "llama_cpp": rounds[0]["llama_cpp"], "engine_alone": rounds[0]["engine_alone"], "baton": rounds[0]["baton"],
         "rounds": rounds, "goals": GOALS}
