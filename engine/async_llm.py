@@ -198,9 +198,18 @@ def coalesce(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 def _deliver(deliveries: list[tuple[tuple[asyncio.AbstractEventLoop, asyncio.Queue], Any]]) -> None:
-    """Hand outputs (or an error) to their streams' event loops, in order."""
+    """Hand outputs (or an error) to their streams' event loops, in order: one wake-up of each loop for all of a
+    step's outputs there (each call_soon_threadsafe writes to the loop's self-pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
     for (loop, queue), item in deliveries:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
+        by_loop.setdefault(loop, []).append((queue, item))
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
 
 
 __all__ = ["AsyncLLM"]
