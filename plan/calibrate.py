@@ -42,6 +42,7 @@ from replica.names import DECODE, PREFILL
 VOCAB = (200, 40000)
 LOCAL_PROMPT = 40           # tokens: under the calibration cluster's min_remote_prefill_tokens (64)
 STREAMS = 8                 # answers streaming while local prompts are timed (stream_s)
+Z90 = 1.2815515655446004    # the standard normal's 90th percentile
 BESIDE_S = 4.0              # seconds 4 streams decode alone before long prompts join them (contention)
 BURST = 8                   # local prompts sent at once, three times (the serving path's serial part, ingress_s)
 REMOTE_PROMPT = 256         # tokens: prefilled by the prefill replica
@@ -251,11 +252,16 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
         raise RuntimeError(f"the calibration cluster served no request: {[r.error for r in one + here + eight]}")
     gap1 = float(np.median([x for r in ok for x in r.itls[1:]]))
     gap8 = float(np.median([x for r in batch for x in r.itls[4:-4]]))
+    ov.step_jitter = step_jitter([x for r in batch for x in r.itls[4:-4]])
+    log(f"8 streams' token gaps: p90 {np.percentile([x for r in batch for x in r.itls[4:-4]], 90) * 1e3:.1f} ms over "
+        f"p50 {gap8 * 1e3:.1f} ms, a step's spread of sigma {ov.step_jitter:.3f}")
     local_ttft, remote_ttft = float(np.median([r.ttft for r in near])), float(np.median([r.ttft for r in ok]))
     # the engines' own time to the first token in the same runs (the prefill replica's for the remote prompts,
     # the decode replica's for the local ones), not the fit's: this VM's speed drifts by more than the overheads
     local_engine, remote_engine = phases[1].get(DECODE), phases[0].get(PREFILL)
-    fit_overheads(ov, now, local_ttft, remote_ttft, gap1, gap8, local_engine_s=local_engine,
+    # the gaps' medians are a step's modelled time times the spread's median, exp(-sigma^2 / 2): the mean is solved
+    mean = float(np.exp(0.5 * ov.step_jitter ** 2))
+    fit_overheads(ov, now, local_ttft, remote_ttft, gap1 * mean, gap8 * mean, local_engine_s=local_engine,
                   remote_engine_s=remote_engine)
     # the serving path's serial part: the bursts' TTFTs, fastest to slowest, against the simulator's for each
     ttfts = [[r.ttft for r in burst[k * BURST:(k + 1) * BURST]] for k in range(3)]
@@ -302,6 +308,14 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
             f"{kept.step_s * 1e3:.2f} ms a step, {kept.token_s * 1e3:.2f} ms a token, "
             f"{kept.stream_s * 1e3:.2f} ms a stream")
     return kept
+
+
+def step_jitter(gaps: list[float]) -> float:
+    """The sigma of a lognormal with the gaps' p90 over their p50 (Overheads.step_jitter): 0 for gaps with no tail."""
+    if len(gaps) < 10:
+        return 0.0
+    p50, p90 = np.percentile(gaps, [50, 90])
+    return max(float(np.log(p90 / p50)) / Z90, 0.0) if p50 > 0 else 0.0
 
 
 def fit_ingress(cost: LinearCost, ov: Overheads, config, burst: list, ttfts: list[list[float]],

@@ -60,6 +60,9 @@ class Overheads:
                                    # the ingress's event loop and the cores it shares carry every stream's tokens
     ingress_s: float = 0.0         # the serial part of request_s: the client, the ingress and the proxy take a
                                    # burst's requests one after another, each this long (a queue with one server)
+    step_jitter: float = 0.0       # the spread of a served step's time: each step takes a lognormal multiple of
+                                   # its modelled time, mean 1 and this sigma (of the log); calibrated from a batch's
+                                   # token gaps (their p90 over their p50), 0 on a GPU roofline
 
     def at_speed(self, factor: float) -> Overheads:
         """The serving path's CPU work (request, hand-off, streaming) taking `factor` times as long; transfers not."""

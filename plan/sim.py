@@ -414,7 +414,7 @@ class Engine:
         streams = sum(seq.computed + n >= seq.need for seq, n in sched) if self.pool != PREFILL else 0
         alone = self.sim.cost.step_s(b)
         self.sim.stepped(self.pool, now, alone, slow)
-        dur = alone * slow + (ov.step_s + ov.token_s * streams) * serving
+        dur = float(self.sim.jittered(alone * slow + (ov.step_s + ov.token_s * streams) * serving))
         self.version += 1
         v, start = self.version, self.sim.now
         self.step_end = start + dur
@@ -460,7 +460,7 @@ class Engine:
         self._flush_events()
         ov = self.sim.cost.overheads
         alone = self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
-        ends = np.cumsum(alone * slow + (ov.step_s + ov.token_s * len(seqs)) * serving)
+        ends = np.cumsum(self.sim.jittered(alone * slow + (ov.step_s + ov.token_s * len(seqs)) * serving))
         self.version += 1
         v, start = self.version, self.sim.now
         self.run = (start, ends, seqs, alone, slow)
@@ -629,6 +629,7 @@ class Simulator:
                  horizon_s: float | None = None, progress: Callable[[str], None] | None = None):
         self.cfg, self.cost, self.startup_s, self.horizon = config, cost, startup_s, horizon_s
         self.rng = random.Random(seed)
+        self.jitter_rng = np.random.default_rng(seed)   # step times' spread (Overheads.step_jitter), its own stream
         self.now = 0.0
         self.queue: list = []
         self.n = 0
@@ -735,6 +736,15 @@ class Simulator:
         k = len(busy)
         share = max(1.0, (k + 1) * self.cost.threads / self.cost.cores) if self.cost.cores else 1.0
         return share * (1.0 + self.cost.contention * k), share * (1.0 + self.cost.serving_contention * k)
+
+    def jittered(self, steps):
+        """Steps' modelled times (a float or an array), each times a lognormal multiple with mean 1 and sigma
+        Overheads.step_jitter (unchanged without it). A served step's time varies with what else the machine runs
+        in it (the serving path's bursts, Ray's threads): the token gaps' tail, which the means alone do not give."""
+        sigma = self.cost.overheads.step_jitter
+        if sigma <= 0:
+            return steps
+        return steps * self.jitter_rng.lognormal(-0.5 * sigma * sigma, sigma, np.shape(steps))
 
     def streams(self) -> int:
         """Sequences the decode pool runs now: the streams the serving path carries (Overheads.stream_s)."""

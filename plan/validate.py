@@ -24,6 +24,7 @@ Cases:
                  workload: a run whose draws leave a tenant's prefix evicted everywhere recomputes it, queues, and
                  its TTFTs reach tens of seconds, where another run's stay under one. So it is simulated with
                  --sim-seeds seeds, and each figure is their median.
+With a step's spread in the cost model (Overheads.step_jitter) every case draws, and every case is simulated so.
 """
 from __future__ import annotations
 
@@ -220,7 +221,8 @@ def one_case(args, name: str, config, warm: list, reqs: list, cost, slo, log) ->
     else:
         runs = [measure(config, warm, reqs, slo) for _ in range(args.repeats)]
     bs = config.decode.engine.block_size or 16
-    seeds = args.sim_seeds if config.router.policy == "pow2" else 1     # only Serve's power of two draws
+    # what draws: Serve's power of two, and a step's spread (Overheads.step_jitter)
+    seeds = args.sim_seeds if config.router.policy == "pow2" or cost.overheads.step_jitter > 0 else 1
 
     def simulated(speeds: list[float]) -> tuple[dict, list[dict]]:
         sims = [simulate(config, cost.at_speed(f) if f != 1.0 else cost, from_reqs(reqs, bs), slo,
@@ -320,8 +322,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "files (same cases and workload flags; several: each figure's median) instead of measuring again")
     p.add_argument("--repeats", type=int, default=1, help="live runs per case; each figure compared is their "
                                                           "median (default 1)")
-    p.add_argument("--sim-seeds", type=int, default=9, help="simulated runs of a case routed by power of two, "
-                   "each drawing its own choices; each figure is their median, as the live runs' (default 9)")
+    p.add_argument("--sim-seeds", type=int, default=9, help="simulated runs of a case that draws (routed by "
+                   "power of two, or with a step's spread), each its own draws; each figure is their median, as the "
+                   "live runs' (default 9)")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/plan")
     p.add_argument("--json", action="store_true")
 

@@ -15,7 +15,7 @@ from engine.block_hash import block_hashes
 from plan.cost import (Batch, LinearCost, Overheads, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape,
                        save_cost)
 from plan.search import held
-from plan.sim import Seq, SimRequest, Simulator, simulate
+from plan.sim import ITL_BINS, Seq, SimRequest, Simulator, simulate
 from plan.workload import KEY, day_of, diurnal, from_mooncake
 from tests.conftest import ROOT
 
@@ -936,6 +936,11 @@ def test_validate_simulates_a_pow2_case_over_several_draws_and_compares_their_me
         runs.append(one)
     assert len({r["ttft_ms"]["p90"] for r in runs}) > 1, "the draws differ"
     assert res["tenants_pow2"]["simulated"]["ttft_ms"] == median_run(runs)["ttft_ms"]
+    # a step's spread draws too: then prefix-aware routing's case is simulated over the seeds as well
+    jittered = LinearCost(**{**SLOW.to_dict(), "overheads": Overheads(**{**SLOW.to_dict()["overheads"],
+                                                                         "step_jitter": 0.2})})
+    save_cost(jittered, tmp_path / "cost.json")
+    assert validate(args, lambda _: None)["tenants"]["simulated_seeds"] == 4
 
 
 # -- a fleet of cells (plan/cells.py) --------------------------------------------------------------------------------
@@ -1081,3 +1086,30 @@ def test_a_pool_short_of_a_sustained_load_fails_the_search_though_the_run_s_star
     planner = Planner(reqs, COST, {"num_kv_blocks": 2048, "max_model_len": 4096}, slo, 0.9, 0, lambda m: None)
     assert planner.fewest(lambda n: ("colocated", 0, n)) == 2
     assert [held(r) >= 0.9 for r in planner.runs] == [False, True]
+
+
+def test_calibration_reads_a_step_s_spread_off_the_tail_of_a_batch_s_token_gaps():
+    from plan.calibrate import step_jitter
+    gaps = np.random.default_rng(3).lognormal(np.log(0.03), 0.25, 4000)
+    assert step_jitter(gaps.tolist()) == pytest.approx(0.25, abs=0.02)
+    assert step_jitter([0.03] * 100) == 0.0                      # no tail
+    assert step_jitter([0.03] * 5) == 0.0                        # too few to say
+
+
+def test_a_step_s_spread_widens_the_token_gaps_tail_and_keeps_their_mean():
+    """Overheads.step_jitter: each step a lognormal multiple (mean 1) of its modelled time; 8 streams' gaps keep
+    their mean and gain a tail (p90 over p50 near exp(1.28 sigma)); the same seed gives the same run."""
+    def gaps(sigma: float, seed: int = 0) -> np.ndarray:
+        cost = LinearCost(**{**COST.to_dict(), "overheads": Overheads(step_jitter=sigma)})
+        reqs = [request(i, 0.0, list(range(300 + 40 * i, 340 + 40 * i)), 400) for i in range(8)]
+        sim = Simulator(config(min_remote=1000, kv_blocks=1024), cost, seed=seed)
+        sim.run(reqs)
+        mids = np.sqrt(ITL_BINS[:-1] * ITL_BINS[1:])
+        return np.array([r.mean_itl for r in reqs]), np.repeat(mids, sim.itl_hist.astype(int))
+    (flat, flat_all), (spread, spread_all) = gaps(0.0), gaps(0.3)
+    assert spread.mean() == pytest.approx(flat.mean(), rel=0.03)
+    p50, p90 = np.percentile(spread_all, [50, 90])
+    assert p90 / p50 == pytest.approx(np.exp(1.2816 * 0.3), rel=0.1)
+    f50, f90 = np.percentile(flat_all, [50, 90])
+    assert f90 / f50 < 1.05                                     # the model alone: the same step every time
+    assert (gaps(0.3)[0] == spread).all() and not (gaps(0.3, seed=1)[0] == spread).all()
