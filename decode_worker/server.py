@@ -82,7 +82,7 @@ class DecodeServer(EngineReplica):
                     chan.users += 1
                     delta.channeled = True
                 if chan is not None and not first:
-                    chan.put(req.request_id, delta)
+                    chan.put(req.channel_key, delta)
                 else:
                     self.metrics.observe_streamed("request", 1)
                     yield delta
@@ -101,8 +101,9 @@ class DecodeServer(EngineReplica):
         """An ingress replica's channel here: the deltas of its channeled requests, a batch each time this
         event loop gets to it (once per engine step: the step's outputs reach their requests together). Ends
         when the replica drains and no request sends through it; a new one with the same id replaces it."""
-        chan = _Channel(asyncio.get_running_loop(), closing=self.draining)
+        chan = _Channel(asyncio.get_running_loop())
         self._channels[ch.channel] = chan
+        chan.closing = self.draining        # after the registration: a drain that began before it missed this one
         try:
             while True:
                 if not chan.batch:
@@ -184,8 +185,8 @@ class _Channel:
         self.users = 0                  # requests sending through it
         self.closing = closing          # the replica drains: no new users, and it ends when the last leaves
 
-    def put(self, request_id: str, delta: TokenDelta) -> None:
-        self.batch.append((request_id, delta))
+    def put(self, key: str, delta: TokenDelta) -> None:
+        self.batch.append((key, delta))
         self.ready.set()
 
     def leave(self) -> None:

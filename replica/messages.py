@@ -10,8 +10,9 @@
         |                                   (prefill=None: the decode replica prefills the prompt itself)
         |<- TokenDelta, TokenDelta, ... --  streamed; the last has finished=True and the usage
         |-- DeltaChannel -----------------> decode replica (DecodeServer.deltas), once per replica it streams from
-        |<- [(request_id, TokenDelta)] ---  a batch per engine step: every delta after the first of this
-        |                                   ingress's requests on that replica (PoolRequest.channel names it)
+        |<- [(call key, TokenDelta)] -----  a batch per engine step: every delta after the first of this
+        |                                   ingress's requests on that replica (PoolRequest.channel names it,
+        |                                   PoolRequest.channel_key tags each call's deltas)
       router/openai_protocol.py's ResponseBuilder turns the deltas into OpenAI bodies and SSE chunks
 
 Each hop is a Serve call: Ray pickles these dataclasses (small, typed, in one Python version per cluster).
@@ -63,6 +64,9 @@ class PoolRequest:
                                                 # answers that it no longer holds the blocks
     channel: str | None = None                  # the ingress's DeltaChannel: a decode replica holding it sends
                                                 # the deltas after the first through it (None: all on the call)
+    channel_key: str | None = None              # this call's tag on the channel: unique per call, so a request
+                                                # continued elsewhere under its id never reads a late delta of
+                                                # the replica it left
 
 
 @dataclass(slots=True)
@@ -79,9 +83,9 @@ class PrefixExport:
 @dataclass(slots=True)
 class DeltaChannel:
     """An ingress replica's call that opens its channel on the decode replica `target`: a stream of batches, each
-    `[(request_id, TokenDelta), ...]`, the deltas one engine step made for every request of that ingress on the
-    replica whose first delta said `channeled`. One message a step for all of them, where each request's own
-    call would carry one a token (vLLM's engine core sends its API server one output batch a step)."""
+    `[(PoolRequest.channel_key, TokenDelta), ...]`, the deltas one engine step made for every request of that
+    ingress on the replica whose first delta said `channeled`. One message a step for all of them, where each
+    request's own call would carry one a token (vLLM's engine core sends its API server one output batch a step)."""
     channel: str                                # the ingress replica's id for it (PoolRequest.channel)
     target: str                                 # Serve's id of the decode replica (its router obeys it)
 

@@ -98,14 +98,14 @@ class Channels:
         self.id = uuid.uuid4().hex
         self.decode = decode_handle                 # a streaming handle
         self.readers: dict[str, asyncio.Task] = {}  # decode replica -> the task reading its channel
-        self.waiting: dict[str, list] = {}          # request id -> [its replica (once known), its queue]
+        self.waiting: dict[str, list] = {}          # call key -> [its replica (once known), its queue]
 
     async def stream(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
         """req's deltas from the decode pool, as DecodeServer.generate yields them: the first from its call; the
         rest from the channel when the first says so, else from the call."""
-        entry = [None, asyncio.Queue()]
-        self.waiting[req.request_id] = entry        # before the call: the channel may bring the second delta
-        call = self.decode.generate.remote(replace(req, channel=self.id))    # before the first is read
+        entry, key = [None, asyncio.Queue()], uuid.uuid4().hex
+        self.waiting[key] = entry                   # before the call: the channel may bring the second delta
+        call = self.decode.generate.remote(replace(req, channel=self.id, channel_key=key))
         watch, done = None, False
         try:
             first = await call.__anext__()
@@ -133,8 +133,7 @@ class Channels:
                     done = True
                     return
         finally:
-            if self.waiting.get(req.request_id) is entry:
-                del self.waiting[req.request_id]
+            del self.waiting[key]
             if watch is not None:
                 watch.cancel()
             if not done:
@@ -151,8 +150,8 @@ class Channels:
         error: BaseException | None = None
         try:
             async for batch in self.decode.deltas.remote(DeltaChannel(self.id, replica)):
-                for rid, delta in batch:
-                    if (entry := self.waiting.get(rid)) is not None:
+                for key, delta in batch:
+                    if (entry := self.waiting.get(key)) is not None:
                         entry[1].put_nowait(delta)
         except Exception as e:                      # noqa: BLE001 - its readers get it
             error = e

@@ -83,6 +83,8 @@ class FakeChannelPool(FakeDecodePool):
     names it gets its first delta on its call, marked channeled, and the rest through the channel. A replica that
     dies fails both."""
     channels: dict = field(default_factory=dict)       # replica -> queue of batches (or the error that ends it)
+    late: bool = False                                 # a dying replica's channel still brings a delta, after
+                                                       # the call's error has moved the request on
     opened: list = field(default_factory=list)
     calls_made: list = field(default_factory=list)
 
@@ -120,15 +122,23 @@ class FakeChannelPool(FakeDecodePool):
         first = True
         try:
             async for d in inner:
+                if self.late:                          # a replica's steps take time: the late delta comes mid-way
+                    await asyncio.sleep(0.01)
                 if first:
                     d.channeled, first = not d.finished, False
                     yield d
                 else:
-                    self.channels[name].put_nowait([(req.request_id, d)])
+                    self.channels[name].put_nowait([(req.channel_key, d)])
                 if d.finished:
                     return
         except ActorDiedError as e:
-            self.channels[name].put_nowait(e)
+            queue = self.channels[name]
+            if self.late:                              # in flight when it died: it arrives after the move
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.02, queue.put_nowait, [(req.channel_key, TokenDelta([999], "<999>", True))])
+                loop.call_later(0.04, queue.put_nowait, e)
+            else:
+                queue.put_nowait(e)
             raise
 
 
@@ -235,6 +245,15 @@ def test_channeled_deltas_arrive_in_order_and_a_client_that_leaves_cancels_the_c
     pool = FakeChannelPool([None])
     assert [t for d in run(pool, take=3) for t in d.token_ids] == ANSWER[:3]
     assert pool.calls_made[0].cancelled                    # the replica aborts it
+
+
+def test_a_late_delta_of_the_replica_a_request_left_never_reaches_its_continuation():
+    """The request continues elsewhere under the same id; each call has its own key on the channel, so a delta the
+    dead replica had in flight is dropped, not read as the new replica's."""
+    pool = FakeChannelPool([3, None], late=True)
+    out = run(pool)
+    assert [t for d in out for t in d.token_ids] == ANSWER and out[-1].finished
+    assert len(pool.calls) == 2 and pool.calls[1].resume is not None
 
 
 def test_without_its_channel_a_replica_streams_on_the_call_and_the_ingress_opens_one():
