@@ -219,7 +219,8 @@ TEST_KEYS_ENV, TEST_KEY = "BATON_TEST_API_KEYS", "sk-baton-test-key"
 # (tests/test_cluster_e2e.py), and the baseline its speculative twin below is compared with.
 DISAGGREGATED = {
     "port": 8731, "ingress": {"num_cpus": 0},
-    "prefill": {"num_cpus": 0, "engine": CLUSTER_ENGINE}, "decode": {"num_cpus": 0, "engine": CLUSTER_ENGINE},
+    "prefill": {"num_cpus": 0, "engine": CLUSTER_ENGINE},
+    "decode": {"num_cpus": 0, "engine": CLUSTER_ENGINE, "stream_channels": True},
     "disaggregation": {"min_remote_prefill_tokens": 16},
     "limits": {"max_body_bytes": 256 << 10, "max_n": 4, "max_stop_sequences": 8,
                "grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S},

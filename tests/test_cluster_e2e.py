@@ -280,7 +280,7 @@ def _streamed(m: dict[str, float], metric: str) -> float:
 
 
 def test_concurrent_streams_share_the_channels_messages_and_a_client_leaving_one_frees_its_blocks(client, offline):
-    """decode.stream_channels (on by default): the tokens one decode step makes for several streams of the
+    """decode.stream_channels (on in this cluster): the tokens one decode step makes for several streams of the
     ingress leave the replica as one message, every stream gets the engine's text, and a client that leaves one
     stream mid-way aborts only that request."""
     import concurrent.futures
