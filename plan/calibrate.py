@@ -251,9 +251,10 @@ def overheads(ov: Overheads, cost: LinearCost, log: Callable[[str], None]) -> Ov
     if not ok or not near or not batch:
         raise RuntimeError(f"the calibration cluster served no request: {[r.error for r in one + here + eight]}")
     gap1 = float(np.median([x for r in ok for x in r.itls[1:]]))
-    gap8 = float(np.median([x for r in batch for x in r.itls[4:-4]]))
-    ov.step_jitter = step_jitter([x for r in batch for x in r.itls[4:-4]])
-    log(f"8 streams' token gaps: p90 {np.percentile([x for r in batch for x in r.itls[4:-4]], 90) * 1e3:.1f} ms over "
+    gaps8 = [x for r in batch for x in r.itls[4:-4]]
+    gap8 = float(np.median(gaps8))
+    ov.step_jitter = step_jitter(gaps8)
+    log(f"8 streams' token gaps: p90 {np.percentile(gaps8, 90) * 1e3:.1f} ms over "
         f"p50 {gap8 * 1e3:.1f} ms, a step's spread of sigma {ov.step_jitter:.3f}")
     local_ttft, remote_ttft = float(np.median([r.ttft for r in near])), float(np.median([r.ttft for r in ok]))
     # the engines' own time to the first token in the same runs (the prefill replica's for the remote prompts,
