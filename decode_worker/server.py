@@ -77,8 +77,11 @@ class DecodeServer(EngineReplica):
                                                       len(out.token_ids),
                                                       prefilled=req.prefill is None or not out.metrics.kv_transferred)
                     delta = TokenDelta.of(out, self.replica if first else None, out.metrics.kv_transferred)
-                if first and not delta.finished and (chan := self._channels.get(req.channel)) is not None \
-                        and not chan.closing:
+                # only a request that joins the channel sends through it; one whose first delta meets a closing
+                # channel (a drain began while it prefilled) streams on its call to the end, as its caller reads
+                if first and not delta.finished and (joined := self._channels.get(req.channel)) is not None \
+                        and not joined.closing:
+                    chan = joined
                     chan.users += 1
                     delta.channeled = True
                 if chan is not None and not first:

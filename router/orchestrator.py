@@ -83,9 +83,14 @@ def prefix_sources(index: dict, hashes: list[int], disaggregated: bool) -> list[
     return [(pool, name, n) for n, _, pool, name in sorted(found, reverse=True)]
 
 
-class ChannelLost(Exception):
+class StreamLost(Exception):
+    """A request's deltas stopped coming from its decode replica before the last: the request continues
+    elsewhere, as if the replica had died."""
+
+
+class ChannelLost(StreamLost):
     """A decode replica's channel ended (or failed) while a request read its deltas from it: the replica died,
-    or can no longer send them. The request continues elsewhere, as if the replica had died."""
+    or can no longer send them."""
 
 
 class Channels:
@@ -288,11 +293,11 @@ class Orchestrator:
         sent, chars, replica = [], 0, None        # everything the client has, across moves
         while True:
             try:
-                handed_over = None
+                handed_over, finished = None, False
                 calls = self.channels.stream(req) if self.channels is not None else self.decode.generate.remote(req)
                 async with _closing(calls):
                     async for delta in calls:
-                        replica = delta.replica or replica
+                        replica, finished = delta.replica or replica, delta.finished
                         sent += delta.token_ids
                         chars += len(delta.text)
                         if delta.finish_reason == "migrated":      # the replica is draining: it handed us over
@@ -302,7 +307,12 @@ class Orchestrator:
                             break
                         yield delta
                 if handed_over is None:
-                    return
+                    if finished:
+                        return
+                    # a call that ends without its last delta is a fault on the replica's side (its deltas went
+                    # somewhere else); waiting for them would hang the client's stream
+                    raise StreamLost(f"decode replica {replica} ended the stream of request {req.request_id} "
+                                     f"before its last delta")
                 req = self._handed_over(req, sent, chars, replica, handed_over.migrate)
             except Exception as e:
                 if not _replica_died(e):
@@ -358,11 +368,11 @@ def _closing(calls):
 
 def _replica_died(e: BaseException) -> bool:
     """The replica's actor died, or its tensor-parallel group broke (replica/engine_replica.py ReplicaLLM), or
-    the channel its deltas came through ended under the request."""
+    the request's deltas stopped coming (StreamLost: the channel they came through ended under the request)."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     from engine.parallel import TPWorkerError
-    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, TPWorkerError, ChannelLost)) \
+    return isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError, TPWorkerError, StreamLost)) \
         or isinstance(getattr(e, "cause", None), TPWorkerError)
 
 

@@ -29,6 +29,7 @@ class FakeDecodePool:
     dies after die_after[k] deltas (None: runs to the end)."""
     die_after: list[int | None]
     drain_after: list[int | None] = field(default_factory=list)      # hand the request over after n deltas
+    cut_after: list[int | None] = field(default_factory=list)        # end the call, unfinished, after n deltas
     calls: list[PoolRequest] = field(default_factory=list)
 
     def options(self, **_):
@@ -42,13 +43,16 @@ class FakeDecodePool:
         k = len(self.calls)
         self.calls.append(req)
         drain = self.drain_after[k] if k < len(self.drain_after) else None
-        return self._stream(req, f"d{k}", self.die_after[k], drain)
+        cut = self.cut_after[k] if k < len(self.cut_after) else None
+        return self._stream(req, f"d{k}", self.die_after[k], drain, cut)
 
-    async def _stream(self, req, name, die_after, drain_after):
+    async def _stream(self, req, name, die_after, drain_after, cut_after=None):
         start = len(req.resume.token_ids) if req.resume is not None else 0
         for i, tok in enumerate(ANSWER[start:]):
             if die_after is not None and i == die_after:
                 raise ActorDiedError()
+            if cut_after is not None and i == cut_after:
+                return
             if drain_after is not None and i == drain_after:      # this token comes with the hand-over
                 kv = PrefillResult(name, tok, None, 0, None) if drain_after else None
                 yield TokenDelta([tok] if drain_after else [], f"<{tok}>" if drain_after else "", True,
@@ -234,6 +238,16 @@ def test_a_draining_replica_hands_its_request_over_and_the_stream_goes_on(channe
     assert third.resume.token_ids == ANSWER[:5] and third.avoid == ("d0", "d1")
     # the KV it pulls is prompt + sent[:-1]: that is what the hashes cover
     assert third.block_hashes == block_hashes(PROMPT + ANSWER[:4], BS, KEY)
+
+
+def test_a_call_that_ends_before_its_last_delta_continues_elsewhere_instead_of_hanging_the_stream():
+    """A replica's call that ends without a finished delta (its deltas went somewhere its caller does not read, as
+    a request's did when its first delta met a draining replica's closing channel): the client's stream would wait
+    for ever for the rest; it continues on another replica from what was sent."""
+    pool = FakeDecodePool([None, None], cut_after=[4])
+    out = run(pool)                     # it used to end here, unfinished, and the ingress waited for the rest
+    assert [t for d in out for t in d.token_ids] == ANSWER and out[-1].finished
+    assert pool.calls[1].resume.token_ids == ANSWER[:4] and pool.calls[1].avoid == ("d0",)
 
 
 def test_channeled_deltas_arrive_in_order_and_a_client_that_leaves_cancels_the_call():

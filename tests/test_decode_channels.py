@@ -1,0 +1,77 @@
+"""A decode replica's delta channels (decode_worker/server.py), in process: a DecodeServer of a tiny model,
+its `generate` and `deltas` called as Serve would call them. A request that joins a channel sends its deltas
+after the first through it; one whose first delta meets a closing channel (the replica began draining while the
+request prefilled) streams on its own call to the end, as the ingress then reads it; the channel ends once its
+last request leaves, and no KV block is left behind. The live cluster's version is in tests/test_cluster_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from decode_worker.server import DecodeServer
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.loader import resolve_model
+from kvtransfer.config import TransferConfig
+from replica.messages import DeltaChannel, PoolRequest
+from tests.conftest import make_tiny_checkpoint
+
+PROMPT = list(range(40, 60))
+N = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("decode"), "llama")
+    srv = DecodeServer(EngineConfig(path, tokenizer=resolve_model(None), num_kv_blocks=64, max_model_len=256),
+                       TransferConfig(), "", "tiny")
+    yield srv
+    srv.__del__()
+    srv.llm.shutdown()
+
+
+def request(rid: str, channel: str) -> PoolRequest:
+    return PoolRequest(rid, PROMPT, [], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+                       channel=channel, channel_key=f"key-{rid}")
+
+
+def test_a_request_that_meets_a_closing_channel_streams_on_its_call_and_the_channel_ends(server):
+    async def main():
+        on_channel: dict[str, list] = {}
+        ended = asyncio.Event()
+
+        async def read():
+            async for batch in server.deltas(DeltaChannel("ingress-1", server.replica)):
+                for key, delta in batch:
+                    on_channel.setdefault(key, []).append(delta)
+            ended.set()
+        reader = asyncio.create_task(read())
+        while "ingress-1" not in server._channels:
+            await asyncio.sleep(0.01)
+
+        a = server.generate(request("a", "ingress-1"))
+        first_a = await a.__anext__()
+        assert first_a.channeled                          # it joined the channel: the rest come through it
+        rest_a = asyncio.create_task(_drain(a))
+        server._channels["ingress-1"].close()             # the replica begins draining, as _close_channels does
+        b = [d async for d in server.generate(request("b", "ingress-1"))]
+        assert not b[0].channeled
+        # every one of b's deltas came on its call, the last finished: before the fix its deltas after the first
+        # went to the channel under a key its ingress never read, and its stream at the ingress waited for ever
+        assert b[-1].finished and "key-b" not in on_channel
+        assert await asyncio.wait_for(rest_a, 30) == []   # a's call carries nothing after its first delta
+        await asyncio.wait_for(ended.wait(), 30)          # the channel ends once a, its last user, has finished
+        await reader
+        a_tokens = first_a.token_ids + [t for d in on_channel["key-a"] for t in d.token_ids]
+        b_tokens = [t for d in b for t in d.token_ids]
+        assert on_channel["key-a"][-1].finished and a_tokens == b_tokens and len(a_tokens) == N
+        assert "ingress-1" not in server._channels
+
+    asyncio.run(main())
+    free, total, running = server.llm.call(lambda e: (e.pool.num_free_blocks, e.pool.num_blocks, len(e.requests)))
+    assert (free, total, running) == (total, total, 0)    # no block leaked
+
+
+async def _drain(agen) -> list:
+    return [d async for d in agen]
