@@ -124,7 +124,7 @@ def with_llama_server(binary: str, gguf: str, slots: int, threads: int, fn: Call
         proc.wait(timeout=30)
 
 
-def replica_cpus(cfg, cores: int, stream_interval_ms: float = 0.0, stream_channels: bool = False):
+def replica_cpus(cfg, cores: int, stream_interval_ms: float = 0.0, stream_channels: bool = True):
     """Each engine replica reserves its share of the machine's cores (the whole machine colocated, half each
     disaggregated): Ray gives a replica as many torch threads as the CPUs it reserves, at least one. The decode
     pool batches its streams' tokens per `stream_interval_ms`, and per step on channels (`stream_channels`)."""
@@ -260,9 +260,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 1)")
     p.add_argument("--stream-interval-ms", type=float, default=0.0,
                    help="Baton's decode.stream_interval_ms (default 0: every step's tokens at once)")
-    p.add_argument("--stream-channels", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--stream-channels", action=argparse.BooleanOptionalAction, default=True,
                    help="Baton's decode.stream_channels: one message per engine step for all of an ingress's "
-                        "streams (default off, as the config's)")
+                        "streams (default on, as the config's; --no-stream-channels for each stream's own call)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 4 streams of 16 tokens, 1 prefill trial, "
                                                         "colocated only")
     p.add_argument("--out", "--out-dir", dest="out_dir", default="bench_out/peer",

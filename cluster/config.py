@@ -285,12 +285,11 @@ class DecodePoolConfig(PoolConfig):
         "On hosts where the serving path's CPU competes with the engine's, 20-50 trades smoothness for tokens/s "
         "(Ray Serve LLM batches at 50 ms; vLLM's stream_interval counts tokens)")
     stream_channels: bool = Field(
-        False, description="Send the tokens one engine step made for all the streams of one ingress replica in one "
+        True, description="Send the tokens one engine step made for all the streams of one ingress replica in one "
         "message: each ingress replica opens a channel on each decode replica it streams from, and a request's "
         "tokens after the first go through it (vLLM's engine core sends its API server one batch a step); each "
         "channel takes one of the decode replica's max_ongoing_requests. "
-        "false (the default): each request's own Serve call carries its tokens, a message a step each. Off by "
-        "default until a node drain under load passes with it: in tests/test_multinode.py some streams stalled")
+        "false: each request's own Serve call carries its tokens, a message a step each")
 
 
 class IngressConfig(_Schema):

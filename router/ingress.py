@@ -92,7 +92,7 @@ class Ingress:
     def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
                  router: RouterConfig, migration: MigrationConfig = MigrationConfig(),
-                 tools: ToolsConfig = ToolsConfig(), lora: LoRAConfig = LoRAConfig(), stream_channels: bool = False):
+                 tools: ToolsConfig = ToolsConfig(), lora: LoRAConfig = LoRAConfig(), stream_channels: bool = True):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; stream_channels: the decode section's; the rest are the cluster
