@@ -326,6 +326,10 @@ def _http(body: bytes, declared: int | None = None) -> bytes:
 
 
 def test_clients_that_disconnect_at_every_stage_leave_nothing_behind(cluster):
+    # the stages are a served request's: one request first takes the ingress's one-time start-up (its handles'
+    # routers, the index mirror's first snapshot) out of the way of the clients below, as the tests before this
+    # one do in the module's order
+    complete(prompt(6), 2)
     m0 = scrape(BASE)
     long = json.dumps({"model": MODEL, "prompt": prompt(7, 300), "max_tokens": 200, "temperature": 0,
                        "ignore_eos": True}).encode()
@@ -347,9 +351,13 @@ def test_clients_that_disconnect_at_every_stage_leave_nothing_behind(cluster):
         t.join(60)
     report = assert_no_leaks()                  # every pool's blocks and pins, the ingress's budget: zero
     m1 = scrape(BASE)
-    aborted = counter(m1, "baton_requests_total", status="aborted") - counter(m0, "baton_requests_total",
-                                                                             status="aborted")
-    assert aborted >= 6, aborted
+    ended = {status: counter(m1, "baton_requests_total", status=status) - counter(m0, "baton_requests_total",
+                                                                                  status=status)
+             for status in ("ok", "aborted", "error")}
+    # every request that reached the pools was aborted when its client left: none ran on to its 200 tokens, none
+    # failed. How many reached them depends on the machine's pace (10 of 21 in one run; 5 in a slow one): the
+    # mid-stream clients' 3 always do, as they leave 0.2 s after their stream's first bytes
+    assert ended["ok"] == 0 and ended["error"] == 0 and ended["aborted"] >= 3, ended
     assert all(v == 0 for v in report["kv_blocks_used"].values())
     assert complete(prompt(9), 4)["usage"]["completion_tokens"] == 4
 
