@@ -1,5 +1,5 @@
-"""A decode replica's delta channels (decode_worker/server.py), in process: a DecodeServer of a tiny model,
-its `generate` and `deltas` called as Serve would call them. A request that joins a channel sends its deltas
+"""A decode replica in process (decode_worker/server.py): a DecodeServer of a tiny model, its `generate` and
+`deltas` called as Serve would call them, and its metrics report. Its delta channels: A request that joins a channel sends its deltas
 after the first through it; one whose first delta meets a closing channel (the replica began draining while the
 request prefilled) streams on its own call to the end, as the ingress then reads it; the channel ends once its
 last request leaves, and no KV block is left behind. The live cluster's version is in tests/test_cluster_e2e.py."""
@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.loader import resolve_model
 from kvtransfer.config import TransferConfig
 from replica.messages import DeltaChannel, PoolRequest
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import make_tiny_checkpoint, wait_for
 
 PROMPT = list(range(40, 60))
 N = 12
@@ -75,3 +75,34 @@ def test_a_request_that_meets_a_closing_channel_streams_on_its_call_and_the_chan
 
 async def _drain(agen) -> list:
     return [d async for d in agen]
+
+
+def test_the_heap_gauge_is_read_at_every_report_at_rest_and_seldom_under_load(server, monkeypatch):
+    """mallinfo2 holds the allocator's locks while it walks every arena (milliseconds in a replica that has served
+    load): a replica running requests reads it once per HEAP_BUSY_INTERVAL_S, one at rest at every report (where
+    the soak takes each replica's memory)."""
+    import replica.metrics as metrics
+    reads = []
+    monkeypatch.setattr(metrics, "heap_in_use", lambda: reads.append(1) or 1234 * len(reads))
+
+    def heap_gauge() -> float:
+        line = next(x for x in server.metrics.exposition().decode().splitlines()
+                    if x.startswith("baton_replica_heap_in_use_bytes"))
+        return float(line.rsplit(" ", 1)[1])
+
+    at_rest = [heap_gauge() for _ in range(3)]
+    assert len(reads) == 3 and at_rest == [1234, 2468, 3702]       # a fresh figure at every report
+
+    async def main():
+        gen = server.generate(PoolRequest("busy", PROMPT, [], SamplingParams(temperature=0, max_tokens=200,
+                                                                             ignore_eos=True)))
+        await gen.__anext__()                           # the request runs: the replica is busy
+        busy = [heap_gauge() for _ in range(5)]
+        await gen.aclose()                              # the client leaves: the replica aborts it
+        return busy
+    busy = asyncio.run(main())
+    assert len(reads) <= 4 and len(set(busy)) == 1     # at most one read for five reports, the same figure
+    wait_for(lambda: server.llm.call(lambda e: not e.requests), 30, "the aborted request to leave the engine")
+    n = len(reads)
+    heap_gauge()
+    assert len(reads) == n + 1                          # at rest again: read at the next report
