@@ -244,10 +244,14 @@ def test_a_call_that_ends_before_its_last_delta_continues_elsewhere_instead_of_h
     """A replica's call that ends without a finished delta (its deltas went somewhere its caller does not read, as
     a request's did when its first delta met a draining replica's closing channel): the client's stream would wait
     for ever for the rest; it continues on another replica from what was sent."""
+    from router.orchestrator import MOVES
+    lost = MOVES.labels("stream_lost", "replay")
+    before = lost._value.get()
     pool = FakeDecodePool([None, None], cut_after=[4])
     out = run(pool)                     # it used to end here, unfinished, and the ingress waited for the rest
     assert [t for d in out for t in d.token_ids] == ANSWER and out[-1].finished
     assert pool.calls[1].resume.token_ids == ANSWER[:4] and pool.calls[1].avoid == ("d0",)
+    assert lost._value.get() == before + 1              # operators see it apart from replicas that died
 
 
 def test_channeled_deltas_arrive_in_order_and_a_client_that_leaves_cancels_the_call():
