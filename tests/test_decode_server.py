@@ -1,8 +1,9 @@
 """A decode replica in process (decode_worker/server.py): a DecodeServer of a tiny model, its `generate` and
-`deltas` called as Serve would call them, and its metrics report. Its delta channels: A request that joins a channel sends its deltas
-after the first through it; one whose first delta meets a closing channel (the replica began draining while the
-request prefilled) streams on its own call to the end, as the ingress then reads it; the channel ends once its
-last request leaves, and no KV block is left behind. The live cluster's version is in tests/test_cluster_e2e.py."""
+`deltas` called as Serve would call them, and its metrics report. Its delta channels: a request that joins a
+channel sends its deltas after the first through it; one whose first delta meets a closing channel (the replica
+began draining while the request prefilled) streams on its own call to the end, as the ingress then reads it; the
+channel ends once its last request leaves, and no KV block is left behind. The live cluster's version is in
+tests/test_cluster_e2e.py."""
 from __future__ import annotations
 
 import asyncio
