@@ -16,7 +16,7 @@ from engine import SamplingParams
 from engine.block_hash import block_hashes
 from replica.messages import PoolRequest, PrefillResult, TokenDelta
 from router.openai_protocol import OpenAIError
-from router.orchestrator import Orchestrator
+from router.orchestrator import MOVES, Orchestrator
 
 BS, KEY = 4, "test-model"
 PROMPT = list(range(10, 20))                      # 2 full blocks and a partial one
@@ -244,7 +244,6 @@ def test_a_call_that_ends_before_its_last_delta_continues_elsewhere_instead_of_h
     """A replica's call that ends without a finished delta (its deltas went somewhere its caller does not read, as
     a request's did when its first delta met a draining replica's closing channel): the client's stream would wait
     for ever for the rest; it continues on another replica from what was sent."""
-    from router.orchestrator import MOVES
     lost = MOVES.labels("stream_lost", "replay")
     before = lost._value.get()
     pool = FakeDecodePool([None, None], cut_after=[4])
