@@ -46,17 +46,24 @@ serve: install
 # runs at nice 15, still come first. Both parts at normal priority side by side starved the replicas (36 tests
 # failed); one after the other took 20 minutes, side by side 13. The tests that start Ray run in one process, one
 # Ray at a time (two Rays at once starve each other's replicas). Their output comes first, the others' after it.
+# The Ray tests' failures (and their last line) are printed again at the very end, after the others' log: a CI that
+# shows only the end of the output still names them (stop 53's CI showed only the other part's tail).
 # The model is converted (once per machine) before the workers start, so that two of them never both convert it.
 XDIST := -n 2 --dist loadgroup
 MODEL_READY := $(BIN)/python -c "from engine.loader import resolve_model; resolve_model(None)"
 IDLE := $(shell command -v chrt >/dev/null && echo chrt --idle 0)
 NO_RAY_LOG := .test-no-ray.log
+RAY_LOG := .test-ray.log
 
 test: install
 	$(MODEL_READY)
 	$(IDLE) $(BIN)/python -m pytest -q -ra --durations=15 -m "not cluster" $(XDIST) > $(NO_RAY_LOG) 2>&1 & \
-	$(BIN)/python -m pytest -q -ra --durations=25 -m cluster; b=$$?; \
+	{ PYTHONUNBUFFERED=1 $(BIN)/python -m pytest -q -ra --durations=25 -m cluster; echo $$? > $(RAY_LOG).rc; } 2>&1 \
+	  | tee $(RAY_LOG); b=$$(cat $(RAY_LOG).rc); \
 	wait $$!; a=$$?; echo "---- the tests that start no Ray (run beside, at idle priority) ----"; cat $(NO_RAY_LOG); \
+	echo "---- the tests that start Ray, again: what failed, and their last line ----"; \
+	grep -E '^(FAILED|ERROR) ' $(RAY_LOG); grep -aE 'Fatal Python error|Segmentation fault' $(RAY_LOG); \
+	tail -n 1 $(RAY_LOG); \
 	echo "tests that start no Ray: exit $$a; tests that start Ray: exit $$b"; test $$a -eq 0 && test $$b -eq 0
 
 test-fast: install
