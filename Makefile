@@ -61,9 +61,9 @@ test: install
 	{ PYTHONUNBUFFERED=1 $(BIN)/python -m pytest -q -ra --durations=25 -m cluster; echo $$? > $(RAY_LOG).rc; } 2>&1 \
 	  | tee $(RAY_LOG); b=$$(cat $(RAY_LOG).rc); \
 	wait $$!; a=$$?; echo "---- the tests that start no Ray (run beside, at idle priority) ----"; cat $(NO_RAY_LOG); \
-	echo "---- the tests that start Ray, again: what failed, and their last line ----"; \
+	echo "---- the tests that start Ray, again: what failed, and their last lines ----"; \
 	grep -E '^(FAILED|ERROR) ' $(RAY_LOG); grep -aE 'Fatal Python error|Segmentation fault' $(RAY_LOG); \
-	tail -n 1 $(RAY_LOG); \
+	tail -n 4 $(RAY_LOG); \
 	echo "tests that start no Ray: exit $$a; tests that start Ray: exit $$b"; test $$a -eq 0 && test $$b -eq 0
 
 test-fast: install
