@@ -274,8 +274,8 @@ def _eos_before_limit(tokens: list[int], eos: int | None) -> bool:
 class Engines:
     """The engines of one run, by name; 'baseline' has no speculation."""
 
-    def __init__(self, model: str):
-        self.model, self.llms, self.configs = model, {}, {}
+    def __init__(self, model: str | None):
+        self.model, self.llms, self.configs = model, {}, {}       # None: the default model
 
     def build(self, name: str, spec: dict | None, kv_bytes: int) -> None:
         from engine import LLM
@@ -490,7 +490,9 @@ def run(args: argparse.Namespace) -> dict:
     spec_name = f"{args.method}_k{args.k}_adaptive"
     main_spec = _main_spec(args)
 
-    engines = Engines(model_path)
+    # the model as the user named it: the default model runs as `baton serve` runs it, in its packed GGUF types
+    # (engine/quant.py); a converted directory's path would run it dequantized to fp32
+    engines = Engines(args.model)
     engines.build("baseline", None, KV_BYTES_MAIN)
     engines.build(spec_name, main_spec, KV_BYTES_MAIN)
     ls_names = []
@@ -553,6 +555,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "spec", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "model": model_path, "model_num_layers": num_layers_total,
         "device": str(runner.device), "dtype": str(runner.dtype).removeprefix("torch."),
+        "quantization": runner.quantization,
         "quick": args.quick, "max_tokens": max_tokens, "batch_max_tokens": batch_max_tokens,
         "spec_engine": spec_name, "spec_config": main_spec,
         "spec_label": f"{args.method} k={args.k} adaptive",

@@ -13,6 +13,7 @@ from tests.conftest import run_bench
 def test_bench_spec_quick(tmp_path):
     result = run_bench("spec", "--quick", "--out", str(tmp_path))
     w = result["workloads"]
+    assert result["quantization"] == "gguf"               # the default model as `baton serve` runs it, packed
     assert set(w) == {"repeat", "chat", "batch32"}
     for name, x in w.items():
         assert x["itl_ms_baseline"] > 0 and x["itl_ms_spec"] > 0, name
