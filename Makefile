@@ -46,7 +46,7 @@ serve: install
 # runs at nice 15, still come first. Both parts at normal priority side by side starved the replicas (36 tests
 # failed); one after the other took 20 minutes, side by side 13. The tests that start Ray run in one process, one
 # Ray at a time (two Rays at once starve each other's replicas). Their output comes first, the others' after it.
-# The Ray tests' failures (and their last line) are printed again at the very end, after the others' log: a CI that
+# The Ray tests' failures (and their last 4 lines) are printed again at the very end, after the others' log: a CI that
 # shows only the end of the output still names them (stop 53's CI showed only the other part's tail).
 # The model is converted (once per machine) before the workers start, so that two of them never both convert it.
 XDIST := -n 2 --dist loadgroup
