@@ -59,18 +59,18 @@ def run(args: argparse.Namespace) -> dict:
     n = args.loras
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = resolve_model(args.model)
+    hf_dir = resolve_model(args.model)          # PEFT makes the adapters on the transformers checkpoint
     with tempfile.TemporaryDirectory(prefix="baton-loras-") as tmp:          # the adapters go with the run
-        return _run(args, model, cfg, n, out, tmp)
+        return _run(args, hf_dir, cfg, n, out, tmp)
 
 
-def _run(args: argparse.Namespace, model: str, cfg: dict, n: int, out: Path, tmp: str) -> dict:
+def _run(args: argparse.Namespace, hf_dir: str, cfg: dict, n: int, out: Path, tmp: str) -> dict:
     import torch
 
     from bench.models import make_lora_adapter
     from engine import LLM, LoRARequest, SamplingParams
-    log(f"making {n} adapters of rank {cfg['rank']} with PEFT on {model}")
-    paths = [make_lora_adapter(model, Path(tmp) / f"a{i}", rank=cfg["rank"], seed=i + 1, scale=0.5) for i in range(n)]
+    log(f"making {n} adapters of rank {cfg['rank']} with PEFT on {hf_dir}")
+    paths = [make_lora_adapter(hf_dir, Path(tmp) / f"a{i}", rank=cfg["rank"], seed=i + 1, scale=0.5) for i in range(n)]
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (cfg["prompt_len"],), generator=g).tolist() for _ in range(cfg["requests"])]
@@ -78,14 +78,17 @@ def _run(args: argparse.Namespace, model: str, cfg: dict, n: int, out: Path, tmp
     common = dict(max_num_seqs=max(cfg["requests"], 8), max_model_len=512, kv_cache_memory=256 << 20)
     runs: dict[str, Any] = {}
 
-    base = LLM(model, **common)
+    # the engines run the model as the user named it: the default model as `baton serve` runs it, in its packed
+    # GGUF types (engine/quant.py); the converted directory's path would run it dequantized to fp32
+    base = LLM(args.model, **common)
+    quantization = base.engine.runner.quantization
     base.generate(prompts[:2], params)                                       # warm-up
     tok_s, _ = _timed(base, prompts, params, None, cfg["repeats"])
     runs["base"] = {"output_tok_s": tok_s}
     log(f"base: {tok_s:.1f} output tok/s")
     del base
 
-    llm = LLM(model, **common, enable_lora=True, max_loras=n, max_lora_rank=cfg["rank"])
+    llm = LLM(args.model, **common, enable_lora=True, max_loras=n, max_lora_rank=cfg["rank"])
     llm.generate(prompts[:2], params, lora_request=[None, loras[0]])        # warm-up
     tok_s, _ = _timed(llm, prompts, params, None, cfg["repeats"])
     runs["lora_idle"] = {"output_tok_s": tok_s}
@@ -102,7 +105,7 @@ def _run(args: argparse.Namespace, model: str, cfg: dict, n: int, out: Path, tmp
     same = all(mixed[i] == alone[i] for i in range(len(prompts)))
     result: dict[str, Any] = {
         "benchmark": "loras", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": model, "loras": n, "workload": cfg, "runs": runs,
+        "machine": machine_info(), "model": args.model or hf_dir, "quantization": quantization, "loras": n, "workload": cfg, "runs": runs,
         "mixed_over_base": runs["mixed"]["output_tok_s"] / runs["base"]["output_tok_s"],
         "idle_over_base": runs["lora_idle"]["output_tok_s"] / runs["base"]["output_tok_s"],
         "goal_mixed_over_base": 0.7, "mixed_equals_alone": same,

@@ -45,7 +45,7 @@ def _workload(cfg: dict, vocab: int) -> list[tuple[int, list[int]]]:
     return reqs
 
 
-def _run(name: str, model: str, cfg: dict, reqs: list, **engine: Any) -> dict:
+def _run(name: str, model: str | None, cfg: dict, reqs: list, **engine: Any) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model, max_model_len=2 * (cfg["doc_tokens"] + cfg["question_tokens"] + cfg["max_tokens"]),
               **engine)
@@ -63,7 +63,8 @@ def _run(name: str, model: str, cfg: dict, reqs: list, **engine: Any) -> dict:
     wall = time.perf_counter() - t
     s = llm.engine.stats()
     moved = s["kv_offloaded_blocks"] + s["kv_onloaded_blocks"] - s0["kv_offloaded_blocks"] - s0["kv_onloaded_blocks"]
-    res = {"kv_blocks": llm.engine.pool.num_blocks, "host_blocks": llm.engine.pool.host_blocks,
+    res = {"quantization": llm.engine.runner.quantization,
+           "kv_blocks": llm.engine.pool.num_blocks, "host_blocks": llm.engine.pool.host_blocks,
            "revisit_ttft_ms_median": statistics.median(ttft) * 1e3,
            "revisit_ttft_ms_p90": statistics.quantiles(ttft, n=10)[-1] * 1e3 if len(ttft) > 1 else ttft[0] * 1e3,
            "prompt_tokens": sum(len(p) for _, p in reqs),
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = QUICK if args.quick else FULL
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model)          # the converted checkpoint: its config and KV block size
     hf = load_config(model)
     reqs = _workload(cfg, hf.vocab_size)
     per_doc = -(-(cfg["doc_tokens"] + cfg["question_tokens"] + cfg["max_tokens"]) // BLOCK)
@@ -117,11 +118,13 @@ def run(args: argparse.Namespace) -> dict:
     host_gib = 1.25 * cfg["docs"] * per_doc * block_bytes(model) / 2**30       # fp32: CPU
     log(f"{len(reqs)} requests on {model}: device cache {device_blocks} blocks (~{cfg['device_docs']} docs), "
         f"host tier {host_gib:.3f} GiB (the working set of {cfg['docs']} docs)")
+    # the engines run the model as the user named it: the default model as `baton serve` runs it, in its packed GGUF
+    # types (engine/quant.py); the converted directory's path would run it dequantized to fp32
     engines = {
-        "device": _run("device", model, cfg, reqs, num_kv_blocks=device_blocks),
-        "tiered": _run("tiered", model, cfg, reqs, num_kv_blocks=device_blocks, kv_offloading_size=host_gib),
-        "roomy": _run("roomy", model, cfg, reqs, num_kv_blocks=2 * cfg["docs"] * per_doc),
-        "int8": _run("int8", model, cfg, reqs, kv_cache_memory=device_blocks * block_bytes(model),
+        "device": _run("device", args.model, cfg, reqs, num_kv_blocks=device_blocks),
+        "tiered": _run("tiered", args.model, cfg, reqs, num_kv_blocks=device_blocks, kv_offloading_size=host_gib),
+        "roomy": _run("roomy", args.model, cfg, reqs, num_kv_blocks=2 * cfg["docs"] * per_doc),
+        "int8": _run("int8", args.model, cfg, reqs, kv_cache_memory=device_blocks * block_bytes(model),
                      kv_cache_dtype="int8"),
     }
     same = engines["device"]["_tokens"] == engines["tiered"]["_tokens"] == engines["roomy"]["_tokens"]
@@ -131,7 +134,8 @@ def run(args: argparse.Namespace) -> dict:
         del e["_tokens"]
     result: dict[str, Any] = {
         "benchmark": "kv_tiers", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": model, "workload": {**cfg, "requests": len(reqs), "host_gib": host_gib},
+        "machine": machine_info(), "model": args.model or model, "quantization": engines["device"]["quantization"],
+        "workload": {**cfg, "requests": len(reqs), "host_gib": host_gib},
         "engines": engines, "same_tokens": same,
         "revisit_ttft_device_over_tiered": engines["device"]["revisit_ttft_ms_median"]
                                            / engines["tiered"]["revisit_ttft_ms_median"],

@@ -15,6 +15,7 @@ from tests.conftest import run_bench
 def test_bench_loras_quick(tmp_path):
     result = run_bench("engine", "--loras", "3", "--quick", "--out-dir", str(tmp_path))
     runs = result["runs"]
+    assert result["quantization"] == "gguf"          # the default model as `baton serve` runs it, packed
     assert result["loras"] == 3 and runs["mixed"]["lora_loads"] >= 3
     assert all(runs[n]["output_tok_s"] > 0 for n in ("base", "lora_idle", "mixed"))
     assert result["mixed_over_base"] == pytest.approx(runs["mixed"]["output_tok_s"] / runs["base"]["output_tok_s"])

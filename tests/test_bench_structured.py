@@ -15,6 +15,7 @@ from tests.conftest import run_bench
 def test_bench_structured_quick(tmp_path):
     result = run_bench("engine", "--structured", "--quick", "--out-dir", str(tmp_path))
     t = result["throughput"]
+    assert result["quantization"] == "gguf"          # the default model as `baton serve` runs it, packed
     batch, max_tokens = result["workload"]["batch"], result["workload"]["max_tokens"]
     for name in ("free", "json_schema", "regex"):
         assert t[name]["output_tokens"] == batch * max_tokens and t[name]["finished_early"] == 0, (name, t[name])

@@ -16,6 +16,7 @@ from tests.conftest import run_bench
 def test_bench_kv_tiers_quick(tmp_path):
     result = run_bench("engine", "--kv-tiers", "--quick", "--out-dir", str(tmp_path))
     w, e = result["workload"], result["engines"]
+    assert result["quantization"] == "gguf"          # the default model as `baton serve` runs it, packed
     revisited = w["docs"] * (w["visits"] - 1) * (w["doc_tokens"] // 16 * 16)     # the documents' full blocks
     assert e["tiered"]["hit_tokens_host"] == revisited and e["tiered"]["hit_tokens_device"] == 0
     assert e["device"]["hit_tokens_host"] == 0 and e["device"]["hit_tokens_device"] == 0, "the cache is too small"
