@@ -11,7 +11,9 @@
 // process needs for every token it streams. Here a layer is rms_norm -> qkv matmul -> rope + KV store ->
 // paged attention -> o matmul -> rms_norm (residual added) -> gate_up matmul -> silu(gate) * up (ATen's own
 // ops, the same ones the Python path calls) -> down matmul: exactly the Python path's ops in its order, so the
-// two give bitwise equal results (tests/test_cpu_model.py). The GIL is released for the whole stack.
+// two give bitwise equal results (tests/test_cpu_model.py). With LoRA adapters (engine/lora.py) each linear adds
+// its rows' adapter products after it, with the same kernels (engine/lora_cpu.cpp) as the modules' LoRALinear.
+// The GIL is released for the whole stack.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -31,6 +33,9 @@ namespace attn {
 namespace quant {
 #include "quant_cpu.cpp"
 }  // namespace quant
+namespace lora {
+#include "lora_cpu.cpp"
+}  // namespace lora
 
 namespace {
 
@@ -64,9 +69,33 @@ Linear make_linear(const std::vector<std::tuple<torch::Tensor, bool, int64_t, in
   return l;
 }
 
+// One linear's adapter slots (engine/lora.py's LoRALinear, its tensors shared: loading an adapter into a slot
+// writes here): A [slots, parts * R, K] and one transposed B per part [slots, R, N_i].
+struct LoRA {
+  torch::Tensor a;
+  std::vector<torch::Tensor> bt;
+};
+
+// The step's rows under an adapter, sorted by slot, and their slots (engine/lora_ops.py's LoRAPlan).
+struct LoRARows {
+  torch::Tensor rows, slots;
+};
+
+// y += each row's adapter product, in place: exactly engine/lora_ops.py's apply_lora_cpu
+void apply_lora(const LoRA& l, const torch::Tensor& x, torch::Tensor& y, const LoRARows& r) {
+  torch::Tensor t = lora::shrink(x.contiguous(), l.a, r.rows, r.slots);
+  const int64_t rank = l.a.size(1) / static_cast<int64_t>(l.bt.size());
+  int64_t col = 0;
+  for (size_t i = 0; i < l.bt.size(); i++) {
+    lora::expand(t, static_cast<int64_t>(i) * rank, l.bt[i], r.rows, r.slots, y, col);
+    col += l.bt[i].size(2);
+  }
+}
+
 struct Layer {
   torch::Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
+  std::vector<c10::optional<LoRA>> lora = std::vector<c10::optional<LoRA>>(4);   // qkv, o, gate_up, down
 };
 
 class DecoderStack {
@@ -81,6 +110,14 @@ class DecoderStack {
                  c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias) {
     layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), make_linear(qkv, qkv_bias),
                             make_linear(o, o_bias), make_linear(gate_up, gate_up_bias), make_linear(down, down_bias)});
+  }
+
+  // The adapter slots of one of layer i's linears (which: 0 qkv, 1 o, 2 gate_up, 3 down).
+  void set_lora(int64_t i, int64_t which, torch::Tensor a, std::vector<torch::Tensor> bt) {
+    TORCH_CHECK(i >= 0 && i < num_layers() && which >= 0 && which < 4, "set_lora: no such linear");
+    TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && !bt.empty() && a.size(1) % static_cast<int64_t>(bt.size()) == 0,
+                "set_lora: A [slots, parts * R, K], one B per part");
+    layers_[i].lora[which] = LoRA{std::move(a), std::move(bt)};
   }
 
   // Each layer's K and V cache views, and for an int8 cache its scales (engine/kv_layout.py's LayerKV), kept
@@ -99,12 +136,25 @@ class DecoderStack {
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                                                   int64_t num_layers) const {
+                                                   int64_t num_layers, const c10::optional<torch::Tensor>& lora_rows,
+                                                   const c10::optional<torch::Tensor>& lora_slots) const {
     const int64_t L = num_layers < 0 ? this->num_layers() : std::min(num_layers, this->num_layers());
     TORCH_CHECK(static_cast<int64_t>(k_.size()) == this->num_layers(), "set_kv before forward");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x: fp32 [T, hidden]");
     const int64_t T = x.size(0);
     x = x.contiguous();
+    // rows under an adapter in this step (none: every row on the base model)
+    c10::optional<LoRARows> ad;
+    if (lora_rows.has_value() && lora_rows->numel() > 0) {
+      TORCH_CHECK(lora_slots.has_value() && lora_slots->numel() == lora_rows->numel(), "one slot per LoRA row");
+      ad = LoRARows{*lora_rows, *lora_slots};
+    }
+    // the linear, then its adapters' products where the step has some (the modules' LoRALinear, in its order)
+    auto linear = [&](const Layer& l, int which, const Linear& lin, const torch::Tensor& in) {
+      torch::Tensor y = lin(in);
+      if (ad.has_value() && l.lora[which].has_value()) apply_lora(*l.lora[which], in, y, *ad);
+      return y;
+    };
     torch::Tensor residual;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
@@ -115,15 +165,15 @@ class DecoderStack {
       } else {
         h = attn::rms_norm(x, l.in_norm, eps_, residual);
       }
-      torch::Tensor qkv = l.qkv(h);
+      torch::Tensor qkv = linear(l, 0, l.qkv, h);
       attn::rope_write_kv(qkv, cos, sin, k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
       torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor o = attn::paged_attention_varlen(q, k_[i], v_[i], block_tables, seq_lens, query_start_loc,
                                                      scale_, ks_[i], vs_[i]);
-      h = attn::rms_norm(l.o(o.reshape({T, H_ * D_})), l.post_norm, eps_, residual);
-      torch::Tensor gu = l.gate_up(h);
+      h = attn::rms_norm(linear(l, 1, l.o, o.reshape({T, H_ * D_})), l.post_norm, eps_, residual);
+      torch::Tensor gu = linear(l, 2, l.gate_up, h);
       torch::Tensor act = at::silu(gu.narrow(1, 0, I_)) * gu.narrow(1, I_, I_);
-      x = l.down(act);
+      x = linear(l, 3, l.down, act);
     }
     return {x, residual.defined() ? residual : x};
   }
@@ -157,6 +207,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), nogil);
   m.def("matmul", &quant::matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights", nogil);
+  m.def("lora_shrink", &lora::shrink, "t [G, R] = per-row adapter A @ x[rows]", nogil);
+  m.def("lora_expand", &lora::expand, "y[rows, c0:c0+N] += t[:, r0:r0+R] @ per-row adapter B part", nogil);
   m.def("isa", [] {
 #if defined(__AVX512VNNI__)
     return "avx512vnni";
@@ -171,8 +223,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("scale"))
       .def("add_layer", &DecoderStack::add_layer)
       .def("set_kv", &DecoderStack::set_kv)
+      .def("set_lora", &DecoderStack::set_lora, py::arg("layer"), py::arg("which"), py::arg("a"), py::arg("bt"))
       .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_layers") = -1,
-           nogil);
+           py::arg("lora_rows") = py::none(), py::arg("lora_slots") = py::none(), nogil);
 }

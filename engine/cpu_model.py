@@ -1,8 +1,8 @@
 """Baton's CPU kernels as one native extension, and the decoder stack that runs a packed model's layers in one call.
 
 engine/cpu_model.cpp #includes the paged attention with its small ops (engine/cpu_attention.cpp, documented in
-engine/cpu_attention.py) and the packed-weight matmul (engine/quant_cpu.cpp, engine/quant_kernels.py), and builds
-them as one module: one compile per machine (engine/cpp_build.py), one set of flags, so every caller runs the
+engine/cpu_attention.py), the packed-weight matmul (engine/quant_cpu.cpp, engine/quant_kernels.py) and the batched
+LoRA products (engine/lora_cpu.cpp, engine/lora_ops.py), and builds them as one module: one compile per machine (engine/cpp_build.py), one set of flags, so every caller runs the
 same machine code.
 
 `DecoderStack` is the forward of a model whose linears are all packed for that matmul (a GGUF run in its stored
@@ -10,7 +10,8 @@ format, or quantization="int8"), from the embeddings to the last layer's output,
 at decode batch sizes the Python forward spent as long dispatching a layer's dozen small ops as the ops took,
 holding the GIL that a replica's event loop needs for every token it streams. It chains the same kernels and
 ATen ops as LlamaForCausalLM's modules, in the same order, so both give bitwise equal logits
-(tests/test_cpu_model.py); engine/model.py chooses it where it applies (`cpu_stack`).
+(tests/test_cpu_model.py); engine/model.py chooses it where it applies (`cpu_stack`). Where LoRA adapters wrap the
+linears (engine/lora.py), the stack adds their products after each linear with the same kernel.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engine.cpp_build import load_extension
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "cpu_model.cpp"
-INCLUDES = (HERE / "cpu_attention.cpp", HERE / "quant_cpu.cpp")
+INCLUDES = (HERE / "cpu_attention.cpp", HERE / "quant_cpu.cpp", HERE / "lora_cpu.cpp")
 NAME = "baton_cpu"
 # no floating-point contraction: the matmul's rows must not depend on which rows share a call (quant_kernels.py)
 CFLAGS = ("-ffp-contract=off",)

@@ -6,26 +6,118 @@
 // Every output element is computed by one thread in one fixed order (16 lanes over k, then the lanes in
 // order; r in order), and compiled with -ffp-contract=off, so a row's result is bitwise the same whichever
 // rows share the call and however many threads run it: LoRA keeps the packed kernels' batch invariance.
-#include <torch/extension.h>
-
-#include <algorithm>
+//
+// The rows come sorted by slot (LoRAPlan.rows), so the kernels work on tiles of up to MR rows under one adapter:
+// a tile reads each of its adapter's A rows (shrink) or B rows (expand) once for all its rows, and holds MR x NR
+// lane vectors (shrink) or MR x COLS columns (expand) in registers. Blocking changes which products are computed
+// together, not the order each element's sum is taken in. A tile with fewer than MR rows repeats its first row
+// and drops those results. Included by engine/cpu_model.cpp, whose decoder stack applies adapters in-line, and
+// bound there (one extension, one set of flags).
 
 namespace {
 
 constexpr int64_t LANES = 16;
-constexpr int64_t COLS = 64;      // output columns per expand task
+constexpr int64_t MR = 4;         // rows per tile, all under one adapter
+constexpr int64_t NR = 4;         // shrink: ranks per task
+constexpr int64_t COLS = 64;      // expand: output columns per task
 
-float dot(const float* x, const float* a, int64_t k) {
-  float lanes[LANES] = {0};
-  int64_t i = 0;
-  for (; i + LANES <= k; i += LANES) {
-#pragma omp simd
-    for (int64_t j = 0; j < LANES; j++) lanes[j] += x[i + j] * a[i + j];
+// (first position in rows, number of rows) of each tile: up to MR consecutive rows with one slot
+std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* slots, int64_t g) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t i = 0; i < g;) {
+    int64_t n = 1;
+    while (n < MR && i + n < g && slots[i + n] == slots[i]) n++;
+    tiles.emplace_back(i, n);
+    i += n;
   }
-  for (int64_t j = 0; i < k; i++, j++) lanes[j] += x[i] * a[i];
-  float s = 0.f;
-  for (int64_t j = 0; j < LANES; j++) s += lanes[j];
-  return s;
+  return tiles;
+}
+
+// t[i, j] for the tile's rows i and ranks j in [j0, j0 + nr): one lane vector per (row, rank)
+void shrink_tile(const float* const* xs, int64_t m, const float* a, int64_t j0, int64_t nr, int64_t k, float* const* ts) {
+  float acc[MR][NR][LANES];
+  for (int64_t u = 0; u < MR; u++)
+    for (int64_t v = 0; v < NR; v++)
+      for (int64_t l = 0; l < LANES; l++) acc[u][v][l] = 0.f;
+  const float* ar[NR];
+  for (int64_t v = 0; v < NR; v++) ar[v] = a + (j0 + std::min(v, nr - 1)) * k;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // the same lane sums in registers (the compiler's own vectors are 256 bits wide here, and spill)
+  __m512 vacc[MR][NR];
+  for (int64_t u = 0; u < MR; u++)
+    for (int64_t v = 0; v < NR; v++) vacc[u][v] = _mm512_setzero_ps();
+  for (; i + LANES <= k; i += LANES) {
+    __m512 xv[MR];
+    for (int64_t u = 0; u < MR; u++) xv[u] = _mm512_loadu_ps(xs[u] + i);
+    for (int64_t v = 0; v < NR; v++) {
+      const __m512 av = _mm512_loadu_ps(ar[v] + i);
+      for (int64_t u = 0; u < MR; u++) vacc[u][v] = _mm512_add_ps(vacc[u][v], _mm512_mul_ps(xv[u], av));
+    }
+  }
+  for (int64_t u = 0; u < MR; u++)
+    for (int64_t v = 0; v < NR; v++) _mm512_storeu_ps(acc[u][v], vacc[u][v]);
+#else
+  for (; i + LANES <= k; i += LANES)
+    for (int64_t v = 0; v < NR; v++)
+      for (int64_t u = 0; u < MR; u++) {
+#pragma omp simd
+        for (int64_t l = 0; l < LANES; l++) acc[u][v][l] += xs[u][i + l] * ar[v][i + l];
+      }
+#endif
+  for (int64_t u = 0; u < m; u++)
+    for (int64_t v = 0; v < nr; v++) {
+      for (int64_t q = i, l = 0; q < k; q++, l++) acc[u][v][l] += xs[u][q] * ar[v][q];
+      float s = 0.f;
+      for (int64_t l = 0; l < LANES; l++) s += acc[u][v][l];
+      ts[u][j0 + v] = s;
+    }
+}
+
+// y rows of the tile, columns [n0, n0 + len) of this part: += t[:, r0:r0+rp] @ bt rows
+template <bool Full>
+void expand_tile(const float* const* ts, const float* bt, int64_t rp, int64_t np, int64_t n0, int64_t len,
+                 float* const* ys, int64_t m) {
+  float acc[MR][COLS];
+  const int64_t w = Full ? COLS : len;
+#if defined(__AVX512F__)
+  if constexpr (Full) {             // the same sums in registers: 4 vectors of 16 columns per row
+    constexpr int64_t V = COLS / LANES;
+    __m512 vacc[MR][V];
+    for (int64_t u = 0; u < MR; u++)
+      for (int64_t c = 0; c < V; c++) vacc[u][c] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rp; r++) {
+      const float* br = bt + r * np + n0;
+      __m512 bv[V];
+      for (int64_t c = 0; c < V; c++) bv[c] = _mm512_loadu_ps(br + c * LANES);
+      for (int64_t u = 0; u < MR; u++) {
+        const __m512 tv = _mm512_set1_ps(ts[u][r]);
+        for (int64_t c = 0; c < V; c++) vacc[u][c] = _mm512_add_ps(vacc[u][c], _mm512_mul_ps(tv, bv[c]));
+      }
+    }
+    for (int64_t u = 0; u < m; u++)
+      for (int64_t c = 0; c < V; c++) {
+        float* yr = ys[u] + n0 + c * LANES;
+        _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), vacc[u][c]));
+      }
+    return;
+  }
+#endif
+  for (int64_t u = 0; u < MR; u++)
+    for (int64_t j = 0; j < COLS; j++) acc[u][j] = 0.f;
+  for (int64_t r = 0; r < rp; r++) {
+    const float* br = bt + r * np + n0;
+    for (int64_t u = 0; u < MR; u++) {
+      const float tv = ts[u][r];
+#pragma omp simd
+      for (int64_t j = 0; j < w; j++) acc[u][j] += tv * br[j];
+    }
+  }
+  for (int64_t u = 0; u < m; u++) {
+    float* yr = ys[u] + n0;
+#pragma omp simd
+    for (int64_t j = 0; j < w; j++) yr[j] += acc[u][j];
+  }
 }
 
 }  // namespace
@@ -36,14 +128,27 @@ torch::Tensor shrink(torch::Tensor x, torch::Tensor a, torch::Tensor rows, torch
   const int64_t g = rows.size(0), r = a.size(1), k = a.size(2);
   TORCH_CHECK(x.size(1) == k, "shrink: x and a disagree on K");
   auto t = torch::empty({g, r}, x.options());
+  if (g == 0 || r == 0) return t;
   const float* xp = x.data_ptr<float>();
   const float* ap = a.data_ptr<float>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   float* tp = t.data_ptr<float>();
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < g; i++)
-    for (int64_t j = 0; j < r; j++) tp[i * r + j] = dot(xp + rp[i] * k, ap + (sp[i] * r + j) * k, k);
+  const auto tiles = tiles_of(sp, g);
+  const int64_t nt = static_cast<int64_t>(tiles.size()), rb = (r + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < nt * rb; task++) {
+    const auto [i0, m] = tiles[task / rb];
+    const int64_t j0 = (task % rb) * NR;
+    const float* xs[MR];
+    float* ts[MR];
+    for (int64_t u = 0; u < MR; u++) {
+      const int64_t i = i0 + std::min(u, m - 1);
+      xs[u] = xp + rp[i] * k;
+      ts[u] = tp + i * r;
+    }
+    shrink_tile(xs, m, ap + sp[i0] * r * k, j0, std::min(NR, r - j0), k, ts);
+  }
   return t;
 }
 
@@ -52,35 +157,31 @@ void expand(torch::Tensor t, int64_t r0, torch::Tensor bt, torch::Tensor rows, t
   TORCH_CHECK(t.dtype() == torch::kFloat32 && bt.dtype() == torch::kFloat32 && y.dtype() == torch::kFloat32,
               "expand: fp32 only");
   TORCH_CHECK(t.is_contiguous() && bt.is_contiguous() && y.stride(1) == 1, "expand: contiguous rows");
-  const int64_t g = rows.size(0), rp_ = bt.size(1), np_ = bt.size(2), rt = t.size(1), ys = y.stride(0);
+  const int64_t g = rows.size(0), rp_ = bt.size(1), np_ = bt.size(2), rt = t.size(1), ys_ = y.stride(0);
   TORCH_CHECK(r0 + rp_ <= rt && c0 + np_ <= y.size(1), "expand: part out of range");
+  if (g == 0) return;
   const float* tp = t.data_ptr<float>();
   const float* bp = bt.data_ptr<float>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (np_ + COLS - 1) / COLS;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t i = 0; i < g; i++)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-      const int64_t n0 = nb * COLS, len = std::min(COLS, np_ - n0);
-      float acc[COLS] = {0};
-      const float* ti = tp + i * rt + r0;
-      const float* bs = bp + sp[i] * rp_ * np_ + n0;
-      for (int64_t r = 0; r < rp_; r++) {
-        const float tv = ti[r];
-        const float* br = bs + r * np_;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) acc[j] += tv * br[j];
-      }
-      float* yr = yp + rp[i] * ys + c0 + n0;
-#pragma omp simd
-      for (int64_t j = 0; j < len; j++) yr[j] += acc[j];
+  const auto tiles = tiles_of(sp, g);
+  const int64_t nt = static_cast<int64_t>(tiles.size()), blocks = (np_ + COLS - 1) / COLS;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < nt * blocks; task++) {
+    const auto [i0, m] = tiles[task / blocks];
+    const int64_t n0 = (task % blocks) * COLS, len = std::min(COLS, np_ - n0);
+    const float* ts[MR];
+    float* ys[MR];
+    for (int64_t u = 0; u < MR; u++) {
+      const int64_t i = i0 + std::min(u, m - 1);
+      ts[u] = tp + i * rt + r0;
+      ys[u] = yp + rp[i] * ys_ + c0;
     }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("shrink", &shrink, "t [G, R] = per-row adapter A @ x[rows]", py::call_guard<py::gil_scoped_release>());
-  m.def("expand", &expand, "y[rows, c0:c0+N] += t[:, r0:r0+R] @ per-row adapter B part",
-        py::call_guard<py::gil_scoped_release>());
+    const float* bs = bp + sp[i0] * rp_ * np_;
+    if (len == COLS)
+      expand_tile<true>(ts, bs, rp_, np_, n0, len, ys, m);
+    else
+      expand_tile<false>(ts, bs, rp_, np_, n0, len, ys, m);      // a part's last, narrower block
+  }
 }

@@ -5,20 +5,17 @@ Adapters sit in slots, their weights stacked per slot: `a` [S, R, K] (A, rows pa
 slot `slots[t]`; -1 is the base model (no LoRA), and such rows are left untouched. Three paths:
 - CUDA: two Triton kernels (shrink x -> A x into an fp32 buffer, expand y += B (A x)), as vLLM's punica
   `lora_shrink`/`lora_expand`;
-- CPU: engine/lora_cpu.cpp (fp32, each element summed in one fixed order: batch- and thread-invariant);
+- CPU: engine/lora_cpu.cpp (fp32, each element summed in one fixed order: batch- and thread-invariant), built into
+  the CPU kernels' one extension (engine/cpu_model.py), whose decoder stack also applies adapters in-line;
 - CPU without a compiler: the torch path, one padded batched matmul pair per Linear, exact in float64.
 """
 from __future__ import annotations
 
-import functools
-import os
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.cpp_build import load_extension
 
 try:
     import triton
@@ -26,7 +23,6 @@ try:
 except ImportError:                 # an install without Triton: apply_lora takes the torch path (CPU)
     triton = tl = None
 
-CPU_SOURCE = Path(__file__).with_name("lora_cpu.cpp")
 _TILE = 4096                        # elements of one weight tile per program (BLOCK_R x BLOCK_K or BLOCK_N x BLOCK_R)
 
 
@@ -151,12 +147,11 @@ def apply_lora_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     y.index_add_(0, plan.rows, d.to(y.dtype))
 
 
-@functools.cache
 def cpu_kernel():
-    """engine/lora_cpu.cpp, built on first use (None without a compiler, or with BATON_CPU_KERNEL=0)."""
-    if os.environ.get("BATON_CPU_KERNEL", "1") == "0":
-        return None
-    return load_extension("baton_lora_cpu", CPU_SOURCE, "CPU LoRA kernel", ("-ffp-contract=off",))
+    """The CPU kernels' extension with engine/lora_cpu.cpp in it (engine/cpu_model.py), built on first use; None
+    without a compiler, or with BATON_CPU_KERNEL=0."""
+    from engine import cpu_model
+    return cpu_model.kernels() if cpu_model.available() else None
 
 
 def apply_lora_cpu(x: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor], plan: LoRAPlan, y: torch.Tensor) -> None:
@@ -166,10 +161,10 @@ def apply_lora_cpu(x: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor], pla
     if not plan:
         return
     k = cpu_kernel()
-    t = k.shrink(x.contiguous(), a, plan.rows, plan.row_slots)
+    t = k.lora_shrink(x.contiguous(), a, plan.rows, plan.row_slots)
     r, col = a.shape[1] // len(bt), 0
     for i, part in enumerate(bt):
-        k.expand(t, i * r, part, plan.rows, plan.row_slots, y, col)
+        k.lora_expand(t, i * r, part, plan.rows, plan.row_slots, y, col)
         col += part.shape[2]
 
 

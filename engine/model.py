@@ -367,6 +367,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None       # built by materialize(), on the real device
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
+        self._stack_lora = None                          # the LoRA adapters' step (engine/lora.py), where it has them
         vocab = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[1]
         self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tie_weights()
@@ -395,9 +396,12 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self.model.embed_tokens(input_ids), None
         stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
+            plan = self._stack_lora.groups if self._stack_lora is not None and self._stack_lora.slots is not None \
+                else None
             h, residual = stack.forward(h, self.rope.cos[positions], self.rope.sin[positions], md.slot_mapping,
                                         md.block_tables, md.seq_lens, md.query_start_loc,
-                                        -1 if num_layers is None else num_layers)
+                                        -1 if num_layers is None else num_layers,
+                                        plan.rows if plan else None, plan.row_slots if plan else None)
         else:
             rope = self.rope.tables(positions)
             for layer in self.model.layers[:num_layers]:
@@ -412,8 +416,8 @@ class LlamaForCausalLM(nn.Module):
 
     def cpu_stack(self, x: torch.Tensor, kv_cache: list[LayerKV]):
         """The C++ DecoderStack (engine/cpu_model.py) for this forward, or None where the modules run it: it takes a
-        CPU fp32 model at TP 1 whose every linear is packed for the kernel (LoRA adapters wrap them, so an engine
-        with enable_lora runs the modules) and an fp32 or int8 cache. Built at the first forward (after the
+        CPU fp32 model at TP 1 whose every linear is packed for the kernel (LoRA adapters wrapping them included: the
+        stack adds their products with the same kernel) and an fp32 or int8 cache. Built at the first forward (after the
         engine's set-up swapped in what it swaps); the cache's views are handed over when they change."""
         from engine import cpu_model
         # the cheap tests first: on a GPU the CPU extension is never built (its compile took 36 s of a first engine)
@@ -434,9 +438,12 @@ class LlamaForCausalLM(nn.Module):
         from engine import cpu_model
         layers = self.model.layers
         attn, mlp = layers[0].self_attn, layers[0].mlp
-        linears = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
+        wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
+        adapters = [[m if hasattr(m, "set_slot") else None for m in ms] for ms in wrapped]   # engine/lora.py's LoRALinear
+        linears = [[m.base if a is not None else m for m, a in zip(ms, ad)] for ms, ad in zip(wrapped, adapters)]
         if self.tp is not None or not cpu_model.available() or not all(la.self_attn.one_kernel for la in layers) \
-                or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None for ms in linears for m in ms):
+                or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None for ms in linears for m in ms) \
+                or any(a is not None and a.layout != "cpu" for ad in adapters for a in ad):
             return None
         norm = layers[0].input_layernorm
         stack = cpu_model.kernels().DecoderStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate,
@@ -446,6 +453,11 @@ class LlamaForCausalLM(nn.Module):
                      for m in ms]
             stack.add_layer(la.input_layernorm.weight.detach(), la.post_attention_layernorm.weight.detach(),
                             *[a for part in parts for a in part])
+        for i, ad in enumerate(adapters):               # LoRA's slots, shared: an adapter loaded later is seen there
+            for which, a in enumerate(ad):
+                if a is not None:
+                    stack.set_lora(i, which, a.a, a.b)
+                    self._stack_lora = a.step
         return stack
 
     def embedding_rows(self, n: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The C++ decoder stack (engine/cpu_model.py) runs a packed model's layers with the same kernels and ATen ops as the
 Python modules, so an engine gives the same bits either way: teacher-forced logits over a prefill and a cached
 chunk, and greedy tokens with their logprobs, on the default model (fp32 and int8 KV caches), on a GGUF whose
-fused q/k/v mixes three packed types beside biases (qwen2), and on int8 weights. Where it does not apply (LoRA
-adapters wrap the linears; fp8 KV) the modules run, and the text is the same."""
+fused q/k/v mixes three packed types beside biases (qwen2), on int8 weights, and with LoRA adapters wrapping the
+linears (their products added by the same kernel). Where it does not apply (fp8 KV) the modules run, and the text
+is the same."""
 from __future__ import annotations
 
 import pytest
@@ -63,14 +64,37 @@ def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
     assert stacked[1] == modules[1]
 
 
+def test_with_lora_adapters_the_stack_gives_the_module_forwards_bits(smol_path, tmp_path, stack_switch):
+    """Adapters wrap the packed linears; the stack adds their products with the same kernel, after the same linear,
+    so a step mixing two adapters and the base model gives the modules' tokens and logprobs, and each adapter's
+    rows differ from the base model's (the products were applied)."""
+    from bench.models import make_lora_adapter
+    from engine import LoRARequest
+    loras = [LoRARequest(f"a{i}", i + 1, make_lora_adapter(smol_path, tmp_path / f"a{i}", rank=8, seed=i + 1,
+                                                           scale=0.5)) for i in range(2)]
+    llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompt = list(range(100, 140))
+    seqs, reqs = [prompt, prompt, prompt, list(range(200, 221))], [loras[0], None, loras[1], loras[0]]
+
+    def run():
+        llm.engine.pool.reset_prefix_cache()
+        return [(o.token_ids, o.logprobs) for o in llm.generate(seqs, PARAMS, lora_request=reqs)]
+    stack_switch(True)
+    stacked = run()
+    assert llm.engine.runner.model._stack, "the stack did not run"
+    stack_switch(False)
+    assert run() == stacked
+    base = stacked[1][1]
+    assert stacked[0][1] != base and stacked[2][1] != base and stacked[0][1] != stacked[2][1]
+    base_llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512)
+    assert [o.token_ids for o in base_llm.generate([prompt], PARAMS)] == [stacked[1][0]]   # a base row: the base text
+
+
 def test_where_the_stack_does_not_apply_the_modules_run_the_same_text(tmp_path):
     seqs = [list(range(100, 140))]
     base = LLM(None, kv_cache_memory=64 << 20, max_model_len=512)
     want = [o.token_ids for o in base.generate(seqs, PARAMS)]
     assert base.engine.runner.model._stack
-    lora = LLM(None, kv_cache_memory=64 << 20, max_model_len=512, enable_lora=True, max_lora_rank=8)
-    assert [o.token_ids for o in lora.generate(seqs, PARAMS)] == want        # no adapter: the base model's text
-    assert lora.engine.runner.model._stack is False                          # LoRA wraps the linears
     fp8 = LLM(None, kv_cache_memory=64 << 20, max_model_len=512, kv_cache_dtype="fp8")
     fp8.generate(seqs, PARAMS)
     assert fp8.engine.runner.model.cpu_stack(torch.zeros(1, 1), fp8.engine.runner.kv_layers) is None
