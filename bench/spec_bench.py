@@ -357,8 +357,9 @@ def _compare(base: dict, spec: dict, greedy: bool, n: int) -> dict:
 # -- (c): 32 requests at once ------------------------------------------------------------------------
 def run_batch(engines: Engines, spec_name: str, prompts: list[list[int]], max_tokens: int,
               rounds: int = 3) -> dict:
-    """All requests at once, sampled; `rounds` alternating baseline/spec runs (ABAB...) so machine
-    drift hits both; each round uses other seeds. ITL and tokens/s pool every round."""
+    """All requests at once, sampled; `rounds` rounds of a baseline and a spec run, which goes first alternating
+    (AB BA AB...) so that neither always runs after the other (a machine that speeds up or slows down within a
+    round hits both alike); each round uses other seeds. ITL and tokens/s pool every round."""
     from engine import SamplingParams
     res = {}
     outs: dict[str, list] = {"baseline": [], spec_name: []}
@@ -367,7 +368,7 @@ def run_batch(engines: Engines, spec_name: str, prompts: list[list[int]], max_to
     for r in range(rounds):
         params = [SamplingParams(temperature=0.7, top_p=0.9, seed=1000 * (r + 1) + i, max_tokens=max_tokens,
                                  ignore_eos=True) for i in range(len(prompts))]
-        for n in ("baseline", spec_name):
+        for n in ("baseline", spec_name) if r % 2 == 0 else (spec_name, "baseline"):
             t = time.perf_counter()
             o = engines.llms[n].generate(prompts, params)
             wall = time.perf_counter() - t
@@ -563,7 +564,8 @@ def run(args: argparse.Namespace) -> dict:
         "method_notes": {
             "itl": "sum over requests of (last_token_time - first_token_time) / sum of (num_output_tokens - 1)",
             "order": "per prompt: baseline, then each speculative engine (interleaved); "
-                     "batch32: rounds of baseline then spec (ABAB...), other seeds each round",
+                     "batch32: rounds of a baseline and a spec run, which goes first alternating (AB BA ...), "
+                     "other seeds each round",
             "sampling": "repeat/chat/layer_skip greedy; batch32 temperature 0.7, top_p 0.9, seed 1000*(round+1)+i; "
                         "batch-1 stops at EOS; batch32 ignore_eos",
             "depth_histogram": "engine.stats() delta over the workload: chosen depth -> request-steps in decode",
