@@ -105,7 +105,8 @@ def _run(args: argparse.Namespace, hf_dir: str, cfg: dict, n: int, out: Path, tm
     same = all(mixed[i] == alone[i] for i in range(len(prompts)))
     result: dict[str, Any] = {
         "benchmark": "loras", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": args.model or hf_dir, "quantization": quantization, "loras": n, "workload": cfg, "runs": runs,
+        "machine": machine_info(), "model": args.model or hf_dir, "quantization": quantization, "loras": n,
+        "workload": cfg, "runs": runs,
         "mixed_over_base": runs["mixed"]["output_tok_s"] / runs["base"]["output_tok_s"],
         "idle_over_base": runs["lora_idle"]["output_tok_s"] / runs["base"]["output_tok_s"],
         "goal_mixed_over_base": 0.7, "mixed_equals_alone": same,

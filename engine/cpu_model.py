@@ -2,8 +2,8 @@
 
 engine/cpu_model.cpp #includes the paged attention with its small ops (engine/cpu_attention.cpp, documented in
 engine/cpu_attention.py), the packed-weight matmul (engine/quant_cpu.cpp, engine/quant_kernels.py) and the batched
-LoRA products (engine/lora_cpu.cpp, engine/lora_ops.py), and builds them as one module: one compile per machine (engine/cpp_build.py), one set of flags, so every caller runs the
-same machine code.
+LoRA products (engine/lora_cpu.cpp, engine/lora_ops.py), and builds them as one module: one compile per machine
+(engine/cpp_build.py), one set of flags, so every caller runs the same machine code.
 
 `DecoderStack` is the forward of a model whose linears are all packed for that matmul (a GGUF run in its stored
 format, or quantization="int8"), from the embeddings to the last layer's output, in C++ with the GIL released:

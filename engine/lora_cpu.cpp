@@ -34,7 +34,8 @@ std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* slots, int64_t 
 }
 
 // t[i, j] for the tile's rows i and ranks j in [j0, j0 + nr): one lane vector per (row, rank)
-void shrink_tile(const float* const* xs, int64_t m, const float* a, int64_t j0, int64_t nr, int64_t k, float* const* ts) {
+void shrink_tile(const float* const* xs, int64_t m, const float* a, int64_t j0, int64_t nr, int64_t k,
+                 float* const* ts) {
   float acc[MR][NR][LANES];
   for (int64_t u = 0; u < MR; u++)
     for (int64_t v = 0; v < NR; v++)

@@ -436,10 +436,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_cpu_stack(self):
         from engine import cpu_model
+        from engine.lora import LoRALinear
         layers = self.model.layers
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
-        adapters = [[m if hasattr(m, "set_slot") else None for m in ms] for ms in wrapped]   # engine/lora.py's LoRALinear
+        adapters = [[m if isinstance(m, LoRALinear) else None for m in ms] for ms in wrapped]
         linears = [[m.base if a is not None else m for m, a in zip(ms, ad)] for ms, ad in zip(wrapped, adapters)]
         if self.tp is not None or not cpu_model.available() or not all(la.self_attn.one_kernel for la in layers) \
                 or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None for ms in linears for m in ms) \
