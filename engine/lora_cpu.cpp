@@ -10,9 +10,11 @@
 // The rows come sorted by slot (LoRAPlan.rows), so the kernels work on tiles of up to MR rows under one adapter:
 // a tile reads each of its adapter's A rows (shrink) or B rows (expand) once for all its rows, and holds MR x NR
 // lane vectors (shrink) or MR x COLS columns (expand) in registers. Blocking changes which products are computed
-// together, not the order each element's sum is taken in. A tile with fewer than MR rows repeats its first row
-// and drops those results. Included by engine/cpu_model.cpp, whose decoder stack applies adapters in-line, and
-// bound there (one extension, one set of flags).
+// together, not the order each element's sum is taken in. A tile with fewer than MR rows repeats its last row and
+// drops those results. With AVX-512 the tile's sums live in registers; with AVX2 (16 registers of 8 lanes) the
+// tile runs in 2 x 2 blocks; elsewhere the compiler vectorizes the plain loops. All three give the same bits.
+// Included by engine/cpu_model.cpp, whose decoder stack applies adapters in-line, and bound there (one extension,
+// one set of flags).
 
 namespace {
 
@@ -20,6 +22,7 @@ constexpr int64_t LANES = 16;
 constexpr int64_t MR = 4;         // rows per tile, all under one adapter
 constexpr int64_t NR = 4;         // shrink: ranks per task
 constexpr int64_t COLS = 64;      // expand: output columns per task
+static_assert(MR % 2 == 0 && NR % 2 == 0 && COLS % 32 == 0, "the AVX2 blocks are 2 rows x 2 ranks, 2 rows x 32 columns");
 
 // (first position in rows, number of rows) of each tile: up to MR consecutive rows with one slot
 std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* slots, int64_t g) {
@@ -58,6 +61,32 @@ void shrink_tile(const float* const* xs, int64_t m, const float* a, int64_t j0, 
   }
   for (int64_t u = 0; u < MR; u++)
     for (int64_t v = 0; v < NR; v++) _mm512_storeu_ps(acc[u][v], vacc[u][v]);
+#elif defined(__AVX2__)
+  // 16 registers of 8 lanes: the tile in 2 x 2 blocks (rows x ranks), each lane vector two registers
+  int64_t full = k - k % LANES;
+  for (int64_t u0 = 0; u0 < MR; u0 += 2)
+    for (int64_t v0 = 0; v0 < NR; v0 += 2) {
+      __m256 vacc[2][2][2];
+      for (int64_t u = 0; u < 2; u++)
+        for (int64_t v = 0; v < 2; v++) vacc[u][v][0] = vacc[u][v][1] = _mm256_setzero_ps();
+      for (int64_t q = 0; q < full; q += LANES) {
+        const __m256 x00 = _mm256_loadu_ps(xs[u0] + q), x01 = _mm256_loadu_ps(xs[u0] + q + 8);
+        const __m256 x10 = _mm256_loadu_ps(xs[u0 + 1] + q), x11 = _mm256_loadu_ps(xs[u0 + 1] + q + 8);
+        for (int64_t v = 0; v < 2; v++) {
+          const __m256 a0 = _mm256_loadu_ps(ar[v0 + v] + q), a1 = _mm256_loadu_ps(ar[v0 + v] + q + 8);
+          vacc[0][v][0] = _mm256_add_ps(vacc[0][v][0], _mm256_mul_ps(x00, a0));
+          vacc[0][v][1] = _mm256_add_ps(vacc[0][v][1], _mm256_mul_ps(x01, a1));
+          vacc[1][v][0] = _mm256_add_ps(vacc[1][v][0], _mm256_mul_ps(x10, a0));
+          vacc[1][v][1] = _mm256_add_ps(vacc[1][v][1], _mm256_mul_ps(x11, a1));
+        }
+      }
+      for (int64_t u = 0; u < 2; u++)
+        for (int64_t v = 0; v < 2; v++) {
+          _mm256_storeu_ps(acc[u0 + u][v0 + v], vacc[u][v][0]);
+          _mm256_storeu_ps(acc[u0 + u][v0 + v] + 8, vacc[u][v][1]);
+        }
+    }
+  i = full;
 #else
   for (; i + LANES <= k; i += LANES)
     for (int64_t v = 0; v < NR; v++)
@@ -100,6 +129,33 @@ void expand_tile(const float* const* ts, const float* bt, int64_t rp, int64_t np
       for (int64_t c = 0; c < V; c++) {
         float* yr = ys[u] + n0 + c * LANES;
         _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), vacc[u][c]));
+      }
+    return;
+  }
+#elif defined(__AVX2__)
+  if constexpr (Full) {             // the same sums in 2 rows x 32 columns blocks: 8 accumulators of 8 lanes
+    for (int64_t u0 = 0; u0 < MR; u0 += 2)
+      for (int64_t c0 = 0; c0 < COLS; c0 += 32) {
+        __m256 vacc[2][4];
+        for (int64_t u = 0; u < 2; u++)
+          for (int64_t c = 0; c < 4; c++) vacc[u][c] = _mm256_setzero_ps();
+        for (int64_t r = 0; r < rp; r++) {
+          const float* br = bt + r * np + n0 + c0;
+          const __m256 b0 = _mm256_loadu_ps(br), b1 = _mm256_loadu_ps(br + 8), b2 = _mm256_loadu_ps(br + 16),
+                       b3 = _mm256_loadu_ps(br + 24);
+          for (int64_t u = 0; u < 2; u++) {
+            const __m256 tv = _mm256_set1_ps(ts[u0 + u][r]);
+            vacc[u][0] = _mm256_add_ps(vacc[u][0], _mm256_mul_ps(tv, b0));
+            vacc[u][1] = _mm256_add_ps(vacc[u][1], _mm256_mul_ps(tv, b1));
+            vacc[u][2] = _mm256_add_ps(vacc[u][2], _mm256_mul_ps(tv, b2));
+            vacc[u][3] = _mm256_add_ps(vacc[u][3], _mm256_mul_ps(tv, b3));
+          }
+        }
+        for (int64_t u = 0; u < 2 && u0 + u < m; u++)
+          for (int64_t c = 0; c < 4; c++) {
+            float* yr = ys[u0 + u] + n0 + c0 + c * 8;
+            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), vacc[u][c]));
+          }
       }
     return;
   }
