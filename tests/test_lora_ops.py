@@ -1,6 +1,7 @@
 """Batched multi-LoRA (engine/lora_ops.py): every row gets its own adapter's delta, base-model rows none; the torch
 path against a per-row loop, the Triton kernels against the torch path (in the Triton interpreter, on CPU)."""
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: CPU interpreter
 
@@ -167,3 +168,56 @@ def test_the_cpu_kernel_matches_the_reference_and_is_exact_whatever_the_batch_an
             assert torch.equal(mixed[3:4], alone) and torch.equal(mixed, got)
     finally:
         torch.set_num_threads(threads)
+
+
+_ISA_WRAPPER = """#include <torch/extension.h>
+#include <algorithm>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include "{source}"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def("shrink", &shrink); m.def("expand", &expand); }}
+"""
+
+
+@pytest.mark.slow
+def test_the_cpu_kernel_gives_the_same_bits_built_for_avx2_and_for_plain_loops(tmp_path):
+    """engine/lora_cpu.cpp has an AVX-512 path, an AVX2 path and plain loops: a replica's CPU picks one. Built
+    without AVX-512 and without AVX2 (as on older or non-x86 CPUs), it gives the engine's own build's bits on
+    ragged tiles, K and N (so adapters give the same tokens on every machine of a cluster)."""
+    import platform
+
+    from engine import cpu_model
+    from engine.cpp_build import load_extension
+    from engine.lora_ops import LoRAPlan, cpu_kernel
+    if cpu_kernel() is None:
+        pytest.skip("no C++ compiler on this machine: the engine runs the float64 torch path")
+    source = Path(cpu_model.__file__).with_name("lora_cpu.cpp")
+    wrapper = tmp_path / "lora_isa.cpp"
+    wrapper.write_text(_ISA_WRAPPER.format(source=source))
+    builds = {"engine": (cpu_kernel().lora_shrink, cpu_kernel().lora_expand)}
+    if platform.machine() in ("x86_64", "AMD64"):
+        for name, flags in (("avx2", ("-mno-avx512f",)), ("plain", ("-mno-avx512f", "-mno-avx2", "-mno-avx"))):
+            mod = load_extension(f"baton_lora_isa_{name}", wrapper, f"LoRA kernel ({name})",
+                                 ("-ffp-contract=off", *flags), (source,))
+            assert mod is not None, f"the {name} build failed"
+            builds[name] = (mod.shrink, mod.expand)
+    g = torch.Generator().manual_seed(6)
+    for rows, slots_n, rank, k, parts in [(32, 8, 48, 576, [576, 192, 192]), (7, 3, 16, 100, [1536, 70]),
+                                          (1, 1, 8, 33, [70]), (45, 5, 12, 1536, [576])]:
+        slots = np.sort(np.random.default_rng(rows).integers(0, slots_n, rows))
+        plan = LoRAPlan(lora_groups(slots))
+        x = torch.randn(rows, k, generator=g)
+        a = torch.randn(slots_n, rank, k, generator=g)
+        bt = [torch.randn(slots_n, rank // len(parts), p, generator=g) for p in parts]
+        y0 = torch.randn(rows, sum(parts), generator=g)
+        outs = {}
+        for name, (shrink, expand) in builds.items():
+            t, y, col = shrink(x, a, plan.rows, plan.row_slots), y0.clone(), 0
+            for i, part in enumerate(bt):
+                expand(t, i * (rank // len(parts)), part, plan.rows, plan.row_slots, y, col)
+                col += part.shape[2]
+            outs[name] = (t, y)
+        for name, (t, y) in outs.items():
+            assert torch.equal(t, outs["engine"][0]) and torch.equal(y, outs["engine"][1]), (name, rows, k, parts)
