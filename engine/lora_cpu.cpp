@@ -24,6 +24,17 @@ constexpr int64_t NR = 4;         // shrink: ranks per task
 constexpr int64_t COLS = 64;      // expand: output columns per task
 static_assert(MR % 2 == 0 && NR % 2 == 0 && COLS % 32 == 0, "the AVX2 blocks are 2 rows x 2 ranks, 2 rows x 32 columns");
 
+// rows index [0, num_rows) and slots [0, num_slots): checked once per call, so a stale step plan fails cleanly
+void check_rows(const torch::Tensor& rows, const torch::Tensor& slots, int64_t num_rows, int64_t num_slots) {
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && slots.scalar_type() == torch::kLong && rows.is_contiguous() &&
+              slots.is_contiguous() && rows.numel() == slots.numel(), "LoRA rows and slots: int64, one slot per row");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); i++)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < num_rows && sp[i] >= 0 && sp[i] < num_slots, "LoRA row ", rp[i], " (slot ",
+                sp[i], ") outside the step's ", num_rows, " rows and ", num_slots, " slots");
+}
+
 // (first position in rows, number of rows) of each tile: up to MR consecutive rows with one slot
 std::vector<std::pair<int64_t, int64_t>> tiles_of(const int64_t* slots, int64_t g) {
   std::vector<std::pair<int64_t, int64_t>> tiles;
@@ -184,6 +195,7 @@ torch::Tensor shrink(torch::Tensor x, torch::Tensor a, torch::Tensor rows, torch
   TORCH_CHECK(x.is_contiguous() && a.is_contiguous(), "shrink: contiguous x and a");
   const int64_t g = rows.size(0), r = a.size(1), k = a.size(2);
   TORCH_CHECK(x.size(1) == k, "shrink: x and a disagree on K");
+  check_rows(rows, slots, x.size(0), a.size(0));
   auto t = torch::empty({g, r}, x.options());
   if (g == 0 || r == 0) return t;
   const float* xp = x.data_ptr<float>();
@@ -215,7 +227,8 @@ void expand(torch::Tensor t, int64_t r0, torch::Tensor bt, torch::Tensor rows, t
               "expand: fp32 only");
   TORCH_CHECK(t.is_contiguous() && bt.is_contiguous() && y.stride(1) == 1, "expand: contiguous rows");
   const int64_t g = rows.size(0), rp_ = bt.size(1), np_ = bt.size(2), rt = t.size(1), ys_ = y.stride(0);
-  TORCH_CHECK(r0 + rp_ <= rt && c0 + np_ <= y.size(1), "expand: part out of range");
+  TORCH_CHECK(r0 + rp_ <= rt && c0 + np_ <= y.size(1) && t.size(0) == g, "expand: part out of range");
+  check_rows(rows, slots, y.size(0), bt.size(0));
   if (g == 0) return;
   const float* tp = t.data_ptr<float>();
   const float* bp = bt.data_ptr<float>();

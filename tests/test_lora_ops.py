@@ -221,3 +221,18 @@ def test_the_cpu_kernel_gives_the_same_bits_built_for_avx2_and_for_plain_loops(t
             outs[name] = (t, y)
         for name, (t, y) in outs.items():
             assert torch.equal(t, outs["engine"][0]) and torch.equal(y, outs["engine"][1]), (name, rows, k, parts)
+
+
+def test_the_cpu_kernel_refuses_rows_outside_the_step():
+    """A step plan whose rows or slots fall outside the tensors (a stale plan) is a clear error, not a read past
+    the end of x or a write past y."""
+    from engine.lora_ops import LoRAPlan, apply_lora_cpu, cpu_kernel
+    if cpu_kernel() is None:
+        pytest.skip("no C++ compiler on this machine: the engine runs the float64 torch path")
+    a, bt = torch.randn(2, 4, 8), [torch.randn(2, 4, 6)]
+    x, y = torch.randn(3, 8), torch.zeros(3, 6)
+    with pytest.raises(RuntimeError, match="outside the step"):
+        apply_lora_cpu(x, a, bt, LoRAPlan(lora_groups(np.array([0, -1, 1, 1]))), y)     # 4 rows' plan, 3 rows
+    with pytest.raises(RuntimeError, match="outside the step"):
+        apply_lora_cpu(x, a, bt, LoRAPlan(lora_groups(np.array([0, 2, 1]))), y)         # slot 2 of 2
+    assert torch.equal(y, torch.zeros(3, 6))
