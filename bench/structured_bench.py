@@ -174,11 +174,12 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     # the model as the user named it: the default model as `baton serve` runs it, in its packed GGUF types
     # (engine/quant.py); the converted directory's path would run it dequantized to fp32
-    log(f"loading Baton on {args.model or resolve_model(None)}")
+    model = args.model or resolve_model(None)
+    log(f"loading Baton on {model}")
     llm = LLM(args.model, max_num_seqs=BATCH, max_num_batched_tokens=2048)
     result: dict[str, Any] = {
         "benchmark": "structured", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": args.model or resolve_model(None), "device": str(llm.engine.runner.device),
+        "machine": machine_info(), "model": model, "device": str(llm.engine.runner.device),
         "quantization": llm.engine.runner.quantization,
         "workload": {"batch": BATCH, **cfg, "temperature": 0.7, "top_p": 0.9,
                      "json_schema": INVENTORY, "regex": LINES},

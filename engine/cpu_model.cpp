@@ -81,17 +81,6 @@ struct LoRARows {
   torch::Tensor rows, slots;
 };
 
-// y += each row's adapter product, in place: exactly engine/lora_ops.py's apply_lora_cpu
-void apply_lora(const LoRA& l, const torch::Tensor& x, torch::Tensor& y, const LoRARows& r) {
-  torch::Tensor t = lora::shrink(x.contiguous(), l.a, r.rows, r.slots);
-  const int64_t rank = l.a.size(1) / static_cast<int64_t>(l.bt.size());
-  int64_t col = 0;
-  for (size_t i = 0; i < l.bt.size(); i++) {
-    lora::expand(t, static_cast<int64_t>(i) * rank, l.bt[i], r.rows, r.slots, y, col);
-    col += l.bt[i].size(2);
-  }
-}
-
 struct Layer {
   torch::Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
@@ -152,7 +141,8 @@ class DecoderStack {
     // the linear, then its adapters' products where the step has some (the modules' LoRALinear, in its order)
     auto linear = [&](const Layer& l, int which, const Linear& lin, const torch::Tensor& in) {
       torch::Tensor y = lin(in);
-      if (ad.has_value() && l.lora[which].has_value()) apply_lora(*l.lora[which], in, y, *ad);
+      if (ad.has_value() && l.lora[which].has_value())
+        lora::apply(in, l.lora[which]->a, l.lora[which]->bt, ad->rows, ad->slots, y);
       return y;
     };
     torch::Tensor residual;
@@ -209,6 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &quant::matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights", nogil);
   m.def("lora_shrink", &lora::shrink, "t [G, R] = per-row adapter A @ x[rows]", nogil);
   m.def("lora_expand", &lora::expand, "y[rows, c0:c0+N] += t[:, r0:r0+R] @ per-row adapter B part", nogil);
+  m.def("lora_apply", &lora::apply, "y[rows] += per-row adapter B parts @ (A @ x[rows]), in place", nogil);
   m.def("isa", [] {
 #if defined(__AVX512VNNI__)
     return "avx512vnni";

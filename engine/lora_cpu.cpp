@@ -255,3 +255,18 @@ void expand(torch::Tensor t, int64_t r0, torch::Tensor bt, torch::Tensor rows, t
       expand_tile<false>(ts, bs, rp_, np_, n0, len, ys, m);      // a part's last, narrower block
   }
 }
+
+// y += each row's adapter product, in place: A [slots, parts * R, K] and one transposed B per part [slots, R, N_i]
+// (part i reads t's rank columns [i*R, (i+1)*R) and writes y's next N_i columns). The one composition of the two
+// kernels: engine/lora_ops.py's apply_lora_cpu and the decoder stack (engine/cpu_model.cpp) both call it.
+void apply(const torch::Tensor& x, const torch::Tensor& a, const std::vector<torch::Tensor>& bt,
+           const torch::Tensor& rows, const torch::Tensor& slots, torch::Tensor y) {
+  TORCH_CHECK(!bt.empty() && a.size(1) % static_cast<int64_t>(bt.size()) == 0, "apply: one B per part of A's rows");
+  const torch::Tensor t = shrink(x.contiguous(), a, rows, slots);
+  const int64_t rank = a.size(1) / static_cast<int64_t>(bt.size());
+  int64_t col = 0;
+  for (size_t i = 0; i < bt.size(); i++) {
+    expand(t, static_cast<int64_t>(i) * rank, bt[i], rows, slots, y, col);
+    col += bt[i].size(2);
+  }
+}

@@ -158,14 +158,8 @@ def apply_lora_cpu(x: torch.Tensor, a: torch.Tensor, bt: list[torch.Tensor], pla
     """The C++ path (fp32): `a` [S, R, K] as everywhere, `bt` one B per part, transposed [S, R/parts, N_i] (part i
     reads t's rank columns [i*R/parts, (i+1)*R/parts) and writes y's next N_i columns). Each element of the
     result is summed in one fixed order: bitwise the same alone or batched, with any thread count."""
-    if not plan:
-        return
-    k = cpu_kernel()
-    t = k.lora_shrink(x.contiguous(), a, plan.rows, plan.row_slots)
-    r, col = a.shape[1] // len(bt), 0
-    for i, part in enumerate(bt):
-        k.lora_expand(t, i * r, part, plan.rows, plan.row_slots, y, col)
-        col += part.shape[2]
+    if plan:
+        cpu_kernel().lora_apply(x, a, bt, plan.rows, plan.row_slots, y)
 
 
 def _blocks(b, parts: list[int] | None, rank: int) -> list[tuple[tuple[int, int], torch.Tensor]]:

@@ -396,8 +396,7 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self.model.embed_tokens(input_ids), None
         stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
-            plan = self._stack_lora.groups if self._stack_lora is not None and self._stack_lora.slots is not None \
-                else None
+            plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
             h, residual = stack.forward(h, self.rope.cos[positions], self.rope.sin[positions], md.slot_mapping,
                                         md.block_tables, md.seq_lens, md.query_start_loc,
                                         -1 if num_layers is None else num_layers,
