@@ -22,8 +22,10 @@ class Detokenizer:
         self.text = ""              # decoded output text (cut at a stop string once found)
         self.emitted = 0            # characters of text already handed out
 
-    def add(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if the text now contains one."""
+    def add(self, token_id: int, find_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if the text now contains one. `find_stop` False (a request
+        short of its min_tokens): its text is not searched, now or later (as vLLM: the search looks at the new
+        text and the holdback before it)."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -33,7 +35,7 @@ class Detokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.holdback)
         self.text += delta
-        return self._find_stop(start)
+        return self._find_stop(start) if find_stop else None
 
     def flush(self) -> None:
         """At the end: whatever bytes are pending become text (possibly a replacement char)."""

@@ -165,6 +165,7 @@ class LLMEngine:
         if resume is not None and prefill_only:
             raise InvalidRequestError("a resumed request cannot be prefill_only")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
+        seq.min_stops = self._min_stops(params)
         if lora_request is not None:
             seq.lora, seq.lora_key = lora_request, self._loras(lora_request).register(lora_request).key
             seq.lora_held = True
@@ -174,6 +175,20 @@ class LLMEngine:
             self._release_lora(seq)
             raise
         return request_id
+
+    def _min_stops(self, params: SamplingParams) -> tuple[int, ...]:
+        """Checks a request's token ids against the vocabulary; returns the tokens min_tokens keeps from
+        sampling (EOS unless ignore_eos, and stop_token_ids), none without min_tokens."""
+        vocab = self.hf_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
+        if not params.min_tokens:
+            return ()
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        stops = tuple(sorted(t for t in stops if t < vocab))
+        if len(stops) == vocab:
+            raise InvalidRequestError("min_tokens with every token of the vocabulary a stop token leaves nothing to sample")
+        return stops
 
     def _admit_new(self, seq: Sequence, params: SamplingParams, resume: Resume | None,
                    remote: RemotePrefill | None, block_hashes: list[int] | None) -> None:
@@ -395,15 +410,16 @@ class LLMEngine:
         """`token` was just appended: feed it to the detokenizer and the grammar (unless `guided`: the caller
         did) and finish the sequence where it ends it."""
         p = seq.params
-        stop_str = seq.detok.add(token) if seq.detok is not None else None
+        too_soon = seq.num_output_tokens <= p.min_tokens    # the first min_tokens outputs never stop it (vLLM)
+        stop_str = seq.detok.add(token, find_stop=not too_soon) if seq.detok is not None else None
         if seq.guide is not None and not guided and not seq.guide.accept(token):
             # sampling is masked, so only a token from elsewhere (a prefill replica without the grammar) can
             # land here: end the request rather than stream output its grammar forbids
             log.warning("request %s: token %d breaks its grammar; ending it", seq.request_id, token)
             seq.finish_reason, seq.stop_reason = "abort", None
-        elif token in p.stop_token_ids:
+        elif token in p.stop_token_ids and not too_soon:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif token in self.eos_ids and not p.ignore_eos:
+        elif token in self.eos_ids and not p.ignore_eos and not too_soon:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str

@@ -1,8 +1,9 @@
-"""Sampling on the device: penalties, temperature, top-k, top-p, min-p, greedy, per-request random
-streams, top-n logprobs; one batched pass where the logits are, and one small copy to the host.
+"""Sampling on the device: logit bias, min_tokens, penalties, temperature, top-k, top-p, min-p, greedy,
+per-request random streams, top-n logprobs; one batched pass where the logits are, and one small copy to the host.
 
-Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and presence over
-the output, on the raw logits; logprobs stay those of the raw distribution.
+What a row samples from (`process_logits`, in vLLM's order): logit_bias, min_tokens (a request's stop tokens at -inf
+until it has that many outputs), then the penalties: repetition over prompt and output tokens, frequency
+and presence over the output. Logprobs stay those of the raw distribution.
 
 The filters never sort the whole vocabulary when they do not have to: a row's kept set is found
 inside its K largest logits (`torch.topk`), K = its top_k, or a candidate set (256, then 4096) for
@@ -206,9 +207,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor |
 def draft_sample(logits: torch.Tensor, seqs: list[Sequence],
                  ahead: list[list[int]]) -> tuple[list[int], list[torch.Tensor | None]]:
     """A model proposer's drafts: row r drafts seqs[r]'s token after ahead[r] (its drafts so far), from
-    the filtered, penalized distribution with Philox(seed, position, DRAFT). Returns the ids (on the
-    host: the next pass feeds them) and each row's q [V] on the device (None for greedy rows)."""
-    x = penalize(logits.float(), seqs, ahead)
+    the filtered distribution of its processed logits (process_logits) with Philox(seed, position, DRAFT).
+    Returns the ids (on the host: the next pass feeds them) and each row's q [V] on the device (None for greedy rows)."""
+    x = process_logits(logits.float(), seqs, ahead)
     picks = x.argmax(-1)
     q: list[torch.Tensor | None] = [None] * len(seqs)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -221,7 +222,7 @@ def draft_sample(logits: torch.Tensor, seqs: list[Sequence],
     return picks.tolist(), q
 
 
-# -- per-row inputs: random streams and penalties ---------------------------------------------------
+# -- per-row inputs: random streams, bias, min_tokens and penalties ----------------------------------
 def row_uniforms(seqs: list[Sequence], ahead: list[list[int]] | None, purpose: int,
                  device: torch.device) -> torch.Tensor:
     """One uniform per row: row r samples the token of seqs[r] at position num_tokens + len(ahead[r])."""
@@ -245,9 +246,41 @@ def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.T
     return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32)).view(len(lists), vocab)
 
 
-def penalize(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None = None) -> torch.Tensor:
-    """The logits with each row's penalties applied (a new tensor when any row has some). Row r's
-    output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's position)."""
+def _bias_and_min_tokens(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None) -> torch.Tensor:
+    """logit_bias added, and a row whose request has fewer than min_tokens outputs (drafts ahead counted) gets
+    -inf on its stop tokens (Sequence.min_stops: EOS unless ignore_eos, and stop_token_ids). vLLM's two
+    built-in logits processors, applied before the penalties as there. A new tensor when any row has either."""
+    at, add = [], []
+    masked: list[tuple[int, tuple[int, ...]]] = []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if p.logit_bias:
+            at.extend(i * logits.shape[1] + t for t in p.logit_bias)
+            add.extend(p.logit_bias.values())
+        if s.min_stops and s.num_output_tokens + (len(ahead[i]) if ahead else 0) < p.min_tokens:
+            masked.append((i, s.min_stops))
+    if not at and not masked:
+        return logits
+    x = logits.clone()
+    flat = x.view(-1)
+    if at:
+        flat.index_add_(0, to_device(np.asarray(at, dtype=np.int64), x.device),
+                        to_device(np.asarray(add, dtype=np.float32), x.device).to(x.dtype))
+    if masked:
+        idx = np.concatenate([np.asarray(stops, dtype=np.int64) + i * x.shape[1] for i, stops in masked])
+        flat.index_fill_(0, to_device(idx, x.device), float("-inf"))
+    return x
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None = None) -> torch.Tensor:
+    """The logits each row samples from, before temperature and the filters: logit_bias and min_tokens first,
+    then the penalties (a new tensor when any row has one of these; the raw logits are left as they were,
+    logprobs come from them). Row r's output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's
+    position).
+
+    Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and presence over the
+    output."""
+    logits = _bias_and_min_tokens(logits, seqs, ahead)
     rows = [i for i, s in enumerate(seqs) if _penalized(s.params)]
     if not rows:
         return logits
@@ -332,7 +365,7 @@ class Sampler:
         raw = logits.float()
         params = [s.params for s in seqs]
         u = None if all(p.greedy for p in params) else row_uniforms(seqs, None, SAMPLE, raw.device)
-        logits = penalize(raw, seqs)
+        logits = process_logits(raw, seqs)
         if masks is not None:
             logits = masks.apply(logits, seqs)
         elif any(s.guide is not None for s in seqs):

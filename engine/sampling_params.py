@@ -22,6 +22,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0               # tokens before EOS, a stop token or a stop string may end the request
+    logit_bias: dict[int, float] | None = None    # token id -> added to its logit, in [-100, 100] (OpenAI's)
     logprobs: int | None = None       # top-n logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None    # a grammar the output must follow (engine/structured.py)
@@ -33,6 +35,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = dict(self.logit_bias) or None
         if isinstance(self.structured, dict):
             self.structured = StructuredOutput(**self.structured)
         self.validate()
@@ -41,7 +45,7 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        for name in ("max_tokens", "top_k", "logprobs", "seed"):
+        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens"):
             if isinstance(getattr(self, name), bool):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}")
         if not _finite(self.temperature) or self.temperature < 0:
@@ -59,6 +63,20 @@ class SamplingParams:
             bad(f"top_k must be an integer >= 0 (or -1 for off), got {self.top_k}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             bad(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.min_tokens and self.structured is not None:
+            bad("min_tokens cannot be combined with structured output: the grammar decides where the output ends")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias must map token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                if not _finite(bias) or not -100.0 <= bias <= 100.0:
+                    bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

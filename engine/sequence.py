@@ -49,6 +49,7 @@ class Sequence:
     lora_key: str | None = None           # that adapter's key (engine.block_hash.namespace_key of its blocks)
     lora_held: bool = False               # it holds its adapter in the runner's host cache (until it ends)
     guide: object = None                  # engine.structured.Guide: its grammar state (structured output)
+    min_stops: tuple[int, ...] = ()       # tokens kept from sampling while it has < params.min_tokens outputs
     num_streamed: int = 0                 # output tokens already reported in a RequestOutput
     spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step
     spec_probs: torch.Tensor | None = None                    # their draft distributions q [k, V] (None: one-hot)

@@ -17,7 +17,7 @@ class PrefillServer(EngineReplica):
 
     async def prefill(self, req: PoolRequest) -> PrefillResult:
         """The first token is sampled here with the request's own parameters; decode continues from it."""
-        params = dataclasses.replace(req.sampling, max_tokens=1)
+        params = dataclasses.replace(req.sampling, max_tokens=1, min_tokens=min(req.sampling.min_tokens, 1))
         out, t0 = None, time.perf_counter()
         remote = await self.prefix_remote(req)         # the prefix another prefill replica caches, pulled
         async for out in self.llm.generate(req.token_ids, params, req.request_id, prefill_only=True,

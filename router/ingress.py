@@ -280,7 +280,7 @@ class Ingress:
             structured = await self._structured(req, tools)
             hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i,
-                                                   structured=structured), lora)
+                                                   structured=structured, vocab_size=self.info["vocab_size"]), lora)
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
             ticket = self.admission.admit([len(ids) - orchestrator.cached_tokens(h) for ids, h in zip(prompts, hashes)],
                                           [len(ids) for ids in prompts], req.n)

@@ -91,6 +91,9 @@ RESPONSE_FORMAT_SCHEMA = {"anyOf": [
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
             "name": _STR, "description": _STR, "schema": _OBJ, "strict": {"type": ["boolean", "null"]}}}}}]}
+LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "null"}, {
+    "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]}
 STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [{"type": "null"}, {
     "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
         "json": {"anyOf": [_OBJ, _TEXT]}, "json_object": {"const": True}, "regex": _TEXT,
@@ -115,6 +118,9 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)              # vLLM's: outputs before a stop may end the request
+    # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None
     # OpenAI: {"type": "text" | "json_object" | "json_schema"}
     response_format: Annotated[dict[str, Any] | None, WithJsonSchema(RESPONSE_FORMAT_SCHEMA)] = None
@@ -146,6 +152,9 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(json_schema_extra={"minItems": 1})
+    # OpenAI's deprecated form of tools: refused (a 400)
+    functions: Annotated[list[dict[str, Any]] | None, WithJsonSchema({"type": "null"})] = None
+    function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema({"type": "null"})] = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -158,6 +167,8 @@ class CompletionRequest(_Request):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = Field(default=False, json_schema_extra={"enum": [False]})     # refused (a 400) when true
+    best_of: int | None = Field(default=None, ge=1)       # refused (a 400) unless it equals n
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None  # refused unless empty
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -227,6 +238,15 @@ def _check(req, chat: bool, limits: LimitsConfig) -> None:
                           param="stop")
     if not chat and req.echo:
         raise OpenAIError(400, "echo is not supported", param="echo")
+    if not chat and req.best_of is not None and req.best_of != req.n:
+        raise OpenAIError(400, f"best_of is not supported (it may only equal n, {req.n}); ask for n choices "
+                               f"and pick among them", param="best_of")
+    if not chat and req.suffix:
+        raise OpenAIError(400, "suffix (insertion) is not supported", param="suffix")
+    if chat and (req.functions is not None or req.function_call is not None):
+        param = "functions" if req.functions is not None else "function_call"
+        raise OpenAIError(400, f"{param} is OpenAI's deprecated form of tool calling and is not supported; "
+                               f"use tools and tool_choice", param=param)
 
 
 def structured_spec(req) -> tuple[StructuredOutput | None, str | None]:
@@ -343,10 +363,26 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
+def logit_bias(req, vocab_size: int) -> dict[int, float] | None:
+    """The request's logit_bias with token ids as integers, checked against the vocabulary (OpenAI's keys are
+    strings); its values are checked with the other sampling parameters."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        tok = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= tok < vocab_size:
+            raise OpenAIError(400, f"logit_bias: {key!r} is not a token id of this model (an integer in "
+                                   f"[0, {vocab_size}))", param="logit_bias")
+        out[tok] = bias
+    return out
+
+
 def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
-                       structured: StructuredOutput | None = None) -> SamplingParams:
+                       structured: StructuredOutput | None = None, vocab_size: int | None = None) -> SamplingParams:
     """The engine's parameters for choice `index` (seeded choices get seed + index), with OpenAI's checks;
-    `structured`: the request's checked spec (structured_spec, compiled once by the ingress)."""
+    `structured`: the request's checked spec (structured_spec, compiled once by the ingress); `vocab_size`: the
+    model's, for logit_bias's keys (None: not checked here; the engine checks them)."""
     room = max_model_len - prompt_len
     if room <= 0:
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -371,7 +407,9 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                               repetition_penalty=req.repetition_penalty,
                               seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens or room,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
-                              ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured)
+                              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                              logit_bias=logit_bias(req, vocab_size if vocab_size is not None else 2**63),
+                              logprobs=logprobs, structured=structured)
     except InvalidRequestError as e:
         param = str(e).split(" ", 1)[0]
         raise OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e

@@ -181,6 +181,27 @@ def test_completions_stop_strings_and_max_tokens_hold(client, offline):
     assert streamed == r.choices[0].text
 
 
+def test_logit_bias_and_min_tokens_hold_across_the_hand_off(client, offline):
+    """The prefill replica samples the first token with the request's bias and min_tokens, the decode replica
+    the rest: the text equals one engine's. A logit_bias naming no token of the model is a 400."""
+    messages = [{"role": "user", "content": "What is the capital of France? One word."}]
+    plain = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40))
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 20, "the test wants an answer that ends early"
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=24, logit_bias={plain.token_ids[0]: -100})
+    want = offline.chat(messages, params)
+    assert want.token_ids[0] != plain.token_ids[0] and len(want.token_ids) > 24
+    before = _metrics()
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40,
+                                       logit_bias={str(plain.token_ids[0]): -100}, extra_body={"min_tokens": 24})
+    assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.token_ids)
+    remote = 'baton_disaggregation_decisions_total{path="remote"}'
+    assert _metrics().get(remote, 0.0) > before.get(remote, 0.0), "the request was meant to cross the hand-off"
+    for bias, param in (({"49152": 1}, "logit_bias"), ({"7": 300}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logit_bias=bias)
+        assert e.value.body["param"] == param, e.value.body
+
+
 def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
     cases = [
         (b"{not json", 400, None),

@@ -208,6 +208,17 @@ def test_stop_strings_stop_tokens_and_logprobs(smol_llm):
         assert t in lp and lp[t] == max(lp.values()) and len(lp) == 3 and all(v <= 0 for v in lp.values())
 
 
+def test_min_tokens_holds_back_stop_strings_as_vllm(smol_llm):
+    """A stop string is looked for only in text that comes after the first min_tokens tokens (and the stop
+    string's length before it). SmolLM2 writes " 5, 6," as " ", "5", ",", " ", "6", ",": with min_tokens 3 the
+    first "," (the third token) is skipped and the second ends the request."""
+    prompt = "1, 2, 3, 4,"
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[","]))[0]
+    assert out.text == " 5" and out.stop_reason == ","
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=[","], min_tokens=3))[0]
+    assert out.text == " 5, 6" and out.finish_reason == "stop" and out.stop_reason == "," and len(out.token_ids) == 6
+
+
 def test_chat_applies_the_template_and_stops_at_eos(smol_llm):
     out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                         SamplingParams(temperature=0, max_tokens=64))

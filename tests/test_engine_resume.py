@@ -18,6 +18,7 @@ PROMPT = list(range(40, 70)) * 2                  # 60 tokens, repeated: prompt 
 N, K = 24, 7                                      # tokens of the whole run, tokens before the move
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=11, repetition_penalty=1.3, frequency_penalty=0.5)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+EOS = 2                                           # the tiny model's and the tokenizer's end of text
 
 
 @dataclass
@@ -74,9 +75,12 @@ def spanning_stop(engine: LLMEngine, stream: Stream, after: int) -> str:
 
 
 def case_params(engine: LLMEngine, case: str) -> SamplingParams:
-    """greedy: ends by max_tokens; sampled: seeded, penalised, ends at a stop string spanning tokens."""
+    """greedy: ends by max_tokens; sampled: seeded, penalised, ends at a stop string spanning tokens; min_tokens:
+    seeded, EOS pushed by a bias but held off until K + 5 outputs (the replayed ones count)."""
     if case == "greedy":
         return SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    if case == "min_tokens":
+        return SamplingParams(**SAMPLED, max_tokens=N, min_tokens=K + 5, logit_bias={EOS: 100.0})
     engine.add_request(PROMPT, SamplingParams(**SAMPLED, max_tokens=N, ignore_eos=True), "probe")
     stop = spanning_stop(engine, run(engine, "probe"), K)
     return SamplingParams(**SAMPLED, max_tokens=N, ignore_eos=True, stop=[stop])
@@ -99,7 +103,7 @@ def assert_continues(whole: Stream, part: Stream, rest: Stream) -> None:
     assert out.metrics.num_prompt_tokens == len(PROMPT) and out.metrics.num_output_tokens == len(whole.tokens)
 
 
-@pytest.mark.parametrize("case", ["greedy", "sampled"])
+@pytest.mark.parametrize("case", ["greedy", "sampled", "min_tokens"])
 def test_a_replayed_request_streams_on_exactly_where_its_client_left_off(tiny, case):
     engine = make_engine(tiny)
     params = case_params(engine, case)
@@ -107,6 +111,8 @@ def test_a_replayed_request_streams_on_exactly_where_its_client_left_off(tiny, c
     whole = run(engine, "whole")
     if case == "greedy":
         assert whole.last.finish_reason == "length" and len(whole.tokens) == N
+    elif case == "min_tokens":
+        assert whole.last.finish_reason == "stop" and whole.tokens.index(EOS) == K + 5 == len(whole.tokens) - 1
     else:
         assert whole.last.finish_reason == "stop" and whole.last.stop_reason == params.stop[0]
     part = interrupted(engine, params, "moved")

@@ -55,6 +55,33 @@ def test_context_length_and_sampling_mapping():
     assert e.value.status == 404 and e.value.body()["error"]["code"] == "model_not_found"
 
 
+def test_logit_bias_and_min_tokens_reach_the_engine_checked():
+    p = oa.to_sampling_params(_chat(logit_bias={"5": 10, "299": -100}, min_tokens=4), 100, 10, vocab_size=300)
+    assert (p.logit_bias, p.min_tokens) == ({5: 10.0, 299: -100.0}, 4)
+    assert oa.to_sampling_params(_chat(), 100, 10, vocab_size=300).logit_bias is None
+    for bias, words in (({"300": 1}, "not a token id of this model"), ({"x": 1}, "not a token id"),
+                        ({"-1": 1}, "not a token id"), ({"5": 100.5}, r"\[-100, 100\]")):
+        with pytest.raises(oa.OpenAIError, match=words) as e:
+            oa.to_sampling_params(_chat(logit_bias=bias), 100, 10, vocab_size=300)
+        assert e.value.status == 400 and e.value.param == "logit_bias"
+    with pytest.raises(oa.OpenAIError, match="min_tokens must be at most max_tokens") as e:
+        oa.to_sampling_params(_chat(min_tokens=9, max_tokens=8), 100, 10)
+    assert e.value.param == "min_tokens"
+
+
+@pytest.mark.parametrize("chat, extra, param", [
+    (False, {"best_of": 3}, "best_of"), (False, {"suffix": "}"}, "suffix"),
+    (True, {"functions": [{"name": "f", "parameters": {}}]}, "functions"), (True, {"function_call": "auto"}, "function_call"),
+])
+def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat, extra, param):
+    base = {"model": "m", **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.parse_request({**base, **extra}, chat=chat)
+    assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
+    if not chat:                                          # what equals the default is served
+        oa.parse_request({**base, "n": 2, "best_of": 2, "suffix": ""}, chat=False)
+
+
 def _deltas():
     return [TokenDelta([5], "Hel", False, [{5: -0.1, 6: -2.0}], replica="d0"),
             TokenDelta([6], "lo", True, [{6: -0.3, 5: -1.5}], finish_reason="length", prompt_tokens=7,
@@ -172,7 +199,7 @@ def test_bad_structured_output_requests_get_400_naming_the_field(extra, param):
 # combination of fields decide (the document cannot say it, or says it only loosely).
 DOCUMENTED_ONLY_AT_RUNTIME = ("n must be between", "stop sequence", "not among the tools", "tool_choice needs tools",
                               "defined twice", "give one of", "not both", "exactly one of", "prompt token ids",
-                              "at most")
+                              "at most", "may only equal n")
 
 
 def _document() -> dict:
@@ -220,6 +247,10 @@ def _refusal(body: dict, chat: bool) -> str | None:
             "structured_outputs": {"regex": "a", "choice": ["a"]}}),
     (False, {"model": "m", "prompt": ""}), (False, {"model": "m", "prompt": []}),
     (False, {"model": "m", "prompt": [-1]}), (False, {"model": "m", "prompt": "x", "echo": True}),
+    (False, {"model": "m", "prompt": "x", "suffix": "y"}),
+    (True, {"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}),
+    (True, {"model": "m", "messages": [{"role": "user", "content": "x"}], "function_call": "auto"}),
+    (True, {"model": "m", "messages": [{"role": "user", "content": "x"}], "min_tokens": -1}),
 ])
 def test_what_the_checks_refuse_the_openapi_document_calls_invalid(chat, body):
     assert _refusal(body, chat) is not None

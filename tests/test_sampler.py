@@ -1,4 +1,5 @@
-"""Sampling as a user sees it: greedy, seeds, top-k / top-p / min-p distributions, penalties, logprobs, validation."""
+"""Sampling as a user sees it: greedy, seeds, top-k / top-p / min-p distributions, logit bias, min_tokens, penalties,
+logprobs, validation."""
 from __future__ import annotations
 
 import math
@@ -10,9 +11,10 @@ import torch
 from engine.errors import InvalidRequestError
 from engine import sampler as sampler_mod
 from engine.philox import SAMPLE, uniforms
-from engine.sampler import Sampler, apply_filters, inverse_cdf, penalize, target_probs, target_weights
+from engine.sampler import Sampler, apply_filters, inverse_cdf, process_logits, target_probs, target_weights
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured import StructuredOutput
 from tests.reference_sampler import ReferenceSampler
 
 N = 20_000
@@ -335,6 +337,16 @@ def test_logprobs_20_is_allowed():
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=1.5), "min_tokens"),
+    (dict(min_tokens=True), "min_tokens"),
+    (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(min_tokens=2, structured=StructuredOutput(regex="[a-z]+")), "min_tokens"),
+    (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
 ])
 def test_invalid_sampling_params_raise(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field):
@@ -350,6 +362,8 @@ def test_valid_edge_values_are_accepted():
     SamplingParams(temperature=0.0, top_p=1.0, min_p=0.0, max_tokens=1, logprobs=0)
     SamplingParams(min_p=1.0, logprobs=20, max_tokens=None, top_k=0)
     SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.5)
+    SamplingParams(min_tokens=8, max_tokens=8, logit_bias={0: -100, 7: 100.0, 9: 0.5})
+    assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.01).greedy
@@ -567,7 +581,7 @@ def test_inverse_cdf_never_picks_a_zero_weight():
 
 def _penalized(params: SamplingParams, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
     seq = Sequence("r", prompt + output, params, num_prompt_tokens=len(prompt))
-    return penalize(logits.unsqueeze(0), [seq])[0]
+    return process_logits(logits.unsqueeze(0), [seq])[0]
 
 
 def test_penalties_follow_vllm_semantics():
@@ -588,7 +602,7 @@ def test_penalties_apply_per_row_and_to_drafts_ahead():
     logits = torch.zeros(3, 5)
     a = Sequence("a", [0, 1, 1], SamplingParams(frequency_penalty=1.0), num_prompt_tokens=1)
     b = Sequence("b", [2, 3], SamplingParams(), num_prompt_tokens=1)
-    got = penalize(logits, [a, b, a], [[], [], [4, 4, 1]])
+    got = process_logits(logits, [a, b, a], [[], [], [4, 4, 1]])
     assert got[0].tolist() == [0.0, -2.0, 0.0, 0.0, 0.0]
     assert got[1].tolist() == [0.0] * 5
     assert got[2].tolist() == [0.0, -3.0, 0.0, 0.0, -2.0]
@@ -607,3 +621,42 @@ def test_greedy_takes_the_argmax_of_the_penalized_logits_and_logprobs_stay_raw()
     assert res.logprobs[0][1] == pytest.approx(raw[1].item()) and res.logprobs[0][0] == pytest.approx(raw[0].item())
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# logit bias and min_tokens
+
+def test_logit_bias_and_min_tokens_come_before_the_penalties_and_leave_the_raw_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    raw = logits.clone()
+    # the bias first, then the repetition penalty divides the biased positive logit (vLLM's order)
+    seq = Sequence("r", [0, 1, 3], SamplingParams(logit_bias={3: 1.0, 4: -100}, repetition_penalty=2.0),
+                   num_prompt_tokens=2)
+    got = process_logits(logits, [seq])[0]
+    assert got.tolist() == pytest.approx([1.0, -2.0, 0.5, 2.0, -102.0, 1.0])
+    assert torch.equal(logits, raw), "the raw logits stay as they were (logprobs come from them)"
+
+
+def test_min_tokens_masks_the_stop_tokens_until_the_outputs_and_drafts_ahead_reach_it():
+    logits = torch.zeros(4, 6)
+    a = Sequence("a", [0, 1, 1], SamplingParams(min_tokens=3), num_prompt_tokens=1)      # 2 outputs so far
+    a.min_stops = (2, 5)
+    b = Sequence("b", [0], SamplingParams(logit_bias={1: 2.0}), num_prompt_tokens=1)
+    got = process_logits(logits, [a, b, a, a], [[], [], [4], [4, 4]])
+    inf = float("-inf")
+    assert got[0].tolist() == [0.0, 0.0, inf, 0.0, 0.0, inf]         # 2 < 3: EOS and stop ids out
+    assert got[1].tolist() == [0.0, 2.0, 0.0, 0.0, 0.0, 0.0]          # another row: only its own bias
+    assert got[2].tolist() == [0.0] * 6                                # one draft ahead: 3 outputs, free
+    assert got[3].tolist() == [0.0] * 6
+    assert logits.eq(0).all()
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows_alike():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0], [0.0, 5.0, 1.0, 0.0]])
+    sampler = Sampler()
+    params = [SamplingParams(temperature=0.0, logit_bias={1: -100, 3: 6.0}, logprobs=1),
+              SamplingParams(temperature=1.0, seed=3, logit_bias={0: -100, 1: -100, 3: -100})]
+    res = sampler(logits, seqs_for(params, sampler))
+    assert res.token_ids == [3, 2]
+    raw = logits[0].log_softmax(-1)
+    assert res.logprobs[0][3] == pytest.approx(raw[3].item()), "logprobs are the raw distribution's"

@@ -1,6 +1,6 @@
 """Seeded sampling through the engine, as a user sees it: a seeded request gets the same tokens alone, in
 any batch, after preemption, replayed on another engine, and with or without prompt-lookup speculation;
-penalties change what comes out."""
+penalties, logit bias and min_tokens change what comes out, and only for their own request."""
 from __future__ import annotations
 
 from collections import Counter
@@ -103,3 +103,78 @@ def test_penalized_greedy_is_the_same_with_speculation(tiny):
     unpenalized = LLM(tiny, num_kv_blocks=64, max_model_len=256).generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
     assert unpenalized.token_ids != plain[0].token_ids
+
+
+EOS = 2                                                   # LlamaConfig's eos_token_id, the tiny model's
+
+
+def test_logit_bias_bans_and_forces_tokens_for_its_request_alone(tiny):
+    llm = LLM(tiny, num_kv_blocks=64, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate([PROMPT, PROMPT], [greedy, seeded])]
+    banned = sorted(set(plain[1]))[:4] + [plain[0][0]]
+    ban = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={plain[0][0]: -100}),
+           SamplingParams(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True, logit_bias={t: -100 for t in banned})]
+    force = SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True, logit_bias={7: 100})
+    outs = [o.token_ids for o in llm.generate([PROMPT] * 5, [greedy, seeded, *ban, force])]
+    assert outs[:2] == plain, "a request with a bias changed the tokens of the others in its batch"
+    assert outs[2][0] != plain[0][0] and plain[0][0] not in outs[2]
+    assert not set(outs[3]) & set(banned) and len(outs[3]) == 40
+    assert outs[4] == [7] * 12
+
+
+def test_min_tokens_holds_off_eos_and_stop_tokens(tiny):
+    llm = LLM(tiny, num_kv_blocks=64, max_model_len=256)
+    eager = {EOS: 100}                                    # the model would end at once
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.8, seed=1, max_tokens=20, logit_bias=eager))[0]
+    assert out.token_ids == [EOS] and out.finish_reason == "stop"
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.8, seed=1, max_tokens=20, min_tokens=5,
+                                                logit_bias=eager))[0]
+    assert len(out.token_ids) == 6 and EOS not in out.token_ids[:5] and out.token_ids[5] == EOS
+    assert out.finish_reason == "stop"
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, min_tokens=3, stop_token_ids=[9],
+                                                logit_bias={9: 100}, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.token_ids[3] == 9 and 9 not in out.token_ids[:3]
+    assert out.stop_reason == 9
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, logit_bias=eager))[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length" and EOS not in out.token_ids
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_logit_bias_and_min_tokens_hold_with_speculation(tiny, tmp_path, method):
+    """Verify rows and draft rows take the bias, and min_tokens counts the drafts before them. Prompt lookup
+    gives the very tokens of plain decoding; a draft model the same greedy tokens, and seeded ones from the
+    same distribution that a second engine replays exactly."""
+    params = [SamplingParams(temperature=0, max_tokens=24, min_tokens=10, logit_bias={EOS: 8.0, 4: -3.0}),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=24, min_tokens=12, logit_bias={EOS: 10.0, 11: 2.5}),
+              SamplingParams(temperature=0.8, top_k=20, seed=4, max_tokens=24, logit_bias={15: -100, 26: 1.5})]
+    prompts = [PROMPT, [1, 2, 1, 2, 1], PROMPT]
+    want = [o.token_ids for o in LLM(tiny, num_kv_blocks=64, max_model_len=256).generate(prompts, params)]
+    assert 10 < len(want[0]) < 24 and want[0][-1] == EOS, "the bias on EOS should end it soon after min_tokens"
+    assert 12 < len(want[1]) < 24 and want[1][-1] == EOS
+    assert 15 not in want[2]
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    else:
+        draft = make_tiny_checkpoint(tmp_path, "llama", vocab_size=32, max_position_embeddings=512,
+                                     initializer_range=1.0, num_hidden_layers=2)
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(tiny, num_kv_blocks=64, max_model_len=256, speculative_config=spec)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.stats()["spec_num_accepted_tokens"] > 0, "no draft was accepted: nothing was tested"
+    if method == "ngram":
+        assert got == want
+        return
+    assert got[0] == want[0]
+    assert EOS not in got[1][:12] and (len(got[1]) == 24 or got[1][-1] == EOS) and 15 not in got[2]
+    again = LLM(tiny, num_kv_blocks=64, max_model_len=256, speculative_config=spec)
+    assert [o.token_ids for o in again.generate(prompts, params)] == got
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused(tiny):
+    from engine.errors import InvalidRequestError
+    llm = LLM(tiny, num_kv_blocks=64, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match=r"logit_bias token ids must be in \[0, 32\)"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, logit_bias={32: 1.0}))
+    assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids

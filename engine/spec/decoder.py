@@ -21,7 +21,7 @@ from engine.errors import ConfigError
 from engine.block_pool import BlockPool
 from engine.device_clock import device_clock
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampler import LogprobRows, penalize, to_device, to_host
+from engine.sampler import LogprobRows, process_logits, to_device, to_host
 from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
 from engine.spec.config import SpeculativeConfig
@@ -162,7 +162,7 @@ class SpecDecoder:
         first = np.fromiter((r for _, r in entries), dtype=np.int64, count=len(entries))
         rows = VerifyRows.of(seqs)
         raw = logits.index_select(0, to_device(first[rows.seq] + rows.offset, logits.device)).float()
-        target = penalize(raw, [seqs[s] for s in rows.seq.tolist()], rows.ahead(seqs))
+        target = process_logits(raw, [seqs[s] for s in rows.seq.tolist()], rows.ahead(seqs))
         if any(s.guide is not None for s in seqs):      # structured output: the masked target distribution
             from engine.structured import mask_verify_rows
             target = mask_verify_rows(target, seqs, rows.seq.tolist(), rows.offset.tolist())
