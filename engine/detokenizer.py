@@ -3,7 +3,8 @@
 Text is produced from a sliding window of ids (a few prompt tokens for context, so sentencepiece
 leading spaces come out right) and held back while it ends in an incomplete UTF-8 sequence. While a
 request runs, the last (longest stop string - 1) characters are held back too, so a stream never
-shows the start of a stop string that later turns out to end the request.
+shows the start of a stop string that later turns out to end the request (unless the stop string is kept in
+the output, `include_stop`: then the text is cut after it, and nothing needs holding back).
 """
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ _CONTEXT = 5
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.skip = skip_special_tokens
         self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.include_stop = include_stop
+        self.search_back = max((len(s) for s in stop), default=1) - 1     # a stop string may start this far back
+        self.holdback = 0 if include_stop else self.search_back
         self.text = ""              # decoded output text (cut at a stop string once found)
         self.emitted = 0            # characters of text already handed out
 
@@ -33,7 +37,7 @@ class Detokenizer:
             return None                                   # wait for the rest of a multi-byte char
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(0, len(self.text) - self.holdback)
+        start = max(0, len(self.text) - self.search_back)
         self.text += delta
         return self._find_stop(start) if find_stop else None
 
@@ -59,7 +63,7 @@ class Detokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         return best[1]
 
     def _decode(self, ids: list[int]) -> str:

@@ -194,7 +194,8 @@ class LLMEngine:
                    remote: RemotePrefill | None, block_hashes: list[int] | None) -> None:
         ids, request_id = seq.token_ids, seq.request_id
         if self.tokenizer is not None:
-            seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+            seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                    params.include_stop_str_in_output)
         if params.structured is not None:
             seq.guide = self.grammars().matcher(params.structured)
         if resume is not None:
@@ -411,16 +412,19 @@ class LLMEngine:
         did) and finish the sequence where it ends it."""
         p = seq.params
         too_soon = seq.num_output_tokens <= p.min_tokens    # the first min_tokens outputs never stop it (vLLM)
-        stop_str = seq.detok.add(token, find_stop=not too_soon) if seq.detok is not None else None
+        stop_id = token in p.stop_token_ids
+        by_token = not too_soon and (stop_id or (token in self.eos_ids and not p.ignore_eos))
+        stop_str = None
+        if seq.detok is not None and (not by_token or p.include_stop_str_in_output):
+            # the text of a stop token or EOS that ends the request is left out, as vLLM and OpenAI do
+            stop_str = seq.detok.add(token, find_stop=not too_soon)
         if seq.guide is not None and not guided and not seq.guide.accept(token):
             # sampling is masked, so only a token from elsewhere (a prefill replica without the grammar) can
             # land here: end the request rather than stream output its grammar forbids
             log.warning("request %s: token %d breaks its grammar; ending it", seq.request_id, token)
             seq.finish_reason, seq.stop_reason = "abort", None
-        elif token in p.stop_token_ids and not too_soon:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif token in self.eos_ids and not p.ignore_eos and not too_soon:
-            seq.finish_reason, seq.stop_reason = "stop", None
+        elif by_token:
+            seq.finish_reason, seq.stop_reason = "stop", token if stop_id else None
         elif stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
         elif seq.guide is not None and seq.guide.terminated:      # the grammar is complete (its end token came)

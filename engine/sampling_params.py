@@ -26,6 +26,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None    # token id -> added to its logit, in [-100, 100] (OpenAI's)
     logprobs: int | None = None       # top-n logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False    # the stop string, or the stop token's text, ends the output text
     structured: StructuredOutput | None = None    # a grammar the output must follow (engine/structured.py)
 
     def __post_init__(self) -> None:

@@ -119,6 +119,8 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)              # vLLM's: outputs before a stop may end the request
+    include_stop_str_in_output: bool = False              # vLLM's: the stop string (or stop token's text) kept
+    skip_special_tokens: bool = True                      # vLLM's: special tokens' text left out
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None
@@ -196,10 +198,37 @@ def parse_body(body: Any, model: type[BaseModel]) -> BaseModel:
         raise OpenAIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from e
 
 
+# Fields of OpenAI's or vLLM's API that would change the answer and that Baton does not serve: a value other than
+# their default is a 400 naming the field, never silently dropped (other unknown fields are ignored, as vLLM does).
+# field -> (is the value refused, why)
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "prompt_logprobs": (lambda v: v is not None, "log-probabilities of the prompt's tokens are not supported"),
+    "allowed_token_ids": (lambda v: v is not None, "allowed_token_ids is not supported; logit_bias can steer "
+                                                   "tokens and structured_outputs can constrain them"),
+    "bad_words": (lambda v: bool(v), "bad_words is not supported; logit_bias can ban single tokens"),
+    "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported"),
+    "chat_template": (lambda v: v is not None, "a per-request chat_template is not supported; the model's own is used"),
+    "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs is not supported"),
+    "continue_final_message": (lambda v: bool(v), "continue_final_message is not supported"),
+    "add_generation_prompt": (lambda v: v is False, "add_generation_prompt false is not supported"),
+    "audio": (lambda v: v is not None, "audio output is not supported"),
+    "modalities": (lambda v: v is not None and v != ["text"], "modalities other than [\"text\"] are not supported"),
+    "web_search_options": (lambda v: v is not None, "web search is not supported"),
+}
+CHAT_ONLY_UNSUPPORTED = {"echo": (lambda v: bool(v), "echo is not supported")}
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    for name, (refused, why) in (UNSUPPORTED | (CHAT_ONLY_UNSUPPORTED if chat else {})).items():
+        if name in body and refused(body[name]):
+            raise OpenAIError(400, why, param=name)
+
+
 def parse_request(body: Any, chat: bool, limits: LimitsConfig = LimitsConfig()) -> ChatCompletionRequest | CompletionRequest:
     """The request, checked against `limits` (the defaults, or the cluster config's that the ingress passes)."""
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    _refuse_unsupported(body, chat)
     try:
         req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as e:
@@ -370,7 +399,7 @@ def logit_bias(req, vocab_size: int) -> dict[int, float] | None:
         return None
     out = {}
     for key, bias in req.logit_bias.items():
-        tok = int(key) if key.isascii() and key.isdigit() else -1
+        tok = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else -1     # no 10^5-digit int()
         if not 0 <= tok < vocab_size:
             raise OpenAIError(400, f"logit_bias: {key!r} is not a token id of this model (an integer in "
                                    f"[0, {vocab_size}))", param="logit_bias")
@@ -408,6 +437,8 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                               seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens or room,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              skip_special_tokens=req.skip_special_tokens,
                               logit_bias=logit_bias(req, vocab_size if vocab_size is not None else 2**63),
                               logprobs=logprobs, structured=structured)
     except InvalidRequestError as e:

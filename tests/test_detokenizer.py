@@ -24,10 +24,11 @@ def encode(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def stream(tok, text_or_ids, stop: list[str] = (), prompt: str = PROMPT, skip_special_tokens: bool = True):
+def stream(tok, text_or_ids, stop: list[str] = (), prompt: str = PROMPT, skip_special_tokens: bool = True,
+           include_stop: bool = False):
     """Feed tokens one by one; returns (detokenizer, pieces, stop string or None, tokens consumed)."""
     ids = encode(tok, text_or_ids) if isinstance(text_or_ids, str) else list(text_or_ids)
-    d = Detokenizer(tok, encode(tok, prompt), list(stop), skip_special_tokens)
+    d = Detokenizer(tok, encode(tok, prompt), list(stop), skip_special_tokens, include_stop)
     pieces: list[str] = []
     shown = ""
     for k, t in enumerate(ids):
@@ -116,6 +117,18 @@ def test_stop_string_spanning_several_tokens_or_starting_mid_token(tok, stop):
     expected = text[:text.index(stop)]
     assert d.text == expected
     assert "".join(pieces) == expected
+
+
+@pytest.mark.parametrize("stop", ["42. S", "is 42", ". STOP h", "OP here"])
+def test_a_stop_string_kept_in_the_output_ends_it_and_nothing_is_held_back(tok, stop):
+    """include_stop_str_in_output: the text runs to the end of the stop string, and the stream shows each
+    token's text at once (what it shows is always a prefix of the final text)."""
+    text = "The answer is 42. STOP here, then more text."
+    d, pieces, found, _ = stream(tok, text, stop=[stop], include_stop=True)
+    assert found == stop
+    expected = text[:text.index(stop) + len(stop)]
+    assert d.text == expected and "".join(pieces) == expected
+    assert d.holdback == 0 and all(pieces[:-1]), "with the stop string kept, no token's text waits"
 
 
 def test_streamed_prefix_never_shows_a_stop_string_start(tok):

@@ -199,9 +199,16 @@ def test_stop_strings_stop_tokens_and_logprobs(smol_llm):
     assert full.text.startswith(" 5, 6, 7")
     out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=["6, 7"]))[0]
     assert out.text == " 5, " and out.finish_reason == "stop" and out.stop_reason == "6, 7"
-    tok = full.token_ids[2]
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop=["6, 7"],
+                                                     include_stop_str_in_output=True))[0]
+    assert out.text == " 5, 6, 7" and out.stop_reason == "6, 7"
+    tok = full.token_ids[2]                                   # ","
     out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok]))[0]
     assert out.token_ids == full.token_ids[:3] and out.stop_reason == tok
+    assert out.text == " 5", "the stop token's text is left out (vLLM, OpenAI)"
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok],
+                                                     include_stop_str_in_output=True))[0]
+    assert out.token_ids == full.token_ids[:3] and out.text == " 5,"
     out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0]
     assert out.finish_reason == "length" and len(out.logprobs) == 5
     for t, lp in zip(out.token_ids, out.logprobs):
@@ -220,9 +227,14 @@ def test_min_tokens_holds_back_stop_strings_as_vllm(smol_llm):
 
 
 def test_chat_applies_the_template_and_stops_at_eos(smol_llm):
-    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                        SamplingParams(temperature=0, max_tokens=64))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol_llm.chat(messages, SamplingParams(temperature=0, max_tokens=64))
     assert "Paris" in out.text and out.finish_reason == "stop" and "<|im_end|>" not in out.text
+    kept = smol_llm.chat(messages, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False,
+                                                  include_stop_str_in_output=True))
+    assert kept.text == out.text + "<|im_end|>" and kept.token_ids == out.token_ids
+    shown = smol_llm.chat(messages, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False))
+    assert shown.text == out.text, "the EOS that ends a request is not in its text unless asked for"
     assert out.metrics.ttft > 0 and out.metrics.time_per_output_token > 0
 
 

@@ -60,7 +60,8 @@ def test_logit_bias_and_min_tokens_reach_the_engine_checked():
     assert (p.logit_bias, p.min_tokens) == ({5: 10.0, 299: -100.0}, 4)
     assert oa.to_sampling_params(_chat(), 100, 10, vocab_size=300).logit_bias is None
     for bias, words in (({"300": 1}, "not a token id of this model"), ({"x": 1}, "not a token id"),
-                        ({"-1": 1}, "not a token id"), ({"5": 100.5}, r"\[-100, 100\]")):
+                        ({"-1": 1}, "not a token id"), ({"9" * 5000: 1}, "not a token id"),
+                        ({"5": 100.5}, r"\[-100, 100\]")):
         with pytest.raises(oa.OpenAIError, match=words) as e:
             oa.to_sampling_params(_chat(logit_bias=bias), 100, 10, vocab_size=300)
         assert e.value.status == 400 and e.value.param == "logit_bias"
@@ -80,6 +81,32 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat
     assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
     if not chat:                                          # what equals the default is served
         oa.parse_request({**base, "n": 2, "best_of": 2, "suffix": ""}, chat=False)
+
+
+@pytest.mark.parametrize("chat, extra, param", [
+    (True, {"prompt_logprobs": 1}, "prompt_logprobs"), (False, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    (False, {"bad_words": ["x"]}, "bad_words"), (True, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (True, {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    (True, {"continue_final_message": True}, "continue_final_message"),
+    (True, {"add_generation_prompt": False}, "add_generation_prompt"), (True, {"echo": True}, "echo"),
+    (True, {"modalities": ["text", "audio"]}, "modalities"), (True, {"audio": {"voice": "alloy"}}, "audio"),
+    (True, {"web_search_options": {}}, "web_search_options"), (False, {"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
+])
+def test_vllm_and_openai_fields_baton_does_not_serve_are_refused_by_name(chat, extra, param):
+    base = {"model": "m", **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.parse_request({**base, **extra}, chat=chat)
+    assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
+    defaults = {"modalities": ["text"], "add_generation_prompt": True, "bad_words": [], "echo": False,
+                "continue_final_message": False, "chat_template_kwargs": {}}
+    oa.parse_request({**base, **{k: v for k, v in defaults.items() if chat or k != "echo"}}, chat=chat)
+
+
+def test_vllms_stop_and_special_token_extras_reach_the_engine():
+    p = oa.to_sampling_params(_chat(include_stop_str_in_output=True, skip_special_tokens=False), 100, 10)
+    assert p.include_stop_str_in_output and not p.skip_special_tokens
+    p = oa.to_sampling_params(_chat(), 100, 10)
+    assert not p.include_stop_str_in_output and p.skip_special_tokens
 
 
 def _deltas():
