@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -165,7 +166,7 @@ class LLMEngine:
         if resume is not None and prefill_only:
             raise InvalidRequestError("a resumed request cannot be prefill_only")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
-        seq.min_stops = self._min_stops(params)
+        self._token_rules(seq)
         if lora_request is not None:
             seq.lora, seq.lora_key = lora_request, self._loras(lora_request).register(lora_request).key
             seq.lora_held = True
@@ -176,19 +177,34 @@ class LLMEngine:
             raise
         return request_id
 
-    def _min_stops(self, params: SamplingParams) -> tuple[int, ...]:
-        """Checks a request's token ids against the vocabulary; returns the tokens min_tokens keeps from
-        sampling (EOS unless ignore_eos, and stop_token_ids), none without min_tokens."""
-        vocab = self.hf_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab}), got {max(params.logit_bias)}")
-        if not params.min_tokens:
-            return ()
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        stops = tuple(sorted(t for t in stops if t < vocab))
-        if len(stops) == vocab:
-            raise InvalidRequestError("min_tokens with every token of the vocabulary a stop token leaves nothing to sample")
-        return stops
+    def _token_rules(self, seq: Sequence) -> None:
+        """Checks a request's token ids against the vocabulary and sets what the sampler reads of its token rules:
+        the tokens min_tokens keeps from sampling (EOS unless ignore_eos, and stop_token_ids), the allowed ids,
+        and bad_words as token ids (vLLM's: each word alone and after a space, where the space makes a new first
+        token of the same length)."""
+        p, vocab = seq.params, self.hf_config.vocab_size
+        for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids)):
+            if ids and max(ids) >= vocab:
+                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab}), got {max(ids)}")
+        if p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+            seq.min_stops = tuple(sorted(t for t in stops if t < vocab))
+            if len(seq.min_stops) == vocab or (p.allowed_token_ids and set(p.allowed_token_ids) <= set(seq.min_stops)):
+                raise InvalidRequestError("min_tokens with every token that may be sampled a stop token leaves "
+                                          "nothing to sample")
+        if p.allowed_token_ids is not None:
+            seq.allowed_ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+        if p.bad_words:
+            if self.tokenizer is None:
+                raise InvalidRequestError("bad_words need the model's tokenizer")
+            words: list[tuple[int, ...]] = []
+            for word in p.bad_words:
+                plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+                spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+                words.append(plain)
+                if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                    words.append(spaced)
+            seq.bad_word_ids = tuple(w for w in words if w)
 
     def _admit_new(self, seq: Sequence, params: SamplingParams, resume: Resume | None,
                    remote: RemotePrefill | None, block_hashes: list[int] | None) -> None:

@@ -1,9 +1,11 @@
-"""Sampling on the device: logit bias, min_tokens, penalties, temperature, top-k, top-p, min-p, greedy,
-per-request random streams, top-n logprobs; one batched pass where the logits are, and one small copy to the host.
+"""Sampling on the device: token rules (allowed ids, bad words, min_tokens, logit bias), penalties,
+temperature, top-k, top-p, min-p, greedy, per-request random streams, top-n logprobs; one batched pass
+where the logits are, and one small copy to the host.
 
-What a row samples from (`process_logits`, in vLLM's order): logit_bias, min_tokens (a request's stop tokens at -inf
-until it has that many outputs), then the penalties: repetition over prompt and output tokens, frequency
-and presence over the output. Logprobs stay those of the raw distribution.
+What a row samples from (`process_logits`, in vLLM's order): allowed_token_ids, bad_words, min_tokens (a
+request's stop tokens at -inf until it has that many outputs), logit_bias, then the penalties: repetition
+over prompt and output tokens, frequency and presence over the output. Logprobs stay those of the raw
+distribution.
 
 The filters never sort the whole vocabulary when they do not have to: a row's kept set is found
 inside its K largest logits (`torch.topk`), K = its top_k, or a candidate set (256, then 4096) for
@@ -246,41 +248,62 @@ def _counts(lists: list[list[int]], vocab: int, device: torch.device) -> torch.T
     return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32)).view(len(lists), vocab)
 
 
-def _bias_and_min_tokens(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None) -> torch.Tensor:
-    """logit_bias added, and a row whose request has fewer than min_tokens outputs (drafts ahead counted) gets
-    -inf on its stop tokens (Sequence.min_stops: EOS unless ignore_eos, and stop_token_ids). vLLM's two
-    built-in logits processors, applied before the penalties as there. A new tensor when any row has either."""
-    at, add = [], []
-    masked: list[tuple[int, tuple[int, ...]]] = []
+def _banned_by_bad_words(seq: Sequence, ahead: list[int]) -> list[int]:
+    """The last token of each bad word whose other tokens end the output (drafts ahead included), vLLM's rule."""
+    banned = []
+    for word in seq.bad_word_ids:
+        n = len(word) - 1
+        if n == 0:
+            banned.append(word[0])
+            continue
+        tail = (seq.output_token_ids + ahead)[-n:]
+        if len(tail) == n and tuple(tail) == word[:n]:
+            banned.append(word[-1])
+    return banned
+
+
+def _token_rules(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None) -> torch.Tensor:
+    """A request's rules on tokens, vLLM's built-in ones in its order, before the penalties: allowed_token_ids
+    (every other token at -inf), bad_words (the token that would complete one at -inf), min_tokens (while the
+    outputs, drafts ahead counted, are fewer: its stop tokens at -inf, Sequence.min_stops: EOS unless ignore_eos,
+    and stop_token_ids), then logit_bias added. A new tensor when any row has one."""
+    vocab = logits.shape[1]
+    at, add, masked, allowed = [], [], [], []
     for i, s in enumerate(seqs):
-        p = s.params
-        if p.logit_bias:
-            at.extend(i * logits.shape[1] + t for t in p.logit_bias)
-            add.extend(p.logit_bias.values())
+        p, row = s.params, i * vocab
+        if s.allowed_ids is not None:
+            allowed.append((i, s.allowed_ids))
+        if s.bad_word_ids:
+            masked.extend(row + t for t in _banned_by_bad_words(s, ahead[i] if ahead else []))
         if s.min_stops and s.num_output_tokens + (len(ahead[i]) if ahead else 0) < p.min_tokens:
-            masked.append((i, s.min_stops))
-    if not at and not masked:
+            masked.extend(row + t for t in s.min_stops)
+        if p.logit_bias:
+            at.extend(row + t for t in p.logit_bias)
+            add.extend(p.logit_bias.values())
+    if not (at or masked or allowed):
         return logits
     x = logits.clone()
     flat = x.view(-1)
+    for i, ids in allowed:
+        keep = to_device(ids, x.device)
+        x[i] = torch.full_like(x[i], float("-inf")).index_copy_(0, keep, x[i].index_select(0, keep))
+    if masked:
+        flat.index_fill_(0, to_device(np.asarray(masked, dtype=np.int64), x.device), float("-inf"))
     if at:
         flat.index_add_(0, to_device(np.asarray(at, dtype=np.int64), x.device),
                         to_device(np.asarray(add, dtype=np.float32), x.device).to(x.dtype))
-    if masked:
-        idx = np.concatenate([np.asarray(stops, dtype=np.int64) + i * x.shape[1] for i, stops in masked])
-        flat.index_fill_(0, to_device(idx, x.device), float("-inf"))
     return x
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None = None) -> torch.Tensor:
-    """The logits each row samples from, before temperature and the filters: logit_bias and min_tokens first,
-    then the penalties (a new tensor when any row has one of these; the raw logits are left as they were,
+    """The logits each row samples from, before temperature and the filters: the request's token rules first
+    (allowed_token_ids, bad_words, min_tokens, logit_bias: `_token_rules`), then the penalties (a new tensor when any row has one of these; the raw logits are left as they were,
     logprobs come from them). Row r's output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's
     position).
 
     Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and presence over the
     output."""
-    logits = _bias_and_min_tokens(logits, seqs, ahead)
+    logits = _token_rules(logits, seqs, ahead)
     rows = [i for i, s in enumerate(seqs) if _penalized(s.params)]
     if not rows:
         return logits

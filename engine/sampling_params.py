@@ -24,6 +24,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0               # tokens before EOS, a stop token or a stop string may end the request
     logit_bias: dict[int, float] | None = None    # token id -> added to its logit, in [-100, 100] (OpenAI's)
+    allowed_token_ids: list[int] | None = None    # only these may be sampled
+    bad_words: list[str] | None = None            # words never to complete (vLLM's: their last token is banned
+                                                  # where the output ends with the rest of the word)
     logprobs: int | None = None       # top-n logprobs per generated token (0 = only the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False    # the stop string, or the stop token's text, ends the output text
@@ -38,6 +41,10 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.logit_bias, dict):
             self.logit_bias = dict(self.logit_bias) or None
+        if isinstance(self.allowed_token_ids, (list, tuple)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (list, tuple)):
+            self.bad_words = list(self.bad_words) or None
         if isinstance(self.structured, dict):
             self.structured = StructuredOutput(**self.structured)
         self.validate()
@@ -78,6 +85,17 @@ class SamplingParams:
                     bad(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
                 if not _finite(bias) or not -100.0 <= bias <= 100.0:
                     bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                bad("allowed_token_ids must be a non-empty list of token ids")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids must be token ids (integers >= 0)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words must be a list of non-empty strings")
+        if self.structured is not None and (self.allowed_token_ids is not None or self.bad_words):
+            bad(f"{'allowed_token_ids' if self.allowed_token_ids is not None else 'bad_words'} cannot be combined "
+                f"with structured output: the grammar decides which tokens may come")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):

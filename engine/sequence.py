@@ -50,6 +50,8 @@ class Sequence:
     lora_held: bool = False               # it holds its adapter in the runner's host cache (until it ends)
     guide: object = None                  # engine.structured.Guide: its grammar state (structured output)
     min_stops: tuple[int, ...] = ()       # tokens kept from sampling while it has < params.min_tokens outputs
+    allowed_ids: object = None            # np.ndarray of params.allowed_token_ids (the only tokens it samples)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words as token ids, with and without a space
     num_streamed: int = 0                 # output tokens already reported in a RequestOutput
     spec_tokens: list[int] = field(default_factory=list)    # drafts to verify in the coming step
     spec_probs: torch.Tensor | None = None                    # their draft distributions q [k, V] (None: one-hot)

@@ -1,7 +1,8 @@
 """Ingress: the OpenAI-compatible HTTP front door (FastAPI through serve.ingress).
 
 POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics (this process's metrics merged with every replica's), and with LoRA on, vLLM's
+GET /metrics (this process's metrics merged with every replica's), vLLM's POST /tokenize and
+/detokenize (the prompt tokens a request would have, with the same chat template), and with LoRA on, vLLM's
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` names the base model or
 a LoRA adapter; the adapters' registry lives in the cluster state actor, so every ingress replica
 serves the same ones. Requests are parsed and checked
@@ -44,10 +45,12 @@ def _openapi() -> dict:
         doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (oa.ChatCompletionRequest, oa.CompletionRequest, oa.LoadLoRAAdapterRequest,
-                      oa.UnloadLoRAAdapterRequest):
+                      oa.UnloadLoRAAdapterRequest, oa.TokenizeRequest, oa.DetokenizeRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
+        schemas["TokenizeBody"] = {"anyOf": [{"$ref": "#/components/schemas/TokenizeRequest"},
+                                             {"$ref": "#/components/schemas/ChatCompletionRequest"}]}
         app.openapi_schema = doc
     return app.openapi_schema
 
@@ -255,6 +258,40 @@ class Ingress:
         # registry captured at import would be a copy, not this process's live one
         body = merge_expositions([prometheus_client.generate_latest(prometheus_client.REGISTRY), *texts])
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize", openapi_extra=_body("TokenizeBody"))
+    async def tokenize(self, request: Request) -> Response:
+        """A prompt's token ids (add_special_tokens as the tokenizer's encode), or a chat request's prompt ids
+        under the model's chat template and its tools, as /v1/chat/completions builds them."""
+        try:
+            self.keys.check(request.headers.get("authorization"))
+            body = await _json(request, self.limits.max_body_bytes)
+            await self._setup()
+            if isinstance(body, dict) and "messages" in body:
+                req = oa.parse_request(body, True, self.limits)
+                await self._resolve_model(req.model)
+                ids, strs = self._prompts(req, True, oa.tool_plan(req, self.tool_format))[0], None
+            else:
+                req = oa.parse_body(body, oa.TokenizeRequest)
+                await self._resolve_model(req.model)
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse(oa.tokenize_body(list(ids), self.info["max_model_len"], strs))
+
+    @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            self.keys.check(request.headers.get("authorization"))
+            req = oa.parse_body(await _json(request, self.limits.max_body_bytes), oa.DetokenizeRequest)
+            await self._setup()
+            await self._resolve_model(req.model)
+            if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= self.info["vocab_size"]):
+                raise oa.OpenAIError(400, f"tokens must be token ids in [0, {self.info['vocab_size']})", param="tokens")
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat(self, request: Request) -> Response:

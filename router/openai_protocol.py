@@ -120,6 +120,9 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)              # vLLM's: outputs before a stop may end the request
     include_stop_str_in_output: bool = False              # vLLM's: the stop string (or stop token's text) kept
+    allowed_token_ids: list[int] | None = Field(default=None, json_schema_extra={      # vLLM's
+        "minItems": 1, "items": {"type": "integer", "minimum": 0}})
+    bad_words: list[str] | None = Field(default=None, json_schema_extra={"items": _TEXT})        # vLLM's
     skip_special_tokens: bool = True                      # vLLM's: special tokens' text left out
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
@@ -173,6 +176,23 @@ class CompletionRequest(_Request):
     suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None  # refused unless empty
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's); the chat form ({"model", "messages", "tools"}) is read as a chat
+    completion request, so its count is the prompt tokens that request would have."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokens: list[int]
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     """POST /v1/load_lora_adapter (vLLM's)."""
     model_config = ConfigDict(extra="forbid")
@@ -203,9 +223,6 @@ def parse_body(body: Any, model: type[BaseModel]) -> BaseModel:
 # field -> (is the value refused, why)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (lambda v: v is not None, "log-probabilities of the prompt's tokens are not supported"),
-    "allowed_token_ids": (lambda v: v is not None, "allowed_token_ids is not supported; logit_bias can steer "
-                                                   "tokens and structured_outputs can constrain them"),
-    "bad_words": (lambda v: bool(v), "bad_words is not supported; logit_bias can ban single tokens"),
     "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported"),
     "chat_template": (lambda v: v is not None, "a per-request chat_template is not supported; the model's own is used"),
     "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs is not supported"),
@@ -426,6 +443,9 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                                f"{max_tokens} in the completion). Please reduce the length of the prompt or "
                                f"completion.", param="max_tokens", code="context_length_exceeded")
+    if vocab_size is not None and req.allowed_token_ids and not all(0 <= t < vocab_size for t in req.allowed_token_ids):
+        raise OpenAIError(400, f"allowed_token_ids must be token ids of this model (in [0, {vocab_size}))",
+                          param="allowed_token_ids")
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -438,6 +458,7 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
+                              allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                               skip_special_tokens=req.skip_special_tokens,
                               logit_bias=logit_bias(req, vocab_size if vocab_size is not None else 2**63),
                               logprobs=logprobs, structured=structured)
@@ -449,6 +470,11 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
 # -- responses --------------------------------------------------------------------------------------
 def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def tokenize_body(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict:
+    """/tokenize's answer, vLLM's fields."""
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
 
 
 def models_body(names: list[str], max_model_len: int, adapters: dict[str, str] | None = None) -> dict:

@@ -182,8 +182,8 @@ def test_completions_stop_strings_and_max_tokens_hold(client, offline):
 
 
 def test_logit_bias_and_min_tokens_hold_across_the_hand_off(client, offline):
-    """The prefill replica samples the first token with the request's bias and min_tokens, the decode replica
-    the rest: the text equals one engine's. A logit_bias naming no token of the model is a 400."""
+    """The prefill replica samples the first token with the request's bias, min_tokens and bad_words, the decode
+    replica the rest: the text equals one engine's. A logit_bias naming no token of the model is a 400."""
     messages = [{"role": "user", "content": "What is the capital of France? One word."}]
     plain = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40))
     assert plain.finish_reason == "stop" and len(plain.token_ids) < 20, "the test wants an answer that ends early"
@@ -196,10 +196,37 @@ def test_logit_bias_and_min_tokens_hold_across_the_hand_off(client, offline):
     assert r.choices[0].message.content == want.text and r.usage.completion_tokens == len(want.token_ids)
     remote = 'baton_disaggregation_decisions_total{path="remote"}'
     assert _metrics().get(remote, 0.0) > before.get(remote, 0.0), "the request was meant to cross the hand-off"
+    banned = plain.text.split()[0].strip(".")                     # vLLM's bad_words, in extra_body
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12, bad_words=[banned]))
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+                                       extra_body={"bad_words": [banned]})
+    assert r.choices[0].message.content == want.text and banned not in want.text
     for bias, param in (({"49152": 1}, "logit_bias"), ({"7": 300}, "logit_bias")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, logit_bias=bias)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_tokenize_counts_the_prompt_tokens_a_request_would_have_and_detokenize_inverts_it(client, offline):
+    prompt = "The baton passes in a twenty-metre zone."
+    code, out = _post("/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})
+    ids = offline.engine.tokenizer.encode(prompt)
+    assert code == 200 and out["tokens"] == ids and out["count"] == len(ids) and len(out["token_strs"]) == len(ids)
+    assert out["max_model_len"] == ENGINE["max_model_len"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who runs the anchor leg?"}]
+    code, chat = _post("/tokenize", {"model": MODEL, "messages": messages})
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2)
+    assert code == 200 and chat["count"] == r.usage.prompt_tokens
+    code, back = _post("/detokenize", {"model": MODEL, "tokens": chat["tokens"]})
+    assert code == 200 and "Who runs the anchor leg?" in back["prompt"] and back["prompt"].count("<|im_start|>") == 3
+    for path, body, status, param in (
+            ("/tokenize", {"model": "gpt-17", "prompt": "x"}, 404, "model"),
+            ("/tokenize", {"model": MODEL, "prompt": "x", "temperature": 1}, 400, "temperature"),
+            ("/tokenize", {"model": MODEL, "messages": []}, 400, "messages"),
+            ("/detokenize", {"model": MODEL, "tokens": [1, 10**9]}, 400, "tokens")):
+        code, err = _post(path, body)
+        assert code == status and err["error"]["param"] == param, (path, body, err)
+    assert _post("/tokenize", {"model": MODEL, "prompt": "x"}, key="sk-wrong")[0] == 401
 
 
 def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):

@@ -226,6 +226,25 @@ def test_min_tokens_holds_back_stop_strings_as_vllm(smol_llm):
     assert out.text == " 5, 6" and out.finish_reason == "stop" and out.stop_reason == "," and len(out.token_ids) == 6
 
 
+def test_bad_words_and_allowed_token_ids_as_vllm(smol_llm):
+    """bad_words bans the token that would complete a word (alone, or its last token after the rest of it);
+    allowed_token_ids keeps sampling to its ids, for greedy and sampled requests alike."""
+    prompt = "1, 2, 3, 4,"
+    assert smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].text == " 5, 6, 7, 8,"
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, bad_words=["6"]))[0]
+    assert out.text == " 5, 7, 8, 9,"
+    out = smol_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, bad_words=["7, 8"]))[0]
+    assert out.text.startswith(" 5, 6, 7,") and "7, 8" not in out.text, out.text
+    tok = smol_llm.engine.tokenizer
+    ids = sorted({tok.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", " maybe")})
+    for p in (SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=ids),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40, allowed_token_ids=ids)):
+        out = smol_llm.generate(["Is the sky blue? Answer:"], p)[0]
+        assert set(out.token_ids) <= set(ids) and len(out.token_ids) == p.max_tokens
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids token ids must be in"):
+        smol_llm.generate([prompt], SamplingParams(max_tokens=2, allowed_token_ids=[5, 10**6]))
+
+
 def test_chat_applies_the_template_and_stops_at_eos(smol_llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     out = smol_llm.chat(messages, SamplingParams(temperature=0, max_tokens=64))

@@ -84,8 +84,7 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat
 
 
 @pytest.mark.parametrize("chat, extra, param", [
-    (True, {"prompt_logprobs": 1}, "prompt_logprobs"), (False, {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    (False, {"bad_words": ["x"]}, "bad_words"), (True, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (True, {"prompt_logprobs": 1}, "prompt_logprobs"), (True, {"chat_template": "{{ messages }}"}, "chat_template"),
     (True, {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
     (True, {"continue_final_message": True}, "continue_final_message"),
     (True, {"add_generation_prompt": False}, "add_generation_prompt"), (True, {"echo": True}, "echo"),
@@ -97,16 +96,25 @@ def test_vllm_and_openai_fields_baton_does_not_serve_are_refused_by_name(chat, e
     with pytest.raises(oa.OpenAIError) as e:
         oa.parse_request({**base, **extra}, chat=chat)
     assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
-    defaults = {"modalities": ["text"], "add_generation_prompt": True, "bad_words": [], "echo": False,
+    defaults = {"modalities": ["text"], "add_generation_prompt": True, "echo": False,
                 "continue_final_message": False, "chat_template_kwargs": {}}
     oa.parse_request({**base, **{k: v for k, v in defaults.items() if chat or k != "echo"}}, chat=chat)
 
 
-def test_vllms_stop_and_special_token_extras_reach_the_engine():
-    p = oa.to_sampling_params(_chat(include_stop_str_in_output=True, skip_special_tokens=False), 100, 10)
+def test_vllms_stop_special_token_and_token_rule_extras_reach_the_engine():
+    p = oa.to_sampling_params(_chat(include_stop_str_in_output=True, skip_special_tokens=False,
+                                    allowed_token_ids=[3, 9], bad_words=["x y"]), 100, 10, vocab_size=300)
     assert p.include_stop_str_in_output and not p.skip_special_tokens
+    assert (p.allowed_token_ids, p.bad_words) == ([3, 9], ["x y"])
     p = oa.to_sampling_params(_chat(), 100, 10)
-    assert not p.include_stop_str_in_output and p.skip_special_tokens
+    assert not p.include_stop_str_in_output and p.skip_special_tokens and p.allowed_token_ids is p.bad_words is None
+    for extra, param in (({"allowed_token_ids": [3, 300]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"bad_words": [" "]}, "bad_words"),
+                         ({"bad_words": ["x"], "response_format": {"type": "json_object"}}, "bad_words")):
+        with pytest.raises(oa.OpenAIError) as e:
+            req = _chat(**extra)
+            oa.to_sampling_params(req, 100, 10, structured=oa.structured_spec(req)[0], vocab_size=300)
+        assert e.value.status == 400 and e.value.param == param, (extra, e.value.message)
 
 
 def _deltas():

@@ -347,6 +347,11 @@ def test_logprobs_20_is_allowed():
     (dict(logit_bias={"5": 1.0}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3], structured=StructuredOutput(regex="[a-z]+")), "allowed_token_ids"),
+    (dict(bad_words=["ok", "  "]), "bad_words"),
+    (dict(bad_words=["ok"], structured=StructuredOutput(regex="[a-z]+")), "bad_words"),
 ])
 def test_invalid_sampling_params_raise(kwargs, field):
     with pytest.raises(InvalidRequestError, match=field):
@@ -660,3 +665,18 @@ def test_logit_bias_steers_greedy_and_sampled_rows_alike():
     assert res.token_ids == [3, 2]
     raw = logits[0].log_softmax(-1)
     assert res.logprobs[0][3] == pytest.approx(raw[3].item()), "logprobs are the raw distribution's"
+
+
+def test_allowed_ids_and_bad_words_mask_per_row_with_the_drafts_ahead():
+    logits = torch.arange(8, dtype=torch.float32).repeat(4, 1)
+    a = Sequence("a", [0, 5, 6], SamplingParams(), num_prompt_tokens=1)                    # outputs 5, 6
+    a.allowed_ids = np.array([1, 4, 7])
+    b = Sequence("b", [0, 5, 6], SamplingParams(logit_bias={7: 1.0}), num_prompt_tokens=1)
+    b.bad_word_ids = ((3,), (6, 2), (5, 6, 7), (1, 1))                                      # "words" as ids
+    got = process_logits(logits, [a, b, b, b], [[], [], [1], [6]])
+    inf = float("-inf")
+    assert got[0].tolist() == [inf, 1.0, inf, inf, 4.0, inf, inf, 7.0]
+    assert got[1].tolist() == [0.0, 1.0, inf, inf, 4.0, 5.0, 6.0, inf]   # 3 always; ...6 -> not 2; ...5, 6 -> not 7
+    assert got[2].tolist() == [0.0, inf, 2.0, inf, 4.0, 5.0, 6.0, 8.0]   # a draft 1 ahead: (1, 1) bans 1
+    assert got[3].tolist() == [0.0, 1.0, inf, inf, 4.0, 5.0, 6.0, 8.0]   # a draft 6 ahead: (6, 2) bans 2
+    assert torch.equal(logits, torch.arange(8, dtype=torch.float32).repeat(4, 1))
