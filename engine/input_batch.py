@@ -158,22 +158,28 @@ class SequenceRows:
         self.block_table = np.zeros((self.max_rows, self.max_blocks), np.int32)
         self.free = list(range(self.max_rows - 1, -1, -1))
 
-    def prepare(self, scheduled: list) -> tuple[StepShape, np.ndarray, np.ndarray, list]:
-        """A scheduled step [(sequence, new tokens)]: its shape, token ids, block tables, and the
-        sequences that sample (those that reach their end: 1 + k logits rows with k drafts)."""
+    def prepare(self, scheduled: list) -> tuple[StepShape, np.ndarray, np.ndarray, list, list]:
+        """A scheduled step [(sequence, new tokens)]: its shape, token ids, block tables, the sequences that
+        sample with their first logits row (those that reach their end: 1 + k rows with k drafts), and the
+        prompt chunks whose every row gives logits for prompt logprobs: (sequence, first row, first position,
+        rows). Such a chunk's last row is also its sampling row when it ends the prompt."""
         n = len(scheduled)
         rows, starts, qlens, nlogits = (np.empty(n, np.int64) for _ in range(4))
-        samplers = []
+        samplers, prompt_rows, at = [], [], 0
         for i, (seq, q) in enumerate(scheduled):
             rows[i] = self.sync(seq)
             k, start = len(seq.spec_tokens), seq.num_computed_tokens
             done = start + q == seq.num_tokens + k
             starts[i], qlens[i], nlogits[i] = start, q, (1 + k) if done else 0
+            if seq.wants_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+                nlogits[i] = q
+                prompt_rows.append((seq, at, start, q))
             if done:
-                samplers.append(seq)
+                samplers.append((seq, at + int(nlogits[i]) - 1 - k))
+            at += int(nlogits[i])
         shape = StepShape(starts, qlens, nlogits)
         _, owner, pos = shape.flat
-        return shape, self.token_ids[rows[owner], pos], self.block_table[rows], samplers
+        return shape, self.token_ids[rows[owner], pos], self.block_table[rows], samplers, prompt_rows
 
     def sync(self, seq) -> int:
         """The row of `seq`, brought up to date (tokens, drafts at their positions, blocks)."""

@@ -29,7 +29,7 @@ from engine.kv_layout import KV_LAYOUT_VERSION
 from engine.loader import load_config, resolve_model, shared_tokenizer
 from engine.executor import Executor
 from engine.outputs import RequestMetrics, RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import Sampler, record_prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, Status
@@ -165,6 +165,9 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if resume is not None and prefill_only:
             raise InvalidRequestError("a resumed request cannot be prefill_only")
+        if params.prompt_logprobs is not None and (remote is not None or prefill_only):
+            raise InvalidRequestError("prompt_logprobs need the prompt computed where the request decodes, "
+                                      "not imported or handed off")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
         self._token_rules(seq)
         if lora_request is not None:
@@ -356,18 +359,19 @@ class LLMEngine:
         t0 = device_clock(self.runner.device)
         masks = StepMasks.start([s for s, _ in sched.scheduled], self.hf_config.vocab_size) \
             if self._grammars is not None and self.runner.device.type == "cuda" else None   # fill during the forward
-        logits, samplers = self.runner.execute(sched.scheduled)
+        logits, samplers, prompt_rows = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             if not seq.spec_tokens:                     # a verify step advances after acceptance
                 self.scheduler.on_computed(seq, n)
             self.num_computed_tokens_total += n
-        plain, verify, row = [], [], 0
-        for seq in samplers:
+        plain, verify = [], []
+        for seq, row in samplers:
             (verify if seq.spec_tokens else plain).append((seq, row))
-            row += 1 + len(seq.spec_tokens)
+        if prompt_rows:
+            record_prompt_logprobs(logits, prompt_rows)
         result = None
         if plain:
-            rows = [r for _, r in plain] if verify else slice(None)
+            rows = [r for _, r in plain] if verify or prompt_rows else slice(None)
             result = self.sampler(logits[rows], [s for s, _ in plain], masks)
         emitted = self.spec.verify(logits, verify) if verify else []
         seconds = device_clock(self.runner.device) - t0
@@ -475,6 +479,7 @@ class LLMEngine:
             text=seq.detok.text if seq.detok is not None else "", new_token_ids=new_ids,
             new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
             kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only or migrated else [])
 
     @staticmethod

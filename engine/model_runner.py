@@ -260,18 +260,20 @@ class ModelRunner:
         log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
     # -- one forward ------------------------------------------------------------------------------
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the model over the scheduled tokens; logits for sequences that now sample.
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list, list]:
+        """Run the model over the scheduled tokens; logits for sequences that now sample, and for prompt
+        chunks that want prompt logprobs. Returns the logits, the samplers (sequence, first row) and the
+        prompt chunks (sequence, first row, first position, rows): SequenceRows.prepare.
 
         A sequence's tokens are its token_ids followed by its draft tokens (seq.spec_tokens). One that
         reaches its end samples: a plain one gets one logits row, a speculating one gets 1 + k rows
         (the target's distribution after each of its last token and k drafts), in batch order.
         The logits are valid until the next forward (a replayed graph rewrites its output).
         """
-        shape, ids, tables, samplers = self.rows.prepare(scheduled)
+        shape, ids, tables, samplers, prompt_rows = self.rows.prepare(scheduled)
         if self.lora is not None:                           # each token's adapter slot, loading what is missing
             self.lora.prepare_step([seq.lora_key for seq, _ in scheduled], shape.query_lens)
-        return self.forward_step(shape, ids, tables), samplers
+        return self.forward_step(shape, ids, tables), samplers, prompt_rows
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""

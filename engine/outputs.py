@@ -64,4 +64,5 @@ class RequestOutput:
     stop_reason: int | str | None
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob}
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (the first: None), vLLM's
     kv_blocks: list[int] = field(default_factory=list)   # prefill role: the pinned block ids

@@ -355,6 +355,36 @@ class LogprobRows:
         return out
 
 
+def record_prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:
+    """Prompt logprobs from the rows of prompt chunks (sequence, first row, first position, rows): row j gives
+    the distribution of the token at position + j + 1, recorded in seq.prompt_logprobs (indexed by position,
+    [0] None) with its top-n, of the raw logits (vLLM's). Positions already recorded (a chunk recomputed after a
+    preemption) and rows past the prompt are skipped. One copy to the host."""
+    want, targets, owners = [], [], []
+    for seq, row, start, count in chunks:                  # one chunk a sequence in a step
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)
+        nxt = len(seq.prompt_logprobs)                     # the next position to record
+        for j in range(count):
+            if start + j + 1 == nxt and nxt < seq.num_prompt_tokens:
+                want.append(row + j)
+                targets.append(seq.token_ids[nxt])
+                owners.append(seq)
+                nxt += 1
+    if not want:
+        return
+    lp = logits.index_select(0, to_device(np.asarray(want, dtype=np.int64), logits.device)).float().log_softmax(-1)
+    n = max(max(s.params.prompt_logprobs for s in owners), 1)
+    top_v, top_i = lp.topk(n, dim=-1)
+    own = lp.gather(1, to_device(np.asarray(targets, dtype=np.int64), lp.device).unsqueeze(1)).squeeze(1)
+    top_v, top_i, own = to_host(top_v, top_i, own)
+    for r, (seq, tok) in enumerate(zip(owners, targets)):
+        k = seq.params.prompt_logprobs
+        d = {int(t): float(v) for t, v in zip(top_i[r, :k], top_v[r, :k])}
+        d[tok] = float(own[r])
+        seq.prompt_logprobs.append(d)
+
+
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(a)
     if device.type == "cpu":

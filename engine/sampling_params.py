@@ -28,6 +28,8 @@ class SamplingParams:
     bad_words: list[str] | None = None            # words never to complete (vLLM's: their last token is banned
                                                   # where the output ends with the rest of the word)
     logprobs: int | None = None       # top-n logprobs per generated token (0 = only the sampled one)
+    prompt_logprobs: int | None = None    # top-n logprobs per prompt token (0 = only the prompt's own); its
+                                          # prompt is computed whole, not read from the prefix cache
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False    # the stop string, or the stop token's text, ends the output text
     structured: StructuredOutput | None = None    # a grammar the output must follow (engine/structured.py)
@@ -53,7 +55,7 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
-        for name in ("max_tokens", "top_k", "logprobs", "seed", "min_tokens"):
+        for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "seed", "min_tokens"):
             if isinstance(getattr(self, name), bool):
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}")
         if not _finite(self.temperature) or self.temperature < 0:
@@ -98,6 +100,9 @@ class SamplingParams:
                 f"with structured output: the grammar decides which tokens may come")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad(f"logprobs must be an integer in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "migrated"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)   # by position; [0] is None
     sampling_seed: int = 0                # uint64 key of its random streams (engine.philox), set at add_request
     detok: object = None                  # engine.detokenizer.Detokenizer
     lora: object = None                   # engine.lora.LoRARequest: the adapter it runs under (None: the base)
@@ -69,6 +70,11 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
             self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions have none yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

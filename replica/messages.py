@@ -106,13 +106,15 @@ class TokenDelta:
     transferred: bool = False                   # the prompt's KV came from a prefill replica
     migrate: PrefillResult | None = None        # a draining replica's last delta: continue from this hand-off
     channeled: bool = False                     # on a first delta: the rest come through the request's channel
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # on a first delta, when the request asked
 
     @classmethod
     def of(cls, out: RequestOutput, replica: str | None = None, transferred: bool = False) -> TokenDelta:
         """The delta of one engine output (`replica` on a request's first delta)."""
         n = len(out.new_token_ids)
         d = cls(out.new_token_ids, out.new_text, out.finished,
-                out.logprobs[-n:] if out.logprobs is not None and n else None, replica)
+                out.logprobs[-n:] if out.logprobs is not None and n else None, replica,
+                prompt_logprobs=out.prompt_logprobs if replica is not None else None)
         if out.finished:
             d.finish_reason, d.stop_reason = out.finish_reason, out.stop_reason
             d.prompt_tokens, d.completion_tokens = len(out.prompt_token_ids), len(out.token_ids)

@@ -325,7 +325,7 @@ class Ingress:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created, model = int(time.time()), self.served_name if lora is None else lora.lora_name
-        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools)
+        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools, prompts)
         if req.stream:
             body = self._stream(orchestrator, jobs, builder, ticket)
             ticket.release_with(body)

@@ -1,8 +1,9 @@
 """The OpenAI wire protocol: request models and their checks, errors in OpenAI's shape, response and
 SSE chunk builders. No server here (router/ingress.py serves it).
 
-Decisions: unknown request fields are ignored, as OpenAI and vLLM do; features the engine lacks
-(echo) are refused with a 400 naming the field rather than silently dropped. Structured output comes as
+Decisions: unknown request fields are ignored, as OpenAI and vLLM do; fields that would change the answer and
+that Baton does not serve (UNSUPPORTED: chat's echo, suffix, a per-request chat template, audio, ...) are refused
+with a 400 naming the field rather than silently dropped. Structured output comes as
 OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs` (json, regex, choice,
 grammar; its older `guided_*` fields too), one of them per request.
 presence_penalty and frequency_penalty take OpenAI's range [-2, 2]; repetition_penalty (> 0) is vLLM's.
@@ -124,6 +125,7 @@ class _Request(BaseModel):
         "minItems": 1, "items": {"type": "integer", "minimum": 0}})
     bad_words: list[str] | None = Field(default=None, json_schema_extra={"items": _TEXT})        # vLLM's
     skip_special_tokens: bool = True                      # vLLM's: special tokens' text left out
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)    # vLLM's: each prompt token's, top-n
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None
@@ -171,7 +173,7 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})     # refused (a 400) when true
+    echo: bool = False                                    # the prompt before the completion (and its logprobs)
     best_of: int | None = Field(default=None, ge=1)       # refused (a 400) unless it equals n
     suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None  # refused unless empty
 
@@ -222,7 +224,6 @@ def parse_body(body: Any, model: type[BaseModel]) -> BaseModel:
 # their default is a 400 naming the field, never silently dropped (other unknown fields are ignored, as vLLM does).
 # field -> (is the value refused, why)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "prompt_logprobs": (lambda v: v is not None, "log-probabilities of the prompt's tokens are not supported"),
     "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported"),
     "chat_template": (lambda v: v is not None, "a per-request chat_template is not supported; the model's own is used"),
     "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs is not supported"),
@@ -282,8 +283,8 @@ def _check(req, chat: bool, limits: LimitsConfig) -> None:
     if any(len(s) > limits.max_stop_chars for s in stops):
         raise OpenAIError(400, f"a stop sequence may have at most {limits.max_stop_chars} characters",
                           param="stop")
-    if not chat and req.echo:
-        raise OpenAIError(400, "echo is not supported", param="echo")
+    if req.prompt_logprobs is not None and req.stream:
+        raise OpenAIError(400, "prompt_logprobs are not streamed; ask without stream", param="prompt_logprobs")
     if not chat and req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(400, f"best_of is not supported (it may only equal n, {req.n}); ask for n choices "
                                f"and pick among them", param="best_of")
@@ -450,6 +451,9 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if not isinstance(req, ChatCompletionRequest) and req.echo and req.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)    # echo: the prompt's tokens come with theirs
     try:
         return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                               presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -461,7 +465,7 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                               allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                               skip_special_tokens=req.skip_special_tokens,
                               logit_bias=logit_bias(req, vocab_size if vocab_size is not None else 2**63),
-                              logprobs=logprobs, structured=structured)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
     except InvalidRequestError as e:
         param = str(e).split(" ", 1)[0]
         raise OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e
@@ -491,8 +495,13 @@ def models_body(names: list[str], max_model_len: int, adapters: dict[str, str] |
 class ResponseBuilder:
     """Collects one request's choices from the orchestrator's token deltas; emits OpenAI bodies or chunks."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer, tools: ToolPlan | None = None):
+    def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer, tools: ToolPlan | None = None,
+                 prompts: list[list[int]] | None = None):
+        """`prompts`: each prompt's token ids (choice i answers prompt i // n), for echo and prompt logprobs."""
         self.id, self.created, self.model, self.chat, self.req, self.tok = rid, created, model, chat, req, tokenizer
+        self.prompts = prompts or []
+        self.echo = not chat and req.echo
+        self.plps: dict[int, list] = {}          # prompt logprobs per choice (vLLM's, or echo's), from its first delta
         self.tools = tools if chat else None     # tool calls are parsed out of each choice's text
         self.streamed: dict[int, int] = {}       # tools, streaming: characters of content sent per choice
         self.held: dict[int, list] = {}          # tools, streaming: logprob items not sent yet
@@ -510,8 +519,14 @@ class ResponseBuilder:
 
     def add(self, i: int, d: TokenDelta) -> list:
         """Record a delta of choice i; returns its logprob items (token text, logprob, top)."""
-        self.text.setdefault(i, []).append(d.text)
+        first = i not in self.text
+        if d.prompt_logprobs is not None:
+            self.plps[i] = d.prompt_logprobs
         items = self._logprobs(d) if self.want_lp else []
+        if first and self.echo:                   # the prompt before the completion, with its logprobs
+            self.text[i] = [self._prompt_text(i)]
+            items = self._prompt_items(i) + items if self.want_lp else items
+        self.text.setdefault(i, []).append(d.text)
         self.lps.setdefault(i, []).extend(items)
         if d.finished:
             self.finish[i] = "length" if d.finish_reason == "length" else "stop"
@@ -519,6 +534,29 @@ class ResponseBuilder:
             self.completion_tokens[i] = d.completion_tokens
             self.cached_tokens[i] = d.cached_tokens
         return items
+
+    def _prompt_text(self, i: int) -> str:
+        given = completion_prompts(self.req)[i // self.req.n]
+        return given if isinstance(given, str) else self.tok.decode(self.prompts[i // self.req.n])
+
+    def _prompt_items(self, i: int) -> list:
+        """echo with logprobs: the prompt's tokens as logprob items (the first has none, as OpenAI's)."""
+        ids, lps = self.prompts[i // self.req.n], self.plps.get(i) or []
+        out = []
+        for p, tok in enumerate(ids):
+            lp = lps[p] if p < len(lps) else None
+            top = sorted(lp.items(), key=lambda kv: -kv[1]) if lp else []
+            out.append((self.tok.decode([tok]), lp.get(tok) if lp else None,
+                        [(self.tok.decode([t]), v) for t, v in top] if lp else None))
+        return out
+
+    def _prompt_logprobs_body(self, i: int) -> list | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob, decoded}}."""
+        if self.req.prompt_logprobs is None:
+            return None
+        return [None if lp is None else {str(t): {"logprob": v, "decoded_token": self.tok.decode([t])}
+                                         for t, v in sorted(lp.items(), key=lambda kv: -kv[1])}
+                for lp in self.plps.get(i, [])]
 
     def _logprobs(self, d: TokenDelta) -> list:
         out = []
@@ -545,7 +583,8 @@ class ResponseBuilder:
             pos += len(t)
         n = self.req.logprobs or 0
         return {"tokens": [t for t, _, _ in items], "token_logprobs": [v for _, v, _ in items],
-                "top_logprobs": [dict(top[:n]) for _, _, top in items] if n else None, "text_offset": offsets}
+                "top_logprobs": [None if top is None else dict(top[:n]) for _, _, top in items] if n else None,
+                "text_offset": offsets}
 
     def usage(self) -> dict:
         prompt = sum(v for i, v in self.prompt_tokens.items() if i % self.req.n == 0)   # once per prompt, not per choice
@@ -570,8 +609,13 @@ class ResponseBuilder:
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish.get(i, "stop")})
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+            if self.req.prompt_logprobs is not None and not self.chat:      # vLLM's place for completions
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs_body(i)
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.req.prompt_logprobs is not None and self.chat:                # and for chat (one prompt)
+            body["prompt_logprobs"] = self._prompt_logprobs_body(0)
+        return body
 
     # -- streaming --------------------------------------------------------------------------------
     def _chunk(self, choices: list, usage: dict | None = None) -> dict:
@@ -591,18 +635,20 @@ class ResponseBuilder:
         return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))
 
     def chunks(self, i: int, d: TokenDelta) -> list[dict]:
+        first = i not in self.text
         items = self.add(i, d)
         if self.tools is not None:
             return self._tool_chunks(i, d, items)
         lp = self._lp_body(items)
         finish = self.finish.get(i) if d.finished else None
-        if not d.text and finish is None and not items:
+        text = "".join(self.text[i]) if first and self.echo else d.text       # echo: the prompt comes first
+        if not text and finish is None and not items:
             return []
         if self.chat:
-            choice = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+            choice = {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp,
                       "finish_reason": finish}
         else:
-            choice = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
         return [self._chunk([choice])]
 
     def _tool_chunks(self, i: int, d: TokenDelta, items: list) -> list[dict]:

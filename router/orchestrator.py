@@ -240,13 +240,14 @@ class Orchestrator:
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = hashes if hashes is not None else self.hashes(token_ids, lora)
-        sources = self.prefix_sources(hashes)
+        scoring = params.prompt_logprobs is not None     # its prompt is computed whole where it decodes
+        sources = [] if scoring else self.prefix_sources(hashes)
         req = PoolRequest(rid, token_ids, hashes, params, lora=lora, prefix_source=sources[0] if sources else None,
                           prefix_fallback=sources[1] if len(sources) > 1 else None)
         status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0
         try:
-            if self.remote_prefill(token_ids, hashes):
+            if not scoring and self.remote_prefill(token_ids, hashes):
                 try:
                     try:
                         req.prefill = await self.prefill.prefill.remote(req)
@@ -357,7 +358,9 @@ class Orchestrator:
         ids = req.token_ids + (sent if kv is None else sent[:-1])
         hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.key(req.lora),
                                                      req.block_hashes[n - 1] if n else None)
-        return replace(req, block_hashes=hashes, prefill=kv, resume=Resume(list(sent), chars),
+        # the client has the prompt's logprobs already (they come with the first delta): none are asked again
+        sampling = req.sampling if req.sampling.prompt_logprobs is None else replace(req.sampling, prompt_logprobs=None)
+        return replace(req, block_hashes=hashes, prefill=kv, resume=Resume(list(sent), chars), sampling=sampling,
                        avoid=req.avoid + ((left,) if left else ()), num_moves=req.num_moves + 1)
 
 

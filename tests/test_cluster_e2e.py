@@ -207,6 +207,36 @@ def test_logit_bias_and_min_tokens_hold_across_the_hand_off(client, offline):
         assert e.value.body["param"] == param, e.value.body
 
 
+def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks_and_vllms_prompt_logprobs(client, offline):
+    """What lm-evaluation-harness sends to score a text (echo, logprobs 1, max_tokens 1): the prompt's tokens
+    come back with their logprobs, the first with none, equal to one engine's; the prompt is computed whole
+    where it decodes (no hand-off: the prefill replica's logits stay there)."""
+    prompt = "The first runner of a relay hands the baton to the second runner inside the exchange zone."
+    ids = offline.engine.tokenizer.encode(prompt)
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1))[0]
+    local = 'baton_disaggregation_decisions_total{path="local"}'
+    before = _metrics()
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    assert _metrics().get(local, 0.0) > before.get(local, 0.0)
+    c = r.choices[0]
+    assert c.text == prompt + want.text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p in range(1, len(ids)):
+        assert lp.token_logprobs[p] == pytest.approx(want.prompt_logprobs[p][ids[p]], abs=1e-4)
+        assert len(lp.top_logprobs[p]) >= 1
+    assert lp.token_logprobs[-1] == pytest.approx(want.logprobs[0][want.token_ids[0]], abs=1e-4)
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True,
+                                              temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == c.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    plps = chat.model_extra["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == chat.usage.prompt_tokens and all(len(d) == 1 for d in plps[1:])
+    assert all(v["logprob"] <= 0 for d in plps[1:] for v in d.values())
+
+
 def test_tokenize_counts_the_prompt_tokens_a_request_would_have_and_detokenize_inverts_it(client, offline):
     prompt = "The baton passes in a twenty-metre zone."
     code, out = _post("/tokenize", {"model": MODEL, "prompt": prompt, "return_token_strs": True})

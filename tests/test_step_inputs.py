@@ -96,7 +96,7 @@ class Driver:
         if out.scheduled:
             self.seen["prefix_hit"] += sum(s.num_cached_tokens > 0 for s, _ in out.scheduled)
             ref = per_token_inputs(old_items(out.scheduled), BS)
-            shape, ids, tables, samplers = self.rows.prepare(out.scheduled)
+            shape, ids, tables, samplers, _ = self.rows.prepare(out.scheduled)
             self.batch.stage(shape, ids, tables)
             assert_staged(self.batch, ref)
             self._advance(out.scheduled, samplers)
@@ -112,7 +112,7 @@ class Driver:
             if not s.spec_tokens:
                 self.sched.on_computed(s, n)
                 self.seen["chunk"] += s.num_computed_tokens < s.num_tokens
-        for s in samplers:
+        for s, _ in samplers:
             k = len(s.spec_tokens)
             kept = min(1 + self.rng.randint(0, k), s.params.max_tokens - s.num_output_tokens)
             s.token_ids.extend(self.rng.randrange(1000) for _ in range(kept))
