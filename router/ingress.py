@@ -2,7 +2,8 @@
 
 POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
 GET /metrics (this process's metrics merged with every replica's), vLLM's POST /tokenize and
-/detokenize (the prompt tokens a request would have, with the same chat template), and with LoRA on, vLLM's
+/detokenize (the prompt tokens a request would have, with the same chat template) and GET /tokenizer_info,
+and with LoRA on, vLLM's
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` names the base model or
 a LoRA adapter; the adapters' registry lives in the cluster state actor, so every ingress replica
 serves the same ones. Requests are parsed and checked
@@ -273,12 +274,21 @@ class Ingress:
                 ids, strs = self._prompts(req, True, oa.tool_plan(req, self.tool_format))[0], None
             else:
                 req = oa.parse_body(body, oa.TokenizeRequest)
-                await self._resolve_model(req.model)
+                await self._resolve_model(req.model or self.served_name)
                 ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
                 strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         return JSONResponse(oa.tokenize_body(list(ids), self.info["max_model_len"], strs))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, request: Request) -> Response:
+        try:
+            self.keys.check(request.headers.get("authorization"))
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        await self._setup()
+        return JSONResponse(oa.tokenizer_info_body(self.tokenizer, self.info["max_model_len"]))
 
     @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
     async def detokenize(self, request: Request) -> Response:
@@ -286,7 +296,7 @@ class Ingress:
             self.keys.check(request.headers.get("authorization"))
             req = oa.parse_body(await _json(request, self.limits.max_body_bytes), oa.DetokenizeRequest)
             await self._setup()
-            await self._resolve_model(req.model)
+            await self._resolve_model(req.model or self.served_name)
             if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= self.info["vocab_size"]):
                 raise oa.OpenAIError(400, f"tokens must be token ids in [0, {self.info['vocab_size']})", param="tokens")
         except oa.OpenAIError as e:

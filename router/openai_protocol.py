@@ -16,6 +16,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
@@ -179,19 +180,20 @@ class CompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    """POST /tokenize with a prompt (vLLM's); the chat form ({"model", "messages", "tools"}) is read as a chat
-    completion request, so its count is the prompt tokens that request would have."""
+    """POST /tokenize with a prompt (vLLM's; `model` may be left out: the served model); the chat form
+    ({"model", "messages", "tools"}) is read as a chat completion request, so its count is the prompt tokens that
+    request would have."""
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
-    """POST /detokenize (vLLM's): token ids back to text."""
+    """POST /detokenize (vLLM's): token ids back to text (`model` may be left out: the served model)."""
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 
@@ -410,6 +412,11 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
+def prompt_only(req) -> bool:
+    """echo with max_tokens 0 (OpenAI's legacy way to score a text): the prompt and its logprobs, no completion."""
+    return isinstance(req, CompletionRequest) and req.echo and req.max_tokens == 0
+
+
 def logit_bias(req, vocab_size: int) -> dict[int, float] | None:
     """The request's logit_bias with token ids as integers, checked against the vocabulary (OpenAI's keys are
     strings); its values are checked with the other sampling parameters."""
@@ -437,8 +444,11 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                           code="context_length_exceeded")
     max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+    if prompt_only(req):
+        max_tokens = 1                 # the engine samples one token after a prompt; the answer leaves it out
     if max_tokens is not None and max_tokens <= 0:
-        raise OpenAIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise OpenAIError(400, f"max_tokens must be at least 1 (0 only with echo), got {max_tokens}",
+                          param="max_tokens")
     if max_tokens is not None and max_tokens > room:
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
@@ -476,6 +486,15 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
+def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
+    """GET /tokenizer_info (vLLM's): what a client needs to tokenize as the server does (lm-evaluation-harness
+    reads it, with /tokenize and /detokenize, to use the server's tokenizer)."""
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+            "chat_template": getattr(tokenizer, "chat_template", None), "model_max_length": max_model_len,
+            "vocab_size": len(tokenizer), "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False))}
+
+
 def tokenize_body(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict:
     """/tokenize's answer, vLLM's fields."""
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
@@ -501,6 +520,7 @@ class ResponseBuilder:
         self.id, self.created, self.model, self.chat, self.req, self.tok = rid, created, model, chat, req, tokenizer
         self.prompts = prompts or []
         self.echo = not chat and req.echo
+        self.prompt_only = prompt_only(req)      # echo, max_tokens 0: the sampled token is left out
         self.plps: dict[int, list] = {}          # prompt logprobs per choice (vLLM's, or echo's), from its first delta
         self.tools = tools if chat else None     # tool calls are parsed out of each choice's text
         self.streamed: dict[int, int] = {}       # tools, streaming: characters of content sent per choice
@@ -522,6 +542,9 @@ class ResponseBuilder:
         first = i not in self.text
         if d.prompt_logprobs is not None:
             self.plps[i] = d.prompt_logprobs
+        if self.prompt_only:
+            d = replace(d, token_ids=[], text="", logprobs=None, completion_tokens=0,
+                        finish_reason="length" if d.finished else None)
         items = self._logprobs(d) if self.want_lp else []
         if first and self.echo:                   # the prompt before the completion, with its logprobs
             self.text[i] = [self._prompt_text(i)]

@@ -227,6 +227,9 @@ def test_echo_with_logprobs_scores_a_prompt_as_lm_eval_asks_and_vllms_prompt_log
         assert len(lp.top_logprobs[p]) >= 1
     assert lp.token_logprobs[-1] == pytest.approx(want.logprobs[0][want.token_ids[0]], abs=1e-4)
     assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    zero = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True, temperature=0)
+    assert zero.choices[0].text == prompt and zero.usage.completion_tokens == 0
+    assert zero.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]      # the prompt's, nothing after
     streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True,
                                               temperature=0, stream=True))
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == c.text
@@ -257,6 +260,15 @@ def test_tokenize_counts_the_prompt_tokens_a_request_would_have_and_detokenize_i
         code, err = _post(path, body)
         assert code == status and err["error"]["param"] == param, (path, body, err)
     assert _post("/tokenize", {"model": MODEL, "prompt": "x"}, key="sk-wrong")[0] == 401
+    # as lm-evaluation-harness's remote tokenizer asks: no model named, and /tokenizer_info first
+    req = urllib.request.Request(f"{BASE}/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        info = json.loads(resp.read())
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    assert info["model_max_length"] == ENGINE["max_model_len"]
+    code, out = _post("/tokenize", {"prompt": prompt, "add_special_tokens": False})
+    assert code == 200 and out["tokens"] == ids
+    assert _post("/detokenize", {"tokens": ids}) == (200, {"prompt": prompt})
 
 
 def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):

@@ -117,6 +117,30 @@ def test_vllms_stop_special_token_and_token_rule_extras_reach_the_engine():
         assert e.value.status == 400 and e.value.param == param, (extra, e.value.message)
 
 
+def test_echo_scores_a_prompt_with_its_logprobs_and_max_tokens_0_leaves_the_completion_out():
+    """OpenAI's legacy completions: echo puts the prompt first, its tokens in the logprobs with theirs (the
+    first with none); with max_tokens 0 the one token the engine samples is left out."""
+    for max_tokens, want_text in ((1, "<5><6><7>"), (0, "<5><6>")):
+        req = oa.parse_request({"model": "m", "prompt": [5, 6], "echo": True, "logprobs": 1,
+                                "max_tokens": max_tokens}, chat=False)
+        p = oa.to_sampling_params(req, 100, 2)
+        assert (p.max_tokens, p.prompt_logprobs, p.logprobs) == (1, 1, 1)
+        b = oa.ResponseBuilder("cmpl-1", 1, "m", False, req, Tok(), prompts=[[5, 6]])
+        b.add(0, TokenDelta([7], "<7>", True, [{7: -0.5}], replica="d0", finish_reason="length", prompt_tokens=2,
+                            completion_tokens=1, prompt_logprobs=[None, {6: -1.25, 9: -0.5}]))
+        body = b.final()
+        c = body["choices"][0]
+        assert c["text"] == want_text
+        # null for the first prompt token, as OpenAI's API and vLLM send (the SDK's type says float; its client
+        # builds the response without validating, so users read None there: tests/test_cluster_e2e.py)
+        assert c["logprobs"]["token_logprobs"] == [None, -1.25, -0.5][:2 + max_tokens]
+        assert c["logprobs"]["top_logprobs"][:2] == [None, {"<9>": -0.5}]
+        assert c["logprobs"]["text_offset"] == [0, 3, 6][:2 + max_tokens]
+        assert body["usage"]["completion_tokens"] == max_tokens and c["finish_reason"] == "length"
+    with pytest.raises(oa.OpenAIError, match="0 only with echo"):
+        oa.to_sampling_params(oa.parse_request({"model": "m", "prompt": "x", "max_tokens": 0}, chat=False), 100, 2)
+
+
 def _deltas():
     return [TokenDelta([5], "Hel", False, [{5: -0.1, 6: -2.0}], replica="d0"),
             TokenDelta([6], "lo", True, [{6: -0.3, 5: -1.5}], finish_reason="length", prompt_tokens=7,
