@@ -237,13 +237,19 @@ class Ingress:
     async def health(self) -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models(self, request: Request) -> Response:
+    async def _keyed(self, request: Request) -> Response | None:
+        """A request's API key checked and the ingress set up: None, or the refusal to answer with."""
         try:
             self.keys.check(request.headers.get("authorization"))
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         await self._setup()
+        return None
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if (refused := await self._keyed(request)) is not None:
+            return refused
         adapters = {n: r.lora_path for n, r in (await self._adapters()).items()}
         return JSONResponse(oa.models_body([self.served_name], self.info["max_model_len"], adapters))
 
@@ -283,11 +289,8 @@ class Ingress:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(self, request: Request) -> Response:
-        try:
-            self.keys.check(request.headers.get("authorization"))
-        except oa.OpenAIError as e:
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        await self._setup()
+        if (refused := await self._keyed(request)) is not None:
+            return refused
         return JSONResponse(oa.tokenizer_info_body(self.tokenizer, self.info["max_model_len"]))
 
     @app.post("/detokenize", openapi_extra=_body("DetokenizeRequest"))
