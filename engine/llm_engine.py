@@ -181,7 +181,8 @@ class LLMEngine:
         return request_id
 
     def _token_rules(self, seq: Sequence) -> None:
-        """Checks a request's token ids against the vocabulary and sets what the sampler reads of its token rules:
+        """Checks a request's token ids against the vocabulary and sets what the sampler reads of its token rules
+        (and the start of its prompt logprobs):
         the tokens min_tokens keeps from sampling (EOS unless ignore_eos, and stop_token_ids), the allowed ids,
         and bad_words as token ids (vLLM's: each word alone and after a space, where the space makes a new first
         token of the same length)."""
@@ -197,6 +198,8 @@ class LLMEngine:
                                           "nothing to sample")
         if p.allowed_token_ids is not None:
             seq.allowed_ids = np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+        if p.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]                    # the first prompt token has none (vLLM's shape)
         if p.bad_words:
             if self.tokenizer is None:
                 raise InvalidRequestError("bad_words need the model's tokenizer")

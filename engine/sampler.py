@@ -362,9 +362,7 @@ def record_prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:
     preemption) and rows past the prompt are skipped. One copy to the host."""
     want, targets, owners = [], [], []
     for seq, row, start, count in chunks:                  # one chunk a sequence in a step
-        if not seq.prompt_logprobs:
-            seq.prompt_logprobs.append(None)
-        nxt = len(seq.prompt_logprobs)                     # the next position to record
+        nxt = len(seq.prompt_logprobs)                     # the next position to record ([0] is None from the start)
         for j in range(count):
             if start + j + 1 == nxt and nxt < seq.num_prompt_tokens:
                 want.append(row + j)

@@ -332,8 +332,9 @@ class Ingress:
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i,
                                                    structured=structured, vocab_size=self.info["vocab_size"]), lora)
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
-            ticket = self.admission.admit([len(ids) - orchestrator.cached_tokens(h) for ids, h in zip(prompts, hashes)],
-                                          [len(ids) for ids in prompts], req.n)
+            scoring = jobs[0][2].prompt_logprobs is not None       # its prompt is computed whole, cached or not
+            ticket = self.admission.admit([len(ids) - (0 if scoring else orchestrator.cached_tokens(h))
+                                           for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

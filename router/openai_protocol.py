@@ -658,13 +658,13 @@ class ResponseBuilder:
         return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))
 
     def chunks(self, i: int, d: TokenDelta) -> list[dict]:
-        first = i not in self.text
+        before = len(self.text.get(i, []))
         items = self.add(i, d)
         if self.tools is not None:
             return self._tool_chunks(i, d, items)
         lp = self._lp_body(items)
         finish = self.finish.get(i) if d.finished else None
-        text = "".join(self.text[i]) if first and self.echo else d.text       # echo: the prompt comes first
+        text = "".join(self.text[i][before:])       # this delta's text as add() kept it (echo: the prompt first)
         if not text and finish is None and not items:
             return []
         if self.chat:

@@ -137,6 +137,13 @@ def test_echo_scores_a_prompt_with_its_logprobs_and_max_tokens_0_leaves_the_comp
         assert c["logprobs"]["top_logprobs"][:2] == [None, {"<9>": -0.5}]
         assert c["logprobs"]["text_offset"] == [0, 3, 6][:2 + max_tokens]
         assert body["usage"]["completion_tokens"] == max_tokens and c["finish_reason"] == "length"
+    for max_tokens, want_text in ((1, "<5><6><7>"), (0, "<5><6>")):          # streamed: one chunk carries it all
+        req = oa.parse_request({"model": "m", "prompt": [5, 6], "echo": True, "max_tokens": max_tokens,
+                                "stream": True}, chat=False)
+        b = oa.ResponseBuilder("cmpl-1", 1, "m", False, req, Tok(), prompts=[[5, 6]])
+        chunks = b.chunks(0, TokenDelta([7], "<7>", True, None, replica="d0", finish_reason="length",
+                                        prompt_tokens=2, completion_tokens=1))
+        assert [c["choices"][0]["text"] for c in chunks] == [want_text]
     with pytest.raises(oa.OpenAIError, match="0 only with echo"):
         oa.to_sampling_params(oa.parse_request({"model": "m", "prompt": "x", "max_tokens": 0}, chat=False), 100, 2)
 

@@ -81,6 +81,12 @@ def test_prompt_logprobs_beside_speculating_and_preempted_requests(tiny, referen
             assert sum(o.metrics.num_preemptions for o in outs) > 0, "the test meant to preempt"
 
 
+def test_a_one_token_prompt_has_none_and_still_reads_the_cache(tiny):
+    llm = LLM(tiny, num_kv_blocks=64, max_model_len=256)
+    out = llm.generate([[5]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None] and len(out.token_ids) == 2
+
+
 def test_prompt_logprobs_must_be_in_range():
     from engine.errors import InvalidRequestError
     for bad in (-1, 21, 1.5, True):
