@@ -75,14 +75,29 @@ class LLM:
         return chat_token_ids(self.tokenizer, messages)
 
 
-def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """The prompt's token ids under the model's chat template, ready for the assistant's turn; `tools`
-    (OpenAI's function definitions) go to a template that takes them."""
+# what chat_template_kwargs may not set: the arguments chat_token_ids itself gives the template
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                      "continue_final_message", "tokenize", "return_dict", "return_tensors",
+                                      "chat_template", "padding", "truncation", "max_length", "tokenizer_kwargs"})
+
+
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    """The prompt's token ids under the model's chat template, ready for the assistant's turn (vLLM's options:
+    without the turn's header, or continuing the last, assistant, message); `tools` (OpenAI's function
+    definitions) go to a template that takes them, `template_kwargs` are the template's own variables."""
     from engine.errors import InvalidRequestError
     if not messages:
         raise InvalidRequestError("messages must not be empty")
-    extra = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+    if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+        raise InvalidRequestError("continue_final_message needs add_generation_prompt false and an assistant "
+                                  "message last")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        continue_final_message=continue_final_message, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

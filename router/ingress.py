@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import jinja2
 import prometheus_client
 from ray import serve
 
@@ -375,10 +376,23 @@ class Ingress:
         return spec
 
     def _prompts(self, req, chat: bool, tools=None) -> list[list[int]]:
+        """Each prompt's token ids: a chat's under the model's template (with vLLM's template options), a
+        completion's as given or encoded; the last truncate_prompt_tokens of each when that is set."""
         if chat:
             messages, template_tools = oa.chat_messages(req, tools, self.tool_format)
-            return [chat_token_ids(self.tokenizer, messages, template_tools)]
-        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
+            try:
+                prompts = [chat_token_ids(self.tokenizer, messages, template_tools, req.add_generation_prompt,
+                                          req.continue_final_message, req.chat_template_kwargs)]
+            except InvalidRequestError as e:
+                param = str(e).split(" ", 1)[0]
+                raise oa.OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e
+            except jinja2.TemplateError as e:
+                raise oa.OpenAIError(400, f"the model's chat template failed on this request: {e}",
+                                     param="chat_template_kwargs" if req.chat_template_kwargs else "messages") from e
+        else:
+            prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
+        k = req.truncate_prompt_tokens
+        return [ids[-k:] for ids in prompts] if k else prompts
 
     async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:
         async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:

@@ -127,6 +127,7 @@ class _Request(BaseModel):
     bad_words: list[str] | None = Field(default=None, json_schema_extra={"items": _TEXT})        # vLLM's
     skip_special_tokens: bool = True                      # vLLM's: special tokens' text left out
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)    # vLLM's: each prompt token's, top-n
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)    # vLLM's: keep the prompt's last k tokens
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None
@@ -162,6 +163,9 @@ class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(json_schema_extra={"minItems": 1})
     # OpenAI's deprecated form of tools: refused (a 400)
     functions: Annotated[list[dict[str, Any]] | None, WithJsonSchema({"type": "null"})] = None
+    add_generation_prompt: bool = True                    # vLLM's: false leaves the assistant turn's header out
+    continue_final_message: bool = False                  # vLLM's: the last (assistant) message goes on
+    chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: the chat template's own variables
     function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema({"type": "null"})] = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -226,11 +230,7 @@ def parse_body(body: Any, model: type[BaseModel]) -> BaseModel:
 # their default is a 400 naming the field, never silently dropped (other unknown fields are ignored, as vLLM does).
 # field -> (is the value refused, why)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "truncate_prompt_tokens": (lambda v: v is not None, "truncate_prompt_tokens is not supported"),
     "chat_template": (lambda v: v is not None, "a per-request chat_template is not supported; the model's own is used"),
-    "chat_template_kwargs": (lambda v: bool(v), "chat_template_kwargs is not supported"),
-    "continue_final_message": (lambda v: bool(v), "continue_final_message is not supported"),
-    "add_generation_prompt": (lambda v: v is False, "add_generation_prompt false is not supported"),
     "audio": (lambda v: v is not None, "audio output is not supported"),
     "modalities": (lambda v: v is not None and v != ["text"], "modalities other than [\"text\"] are not supported"),
     "web_search_options": (lambda v: v is not None, "web search is not supported"),

@@ -260,6 +260,17 @@ def test_tokenize_counts_the_prompt_tokens_a_request_would_have_and_detokenize_i
         code, err = _post(path, body)
         assert code == status and err["error"]["param"] == param, (path, body, err)
     assert _post("/tokenize", {"model": MODEL, "prompt": "x"}, key="sk-wrong")[0] == 401
+    # vLLM's chat template options and truncation, as /v1/chat/completions would apply them
+    from engine.llm import chat_token_ids
+    turns = messages + [{"role": "assistant", "content": "The fastest"}]
+    code, cont = _post("/tokenize", {"model": MODEL, "messages": turns, "add_generation_prompt": False,
+                                     "continue_final_message": True})
+    assert code == 200 and cont["tokens"] == chat_token_ids(offline.engine.tokenizer, turns, None, False, True)
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": 8})
+    assert r.usage.prompt_tokens == 8
+    code, err = _post("/v1/chat/completions", {"model": MODEL, "messages": turns, "continue_final_message": True})
+    assert code == 400 and err["error"]["param"] == "continue_final_message", err
     # as lm-evaluation-harness's remote tokenizer asks: no model named, and /tokenizer_info first
     req = urllib.request.Request(f"{BASE}/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=60) as resp:

@@ -248,3 +248,25 @@ def test_llama3_json_streams_hold_back_only_what_may_be_a_call(case):
         return
     assert not content and body.choices[0].finish_reason == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_vllms_chat_template_options_shape_the_prompt_and_bad_ones_are_refused(smol_path):
+    """add_generation_prompt false leaves the assistant header out; continue_final_message goes on with the
+    last assistant message (no end tag); chat_template_kwargs reach the template as its variables."""
+    from engine.errors import InvalidRequestError
+    from engine.llm import chat_token_ids
+    from engine.loader import load_tokenizer
+    tok = load_tokenizer(smol_path)
+    msgs = [{"role": "user", "content": "Name a relay leg."}, {"role": "assistant", "content": "The anchor"}]
+    assert tok.decode(chat_token_ids(tok, msgs)).endswith("The anchor<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(chat_token_ids(tok, msgs, add_generation_prompt=False)).endswith("The anchor<|im_end|>\n")
+    assert tok.decode(chat_token_ids(tok, msgs, add_generation_prompt=False,
+                                     continue_final_message=True)).endswith("<|im_start|>assistant\nThe anchor")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix | default('') }}"
+    assert tok.decode(chat_token_ids(tok, msgs, template_kwargs={"suffix": " leg"})) == "Name a relay leg.The anchor leg"
+    for kw, words in ((dict(continue_final_message=True), "continue_final_message needs add_generation_prompt false"),
+                      (dict(add_generation_prompt=False, continue_final_message=True, messages=msgs[:1]),
+                       "an assistant message last"),
+                      (dict(template_kwargs={"tools": []}), "chat_template_kwargs may not set tools")):
+        with pytest.raises(InvalidRequestError, match=words):
+            chat_token_ids(tok, kw.pop("messages", msgs), **kw)
