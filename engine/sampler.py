@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 # candidate-set sizes tried, in turn, for top-p / min-p rows without top-k; then the full sort
 _CANDIDATES = (256, 4096)
+# prompt logprobs are taken this many rows at a time (a float32 [rows, vocab] each: 50 MB for 49k tokens)
+_PROMPT_ROWS = 256
 
 
 @dataclass
@@ -210,7 +212,8 @@ def draft_sample(logits: torch.Tensor, seqs: list[Sequence],
                  ahead: list[list[int]]) -> tuple[list[int], list[torch.Tensor | None]]:
     """A model proposer's drafts: row r drafts seqs[r]'s token after ahead[r] (its drafts so far), from
     the filtered distribution of its processed logits (process_logits) with Philox(seed, position, DRAFT).
-    Returns the ids (on the host: the next pass feeds them) and each row's q [V] on the device (None for greedy rows)."""
+    Returns the ids (on the host: the next pass feeds them) and each row's q [V] on the device (None for
+    greedy rows)."""
     x = process_logits(logits.float(), seqs, ahead)
     picks = x.argmax(-1)
     q: list[torch.Tensor | None] = [None] * len(seqs)
@@ -224,7 +227,7 @@ def draft_sample(logits: torch.Tensor, seqs: list[Sequence],
     return picks.tolist(), q
 
 
-# -- per-row inputs: random streams, bias, min_tokens and penalties ----------------------------------
+# -- per-row inputs: random streams, token rules and penalties ---------------------------------------
 def row_uniforms(seqs: list[Sequence], ahead: list[list[int]] | None, purpose: int,
                  device: torch.device) -> torch.Tensor:
     """One uniform per row: row r samples the token of seqs[r] at position num_tokens + len(ahead[r])."""
@@ -297,9 +300,9 @@ def _token_rules(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[in
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[int]] | None = None) -> torch.Tensor:
     """The logits each row samples from, before temperature and the filters: the request's token rules first
-    (allowed_token_ids, bad_words, min_tokens, logit_bias: `_token_rules`), then the penalties (a new tensor when any row has one of these; the raw logits are left as they were,
-    logprobs come from them). Row r's output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's
-    position).
+    (allowed_token_ids, bad_words, min_tokens, logit_bias: `_token_rules`), then the penalties. A new tensor
+    when any row has one of these; the raw logits are left as they were (logprobs come from them). Row r's
+    output tokens are seqs[r]'s followed by ahead[r] (drafts before the row's position).
 
     Penalties (vLLM/OpenAI): repetition over prompt and output tokens, then frequency and presence over the
     output."""
@@ -359,7 +362,7 @@ def record_prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:
     """Prompt logprobs from the rows of prompt chunks (sequence, first row, first position, rows): row j gives
     the distribution of the token at position + j + 1, recorded in seq.prompt_logprobs (indexed by position,
     [0] None) with its top-n, of the raw logits (vLLM's). Positions already recorded (a chunk recomputed after a
-    preemption) and rows past the prompt are skipped. One copy to the host."""
+    preemption) and rows past the prompt are skipped. One copy to the host per _PROMPT_ROWS rows."""
     want, targets, owners = [], [], []
     for seq, row, start, count in chunks:                  # one chunk a sequence in a step
         nxt = len(seq.prompt_logprobs)                     # the next position to record ([0] is None from the start)
@@ -369,18 +372,18 @@ def record_prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:
                 targets.append(seq.token_ids[nxt])
                 owners.append(seq)
                 nxt += 1
-    if not want:
-        return
-    lp = logits.index_select(0, to_device(np.asarray(want, dtype=np.int64), logits.device)).float().log_softmax(-1)
-    n = max(max(s.params.prompt_logprobs for s in owners), 1)
-    top_v, top_i = lp.topk(n, dim=-1)
-    own = lp.gather(1, to_device(np.asarray(targets, dtype=np.int64), lp.device).unsqueeze(1)).squeeze(1)
-    top_v, top_i, own = to_host(top_v, top_i, own)
-    for r, (seq, tok) in enumerate(zip(owners, targets)):
-        k = seq.params.prompt_logprobs
-        d = {int(t): float(v) for t, v in zip(top_i[r, :k], top_v[r, :k])}
-        d[tok] = float(own[r])
-        seq.prompt_logprobs.append(d)
+    n = max((s.params.prompt_logprobs for s in owners), default=0)
+    for at in range(0, len(want), _PROMPT_ROWS):            # a bounded [rows, vocab] float32 at a time
+        rows, toks = want[at:at + _PROMPT_ROWS], targets[at:at + _PROMPT_ROWS]
+        lp = logits.index_select(0, to_device(np.asarray(rows, dtype=np.int64), logits.device)).float().log_softmax(-1)
+        top_v, top_i = lp.topk(max(n, 1), dim=-1)
+        own = lp.gather(1, to_device(np.asarray(toks, dtype=np.int64), lp.device).unsqueeze(1)).squeeze(1)
+        top_v, top_i, own = to_host(top_v, top_i, own)
+        for r, (seq, tok) in enumerate(zip(owners[at:at + _PROMPT_ROWS], toks)):
+            k = seq.params.prompt_logprobs
+            d = {int(t): float(v) for t, v in zip(top_i[r, :k], top_v[r, :k])}
+            d[tok] = float(own[r])
+            seq.prompt_logprobs.append(d)
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -180,7 +180,8 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False                                    # the prompt before the completion (and its logprobs)
     best_of: int | None = Field(default=None, ge=1)       # refused (a 400) unless it equals n
-    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None  # refused unless empty
+    # refused (a 400) unless empty
+    suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None
 
 
 class TokenizeRequest(BaseModel):

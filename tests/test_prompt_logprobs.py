@@ -81,6 +81,13 @@ def test_prompt_logprobs_beside_speculating_and_preempted_requests(tiny, referen
             assert sum(o.metrics.num_preemptions for o in outs) > 0, "the test meant to preempt"
 
 
+def test_prompt_rows_past_one_slice_are_recorded_in_order(tiny, reference, monkeypatch):
+    from engine import sampler
+    monkeypatch.setattr(sampler, "_PROMPT_ROWS", 7)       # 69 rows in slices of 7
+    llm = LLM(tiny, num_kv_blocks=64, max_model_len=256)
+    check(llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0], reference, 2)
+
+
 def test_a_one_token_prompt_has_none_and_still_reads_the_cache(tiny):
     llm = LLM(tiny, num_kv_blocks=64, max_model_len=256)
     out = llm.generate([[5]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))[0]
