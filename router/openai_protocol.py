@@ -161,11 +161,11 @@ class Message(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(json_schema_extra={"minItems": 1})
-    # OpenAI's deprecated form of tools: refused (a 400)
-    functions: Annotated[list[dict[str, Any]] | None, WithJsonSchema({"type": "null"})] = None
     add_generation_prompt: bool = True                    # vLLM's: false leaves the assistant turn's header out
     continue_final_message: bool = False                  # vLLM's: the last (assistant) message goes on
     chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: the chat template's own variables
+    # OpenAI's deprecated form of tools: refused (a 400)
+    functions: Annotated[list[dict[str, Any]] | None, WithJsonSchema({"type": "null"})] = None
     function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema({"type": "null"})] = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -560,8 +560,11 @@ class ResponseBuilder:
         return items
 
     def _prompt_text(self, i: int) -> str:
+        """echo: the prompt as given, or its token ids decoded (given as ids, or cut by truncate_prompt_tokens)."""
         given = completion_prompts(self.req)[i // self.req.n]
-        return given if isinstance(given, str) else self.tok.decode(self.prompts[i // self.req.n])
+        if isinstance(given, str) and not self.req.truncate_prompt_tokens:
+            return given
+        return self.tok.decode(self.prompts[i // self.req.n])
 
     def _prompt_items(self, i: int) -> list:
         """echo with logprobs: the prompt's tokens as logprob items (the first has none, as OpenAI's)."""

@@ -142,6 +142,11 @@ def test_echo_scores_a_prompt_with_its_logprobs_and_max_tokens_0_leaves_the_comp
         chunks = b.chunks(0, TokenDelta([7], "<7>", True, None, replica="d0", finish_reason="length",
                                         prompt_tokens=2, completion_tokens=1))
         assert [c["choices"][0]["text"] for c in chunks] == [want_text]
+    req = oa.parse_request({"model": "m", "prompt": "five six", "echo": True, "truncate_prompt_tokens": 1},
+                           chat=False)                   # echo shows what was run: the kept tokens, decoded
+    b = oa.ResponseBuilder("cmpl-1", 1, "m", False, req, Tok(), prompts=[[6]])
+    b.add(0, TokenDelta([7], "<7>", True, None, replica="d0", finish_reason="length", completion_tokens=1))
+    assert b.final()["choices"][0]["text"] == "<6><7>"
     with pytest.raises(oa.OpenAIError, match="0 only with echo"):
         oa.to_sampling_params(oa.parse_request({"model": "m", "prompt": "x", "max_tokens": 0}, chat=False), 100, 2)
 
