@@ -181,11 +181,11 @@ class LLMEngine:
         return request_id
 
     def _token_rules(self, seq: Sequence) -> None:
-        """Checks a request's token ids against the vocabulary and sets what the sampler reads of its token rules
-        (and the start of its prompt logprobs):
-        the tokens min_tokens keeps from sampling (EOS unless ignore_eos, and stop_token_ids), the allowed ids,
-        and bad_words as token ids (vLLM's: each word alone and after a space, where the space makes a new first
-        token of the same length)."""
+        """Checks a request's token ids against the vocabulary and sets what the sampler reads of its token
+        rules: the tokens min_tokens keeps from sampling (EOS unless ignore_eos, and stop_token_ids), the allowed
+        ids, and bad_words as token ids (vLLM's: each word alone and after a space, where the space makes a new
+        first token of the same length). A request for prompt logprobs starts its list with the first token's
+        None."""
         p, vocab = seq.params, self.hf_config.vocab_size
         for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids)):
             if ids and max(ids) >= vocab:
