@@ -1,16 +1,16 @@
 """Ingress: the OpenAI-compatible HTTP front door (FastAPI through serve.ingress).
 
-POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models, GET /health,
-GET /metrics (this process's metrics merged with every replica's), vLLM's POST /tokenize and
-/detokenize (the prompt tokens a request would have, with the same chat template) and GET /tokenizer_info,
-and with LoRA on, vLLM's
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` names the base model or
-a LoRA adapter; the adapters' registry lives in the cluster state actor, so every ingress replica
-serves the same ones. Requests are parsed and checked
-by router/openai_protocol.py, tokenized once here (chat template), and run by router/orchestrator.py.
+POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models and /v1/models/{model},
+GET /health, GET /version, GET /metrics (this process's metrics merged with every replica's), vLLM's
+POST /tokenize and /detokenize (the prompt tokens a request would have, with the same chat template) and
+GET /tokenizer_info, and with LoRA on, vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter. A
+request's `model` names the base model or a LoRA adapter; the adapters' registry lives in the cluster state
+actor, so every ingress replica serves the same ones. Requests are parsed and checked by
+router/openai_protocol.py, tokenized once here (chat template), and run by router/orchestrator.py.
 """
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -36,6 +36,10 @@ from router.orchestrator import Orchestrator, as_openai_error
 from router.tools import tool_format
 
 log = logging.getLogger(__name__)
+try:
+    BATON_VERSION = importlib.metadata.version("baton")
+except importlib.metadata.PackageNotFoundError:        # run from a source tree that was never installed
+    BATON_VERSION = "unknown"
 app = FastAPI(title="Baton", description="OpenAI-compatible API of a disaggregated Baton cluster")
 
 
@@ -253,6 +257,23 @@ class Ingress:
             return refused
         adapters = {n: r.lora_path for n, r in (await self._adapters()).items()}
         return JSONResponse(oa.models_body([self.served_name], self.info["max_model_len"], adapters))
+
+    @app.get("/v1/models/{name:path}")
+    async def model(self, request: Request, name: str) -> Response:
+        """OpenAI's GET /v1/models/{model}: the base model or an adapter, as /v1/models lists it; 404 otherwise."""
+        if (refused := await self._keyed(request)) is not None:
+            return refused
+        adapters = {n: r.lora_path for n, r in (await self._adapters()).items()}
+        data = oa.models_body([self.served_name], self.info["max_model_len"], adapters)["data"]
+        try:
+            oa.check_model(name, [m["id"] for m in data])
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return JSONResponse(next(m for m in data if m["id"] == name))
+
+    @app.get("/version")
+    async def version(self) -> dict:
+        return {"version": BATON_VERSION}
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:

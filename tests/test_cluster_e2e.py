@@ -4,6 +4,7 @@ output equals the offline engine's; stop strings, max_tokens and usage hold; bad
 /metrics shows both pools."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import urllib.error
 import urllib.request
@@ -82,6 +83,13 @@ def test_api_keys_are_required_except_on_health_and_metrics(client):
 def test_models_and_health(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert json.loads(urllib.request.urlopen(f"{BASE}/health").read()) == {"status": "ok"}
+    m = client.models.retrieve(MODEL)                        # OpenAI's GET /v1/models/{model}
+    assert m.id == MODEL and m.object == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-17")
+    assert e.value.body["code"] == "model_not_found"
+    req = urllib.request.Request(f"{BASE}/version", headers={"Authorization": f"Bearer {KEY}"})
+    assert json.loads(urllib.request.urlopen(req).read())["version"] == importlib.metadata.version("baton")
 
 
 def test_every_replica_runs_serve_in_its_throughput_optimized_mode(server):
