@@ -329,7 +329,8 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], ahead: list[list[
 @dataclass
 class LogprobRows:
     """The rows that asked for logprobs (of the raw distribution, before penalties, temperature and
-    filters, as vLLM does): their top-n and the sampled token's, computed on the device."""
+    filters, as vLLM does): their top-n and their own token's (the sampled one, or for prompt logprobs the
+    prompt's next), computed on the device."""
     rows: list[int]
     n: list[int]
 
@@ -342,11 +343,12 @@ class LogprobRows:
         if not self.rows:
             return []
         idx = torch.tensor(self.rows, device=raw.device)
-        lp = raw.index_select(0, idx).log_softmax(-1)
+        lp = raw.index_select(0, idx).float().log_softmax(-1)
         top_v, top_i = lp.topk(max(max(self.n), 1), dim=-1)
         return [top_v, top_i, lp.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)]
 
-    def on_host(self, arrays: list[np.ndarray], tokens: list[int], num_rows: int) -> list[dict[int, float] | None]:
+    def on_host(self, arrays: list[np.ndarray], tokens, num_rows: int) -> list[dict[int, float] | None]:
+        """Per logits row, its {token: logprob} (None for rows not asked); `tokens[row]`: the row's own token."""
         out: list[dict[int, float] | None] = [None] * num_rows
         if not self.rows:
             return out
@@ -372,18 +374,17 @@ def record_prompt_logprobs(logits: torch.Tensor, chunks: list) -> None:
                 targets.append(seq.token_ids[nxt])
                 owners.append(seq)
                 nxt += 1
-    n = max((s.params.prompt_logprobs for s in owners), default=0)
+    if not want:
+        return
+    by_row = dict(zip(want, targets))                      # each row's own token: the prompt's next
+    tokens = torch.zeros(logits.shape[0], dtype=torch.long)
+    tokens[want] = torch.tensor(targets)
+    tokens = tokens.to(logits.device)
     for at in range(0, len(want), _PROMPT_ROWS):            # a bounded [rows, vocab] float32 at a time
-        rows, toks = want[at:at + _PROMPT_ROWS], targets[at:at + _PROMPT_ROWS]
-        lp = logits.index_select(0, to_device(np.asarray(rows, dtype=np.int64), logits.device)).float().log_softmax(-1)
-        top_v, top_i = lp.topk(max(n, 1), dim=-1)
-        own = lp.gather(1, to_device(np.asarray(toks, dtype=np.int64), lp.device).unsqueeze(1)).squeeze(1)
-        top_v, top_i, own = to_host(top_v, top_i, own)
-        for r, (seq, tok) in enumerate(zip(owners[at:at + _PROMPT_ROWS], toks)):
-            k = seq.params.prompt_logprobs
-            d = {int(t): float(v) for t, v in zip(top_i[r, :k], top_v[r, :k])}
-            d[tok] = float(own[r])
-            seq.prompt_logprobs.append(d)
+        lps = LogprobRows(want[at:at + _PROMPT_ROWS], [s.params.prompt_logprobs for s in owners[at:at + _PROMPT_ROWS]])
+        got = lps.on_host(to_host(*lps.on_device(logits, tokens)), by_row, logits.shape[0])
+        for row, seq in zip(lps.rows, owners[at:at + _PROMPT_ROWS]):
+            seq.prompt_logprobs.append(got[row])
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

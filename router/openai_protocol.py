@@ -569,13 +569,15 @@ class ResponseBuilder:
     def _prompt_items(self, i: int) -> list:
         """echo with logprobs: the prompt's tokens as logprob items (the first has none, as OpenAI's)."""
         ids, lps = self.prompts[i // self.req.n], self.plps.get(i) or []
-        out = []
-        for p, tok in enumerate(ids):
-            lp = lps[p] if p < len(lps) else None
-            top = sorted(lp.items(), key=lambda kv: -kv[1]) if lp else []
-            out.append((self.tok.decode([tok]), lp.get(tok) if lp else None,
-                        [(self.tok.decode([t]), v) for t, v in top] if lp else None))
-        return out
+        return [self._item(tok, lps[p] if p < len(lps) else None) for p, tok in enumerate(ids)]
+
+    def _item(self, tok: int, lp: dict[int, float] | None) -> tuple:
+        """A token as a logprob item: its text, its logprob and the top (text, logprob) pairs (None, None: none)."""
+        text = self.tok.decode([tok])
+        if lp is None:
+            return text, None, None
+        top = sorted(lp.items(), key=lambda kv: -kv[1])
+        return text, lp.get(tok, top[0][1] if top else 0.0), [(self.tok.decode([t]), v) for t, v in top]
 
     def _prompt_logprobs_body(self, i: int) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob, decoded}}."""
@@ -586,15 +588,7 @@ class ResponseBuilder:
                 for lp in self.plps.get(i, [])]
 
     def _logprobs(self, d: TokenDelta) -> list:
-        out = []
-        for tok, lp in zip(d.token_ids, d.logprobs or []):
-            if lp is None:
-                continue
-            text = self.tok.decode([tok])
-            top = sorted(lp.items(), key=lambda kv: -kv[1])
-            out.append((text, lp.get(tok, top[0][1] if top else 0.0),
-                        [(self.tok.decode([t]), v) for t, v in top]))
-        return out
+        return [self._item(tok, lp) for tok, lp in zip(d.token_ids, d.logprobs or []) if lp is not None]
 
     def _lp_body(self, items: list) -> dict | None:
         if not self.want_lp:
