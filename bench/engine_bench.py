@@ -416,6 +416,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loras", type=int, default=0, metavar="N",
                    help="a batch mixing N LoRA adapters (made with PEFT) against the base model alone, output "
                         "tokens/s, to loras.json (bench/lora_bench.py)")
+    p.add_argument("--sampling", action="store_true",
+                   help="sampled decoding against greedy, the CPU sampler kernel against torch's way, to "
+                        "sampling.json (bench/sampling_bench.py)")
     p.add_argument("--step-only", action="store_true",
                    help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
@@ -442,6 +445,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.loras:
         from bench.lora_bench import run as run_loras
         return run_loras(args)
+    if args.sampling:
+        from bench.sampling_bench import run as run_sampling
+        return run_sampling(args)
     cfg = QUICK if args.quick else FULL
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-// Baton's CPU kernels, built as one extension (engine/cpu_kernels.py), and the decoder stack that chains them.
+// Baton's CPU kernels, built as one extension (engine/cpu_model.py), and the decoder stack that chains them.
 //
 // The kernels live in their own sources, included here each in a namespace of its own: the paged attention,
-// rms_norm and rope ops (engine/cpu_attention.cpp) and the packed-weight matmul (engine/quant_cpu.cpp). One
+// rms_norm and rope ops (engine/cpu_attention.cpp), the packed-weight matmul (engine/quant_cpu.cpp), the LoRA
+// products (engine/lora_cpu.cpp) and the sampler's filters and draw (engine/sampler_cpu.cpp). One
 // build, one set of flags: the model's ops and its fused stack run the same machine code, so either gives the
 // same bits.
 //
@@ -36,6 +37,9 @@ namespace quant {
 namespace lora {
 #include "lora_cpu.cpp"
 }  // namespace lora
+namespace samp {
+#include "sampler_cpu.cpp"
+}  // namespace samp
 
 namespace {
 
@@ -200,6 +204,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_shrink", &lora::shrink, "t [G, R] = per-row adapter A @ x[rows]", nogil);
   m.def("lora_expand", &lora::expand, "y[rows, c0:c0+N] += t[:, r0:r0+R] @ per-row adapter B part", nogil);
   m.def("lora_apply", &lora::apply, "y[rows] += per-row adapter B parts @ (A @ x[rows]), in place", nogil);
+  m.def("sample_rows", &samp::sample_rows, "temperature, top-k, top-p, min-p and the inverse-CDF draw per row",
+        py::arg("x"), py::arg("temp"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("u"),
+        py::arg("dense"), nogil);
   m.def("isa", [] {
 #if defined(__AVX512VNNI__)
     return "avx512vnni";

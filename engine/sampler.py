@@ -7,17 +7,21 @@ request's stop tokens at -inf until it has that many outputs), logit_bias, then 
 over prompt and output tokens, frequency and presence over the output. Logprobs stay those of the raw
 distribution.
 
-The filters never sort the whole vocabulary when they do not have to: a row's kept set is found
-inside its K largest logits (`torch.topk`), K = its top_k, or a candidate set (256, then 4096) for
-top-p / min-p rows, which is enough whenever those candidates already reach top_p (or already fall
-below min_p * p_max). A row the candidates do not cover takes the full sort. Both ways run the same
-cut (`_cut`), so the kept set of a row does not depend on which way it went, nor on the batch.
+The filters keep a row's tokens in rank order (temperature-scaled logit descending): top-k the first k, top-p
+while the mass before a token (over the top k's, else the row's) is < top_p, min-p those with p >= min_p * p_max.
+A sampled row draws by inverse CDF with one uniform: weights w = exp(x - max) over its kept tokens in token-id
+order, float64 prefix sums, the first token whose sum exceeds u * total. The uniform is Philox(request seed,
+position of the token, purpose) (engine/philox.py), so a seeded request's tokens depend only on its seed,
+positions and logits. `target_weights` + `inverse_cdf` is the dense twin speculative decoding uses; it picks the
+same token from the same uniform.
 
-A sampled row draws by inverse CDF with one uniform: weights w = exp(x - max) over its kept tokens
-in token-id order, float64 prefix sums, the first token whose sum exceeds u * total. The uniform is
-Philox(request seed, position of the token, purpose) (engine/philox.py), so a seeded request's
-tokens depend only on its seed, positions and logits. `target_weights` + `inverse_cdf` is the dense
-twin speculative decoding uses; it picks the same token from the same uniform.
+Neither way sorts the vocabulary when it need not. On the CPU one kernel does a row's filters and draw
+(engine/sampler_cpu.cpp: the kept set from a histogram of w by exponent, sorting only where a cut falls; ties
+in rank by token id), and the dense twin comes from the same kernel. Elsewhere (CUDA) torch finds a row's kept set
+inside its K largest logits (`torch.topk`), K = its top_k, or a candidate set (256, then 4096) for top-p / min-p
+rows, enough whenever those candidates already reach top_p (or already fall below min_p * p_max); a row the
+candidates do not cover takes the full sort. Both torch ways run the same cut (`_cut`). In either
+implementation a row's kept set depends on its logits and parameters alone, not on the batch.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine import cpu_model
 from engine.philox import DRAFT, SAMPLE, as_seed, uniforms
 from engine.sampling_params import SamplingParams
 
@@ -69,6 +74,27 @@ def _top_k(p: SamplingParams, vocab: int) -> int:
 
 def _filters(p: SamplingParams, vocab: int) -> bool:
     return _top_k(p, vocab) > 0 or p.top_p < 1.0 or p.min_p > 0
+
+
+def _native(logits: torch.Tensor):
+    """The CPU kernels (engine/sampler_cpu.cpp) for float32 logits on the CPU, or None: torch's way."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not cpu_model.sampler_enabled() \
+            or not cpu_model.available():
+        return None
+    return cpu_model.kernels()
+
+
+def _native_rows(kernels, logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor | None,
+                 dense: bool) -> list[torch.Tensor]:
+    """sample_rows over raw (unscaled) logits: (tokens if u, dense weights and keep mask if dense)."""
+    vocab = logits.shape[1]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
+    ks = torch.tensor([_top_k(p, vocab) for p in params], dtype=torch.int64)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)
+    x = logits if logits.stride(1) == 1 else logits.contiguous()
+    return kernels.sample_rows(x, temps, ks, top_p, min_p, None if u is None else u.to(torch.float64).contiguous(),
+                               dense)
 
 
 def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -146,6 +172,10 @@ def _cut(vals: torch.Tensor, params: list[SamplingParams], s_full: torch.Tensor,
 
 def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature-scaled logits with top-k / top-p / min-p applied (filtered entries at -inf)."""
+    kernels = _native(logits)
+    if kernels is not None:
+        keep = _native_rows(kernels, logits, params, None, True)[2]
+        return _scale(logits, params).masked_fill_(~keep, float("-inf"))
     logits = _scale(logits, params)
     out = torch.full_like(logits, float("-inf"))
     for g in _row_groups(logits, params):
@@ -163,6 +193,9 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 def target_weights(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """exp(x - max) of the filtered logits (0 where filtered): the unnormalized distribution a row
     samples from, bit for bit the weights the sparse draw uses."""
+    kernels = _native(logits)
+    if kernels is not None:
+        return _native_rows(kernels, logits, params, None, True)[1]
     x = apply_filters(logits, params)
     return (x - x.max(-1, keepdim=True).values).exp_()
 
@@ -178,6 +211,9 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """inverse_cdf(target_weights(logits, params), u) without the dense [R, V] weights: over each
     row's kept tokens only (in token order, so the same token comes out)."""
+    kernels = _native(logits)
+    if kernels is not None:
+        return _native_rows(kernels, logits, params, u, False)[0]
     out = torch.empty(len(params), dtype=torch.long, device=logits.device)
     for g in _row_groups(_scale(logits, params), params):
         ug = _take(u, g.rows)

@@ -44,8 +44,27 @@ def reference_sampler(logits: torch.Tensor, params: list[SamplingParams], seed: 
     return ReferenceSampler(seed=seed)(logits, params, [None] * len(params))
 
 
-# the statistical tests run against the device sampler and the exact race it replaced
-IMPLS = pytest.mark.parametrize("impl", [device_sampler, reference_sampler], ids=["device", "reference"])
+def torch_sampler(logits: torch.Tensor, params: list[SamplingParams], seed: int) -> list[int]:
+    """The device sampler on torch's way (the one CUDA runs) instead of the CPU kernel."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("BATON_CPU_SAMPLER", "0")
+        return device_sampler(logits, params, seed)
+
+
+# the statistical tests run against the device sampler (the CPU kernel, and torch's way) and the exact race it replaced
+IMPLS = pytest.mark.parametrize("impl", [device_sampler, torch_sampler, reference_sampler],
+                                ids=["device", "device-torch", "reference"])
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """The filters and the draw on the CPU kernel (engine/sampler_cpu.cpp) and on torch's way (CUDA's)."""
+    if request.param == "torch":
+        monkeypatch.setenv("BATON_CPU_SAMPLER", "0")
+        assert sampler_mod._native(torch.zeros(1, 2)) is None
+    else:
+        assert sampler_mod._native(torch.zeros(1, 2)) is not None, "the CPU kernels did not build"
+    return request.param
 
 
 def empirical(params: SamplingParams, impl=device_sampler, logits: torch.Tensor = LOGITS, n: int = N,
@@ -255,7 +274,7 @@ def test_temperature(impl):
     assert empirical(SamplingParams(temperature=1e-3), impl, n=2000)[1].item() == 1.0
 
 
-def test_target_probs_matches_filters():
+def test_target_probs_matches_filters(path):
     p = target_probs(LOGITS.unsqueeze(0), [SamplingParams(top_k=3, temperature=1.0)])[0]
     assert torch.allclose(p, renormalized([1, 3, 4]), atol=1e-6)
 
@@ -441,7 +460,7 @@ def _assert_same_filter(logits, params):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_filters_equal_the_full_sort_on_random_logits(seed):
+def test_filters_equal_the_full_sort_on_random_logits(seed, path):
     logits, params = _random_case(seed)
     _assert_same_filter(logits, params)
     for r, p in enumerate(params):                   # and each row alone: nothing depends on the batch
@@ -461,9 +480,10 @@ def test_filters_cover_every_path():
     assert {256, 4096, 5000, VOCAB} <= widths, widths
 
 
-def test_filters_fallback_rows():
-    """Rows the candidates cannot cover: flat logits with top_p near 1, min-p that keeps most of the
-    vocabulary, top_k above the candidate sizes; alone and next to rows that are covered."""
+def test_filters_fallback_rows(path):
+    """Rows torch's candidates cannot cover: flat logits with top_p near 1, min-p that keeps most of the
+    vocabulary, top_k above the candidate sizes; alone and next to rows that are covered. (For the kernel: cuts
+    inside the one bucket a flat row's weights all fall in.)"""
     g = torch.Generator().manual_seed(7)
     flat = torch.randn(4, VOCAB, generator=g) * 0.02
     peaked = torch.randn(2, VOCAB, generator=g) * 4
@@ -478,7 +498,7 @@ def test_filters_fallback_rows():
         _assert_same_filter(logits[r:r + 1], params[r:r + 1])
 
 
-def test_top_p_near_the_boundary_keeps_the_token_whose_mass_before_is_below_p():
+def test_top_p_near_the_boundary_keeps_the_token_whose_mass_before_is_below_p(path):
     # mass before each token: 0, 0.5, 0.75, 0.875, ...: top_p exactly at such a sum drops that token
     probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
     logits = torch.log(probs).unsqueeze(0)
@@ -519,7 +539,7 @@ def test_sampled_frequencies_match_the_filtered_distribution(params, impl):
         assert abs(float(freq[chunk].sum() - target[chunk].sum())) < 0.02
 
 
-def test_seeded_rows_sample_the_same_whatever_the_batch_and_path():
+def test_seeded_rows_sample_the_same_whatever_the_batch_and_path(path):
     """A seeded filtered row gets the same tokens alone and next to rows that change the candidate
     size (a big top_k) or force other rows through the full sort."""
     g = torch.Generator().manual_seed(5)
@@ -547,7 +567,7 @@ def test_seeded_rows_sample_the_same_whatever_the_batch_and_path():
     assert run([SamplingParams(temperature=0.0)]) == alone
 
 
-def test_sparse_draw_equals_the_dense_inverse_cdf():
+def test_sparse_draw_equals_the_dense_inverse_cdf(path):
     """The Sampler's draw over kept tokens and the dense path speculative decoding uses
     (target_weights + inverse_cdf) pick the same token from the same uniform, on every filter path."""
     logits, params = _random_case(3, rows=10)
@@ -558,6 +578,48 @@ def test_sparse_draw_equals_the_dense_inverse_cdf():
         dense = inverse_cdf(target_weights(logits, params), u)
         assert fast.tolist() == dense.tolist()
         logits = logits + torch.randn_like(logits) * 0.1
+
+
+def test_the_kernel_and_torchs_way_draw_the_same_tokens(monkeypatch):
+    """The CPU kernel and torch's way (CUDA's) implement one definition: on random rows of every kind (peaked to
+    flat, each filter) they keep the same tokens and pick the same one from the same uniform."""
+    g = torch.Generator().manual_seed(1)
+    for seed in range(6):
+        logits, params = _random_case(seed, rows=10)
+        u = torch.rand(len(params), generator=g, dtype=torch.float64)
+        kernel = sampler_mod.draw(logits, params, u).tolist()
+        kept = torch.isfinite(apply_filters(logits, params))
+        with monkeypatch.context() as m:
+            m.setenv("BATON_CPU_SAMPLER", "0")
+            assert sampler_mod.draw(logits, params, u).tolist() == kernel
+            assert torch.equal(torch.isfinite(apply_filters(logits, params)), kept)
+
+
+def test_the_kernel_ranks_equal_logits_by_token_id():
+    x = torch.zeros(1, 8)
+    x[0, 6] = -1.0
+    for params, kept in [(SamplingParams(top_k=2), [0, 1]), (SamplingParams(top_k=7), [0, 1, 2, 3, 4, 5, 7]),
+                         (SamplingParams(top_p=0.3), [0, 1, 2]),     # 7 tokens of mass 1/7.x each: 2 before is < 0.3
+                         (SamplingParams(min_p=0.5), [0, 1, 2, 3, 4, 5, 7])]:
+        got = torch.isfinite(apply_filters(x, [params]))[0].nonzero().squeeze(1).tolist()
+        assert got == kept, (params, got)
+
+
+def test_the_kernel_cuts_inside_the_top_bucket_and_the_smallest():
+    """Ties at the max (the top bucket holds w = 1 alone; equal logits rank by token id), tokens whose weights
+    underflow below 2**-47 (the last bucket, sorted when a cut falls there) and masked ones (-inf)."""
+    ties = torch.tensor([[2.0, 0.0, 2.0, 2.0, -1.0, 2.0, 1.0, -50.0]])     # rank: 0 2 3 5, 6, 1, 4, 7
+    for params, kept in [(SamplingParams(top_k=2), [0, 2]),
+                         (SamplingParams(top_k=5, top_p=0.9), [0, 2, 3, 5]),  # mass before 6: 4 / 4.37 >= 0.9
+                         (SamplingParams(top_p=0.6), [0, 2, 3])]:              # before 5: 3 / 4.55 >= 0.6
+        assert torch.isfinite(apply_filters(ties, [params]))[0].nonzero().squeeze(1).tolist() == kept, params
+    tiny = torch.cat([torch.tensor([0.0, -1.0]), -40.0 - torch.arange(60.0) * 0.25]).unsqueeze(0)
+    masked = torch.tensor([[0.0, float("-inf"), -0.5, float("-inf"), -3.0, -60.0]])
+    for logits, params, n in [(tiny, SamplingParams(top_k=7), 7), (tiny, SamplingParams(min_p=1e-19), 17),
+                              (tiny, SamplingParams(top_k=40, min_p=1e-20), 27),
+                              (masked, SamplingParams(top_k=3), 3), (masked, SamplingParams(min_p=0.01), 3)]:
+        kept = torch.isfinite(apply_filters(logits, [params]))
+        assert int(kept.sum()) == n and torch.equal(kept, torch.isfinite(reference_filters(logits, [params]))), params
 
 
 def test_a_row_samples_by_inverse_cdf_with_its_philox_uniform():
