@@ -2,8 +2,9 @@
 (engine/sampler_cpu.cpp) and on torch's way (the one CUDA runs; BATON_CPU_SAMPLER=0), in one run.
 
 Workload: `requests` prompts of `prompt_len` random token ids (fixed seed), `max_tokens` each (ignore_eos), all
-submitted at once, so decode steps run at batch `requests`. Runs: greedy once, then each sampling setting (seeded
-per request) with the kernel and with torch's way, interleaved, best of `repeats` each. The settings are the ones
+submitted at once, so decode steps run at batch `requests`. After one untimed greedy pass, for each sampling
+setting (seeded per request): greedy, the setting with the kernel, then with torch's way, best of `repeats` each;
+greedy's figure is the best of all its runs (this VM's speed drifts by ~10% between runs). The settings are the ones
 users send most: OpenAI's default (temperature 1), common model-card defaults (0.7 / top_p 0.9, 1.0 / top_p 0.95),
 and llama.cpp's server defaults (0.8, top_k 40, top_p 0.95, min_p 0.05).
 
@@ -88,19 +89,25 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(100, 20000, (cfg["prompt_len"],), generator=g).tolist() for _ in range(cfg["requests"])]
     n = cfg["max_tokens"]
-    llm.generate(prompts[:2], SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True))   # warm-up
-    greedy, _ = _timed(llm, prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), cfg["repeats"], True)
-    log(f"greedy: {greedy:.1f} output tok/s")
+    greedy_params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate(prompts, greedy_params)                                    # warm-up: the whole batch once
+    greedy_runs: list[float] = []
     settings: dict[str, Any] = {}
-    for name, kw in SETTINGS.items():
+    for name, kw in SETTINGS.items():                  # greedy again beside each setting: the machine drifts
+        greedy_runs.append(_timed(llm, prompts, greedy_params, cfg["repeats"], True)[0])
         params = [SamplingParams(**kw, seed=i, max_tokens=n, ignore_eos=True) for i in range(len(prompts))]
         kern, kern_tokens = _timed(llm, prompts, params, cfg["repeats"], True)
         tor, tor_tokens = _timed(llm, prompts, params, cfg["repeats"], False)
-        settings[name] = {"params": kw, "kernel_tok_s": kern, "torch_tok_s": tor, "kernel_over_greedy": kern / greedy,
-                          "torch_over_greedy": tor / greedy, "kernel_over_torch": kern / tor,
+        settings[name] = {"params": kw, "kernel_tok_s": kern, "torch_tok_s": tor, "greedy_beside_tok_s": greedy_runs[-1],
+                          "kernel_over_torch": kern / tor,
                           "requests_equal": sum(a == b for a, b in zip(kern_tokens, tor_tokens)) / len(prompts)}
-        log(f"{name}: kernel {kern:.1f} tok/s ({kern / greedy:.2f} of greedy), torch {tor:.1f} ({tor / greedy:.2f}); "
+        log(f"{name}: kernel {kern:.1f} tok/s, torch {tor:.1f} (greedy beside: {greedy_runs[-1]:.1f}); "
             f"requests equal under both: {settings[name]['requests_equal']:.0%}")
+    greedy = max(greedy_runs)
+    for s in settings.values():
+        s["kernel_over_greedy"], s["torch_over_greedy"] = s["kernel_tok_s"] / greedy, s["torch_tok_s"] / greedy
+    log(f"greedy (best of {len(greedy_runs) * cfg['repeats']} runs): {greedy:.1f} tok/s; over it: " + ", ".join(
+        f"{k} kernel {s['kernel_over_greedy']:.2f} torch {s['torch_over_greedy']:.2f}" for k, s in settings.items()))
     result: dict[str, Any] = {
         "benchmark": "sampling", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "model": args.model or "SmolLM2-135M-Instruct",
