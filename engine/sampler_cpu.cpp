@@ -22,6 +22,38 @@ inline uint8_t bucket_of(float w) {
 inline double lower_of(int b) { return b == 0 ? 1.0 : (b == NB - 1 ? 0.0 : std::ldexp(1.0, -b)); }
 inline double upper_of(int b) { return std::ldexp(1.0, 1 - b); }                    // exclusive
 
+// out[0:n] <- the t in [0, V) with keep(bk[t]), ascending (out holds V); returns n. A word of 8 buckets for which
+// any8 is false holds none (the kept are often few: most of a row's words are skipped whole).
+constexpr uint64_t ONES = 0x0101010101010101ull, HIGHS = 0x8080808080808080ull;
+inline bool has_zero(uint64_t x) { return ((x - ONES) & ~x & HIGHS) != 0; }               // some byte is 0
+inline bool has_less(uint64_t x, unsigned n) { return ((x - ONES * n) & ~x & HIGHS) != 0; }  // some byte < n <= 128
+template <class Any8, class Keep>
+int64_t gather(const uint8_t* bk, int64_t V, Any8 any8, Keep keep, int32_t* out) {
+  int64_t n = 0, t = 0;
+  for (; t + 8 <= V; t += 8) {
+    uint64_t word;
+    std::memcpy(&word, bk + t, sizeof word);
+    if (!any8(word)) continue;
+    for (int j = 0; j < 8; ++j) {                   // branch-free: write each, advance past the kept
+      out[n] = static_cast<int32_t>(t + j);
+      n += keep(bk[t + j]);
+    }
+  }
+  for (; t < V; ++t) {
+    out[n] = static_cast<int32_t>(t);
+    n += keep(bk[t]);
+  }
+  return n;
+}
+
+// a row task's buffers, V ids each: one bucket's members (shared by a row's walks), the row's kept ids
+struct Scratch {
+  std::vector<int32_t> members, kept;
+  int64_t n_members = 0;
+  int members_of = -1;
+  explicit Scratch(int64_t V) : members(V), kept(V) {}
+};
+
 struct Row {
   const float* x;   // the row's logits (penalties and masks applied), before temperature
   int64_t V;
@@ -74,11 +106,12 @@ struct Walk {
   double s;
   bool use_p;
   double min_p;
+  Scratch& sc;
   double before = 0.0;       // mass of the kept tokens (in the order added)
   int64_t rank = 0;          // their number
   int whole = 0;             // buckets below this one are kept whole
   std::vector<int32_t> extra;  // and these, from the buckets a cut fell in
-  std::vector<int32_t> ids, grouped;
+  std::vector<int32_t> grouped;
   std::vector<std::pair<float, int32_t>> sorted;
 
   enum Decision { STOP, WHOLE, SPLIT };
@@ -106,10 +139,15 @@ struct Walk {
   }
   // bucket b split; false once a token is cut
   bool split(int b) {
-    ids.clear();
-    for (int64_t t = 0; t < r.V; ++t)
-      if (bk[t] == b) ids.push_back(static_cast<int32_t>(t));
-    if (b == 0 || b == NB - 1) return tokens(ids.data(), static_cast<int64_t>(ids.size()));
+    if (sc.members_of != b) {
+      const uint8_t bb = static_cast<uint8_t>(b);
+      sc.n_members = gather(bk, r.V, [bb](uint64_t x) { return has_zero(x ^ (ONES * bb)); },
+                            [bb](uint8_t v) { return v == bb; }, sc.members.data());
+      sc.members_of = b;
+    }
+    const int32_t* ids = sc.members.data();
+    const int64_t n = sc.n_members;
+    if (b == 0 || b == NB - 1) return tokens(ids, n);
     int64_t cnt[256] = {0}, at[257];
     double mass[256] = {0.0};
     auto sub = [&](int32_t t) {                     // 0 for the largest weights of the bucket
@@ -117,18 +155,19 @@ struct Walk {
       std::memcpy(&bits, w + t, sizeof bits);
       return 255 - static_cast<int>((bits >> 15) & 0xFF);
     };
-    for (const int32_t t : ids) {
+    for (int64_t q = 0; q < n; ++q) {
+      const int32_t t = ids[q];
       const int j = sub(t);
       ++cnt[j];
       mass[j] += w[t];
     }
     at[0] = 0;
     for (int j = 0; j < 256; ++j) at[j + 1] = at[j] + cnt[j];
-    grouped.resize(ids.size());
+    grouped.resize(static_cast<size_t>(n));
     {
       int64_t next[256];
       std::copy(at, at + 256, next);
-      for (const int32_t t : ids) grouped[next[sub(t)]++] = t;
+      for (int64_t q = 0; q < n; ++q) grouped[next[sub(ids[q])]++] = ids[q];
     }
     for (int j = 0; j < 256; ++j) {
       if (cnt[j] == 0) continue;
@@ -163,28 +202,39 @@ struct Walk {
 
 // The kept set of a filtered row from its weights w: on return bk[t] (each token's bucket, filled here) is below
 // the returned bucket, or 255, for the tokens kept.
-int kept_set(const Row& r, const float* w, uint8_t* bk) {
+int kept_set(const Row& r, const float* w, uint8_t* bk, Scratch& sc) {
   const int64_t V = r.V;
   for (int64_t i = 0; i < V; ++i) bk[i] = bucket_of(w[i]);
-  int64_t cnt[NB] = {0};
-  double part[4][NB] = {{0.0}};                     // four interleaved partial sums per bucket: no long add chain
+  // per bucket, the count and the mass, each in four interleaved partials: no chain of dependent adds in memory
+  int64_t cnts[4][NB] = {{0}};
+  double part[4][NB] = {{0.0}};
   int64_t i = 0;
   for (; i + 4 <= V; i += 4)
-    for (int j = 0; j < 4; ++j) part[j][bk[i + j]] += w[i + j];
-  for (; i < V; ++i) part[0][bk[i]] += w[i];
-  for (int64_t t = 0; t < V; ++t) ++cnt[bk[t]];
+    for (int j = 0; j < 4; ++j) {
+      part[j][bk[i + j]] += w[i + j];
+      ++cnts[j][bk[i + j]];
+    }
+  for (; i < V; ++i) {
+    part[0][bk[i]] += w[i];
+    ++cnts[0][bk[i]];
+  }
+  int64_t cnt[NB];
   double mass[NB];
-  for (int b = 0; b < NB; ++b) mass[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+  for (int b = 0; b < NB; ++b) {
+    cnt[b] = (cnts[0][b] + cnts[1][b]) + (cnts[2][b] + cnts[3][b]);
+    mass[b] = (part[0][b] + part[1][b]) + (part[2][b] + part[3][b]);
+  }
   const bool has_k = r.k > 0 && r.k < V, has_p = r.top_p < 1.0;
+  sc.members_of = -1;
   double s = 0.0;                                   // the normalizer top-p is taken against: the top k's mass
   if (has_k) {
-    Walk top{r, w, bk, r.k, 1.0, false, 0.0};
+    Walk top{r, w, bk, r.k, 1.0, false, 0.0, sc};
     top.run(cnt, mass);
     s = top.before;
   } else if (has_p) {
     for (int b = 0; b < NB; ++b) s += mass[b];
   }
-  Walk walk{r, w, bk, has_k ? r.k : V, s, has_p, r.min_p};
+  Walk walk{r, w, bk, has_k ? r.k : V, s, has_p, r.min_p, sc};
   walk.run(cnt, mass);
   for (const int32_t t : walk.extra) bk[t] = 255;
   return walk.whole;
@@ -229,7 +279,7 @@ std::vector<torch::Tensor> sample_rows(torch::Tensor x, torch::Tensor temp, torc
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wbuf(dense ? 0 : V);
     std::vector<uint8_t> bk(V);
-    std::vector<int32_t> ids;
+    Scratch sc(V);
     for (int64_t i = begin; i < end; ++i) {
       const Row r{X + i * xstride, V, T[i], K[i], P[i], M[i]};
       float* w = dense ? weights.data_ptr<float>() + i * V : wbuf.data();
@@ -240,15 +290,15 @@ std::vector<torch::Tensor> sample_rows(torch::Tensor x, torch::Tensor temp, torc
         if (kp) std::fill(kp, kp + V, uint8_t(1));
         continue;
       }
-      const int whole = kept_set(r, w, bk.data());
-      ids.clear();                                  // the kept ids, ascending
-      for (int64_t t = 0; t < V; ++t)
-        if (bk[t] < whole || bk[t] == 255) ids.push_back(static_cast<int32_t>(t));
-      TORCH_CHECK(!ids.empty(), "sample_rows: a filtered row kept no token");   // the top token is always kept
-      if (U) tokens.data_ptr<int64_t>()[i] = ids[draw(w, ids.data(), static_cast<int64_t>(ids.size()), U[i])];
+      const unsigned below = static_cast<unsigned>(kept_set(r, w, bk.data(), sc));   // the kept ids, ascending:
+      const int32_t* ids = sc.kept.data();
+      const int64_t n = gather(bk.data(), V, [below](uint64_t x) { return has_less(x, below) || has_zero(~x); },
+                               [below](uint8_t v) { return v < below || v == 255; }, sc.kept.data());
+      TORCH_CHECK(n > 0, "sample_rows: a filtered row kept no token");   // the top token is always kept
+      if (U) tokens.data_ptr<int64_t>()[i] = ids[draw(w, ids, n, U[i])];
       if (kp) {
         std::fill(kp, kp + V, uint8_t(0));
-        for (const int32_t t : ids) kp[t] = 1;
+        for (int64_t q = 0; q < n; ++q) kp[ids[q]] = 1;
         for (int64_t t = 0; t < V; ++t) w[t] = kp[t] ? w[t] : 0.f;
       }
     }
