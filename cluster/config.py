@@ -117,6 +117,14 @@ class EngineKnobs(_Schema):
         "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
                               "num_speculative_tokens, ...} (off when unset)")
 
+    generation_config: str | None = _knob(
+        "generation_config", "The model's generation_config.json, as vLLM reads it: auto (its sampling fields "
+                             "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) are the defaults of "
+                             "requests that leave them unset), vllm (no such defaults), or a directory holding a "
+                             "generation_config.json to use instead. Its eos_token_id ends requests in every mode")
+    override_generation_config: dict[str, Any] | None = _knob(
+        "override_generation_config", "Sampling fields set over the generation config's, e.g. {temperature: 0.6, "
+                                      "max_new_tokens: 512}")
     max_loras: int | None = _knob("max_loras", "LoRA adapters one step can run (device slots); more wait their "
                                                "turn (with the cluster's `lora` section on)", ge=1)
     max_lora_rank: int | None = _knob("max_lora_rank", "Largest LoRA rank accepted", ge=1)

@@ -43,6 +43,8 @@ class EngineConfig:
     max_loras: int = 1                        # adapters in device slots: at most this many in one step
     max_lora_rank: int = 16                   # the largest adapter rank accepted
     max_cpu_loras: int | None = None          # adapters kept loaded in host memory (default: max_loras)
+    generation_config: str = "auto"           # auto (the model's generation_config.json) | vllm (none) | a directory
+    override_generation_config: dict | None = None  # sampling fields over it: {"temperature": 0.6, ...}
     max_grammar_bytes: int = MAX_GRAMMAR_BYTES                   # structured output: the largest spec accepted
     grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # structured output: a slower compile is refused
 
@@ -82,6 +84,10 @@ class EngineConfig:
                                                or self.max_cpu_loras < self.max_loras):
             raise ConfigError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
                               f"got {self.max_cpu_loras!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError(f"generation_config must be auto, vllm or a directory, got {self.generation_config!r}")
+        from engine.generation_config import check_overrides
+        check_overrides(self.override_generation_config)
         from engine.spec.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

@@ -18,6 +18,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a prompt given no SamplingParams samples with: SamplingParams' defaults under the model's generation
+        config (engine/generation_config.py), as vLLM's."""
+        return self.engine.generation.params()
+
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: Seq[int] | None = None,
@@ -29,7 +34,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine import generation_config
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.device_clock import device_clock
@@ -47,6 +48,10 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.tokenizer = shared_tokenizer(config.tokenizer or self.model_path)
         hf = load_config(self.model_path)
+        # the generation config (before the weights load: a bad one fails fast): its EOS ids end requests too, its
+        # sampling fields are the defaults of requests that leave them unset
+        self.generation = generation_config.load(self.model_path, config.generation_config,
+                                                 config.override_generation_config)
         limit = getattr(hf, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
         self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > limit:
@@ -80,7 +85,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             from engine.spec.decoder import SpecDecoder
             self.spec = SpecDecoder(self)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = self._eos_ids() | set(self.generation.eos_token_ids)
         self._grammars = None                       # engine.structured.GrammarCompiler, made on first use
         self._grammars_lock = threading.Lock()
         self.requests: dict[str, Sequence] = {}

@@ -87,7 +87,7 @@ class EngineReplica:
         e = self.engine
         return {"model_key": e.model_key, "block_size": e.block_size, "max_model_len": e.max_model_len,
                 "vocab_size": e.hf_config.vocab_size, "kv_blocks_total": e.pool.num_blocks,
-                "eos_token_ids": sorted(e.eos_ids),
+                "eos_token_ids": sorted(e.eos_ids), "default_sampling": dict(e.generation.sampling),
                 "model_path": e.model_path, "served_model_name": self.served_model_name}
 
     async def load_lora(self, lora) -> dict:

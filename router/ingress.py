@@ -352,7 +352,8 @@ class Ingress:
             structured = await self._structured(req, tools)
             hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i,
-                                                   structured=structured, vocab_size=self.info["vocab_size"]), lora)
+                                                   structured=structured, vocab_size=self.info["vocab_size"],
+                                                   defaults=self.info.get("default_sampling")), lora)
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
             scoring = jobs[0][2].prompt_logprobs is not None       # its prompt is computed whole, cached or not
             ticket = self.admission.admit([len(ids) - (0 if scoring else orchestrator.cached_tokens(h))

@@ -106,10 +106,11 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)     # 1e999 parses as inf: refused too
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    # unset: the model's generation config default (engine/generation_config.py), else OpenAI's / vLLM's
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     n: int = Field(default=1, json_schema_extra={"minimum": 1})      # the most: limits.max_n, checked below
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -118,7 +119,7 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)              # vLLM's: outputs before a stop may end the request
     include_stop_str_in_output: bool = False              # vLLM's: the stop string (or stop token's text) kept
@@ -434,10 +435,14 @@ def logit_bias(req, vocab_size: int) -> dict[int, float] | None:
 
 
 def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
-                       structured: StructuredOutput | None = None, vocab_size: int | None = None) -> SamplingParams:
+                       structured: StructuredOutput | None = None, vocab_size: int | None = None,
+                       defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The engine's parameters for choice `index` (seeded choices get seed + index), with OpenAI's checks;
     `structured`: the request's checked spec (structured_spec, compiled once by the ingress); `vocab_size`: the
-    model's, for logit_bias's keys (None: not checked here; the engine checks them)."""
+    model's, for logit_bias's keys (None: not checked here; the engine checks them); `defaults`: the model's
+    generation config (SamplingParams fields, engine/generation_config.py) for the fields the request leaves unset,
+    max_tokens among them (at most the room left)."""
+    defaults = defaults or {}
     room = max_model_len - prompt_len
     if room <= 0:
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -466,10 +471,12 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
     if not isinstance(req, ChatCompletionRequest) and req.echo and req.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)    # echo: the prompt's tokens come with theirs
     try:
-        return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                              presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                              repetition_penalty=req.repetition_penalty,
-                              seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens or room,
+        unset = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        chosen = {k: getattr(req, k) if getattr(req, k) is not None else defaults.get(k, v) for k, v in unset.items()}
+        if max_tokens is None:
+            max_tokens = min(room, defaults.get("max_tokens", room))
+        return SamplingParams(**chosen, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                              seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,

@@ -1,6 +1,6 @@
 """Colocated mode from the same config (one pool prefills and decodes): the openai client gets the offline
 engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool; its streams are
-batched (decode.stream_interval_ms). Its pool runs a
+batched (decode.stream_interval_ms); a request without a temperature takes the generation config's. Its pool runs a
 host KV tier: a prompt the KV cache evicted is served from host memory, and the router's index knows where."""
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ PORT = 8733
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE = {**CLUSTER_ENGINE, "kv_offloading_size": 0.125}    # 96 MiB of device KV (2080 tokens), 128 MiB on host
 STREAM_INTERVAL_MS = 100
+# a sampling default over the model's generation config: requests that set no temperature decode greedily
+GENERATION = {"override_generation_config": {"temperature": 0.0}}
 COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0},
-             "decode": {"num_cpus": 0, "engine": ENGINE, "stream_interval_ms": STREAM_INTERVAL_MS},
+             "decode": {"num_cpus": 0, "engine": {**ENGINE, **GENERATION}, "stream_interval_ms": STREAM_INTERVAL_MS},
              "limits": {"grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}}
 
 
@@ -54,6 +56,20 @@ def test_colocated_serves_greedy_n_and_logprobs(client):
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=30).read().decode()
     assert 'baton_kv_blocks_free{pool="decode"' in text and 'pool="prefill"' not in text
+
+
+def test_a_request_without_a_temperature_takes_the_generation_configs(client):
+    """override_generation_config's temperature 0 is the default of a request that sets none (vLLM's
+    generation-config defaults); a request's own temperature wins."""
+    messages = [{"role": "user", "content": "Name a famous relay runner."}]
+    offline = LLM(None, **ENGINE)
+    greedy = offline.chat(messages, SamplingParams(temperature=0, max_tokens=20)).text
+    sampled = offline.chat(messages, SamplingParams(temperature=1.0, seed=5, max_tokens=20)).text
+    assert sampled != greedy
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
+    assert r.choices[0].message.content == greedy
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=1.0, seed=5)
+    assert r.choices[0].message.content == sampled
 
 
 def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages_and_the_first_at_once(client):
