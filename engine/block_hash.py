@@ -2,6 +2,7 @@
 call block_hashes(), so "replica R holds block h" means the same thing everywhere."""
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import numpy as np
@@ -29,7 +30,12 @@ def block_hashes(token_ids: Sequence[int], block_size: int, model_key: str | byt
     return out
 
 
-def namespace_key(model_key: str, adapter_key: str | None = None) -> str:
+def namespace_key(model_key: str, adapter_key: str | None = None, cache_salt: str | None = None) -> str:
     """The key a request's blocks are hashed under: the model's, or the model's under a LoRA adapter
-    (engine/lora.py: a digest of the adapter's files), so KV computed with other weights never matches."""
-    return model_key if adapter_key is None else f"{model_key}|lora:{adapter_key}"
+    (engine/lora.py: a digest of the adapter's files), so KV computed with other weights never matches; and a
+    request's cache_salt (vLLM's) in it, so only requests with the same salt share cached blocks (a tenant's
+    prompts cannot be probed through another's cache hits). The salt enters as a digest: keys never hold it."""
+    key = model_key if adapter_key is None else f"{model_key}|lora:{adapter_key}"
+    if cache_salt is None:
+        return key
+    return f"{key}|salt:{hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest()}"

@@ -110,7 +110,7 @@ class KVCacheManager:
         known, bs = len(seq.block_hashes), self.block_size
         if num_blocks > known:
             parent = seq.block_hashes[-1] if known else None
-            key = namespace_key(self.model_key, seq.lora_key)       # an adapter's KV is its own
+            key = namespace_key(self.model_key, seq.lora_key, seq.params.cache_salt)   # an adapter's (a salt's) KV is its own
             seq.block_hashes.extend(block_hashes(seq.token_ids[known * bs:num_blocks * bs], bs, key, parent))
 
     # -- imports (decode role) --------------------------------------------------------------------

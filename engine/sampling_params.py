@@ -33,6 +33,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False    # the stop string, or the stop token's text, ends the output text
     structured: StructuredOutput | None = None    # a grammar the output must follow (engine/structured.py)
+    # vLLM's: only requests with the same salt share prefix-cache blocks (engine.block_hash.namespace_key); a
+    # secret of the tenant's, so never in a repr
+    cache_salt: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +63,8 @@ class SamplingParams:
                 bad(f"{name} must be an integer, got {getattr(self, name)!r}")
         if not _finite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            bad("cache_salt must be a non-empty string")
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:

@@ -350,7 +350,7 @@ class Ingress:
                 oa.check_prompt_length(len(ids), self.limits)
                 oa.check_token_ids(ids, self.info["vocab_size"])
             structured = await self._structured(req, tools)
-            hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
+            hashes = [orchestrator.hashes(ids, lora, req.cache_salt) for ids in prompts]
             jobs = [(ids, h, oa.to_sampling_params(req, self.info["max_model_len"], len(ids), index=i,
                                                    structured=structured, vocab_size=self.info["vocab_size"],
                                                    defaults=self.info.get("default_sampling")), lora)

@@ -129,6 +129,7 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True                      # vLLM's: special tokens' text left out
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)    # vLLM's: each prompt token's, top-n
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)    # vLLM's: keep the prompt's last k tokens
+    cache_salt: str | None = Field(default=None, min_length=1)        # vLLM's: prefix-cache hits only within a salt
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None
@@ -479,7 +480,7 @@ def to_sampling_params(req, max_model_len: int, prompt_len: int, index: int = 0,
                               seed=None if req.seed is None else req.seed + index, max_tokens=max_tokens,
                               stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
                               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              include_stop_str_in_output=req.include_stop_str_in_output, cache_salt=req.cache_salt,
                               allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
                               skip_special_tokens=req.skip_special_tokens,
                               logit_bias=logit_bias(req, vocab_size if vocab_size is not None else 2**63),

@@ -192,13 +192,13 @@ class Orchestrator:
         self.min_remote = min_remote_prefill_tokens
         self.max_moves = max_moves
 
-    def hashes(self, token_ids: list[int], lora: LoRARequest | None = None) -> list[int]:
-        """The prompt's full-block hashes (under its adapter's key, if any): computed here once per prompt, then
-        carried by its PoolRequests."""
-        return block_hashes(token_ids, self.model["block_size"], self.key(lora))
+    def hashes(self, token_ids: list[int], lora: LoRARequest | None = None, cache_salt: str | None = None) -> list[int]:
+        """The prompt's full-block hashes (under its adapter's key and its cache salt, if any): computed here once
+        per prompt, then carried by its PoolRequests."""
+        return block_hashes(token_ids, self.model["block_size"], self.key(lora, cache_salt))
 
-    def key(self, lora: LoRARequest | None) -> str:
-        return namespace_key(self.model["model_key"], lora.key if lora is not None else None)
+    def key(self, lora: LoRARequest | None, cache_salt: str | None = None) -> str:
+        return namespace_key(self.model["model_key"], lora.key if lora is not None else None, cache_salt)
 
     def remote_prefill(self, token_ids: list[int], hashes: list[int]) -> bool:
         """Remote prefill pays a transfer; worth it only when the decode side would compute a lot."""
@@ -239,7 +239,7 @@ class Orchestrator:
         rid = request_id or uuid.uuid4().hex
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
-        hashes = hashes if hashes is not None else self.hashes(token_ids, lora)
+        hashes = hashes if hashes is not None else self.hashes(token_ids, lora, params.cache_salt)
         scoring = params.prompt_logprobs is not None     # its prompt is computed whole where it decodes
         sources = [] if scoring else self.prefix_sources(hashes)
         req = PoolRequest(rid, token_ids, hashes, params, lora=lora, prefix_source=sources[0] if sources else None,
@@ -356,7 +356,8 @@ class Orchestrator:
         observe_found(DECODE, req.request_id, None)    # the next engine's cached count is not the routed one's
         bs, n = self.model["block_size"], len(req.token_ids) // self.model["block_size"]
         ids = req.token_ids + (sent if kv is None else sent[:-1])
-        hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs, self.key(req.lora),
+        hashes = req.block_hashes[:n] + block_hashes(ids[n * bs:len(ids) // bs * bs], bs,
+                                                     self.key(req.lora, req.sampling.cache_salt),
                                                      req.block_hashes[n - 1] if n else None)
         # the client has the prompt's logprobs already (they come with the first delta): none are asked again
         sampling = req.sampling if req.sampling.prompt_logprobs is None else replace(req.sampling, prompt_logprobs=None)

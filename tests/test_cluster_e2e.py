@@ -474,6 +474,27 @@ def test_a_prompt_the_decode_pool_already_caches_is_prefilled_there(client, offl
         "decode/found": second.usage.prompt_tokens_details.cached_tokens}
 
 
+def test_a_salted_prompt_hits_only_the_cache_of_its_own_salt_across_both_pools(client, offline):
+    """vLLM's cache_salt: the second request with a salt reads the blocks the first left in either pool; another
+    salt, and no salt, find none, wherever the router sends them; the text is the same."""
+    prompt = "A salted prompt: the anchor leg runs last and carries the baton over the line. " * 3
+
+    def ask(salt: str | None):
+        extra = {} if salt is None else {"cache_salt": salt}
+        return client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6, extra_body=extra)
+
+    first = ask("tenant-a")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = ask("tenant-a")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0 and again.choices[0].text == first.choices[0].text
+    for salt in ("tenant-b", None):
+        other = ask(salt)
+        assert other.usage.prompt_tokens_details.cached_tokens == 0, salt
+        assert other.choices[0].text == first.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": ""})
+
+
 def test_structured_outputs_and_tool_calls_hold_across_the_prefill_decode_hand_off(client):
     """The prefill replica samples the first token under the grammar; the decode replica rebuilds the grammar
     state from the tokens it receives (tests/structured_checks.py)."""
