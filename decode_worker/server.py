@@ -57,7 +57,7 @@ class DecodeServer(EngineReplica):
         try:
             async for out in self.llm.generate(req.token_ids, req.sampling, req.request_id, remote=remote,
                                                block_hashes=req.block_hashes, resume=req.resume,
-                                               lora_request=req.lora):
+                                               lora_request=req.lora, priority=req.priority):
                 if out.finish_reason == MIGRATED:
                     delta = await self._hand_over(out, first)
                 else:

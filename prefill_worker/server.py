@@ -21,7 +21,8 @@ class PrefillServer(EngineReplica):
         out, t0 = None, time.perf_counter()
         remote = await self.prefix_remote(req)         # the prefix another prefill replica caches, pulled
         async for out in self.llm.generate(req.token_ids, params, req.request_id, prefill_only=True,
-                                           block_hashes=req.block_hashes, lora_request=req.lora, remote=remote):
+                                           block_hashes=req.block_hashes, lora_request=req.lora, remote=remote,
+                                           priority=req.priority):
             pass
         pulled = self.observe_prefix_pull(out.metrics) if remote is not None else 0
         self.metrics.observe_finished(out.metrics, req.lora, len(req.token_ids), 0, prefilled=True)

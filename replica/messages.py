@@ -56,6 +56,7 @@ class PoolRequest:
     resume: Resume | None = None                # a continuation: the outputs its client already has
     avoid: tuple[str, ...] = ()                 # decode replicas this request left: never routed back there
     num_moves: int = 0                          # times it moved (replica died or drained): the retry budget
+    priority: int = 0                           # vLLM's: lower is scheduled first, in both pools' engines
     lora: LoRARequest | None = None             # the adapter it runs under (None: the base model); block_hashes
                                                 # are chained under its key (engine.block_hash.namespace_key)
     prefix_source: tuple[str, str, int] | None = None  # (pool, replica, leading blocks the index says it caches):

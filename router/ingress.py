@@ -419,7 +419,7 @@ class Ingress:
     async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:
         async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:
             try:
-                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora):
+                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=req.priority):
                     ticket.progress(i, len(d.token_ids))
                     builder.add(i, d)
             finally:
@@ -436,7 +436,7 @@ class Ingress:
 
         async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:
             try:
-                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora):
+                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=req.priority):
                     ticket.progress(i, len(d.token_ids))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001

@@ -130,6 +130,7 @@ class _Request(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)    # vLLM's: each prompt token's, top-n
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)    # vLLM's: keep the prompt's last k tokens
     cache_salt: str | None = Field(default=None, min_length=1)        # vLLM's: prefix-cache hits only within a salt
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)       # vLLM's: lower is scheduled first
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None

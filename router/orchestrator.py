@@ -233,16 +233,18 @@ class Orchestrator:
         return self.model.get("kv_blocks_total", 0) * self.model["block_size"] * max(replicas, 1)
 
     async def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                     hashes: list[int] | None = None, lora: LoRARequest | None = None) -> AsyncIterator[TokenDelta]:
+                     hashes: list[int] | None = None, lora: LoRARequest | None = None,
+                     priority: int = 0) -> AsyncIterator[TokenDelta]:
         """Token deltas of one request (see DecodeServer.generate); the last has finished=True. `lora`: the
-        adapter it runs under."""
+        adapter it runs under; `priority`: vLLM's (lower first) in the engines that prefill and decode it."""
         rid = request_id or uuid.uuid4().hex
         _own_serve_request_ids(rid)
         t0 = time.perf_counter()
         hashes = hashes if hashes is not None else self.hashes(token_ids, lora, params.cache_salt)
         scoring = params.prompt_logprobs is not None     # its prompt is computed whole where it decodes
         sources = [] if scoring else self.prefix_sources(hashes)
-        req = PoolRequest(rid, token_ids, hashes, params, lora=lora, prefix_source=sources[0] if sources else None,
+        req = PoolRequest(rid, token_ids, hashes, params, priority=priority, lora=lora,
+                          prefix_source=sources[0] if sources else None,
                           prefix_fallback=sources[1] if len(sources) > 1 else None)
         status, reason, pool, replica = "error", "error", DECODE, "?"
         last, n = None, 0

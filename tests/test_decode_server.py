@@ -107,3 +107,17 @@ def test_the_heap_gauge_is_read_at_every_report_at_rest_and_seldom_under_load(se
     n = len(reads)
     heap_gauge()
     assert len(reads) == n + 1                          # at rest again: read at the next report
+
+
+def test_a_pool_requests_priority_reaches_the_engine_that_decodes_it(server):
+    """vLLM's `priority` (the API's field, carried by PoolRequest): the decode replica's engine schedules the
+    request at it (lower first: tests/test_scheduler.py)."""
+    async def main():
+        gen = server.generate(PoolRequest("prio", PROMPT, [], SamplingParams(temperature=0, max_tokens=200,
+                                                                             ignore_eos=True), priority=-3))
+        await gen.__anext__()
+        got = server.llm.call(lambda e: e.requests["prio"].priority)
+        await gen.aclose()
+        return got
+    assert asyncio.run(main()) == -3
+    wait_for(lambda: server.llm.call(lambda e: not e.requests), 30, "the aborted request to leave the engine")

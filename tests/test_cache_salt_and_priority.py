@@ -1,6 +1,7 @@
 """vLLM's cache_salt: a request's prefix-cache hits come only from requests with the same salt (and none from
 unsalted ones), so one tenant cannot probe another's prompts through cache-hit timing; the salt never appears in a
-key, a repr or an event. The API refuses an empty salt."""
+key, a repr or an event. The API refuses an empty salt. (And vLLM's `priority`, the other scheduling field a request
+carries to both pools.)"""
 from __future__ import annotations
 
 import pytest
@@ -47,3 +48,11 @@ def test_an_empty_salt_is_refused():
     assert e.value.status == 400 and "cache_salt" in str(e.value.body)
     req = oa.parse_request({"model": "m", "prompt": "hi", "cache_salt": "abc"}, chat=False)
     assert oa.to_sampling_params(req, 2048, 5).cache_salt == "abc"
+
+
+def test_the_api_takes_vllms_priority_within_int32():
+    req = oa.parse_request({"model": "m", "prompt": "hi", "priority": -5}, chat=False)
+    assert req.priority == -5 and oa.parse_request({"model": "m", "prompt": "hi"}, chat=False).priority == 0
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.parse_request({"model": "m", "prompt": "hi", "priority": 2**40}, chat=False)
+    assert e.value.status == 400 and "priority" in str(e.value.body)
