@@ -87,10 +87,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
 
 
 def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                   continue_final_message: bool = False, template_kwargs: dict | None = None,
+                   documents: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids under the model's chat template, ready for the assistant's turn (vLLM's options:
     without the turn's header, or continuing the last, assistant, message); `tools` (OpenAI's function
-    definitions) go to a template that takes them, `template_kwargs` are the template's own variables."""
+    definitions) and `documents` (for retrieval-augmented generation) go to a template that takes them,
+    `template_kwargs` are the template's own variables; `add_special_tokens` encodes the rendered text with the
+    tokenizer's own special tokens (its BOS) on top of the template's, as vLLM's option does."""
     from engine.errors import InvalidRequestError
     if not messages:
         raise InvalidRequestError("messages must not be empty")
@@ -100,7 +103,12 @@ def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = N
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
     if reserved:
         raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {}),
+             **({"documents": documents} if documents else {})}
+    if add_special_tokens:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message, **extra)
+        return list(tokenizer.encode(text, add_special_tokens=True))
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
                                         continue_final_message=continue_final_message, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

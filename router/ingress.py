@@ -360,7 +360,7 @@ class Ingress:
                                            for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
         created, model = int(time.time()), self.served_name if lora is None else lora.lora_name
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools, prompts)
         if req.stream:
@@ -403,8 +403,11 @@ class Ingress:
         if chat:
             messages, template_tools = oa.chat_messages(req, tools, self.tool_format)
             try:
+                variables = {**({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}),
+                             **(req.chat_template_kwargs or {})}
                 prompts = [chat_token_ids(self.tokenizer, messages, template_tools, req.add_generation_prompt,
-                                          req.continue_final_message, req.chat_template_kwargs)]
+                                          req.continue_final_message, variables, req.documents,
+                                          req.add_special_tokens)]
             except InvalidRequestError as e:
                 param = str(e).split(" ", 1)[0]
                 raise oa.OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e
@@ -412,7 +415,8 @@ class Ingress:
                 raise oa.OpenAIError(400, f"the model's chat template failed on this request: {e}",
                                      param="chat_template_kwargs" if req.chat_template_kwargs else "messages") from e
         else:
-            prompts = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in oa.completion_prompts(req)]
+            prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                       for p in oa.completion_prompts(req)]
         k = req.truncate_prompt_tokens
         return [ids[-k:] for ids in prompts] if k else prompts
 

@@ -2,7 +2,7 @@
 SSE chunk builders. No server here (router/ingress.py serves it).
 
 Decisions: unknown request fields are ignored, as OpenAI and vLLM do; fields that would change the answer and
-that Baton does not serve (UNSUPPORTED: chat's echo, suffix, a per-request chat template, audio, ...) are refused
+that Baton does not serve (UNSUPPORTED: suffix, a per-request chat template, audio, beam search, ...) are refused
 with a 400 naming the field rather than silently dropped. Structured output comes as
 OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs` (json, regex, choice,
 grammar; its older `guided_*` fields too), one of them per request.
@@ -131,6 +131,9 @@ class _Request(BaseModel):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)    # vLLM's: keep the prompt's last k tokens
     cache_salt: str | None = Field(default=None, min_length=1)        # vLLM's: prefix-cache hits only within a salt
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)       # vLLM's: lower is scheduled first
+    # vLLM's: the response's id (chatcmpl-/cmpl- before it), else a random one
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    return_tokens_as_token_ids: bool = False              # vLLM's: logprob tokens as "token_id:{id}"
     # OpenAI's: token id (as a string) -> a bias in [-100, 100] added to its logit
     logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     user: str | None = None
@@ -146,6 +149,11 @@ class _Request(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options.get("continuous_usage_stats"))
 
 
 class ContentPart(BaseModel):
@@ -167,6 +175,11 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True                    # vLLM's: false leaves the assistant turn's header out
     continue_final_message: bool = False                  # vLLM's: the last (assistant) message goes on
     chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: the chat template's own variables
+    documents: list[dict[str, Any]] | None = None         # vLLM's: retrieved documents, for a template that takes them
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # OpenAI's: a template variable, as vLLM
+    add_special_tokens: bool = False                      # vLLM's: the tokenizer's own (BOS) on top of the template
+    echo: bool = False                                    # vLLM's: the last message's content before the answer,
+                                                          # when it is the answer's role (continuing it)
     # OpenAI's deprecated form of tools: refused (a 400)
     functions: Annotated[list[dict[str, Any]] | None, WithJsonSchema({"type": "null"})] = None
     function_call: Annotated[str | dict[str, Any] | None, WithJsonSchema({"type": "null"})] = None
@@ -182,6 +195,7 @@ class CompletionRequest(_Request):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False                                    # the prompt before the completion (and its logprobs)
+    add_special_tokens: bool = True                       # vLLM's: false encodes a text prompt without BOS
     best_of: int | None = Field(default=None, ge=1)       # refused (a 400) unless it equals n
     # refused (a 400) unless empty
     suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None
@@ -238,12 +252,23 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "audio": (lambda v: v is not None, "audio output is not supported"),
     "modalities": (lambda v: v is not None and v != ["text"], "modalities other than [\"text\"] are not supported"),
     "web_search_options": (lambda v: v is not None, "web search is not supported"),
+    # vLLM's
+    "use_beam_search": (lambda v: bool(v), "beam search is not supported"),
+    "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty is beam search's, which is not supported"),
+    "logits_processors": (lambda v: bool(v), "custom logits processors are not supported"),
+    "vllm_xargs": (lambda v: bool(v), "vllm_xargs (custom extensions) are not supported"),
+    "structural_tag": (lambda v: v is not None, "structural_tag is not supported"),
+    "guided_whitespace_pattern": (lambda v: v is not None, "guided_whitespace_pattern is not supported"),
+    "guided_decoding_backend": (lambda v: v not in (None, "auto", "xgrammar"),
+                                "guided_decoding_backends other than xgrammar (auto) are not supported"),
+    "mm_processor_kwargs": (lambda v: v is not None, "multimodal inputs are not supported"),
+    "kv_transfer_params": (lambda v: v is not None, "kv_transfer_params (vLLM's external prefill/decode hand-off) is "
+                                                     "not supported: Baton hands the KV over between its own pools"),
 }
-CHAT_ONLY_UNSUPPORTED = {"echo": (lambda v: bool(v), "echo is not supported")}
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    for name, (refused, why) in (UNSUPPORTED | (CHAT_ONLY_UNSUPPORTED if chat else {})).items():
+    for name, (refused, why) in UNSUPPORTED.items():
         if name in body and refused(body[name]):
             raise OpenAIError(400, why, param=name)
 
@@ -407,6 +432,18 @@ def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None,
                          tools, fmt)
 
 
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text, when the answer has its role (the assistant's, or with
+    add_generation_prompt false the last message's own), so the answer reads as that message continued."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.role != "assistant":
+        return ""
+    c = last.content
+    return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+
+
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     p = req.prompt
     if isinstance(p, str):
@@ -542,6 +579,8 @@ class ResponseBuilder:
         self.completion_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
         self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
+        self.generated: dict[int, int] = {}      # tokens per choice so far (continuous usage stats)
+        self.chat_echo = _chat_echo(req) if chat else ""   # vLLM's chat echo: the message the answer continues
 
     @property
     def object(self) -> str:
@@ -561,6 +600,7 @@ class ResponseBuilder:
             items = self._prompt_items(i) + items if self.want_lp else items
         self.text.setdefault(i, []).append(d.text)
         self.lps.setdefault(i, []).extend(items)
+        self.generated[i] = self.generated.get(i, 0) + len(d.token_ids)
         if d.finished:
             self.finish[i] = "length" if d.finish_reason == "length" else "stop"
             self.prompt_tokens[i] = d.prompt_tokens
@@ -581,12 +621,17 @@ class ResponseBuilder:
         return [self._item(tok, lps[p] if p < len(lps) else None) for p, tok in enumerate(ids)]
 
     def _item(self, tok: int, lp: dict[int, float] | None) -> tuple:
-        """A token as a logprob item: its text, its logprob and the top (text, logprob) pairs (None, None: none)."""
-        text = self.tok.decode([tok])
+        """A token as a logprob item: its text, its logprob and the top (text, logprob) pairs (None, None: none).
+        With return_tokens_as_token_ids (vLLM's) a token's text is "token_id:{id}": every token identifiable, even
+        one whose bytes are not valid UTF-8 alone."""
+        text = self._token(tok)
         if lp is None:
             return text, None, None
         top = sorted(lp.items(), key=lambda kv: -kv[1])
-        return text, lp.get(tok, top[0][1] if top else 0.0), [(self.tok.decode([t]), v) for t, v in top]
+        return text, lp.get(tok, top[0][1] if top else 0.0), [(self._token(t), v) for t, v in top]
+
+    def _token(self, tok: int) -> str:
+        return f"token_id:{tok}" if self.req.return_tokens_as_token_ids else self.tok.decode([tok])
 
     def _prompt_logprobs_body(self, i: int) -> list | None:
         """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id: {logprob, decoded}}."""
@@ -619,6 +664,9 @@ class ResponseBuilder:
     def usage(self) -> dict:
         prompt = sum(v for i, v in self.prompt_tokens.items() if i % self.req.n == 0)   # once per prompt, not per choice
         completion = sum(self.completion_tokens.values())
+        if self.req.stream and len(self.completion_tokens) < self._num_choices():      # so far (continuous stats)
+            prompt = sum(len(p) for p in self.prompts)
+            completion = sum(self.completion_tokens.get(i, g) for i, g in self.generated.items())
         cached = sum(v for i, v in self.cached_tokens.items() if i % self.req.n == 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -629,11 +677,11 @@ class ResponseBuilder:
             text = "".join(self.text[i])
             lp = self._lp_body(self.lps.get(i, []))
             if self.chat:
-                message, finish = {"role": "assistant", "content": text}, self.finish.get(i, "stop")
+                message, finish = {"role": "assistant", "content": self.chat_echo + text}, self.finish.get(i, "stop")
                 if self.tools is not None:
                     content, calls = self.tools.parse(text)
                     if calls:
-                        message = {"role": "assistant", "content": content,
+                        message = {"role": "assistant", "content": self.chat_echo + (content or "") or None,
                                    "tool_calls": [c.as_dict() for c in calls]}
                         finish = "tool_calls" if finish != "length" else finish
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
@@ -652,14 +700,18 @@ class ResponseBuilder:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
         if self.req.include_usage:
-            body["usage"] = usage
+            body["usage"] = usage if usage is not None or not self.req.continuous_usage else self.usage()
         return body
 
     def first_chunks(self) -> list[dict]:
         if not self.chat:
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(self._num_choices())])]
+        out = [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(self._num_choices())])]
+        if self.chat_echo:
+            out.append(self._chunk([{"index": i, "delta": {"content": self.chat_echo}, "logprobs": None,
+                                     "finish_reason": None} for i in range(self._num_choices())]))
+        return out
 
     def _num_choices(self) -> int:
         return self.req.n * (1 if self.chat else len(completion_prompts(self.req)))

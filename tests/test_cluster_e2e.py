@@ -495,6 +495,33 @@ def test_a_salted_prompt_hits_only_the_cache_of_its_own_salt_across_both_pools(c
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"cache_salt": ""})
 
 
+def test_vllms_response_extras_over_the_cluster(client, offline):
+    """request_id names the response; return_tokens_as_token_ids gives the very ids the offline engine samples;
+    chat echo puts the assistant message being continued before its continuation; continuous_usage_stats counts
+    the tokens so far in every chunk."""
+    from engine.llm import chat_token_ids
+    messages = [{"role": "user", "content": "Name the four legs of a relay."}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12))
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12, logprobs=True,
+                                       extra_body={"request_id": "relay-42", "return_tokens_as_token_ids": True})
+    assert r.id == "chatcmpl-relay-42"
+    assert [int(t.token.removeprefix("token_id:")) for t in r.choices[0].logprobs.content] == want.token_ids
+
+    started = [*messages, {"role": "assistant", "content": "The first leg"}]
+    ids = chat_token_ids(offline.tokenizer, started, add_generation_prompt=False, continue_final_message=True)
+    rest = offline.generate([ids], SamplingParams(temperature=0, max_tokens=10))[0].text
+    r = client.chat.completions.create(model=MODEL, messages=started, temperature=0, max_tokens=10, extra_body={
+        "echo": True, "add_generation_prompt": False, "continue_final_message": True})
+    assert r.choices[0].message.content == "The first leg" + rest
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(want.prompt_token_ids) for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == len(want.token_ids) and len(set(counts)) > 2
+
+
 def test_structured_outputs_and_tool_calls_hold_across_the_prefill_decode_hand_off(client):
     """The prefill replica samples the first token under the grammar; the decode replica rebuilds the grammar
     state from the tokens it receives (tests/structured_checks.py)."""

@@ -17,6 +17,12 @@ class Tok:
         return "".join(f"<{i}>" for i in ids)
 
 
+@pytest.fixture(scope="module")
+def smol_tokenizer(smol_path):
+    from engine.loader import load_tokenizer
+    return load_tokenizer(smol_path)
+
+
 def _chat(**kw):
     return oa.parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}, chat=True)
 
@@ -85,9 +91,14 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat
 
 @pytest.mark.parametrize("chat, extra, param", [
     (True, {"chat_template": "{{ messages }}"}, "chat_template"),
-    (True, {"echo": True}, "echo"),
     (True, {"modalities": ["text", "audio"]}, "modalities"), (True, {"audio": {"voice": "alloy"}}, "audio"),
     (True, {"web_search_options": {}}, "web_search_options"),
+    (True, {"use_beam_search": True}, "use_beam_search"), (False, {"length_penalty": 0.8}, "length_penalty"),
+    (False, {"logits_processors": ["my.Processor"]}, "logits_processors"), (True, {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+    (True, {"structural_tag": "{}"}, "structural_tag"), (False, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    (True, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    (True, {"mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+    (False, {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
 ])
 def test_vllm_and_openai_fields_baton_does_not_serve_are_refused_by_name(chat, extra, param):
     base = {"model": "m", **({"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"})}
@@ -95,8 +106,11 @@ def test_vllm_and_openai_fields_baton_does_not_serve_are_refused_by_name(chat, e
         oa.parse_request({**base, **extra}, chat=chat)
     assert e.value.status == 400 and e.value.param == param and "not supported" in e.value.message
     defaults = {"modalities": ["text"], "add_generation_prompt": True, "echo": False,
-                "continue_final_message": False, "chat_template_kwargs": {}}
-    oa.parse_request({**base, **{k: v for k, v in defaults.items() if chat or k != "echo"}}, chat=chat)
+                "continue_final_message": False, "chat_template_kwargs": {}, "use_beam_search": False,
+                "length_penalty": 1.0, "logits_processors": [], "vllm_xargs": {}, "guided_decoding_backend": "xgrammar",
+                "spaces_between_special_tokens": True, "include_reasoning": True, "parallel_tool_calls": False}
+    oa.parse_request({**base, **{k: v for k, v in defaults.items() if chat or k not in (
+        "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "parallel_tool_calls")}}, chat=chat)
 
 
 def test_vllms_stop_special_token_and_token_rule_extras_reach_the_engine():
@@ -178,6 +192,70 @@ def test_bodies_and_chunks_parse_as_the_official_types():
     comp = Completion.model_validate(cb.final())
     assert comp.choices[0].text == "Hello" and comp.choices[0].logprobs.token_logprobs == [-0.1, -0.3]
     assert comp.usage.completion_tokens == 2
+
+
+def test_vllms_response_extras_token_ids_as_text_chat_echo_request_id_and_continuous_usage():
+    """return_tokens_as_token_ids writes each logprob token (and each top one) as "token_id:{id}"; chat echo puts
+    the message the answer continues before it (the last message when it is the assistant's, or any last message
+    with add_generation_prompt false), streamed as the first content; continuous_usage_stats puts the usage so far
+    in every chunk."""
+    req = _chat(logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok())
+    for d in _deltas():
+        b.add(0, d)
+    lp = ChatCompletion.model_validate(b.final()).choices[0].logprobs.content
+    assert [t.token for t in lp] == ["token_id:5", "token_id:6"]
+    assert [t.token for t in lp[0].top_logprobs] == ["token_id:5", "token_id:6"]
+    creq = oa.parse_request({"model": "m", "prompt": "x", "logprobs": 1, "return_tokens_as_token_ids": True}, chat=False)
+    cb = oa.ResponseBuilder("cmpl-1", 1, "m", False, creq, Tok())
+    for d in _deltas():
+        cb.add(0, d)
+    assert Completion.model_validate(cb.final()).choices[0].logprobs.tokens == ["token_id:5", "token_id:6"]
+
+    said = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "One, two,"}]
+    for extra, echoed in [({"continue_final_message": True, "add_generation_prompt": False}, "One, two,"),
+                          ({}, "One, two,"), ({"messages": said[:1], "add_generation_prompt": False}, "Count:"),
+                          ({"messages": said[:1]}, ""), ({"echo": False}, "")]:
+        body = {"model": "m", "messages": said, "echo": True, **extra}
+        b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, oa.parse_request(body, chat=True), Tok())
+        for d in _deltas():
+            b.add(0, d)
+        assert b.final()["choices"][0]["message"]["content"] == echoed + "Hello", extra
+        sb = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, oa.parse_request({**body, "stream": True}, chat=True), Tok())
+        chunks = sb.first_chunks() + [c for d in _deltas() for c in sb.chunks(0, d)]
+        streamed = [ChatCompletionChunk.model_validate(c).choices[0].delta.content or "" for c in chunks]
+        assert "".join(streamed) == echoed + "Hello" and (not echoed or streamed[1] == echoed)
+
+    req = _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok(), prompts=[[1] * 7])
+    chunks = [c for d in _deltas() for c in b.chunks(0, d)] + [b.usage_chunk()]
+    usage = [ChatCompletionChunk.model_validate(c).usage for c in chunks]
+    assert [(u.prompt_tokens, u.completion_tokens) for u in usage] == [(7, 1), (7, 2), (7, 2)]
+    plain = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(stream=True, stream_options={"include_usage": True}),
+                               Tok(), prompts=[[1] * 7])
+    assert [c["usage"] for d in _deltas() for c in plain.chunks(0, d)] == [None, None]
+
+
+def test_chat_templates_take_documents_reasoning_effort_and_the_tokenizers_special_tokens(smol_tokenizer):
+    """vLLM's documents (for a RAG template), reasoning_effort (a template variable, as vLLM hands it), and
+    add_special_tokens (chat: the tokenizer's BOS on top of the template; completions: false leaves it out)."""
+    import copy
+    from tokenizers.processors import TemplateProcessing
+    from engine.llm import chat_token_ids
+    tok = copy.deepcopy(smol_tokenizer)
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                              special_tokens=[("<|endoftext|>", bos)])
+    tok.chat_template = ("{% for d in documents or [] %}[{{ d.title }}]{% endfor %}{{ reasoning_effort or '-' }}"
+                         "{% for m in messages %}{{ m.content }}{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = chat_token_ids(tok, msgs, add_generation_prompt=False)
+    assert tok.decode(plain) == "-hi" and plain[0] != bos
+    assert chat_token_ids(tok, msgs, add_generation_prompt=False, add_special_tokens=True) == [bos] + plain
+    docs = chat_token_ids(tok, msgs, add_generation_prompt=False, documents=[{"title": "Relay", "text": "..."}],
+                          template_kwargs={"reasoning_effort": "low"})
+    assert tok.decode(docs) == "[Relay]lowhi"
+    assert tok.encode("hi")[0] == bos and tok.encode("hi", add_special_tokens=False)[0] != bos
 
 
 def test_api_keys_from_the_environment(monkeypatch):
