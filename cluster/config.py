@@ -43,7 +43,7 @@ from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
 from replica.names import INGRESS, POOLS
 from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
-                           MigrationConfig, RouterConfig, ToolsConfig)
+                           MigrationConfig, ReasoningConfig, RouterConfig, ToolsConfig)
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
 # EngineConfig fields the cluster sets itself: a TP replica's workers are Ray actors in its placement group
@@ -361,6 +361,8 @@ class ClusterConfig(_Schema):
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits at the ingress")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tool calling on chat completions")
+    reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig, description="Reasoning models' thinking "
+                                                                                    "on chat completions")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission control (429 "
                                                                                      "beyond capacity) at the "
                                                                                      "ingress")

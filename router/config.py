@@ -78,6 +78,15 @@ class ToolsConfig(_Section):
         "llama3_json for a chat template in Llama 3's JSON tool format, else hermes")
 
 
+class ReasoningConfig(_Section):
+    """Reasoning models' thinking on chat completions (router/reasoning.py), as vLLM's --reasoning-parser."""
+    parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
+        "none", description="How a chat answer's thinking (between <think> and </think>) is split out into "
+        "`reasoning_content`: deepseek_r1 (DeepSeek-R1 and its distills: everything before </think>), qwen3 (Qwen3, "
+        "QwQ: only between both tags); none keeps it in the content. Structured output and forced tool calls are "
+        "refused under a parser: their grammar would constrain the thinking too")
+
+
 class AdmissionConfig(_Section):
     """Admission control at the ingress (router/admission.py): beyond capacity a request is answered 429 with
     Retry-After at once instead of joining a queue that would miss its deadline anyway."""

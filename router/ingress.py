@@ -31,7 +31,7 @@ from router import openai_protocol as oa
 from router.cluster_state import merge_expositions
 from router.admission import Admission
 from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
-                           MigrationConfig, RouterConfig, ToolsConfig)
+                           MigrationConfig, ReasoningConfig, RouterConfig, ToolsConfig)
 from router.orchestrator import Orchestrator, as_openai_error
 from router.tools import tool_format
 
@@ -101,7 +101,8 @@ class Ingress:
     def __init__(self, prefill, decode, state, *, state_actor: str, num_replicas: int, limits: LimitsConfig,
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
                  router: RouterConfig, migration: MigrationConfig = MigrationConfig(),
-                 tools: ToolsConfig = ToolsConfig(), lora: LoRAConfig = LoRAConfig(), stream_channels: bool = True):
+                 tools: ToolsConfig = ToolsConfig(), reasoning: ReasoningConfig = ReasoningConfig(),
+                 lora: LoRAConfig = LoRAConfig(), stream_channels: bool = True):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; stream_channels: the decode section's; the rest are the cluster
@@ -109,6 +110,7 @@ class Ingress:
         self.stream_channels = stream_channels
         self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
         self.migration, self.tools_config, self.lora_config = migration, tools, lora
+        self.reasoning = reasoning.parser
         self._loras: dict[str, LoRARequest] = {}     # the registry's copy: adapter name -> request
         self._loras_read = 0.0
         self._lora_refused: set[str] = set()    # configured adapters that failed their check: not retried
@@ -362,7 +364,7 @@ class Ingress:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
         created, model = int(time.time()), self.served_name if lora is None else lora.lora_name
-        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools, prompts)
+        builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools, prompts, self.reasoning)
         if req.stream:
             body = self._stream(orchestrator, jobs, builder, ticket)
             ticket.release_with(body)
@@ -385,6 +387,9 @@ class Ingress:
             spec, param = forced, "tools"
         if spec is None:
             return None
+        if isinstance(req, oa.ChatCompletionRequest) and self.reasoning != "none":
+            raise oa.OpenAIError(400, f"structured output ({param}) is not supported with the reasoning parser "
+                                      f"{self.reasoning}: its grammar would constrain the thinking too", param=param)
         if self._grammars is None:
             from engine.structured import GrammarCompiler
             eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []

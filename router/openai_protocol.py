@@ -25,6 +25,7 @@ from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutput
 from router.config import LimitsConfig
+from router.reasoning import Stream as ReasoningStream, split as split_reasoning
 from router.tools import ToolError, ToolFormat, ToolPlan, plan as _tool_plan, render as _render_tools
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: the chat template's own variables
     documents: list[dict[str, Any]] | None = None         # vLLM's: retrieved documents, for a template that takes them
     reasoning_effort: Literal["low", "medium", "high"] | None = None   # OpenAI's: a template variable, as vLLM
+    include_reasoning: bool = True                        # vLLM's: false leaves reasoning_content out
     add_special_tokens: bool = False                      # vLLM's: the tokenizer's own (BOS) on top of the template
     echo: bool = False                                    # vLLM's: the last message's content before the answer,
                                                           # when it is the answer's role (continuing it)
@@ -562,8 +564,9 @@ class ResponseBuilder:
     """Collects one request's choices from the orchestrator's token deltas; emits OpenAI bodies or chunks."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, req, tokenizer, tools: ToolPlan | None = None,
-                 prompts: list[list[int]] | None = None):
-        """`prompts`: each prompt's token ids (choice i answers prompt i // n), for echo and prompt logprobs."""
+                 prompts: list[list[int]] | None = None, reasoning: str = "none"):
+        """`prompts`: each prompt's token ids (choice i answers prompt i // n), for echo and prompt logprobs;
+        `reasoning`: the reasoning parser (router/reasoning.py) that splits a chat answer's thinking out."""
         self.id, self.created, self.model, self.chat, self.req, self.tok = rid, created, model, chat, req, tokenizer
         self.prompts = prompts or []
         self.echo = not chat and req.echo
@@ -581,6 +584,8 @@ class ResponseBuilder:
         self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         self.generated: dict[int, int] = {}      # tokens per choice so far (continuous usage stats)
         self.chat_echo = _chat_echo(req) if chat else ""   # vLLM's chat echo: the message the answer continues
+        self.reasoning = reasoning if chat else "none"
+        self.streams: dict[int, ReasoningStream] = {}   # reasoning, streaming: each choice's split so far
 
     @property
     def object(self) -> str:
@@ -677,12 +682,17 @@ class ResponseBuilder:
             text = "".join(self.text[i])
             lp = self._lp_body(self.lps.get(i, []))
             if self.chat:
-                message, finish = {"role": "assistant", "content": self.chat_echo + text}, self.finish.get(i, "stop")
-                if self.tools is not None:
+                thought, text = split_reasoning(self.reasoning, text)
+                finish = self.finish.get(i, "stop")
+                message = {"role": "assistant",
+                           "content": self.chat_echo + (text or "") if text is not None or self.chat_echo else None}
+                if thought is not None and self.req.include_reasoning:
+                    message["reasoning_content"] = thought
+                if self.tools is not None and text is not None:
                     content, calls = self.tools.parse(text)
                     if calls:
-                        message = {"role": "assistant", "content": self.chat_echo + (content or "") or None,
-                                   "tool_calls": [c.as_dict() for c in calls]}
+                        message.update(content=self.chat_echo + (content or "") or None,
+                                       tool_calls=[c.as_dict() for c in calls])
                         finish = "tool_calls" if finish != "length" else finish
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
@@ -719,6 +729,8 @@ class ResponseBuilder:
     def chunks(self, i: int, d: TokenDelta) -> list[dict]:
         before = len(self.text.get(i, []))
         items = self.add(i, d)
+        if self.reasoning != "none":
+            return self._reasoning_chunks(i, d, items)
         if self.tools is not None:
             return self._tool_chunks(i, d, items)
         lp = self._lp_body(items)
@@ -733,11 +745,28 @@ class ResponseBuilder:
             choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
         return [self._chunk([choice])]
 
-    def _tool_chunks(self, i: int, d: TokenDelta, items: list) -> list[dict]:
+    def _reasoning_chunks(self, i: int, d: TokenDelta, items: list) -> list[dict]:
+        """A chat choice under a reasoning parser: its thinking streams as `reasoning_content` deltas, then the
+        answer as content (through the tool-call logic under tools: it reads the answer alone)."""
+        stream = self.streams.setdefault(i, ReasoningStream(self.reasoning))
+        thought, content = stream.step("".join(self.text[i]), d.finished)
+        thought = thought if self.req.include_reasoning else ""
+        if self.tools is not None:
+            lead = [self._chunk([{"index": i, "delta": {"reasoning_content": thought}, "logprobs": None,
+                                  "finish_reason": None}])] if thought else []
+            return lead + self._tool_chunks(i, d, items, stream.content)
+        finish = self.finish.get(i) if d.finished else None
+        if not thought and not content and finish is None and not items:
+            return []
+        delta = {**({"reasoning_content": thought} if thought else {}), **({"content": content} if content else {})}
+        return [self._chunk([{"index": i, "delta": delta, "logprobs": self._lp_body(items), "finish_reason": finish}])]
+
+    def _tool_chunks(self, i: int, d: TokenDelta, items: list, text: str | None = None) -> list[dict]:
         """A chat choice under tools: a named call streams its arguments as they come; under auto, content
         streams up to what may open a tool call; the calls themselves go out once the choice ends, as
-        OpenAI's deltas (id, type and name, then the arguments)."""
-        t, text = self.tools, "".join(self.text[i])
+        OpenAI's deltas (id, type and name, then the arguments). `text`: the answer so far (default: all the
+        choice's text; under a reasoning parser, what follows the thinking)."""
+        t, text = self.tools, "".join(self.text[i]) if text is None else text
         self.held.setdefault(i, []).extend(items)
         finish = self.finish.get(i) if d.finished else None
         out = []

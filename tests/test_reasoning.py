@@ -1,0 +1,115 @@
+"""Reasoning parsers (router/reasoning.py), as vLLM's: a chat answer's thinking comes out as `reasoning_content`,
+the rest as `content`, whole or streamed (a tag split across deltas is held back, never sent as text), with tool
+calls read from the answer alone, and `include_reasoning: false` leaving the thinking out."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from replica.messages import TokenDelta
+from router import openai_protocol as oa
+from router.reasoning import Stream, split
+from router.tools import ToolFormat
+
+
+class Tok:
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+
+@pytest.mark.parametrize("parser, text, want", [
+    ("deepseek_r1", "<think>Plan it.</think>The answer.", ("Plan it.", "The answer.")),
+    ("deepseek_r1", "Plan it.</think>The answer.", ("Plan it.", "The answer.")),      # <think> was in the prompt
+    ("deepseek_r1", "Still thinking", ("Still thinking", None)),                       # no </think>: all thinking
+    ("deepseek_r1", "Done.</think>", ("Done.", None)),
+    ("qwen3", "<think>\nPlan it.\n</think>\n\nThe answer.", ("\nPlan it.\n", "\n\nThe answer.")),
+    ("qwen3", "The answer, no thinking.", (None, "The answer, no thinking.")),        # thinking off
+    ("qwen3", "<think>cut short", (None, "<think>cut short")),                         # no </think>: content
+    ("none", "<think>a</think>b", (None, "<think>a</think>b")),
+])
+def test_a_whole_answer_splits_as_vllms_parsers_split_it(parser, text, want):
+    assert split(parser, text) == want
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("deepseek_r1", "<think>Plan: add 2 and 2.</think>The answer is 4."),
+    ("deepseek_r1", "Plan: add 2 and 2.</think>The answer is 4."),
+    ("deepseek_r1", "Thinking < and > and </thought> but never closing"),
+    ("qwen3", "<think>\nPlan: add 2 and 2.\n</think>\n\nThe answer is 4."),
+    ("qwen3", "No thinking, just < and </ and the answer."),
+])
+def test_a_stream_labels_each_piece_once_and_adds_up_to_the_whole_split(parser, text):
+    """Cut anywhere, even inside a tag: no tag or part of one is ever sent, and the pieces add up to the split."""
+    rng = random.Random(7)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 8)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        s, thought, content, seen = Stream(parser), "", "", ""
+        for k, p in enumerate(pieces):
+            seen += p
+            r, c = s.step(seen, k == len(pieces) - 1)
+            assert "<think" not in r + c and "</think" not in r + c or parser == "deepseek_r1" and "<think>" not in text
+            thought, content = thought + r, content + c
+        want_r, want_c = split(parser, text)
+        assert (thought, content) == (want_r or "", want_c or ""), pieces
+
+
+def _deltas(*texts: str, prompt: int = 5) -> list[TokenDelta]:
+    out = [TokenDelta([i], t, False, replica="d0" if i == 0 else None) for i, t in enumerate(texts[:-1])]
+    return out + [TokenDelta([len(texts) - 1], texts[-1], True, finish_reason="stop", prompt_tokens=prompt,
+                             completion_tokens=len(texts))]
+
+
+def _chat(**kw):
+    return oa.parse_request({"model": "m", "messages": [{"role": "user", "content": "2+2?"}], **kw}, chat=True)
+
+
+def test_the_response_carries_the_thinking_apart_whole_or_streamed():
+    parts = ("<think>Add", " them.</th", "ink>It is", " 4.")
+    b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(), Tok(), reasoning="deepseek_r1")
+    for d in _deltas(*parts):
+        b.add(0, d)
+    msg = ChatCompletion.model_validate(b.final()).choices[0].message
+    assert msg.content == "It is 4." and msg.model_extra["reasoning_content"] == "Add them."
+
+    s = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(stream=True), Tok(), reasoning="deepseek_r1")
+    chunks = [ChatCompletionChunk.model_validate(c) for d in _deltas(*parts) for c in s.chunks(0, d)]
+    thought = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (thought, content) == ("Add them.", "It is 4.") and chunks[-1].choices[0].finish_reason == "stop"
+    assert not any(c.choices[0].delta.content and c.choices[0].delta.model_extra.get("reasoning_content")
+                   for c in chunks if c.choices[0].delta.model_extra)     # each piece labelled once
+
+    hidden = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(include_reasoning=False), Tok(), reasoning="qwen3")
+    for d in _deltas("<think>x", "</think>", "y"):
+        hidden.add(0, d)
+    assert hidden.final()["choices"][0]["message"] == {"role": "assistant", "content": "y"}
+    plain = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(), Tok(), reasoning="deepseek_r1")
+    for d in _deltas("no", " end tag"):
+        plain.add(0, d)
+    assert plain.final()["choices"][0]["message"] == {"role": "assistant", "content": None,
+                                                      "reasoning_content": "no end tag"}
+
+
+def test_tool_calls_are_read_from_the_answer_not_the_thinking():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    req = _chat(tools=tools, tool_choice="auto")
+    plan = oa.tool_plan(req, ToolFormat())
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
+    text = ("<think>I could write ", call.replace("add", "sub"), " but no.</think>", "Calling. ", call)
+    b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok(), plan, reasoning="deepseek_r1")
+    for d in _deltas(*text):
+        b.add(0, d)
+    msg = b.final()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["add"] and "sub" in msg["reasoning_content"]
+
+    s = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(tools=tools, tool_choice="auto", stream=True), Tok(),
+                           oa.tool_plan(_chat(tools=tools, tool_choice="auto", stream=True), ToolFormat()),
+                           reasoning="deepseek_r1")
+    chunks = [ChatCompletionChunk.model_validate(c) for d in _deltas(*text) for c in s.chunks(0, d)]
+    calls = [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.function.name]
+    thought = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks
+                      if c.choices[0].delta.model_extra)
+    assert calls == ["add"] and "sub" in thought and chunks[-1].choices[0].finish_reason == "tool_calls"
