@@ -426,9 +426,11 @@ class Ingress:
         return [ids[-k:] for ids in prompts] if k else prompts
 
     async def _complete(self, orchestrator: Orchestrator, jobs, builder, ticket) -> Response:
+        priority = builder.req.priority
+
         async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:
             try:
-                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=req.priority):
+                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=priority):
                     ticket.progress(i, len(d.token_ids))
                     builder.add(i, d)
             finally:
@@ -442,10 +444,11 @@ class Ingress:
 
     async def _stream(self, orchestrator: Orchestrator, jobs, builder, ticket) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()
+        priority = builder.req.priority
 
         async def one(i: int, ids: list[int], hashes: list[int], params, lora) -> None:
             try:
-                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=req.priority):
+                async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=priority):
                     ticket.progress(i, len(d.token_ids))
                     await queue.put((i, d))
             except Exception as e:                  # noqa: BLE001
