@@ -62,10 +62,13 @@ class _RowGroup:
     keep: torch.Tensor | None = None
 
 
+def _temperatures(params: list[SamplingParams], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Each row's temperature (1 for greedy rows: their filters are taken at the logits as they are)."""
+    return torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=dtype, device=device)
+
+
 def _scale(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         dtype=logits.dtype, device=logits.device)
-    return logits / temps.unsqueeze(1)
+    return logits / _temperatures(params, logits.dtype, logits.device).unsqueeze(1)
 
 
 def _top_k(p: SamplingParams, vocab: int) -> int:
@@ -88,7 +91,7 @@ def _native_rows(kernels, logits: torch.Tensor, params: list[SamplingParams], u:
                  dense: bool) -> list[torch.Tensor]:
     """sample_rows over raw (unscaled) logits: (tokens if u, dense weights and keep mask if dense)."""
     vocab = logits.shape[1]
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=torch.float32)
+    temps = _temperatures(params, torch.float32, logits.device)
     ks = torch.tensor([_top_k(p, vocab) for p in params], dtype=torch.int64)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64)

@@ -427,9 +427,7 @@ def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None,
                   fmt: ToolFormat = ToolFormat()) -> tuple[list[dict[str, Any]], list[dict] | None]:
     """The conversation's turns for the chat template, and the tools to hand the template (None: none, or
     written into the turns): router/tools.py renders them for the model's format."""
-    def text(c) -> str:
-        return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
-    return _render_tools([{"role": "system" if m.role == "developer" else m.role, "content": text(m.content),
+    return _render_tools([{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content),
                            "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in req.messages],
                          tools, fmt)
 
@@ -442,8 +440,12 @@ def _chat_echo(req: ChatCompletionRequest) -> str:
     last = req.messages[-1]
     if req.add_generation_prompt and last.role != "assistant":
         return ""
-    c = last.content
-    return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+    return _text(last.content)
+
+
+def _text(content: str | list[ContentPart] | None) -> str:
+    """A message's content as text (its parts joined)."""
+    return "" if content is None else content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
