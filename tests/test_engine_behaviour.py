@@ -362,14 +362,17 @@ def test_async_engine_survives_a_failing_step(smol_path):
             raise RuntimeError("injected fault")
         return real_execute(scheduled)
 
-    async def collect(prompt):
+    async def collect(prompt, max_tokens=12):
         outs = []
-        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)):
+        async for out in llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)):
             outs.append(out)
         return outs
 
     async def main():
-        return await asyncio.gather(collect("First request"), collect("Second request"), return_exceptions=True)
+        # long enough that the first cannot finish before the second joins it, however loaded the machine (at 12
+        # tokens the first once finished alone under the full suite, and no step ran both); the fault ends both
+        return await asyncio.gather(collect("First request", 512 - 8), collect("Second request", 512 - 8),
+                                    return_exceptions=True)
 
     try:
         runner.execute = flaky
