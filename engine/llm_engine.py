@@ -224,7 +224,7 @@ class LLMEngine:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                     params.include_stop_str_in_output)
         if params.structured is not None:
-            seq.guide = self.grammars().matcher(params.structured)
+            seq.guide = self.grammars().matcher(params.structured, seq.token_ids)
         if resume is not None:
             self._replay(seq, resume)
         prefix = remote is not None and remote.num_tokens is not None

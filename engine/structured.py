@@ -12,6 +12,12 @@ output has the distribution of constrained decoding without speculation.
 
 Compilation is bounded: a spec over `max_bytes` is refused, and one whose compilation outlasts `timeout_s`
 is refused while the compile finishes in the background (a pathological schema cannot stall a replica).
+
+A reasoning model thinks before it answers (router/reasoning.py). With `after_thinking` the grammar constrains the
+answer only: the thinking goes free until the sequence's </think>, as vLLM runs structured outputs under a
+reasoning parser. The gate opens on the </think> token; a prompt whose last <think> is already closed (Qwen3's
+template with thinking turned off writes `<think>\n\n</think>`) has it open from the first token. Like vLLM's
+parsers it needs both tags as single tokens of the tokenizer, and refuses a tokenizer that splits them.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import torch
 from engine.errors import InvalidRequestError
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+THINK_START, THINK_END = "<think>", "</think>"   # a reasoning model's thinking (router/reasoning.py splits it out)
 MAX_GRAMMAR_BYTES = 64 << 10           # defaults of EngineConfig and of the cluster's limits section
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
@@ -35,12 +42,14 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 @dataclass(slots=True)
 class StructuredOutput:
     """One of: json (a JSON schema, as a mapping or its text), json_object (any JSON object), regex,
-    choice (the output is one of these strings), grammar (EBNF, xgrammar's GBNF dialect)."""
+    choice (the output is one of these strings), grammar (EBNF, xgrammar's GBNF dialect). `after_thinking`: the
+    grammar waits for the model's </think> (a reasoning model's answer follows its thinking)."""
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    after_thinking: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,8 +61,9 @@ class StructuredOutput:
                                       f"{', '.join(set_) or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise InvalidRequestError("a JSON schema must be an object (or its text)")
-        if self.json_object is not False and self.json_object is not True:
-            raise InvalidRequestError("json_object must be true or false")
+        for name in ("json_object", "after_thinking"):
+            if getattr(self, name) is not False and getattr(self, name) is not True:
+                raise InvalidRequestError(f"{name} must be true or false")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -88,6 +98,7 @@ class GrammarCompiler:
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.think = think_ids(tokenizer)
         self.vocab_size, self.max_bytes, self.timeout_s, self.capacity = vocab_size, max_bytes, timeout_s, capacity
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._pending: dict[str, concurrent.futures.Future] = {}
@@ -96,7 +107,12 @@ class GrammarCompiler:
         self.num_compiled = 0
 
     def compile(self, spec: StructuredOutput):
-        """The spec's compiled grammar; InvalidRequestError if it is too large, malformed or too slow."""
+        """The spec's compiled grammar; InvalidRequestError if it is too large, malformed or too slow, or waits for
+        a thinking this tokenizer cannot mark."""
+        if spec.after_thinking and self.think is None:
+            raise InvalidRequestError(f"structured output after the thinking needs {THINK_START} and {THINK_END} as "
+                                      f"single tokens of the tokenizer, as vLLM's reasoning parsers do; this model's "
+                                      f"tokenizer splits them")
         src = spec.source()
         if len(src.encode()) > self.max_bytes:
             raise InvalidRequestError(f"the {spec.kind} spec is {len(src.encode())} bytes, over the limit of "
@@ -144,33 +160,69 @@ class GrammarCompiler:
                           msg[0] if msg else type(e).__name__)
             raise InvalidRequestError(f"invalid {spec.kind} for structured output: {detail[:300]}") from None
 
-    def matcher(self, spec: StructuredOutput) -> "Guide":
-        return Guide(self._xgr.GrammarMatcher(self.compile(spec)))
+    def matcher(self, spec: StructuredOutput, prompt: list[int] = ()) -> "Guide":
+        """A sequence's guide; under `after_thinking` gated on </think>, open already if `prompt` closed its last
+        <think>."""
+        m = self._xgr.GrammarMatcher(self.compile(spec))
+        if not spec.after_thinking:
+            return Guide(m)
+        start, end = self.think
+        last = {t: i for i, t in enumerate(prompt) if t in (start, end)}
+        return Guide(m, end, opened=last.get(end, -1) > last.get(start, -1))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class Guide:
-    """One sequence's position in its grammar."""
+def think_ids(tokenizer) -> tuple[int, int] | None:
+    """The token ids of <think> and </think>, or None unless the tokenizer has each as one token."""
+    ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
-    def __init__(self, matcher):
-        self._m = matcher
+
+class Guide:
+    """One sequence's position in its grammar. With a gate (`end`, the </think> token id) the grammar waits:
+    until the gate opens every token is allowed and none reaches the grammar; the token `end` opens it."""
+
+    def __init__(self, matcher, end: int | None = None, opened: bool = True):
+        self._m, self._end = matcher, end
+        self._count = 0                                   # tokens accepted
+        self._opened_at = 0 if end is None or opened else None   # tokens accepted when the gate opened
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (state unchanged) if the grammar forbids it."""
-        return bool(self._m.accept_token(token))
+        if self._opened_at is None:
+            self._count += 1
+            if token == self._end:
+                self._opened_at = self._count
+            return True
+        if not self._m.accept_token(token):
+            return False
+        self._count += 1
+        return True
 
     @property
     def terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return self._opened_at is not None and bool(self._m.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
+        if self._opened_at is None:
+            bitmask[row] = -1                             # the thinking: every bit set, every token allowed
+        else:
+            self._m.fill_next_token_bitmask(bitmask, row)
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._m.rollback(num_tokens)
+        """Undo the last `num_tokens` accepted (the gate closes again if its </think> is among them)."""
+        if not num_tokens:
+            return
+        count = self._count - num_tokens
+        if self._opened_at is not None:
+            grammar = self._count - max(self._opened_at, count)
+            if grammar:
+                self._m.rollback(grammar)
+            if count < self._opened_at:
+                self._opened_at = None
+        self._count = count
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (drafts) the grammar accepts in a row from here; the state is left as it was."""

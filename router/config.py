@@ -83,8 +83,9 @@ class ReasoningConfig(_Section):
     parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
         "none", description="How a chat answer's thinking (between <think> and </think>) is split out into "
         "`reasoning_content`: deepseek_r1 (DeepSeek-R1 and its distills: everything before </think>), qwen3 (Qwen3, "
-        "QwQ: only between both tags); none keeps it in the content. Structured output and forced tool calls are "
-        "refused under a parser: their grammar would constrain the thinking too")
+        "QwQ: only between both tags); none keeps it in the content. Under a parser, structured output and forced "
+        "tool calls shape the answer alone: their grammar starts after the </think> token (or from the first token "
+        "when the prompt closed its thinking), which the tokenizer must have as one token, as vLLM's parsers do")
 
 
 class AdmissionConfig(_Section):

@@ -10,6 +10,7 @@ router/openai_protocol.py, tokenized once here (chat template), and run by route
 """
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -388,8 +389,7 @@ class Ingress:
         if spec is None:
             return None
         if isinstance(req, oa.ChatCompletionRequest) and self.reasoning != "none":
-            raise oa.OpenAIError(400, f"structured output ({param}) is not supported with the reasoning parser "
-                                      f"{self.reasoning}: its grammar would constrain the thinking too", param=param)
+            spec = dataclasses.replace(spec, after_thinking=True)     # the grammar shapes the answer, not the thinking
         if self._grammars is None:
             from engine.structured import GrammarCompiler
             eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []

@@ -776,14 +776,16 @@ class ResponseBuilder:
         def chunk(delta: dict, reason: str | None = None) -> dict:
             lp, self.held[i] = self._lp_body(self.held[i]), []
             return self._chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}])
-        if t.mode == "named":
-            if i not in self.streamed:
+        if t.mode == "named":                           # the call opens with its answer (after any thinking)
+            if i not in self.streamed and (text or finish is not None):
                 self.streamed[i] = 0
                 call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
                         "function": {"name": t.name, "arguments": ""}}
                 out.append(chunk({"tool_calls": [call]}))
-            if d.text:
-                out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.text}}]}))
+            sent = self.streamed.get(i, 0)
+            if len(text) > sent:
+                out.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": text[sent:]}}]}))
+                self.streamed[i] = len(text)
             if finish is not None:
                 out.append(chunk({}, "tool_calls" if finish != "length" else finish))
             return out

@@ -10,10 +10,14 @@ thinking as `reasoning_content` (vLLM's field; the openai SDK exposes it as mess
   Qwen3 with thinking turned off).
 
 A stream labels each piece once, as it comes (`Stream`): a tag split across deltas is held back until it is whole.
+
+Structured output (and a forced tool call) under a parser shapes the answer alone: the engine's grammar waits for the
+</think> token (`after_thinking` in engine/structured.py).
 """
 from __future__ import annotations
 
-START, END = "<think>", "</think>"
+from engine.structured import THINK_END as END, THINK_START as START
+
 PARSERS = ("none", "deepseek_r1", "qwen3")
 
 

@@ -118,6 +118,36 @@ def hf_smol(smol_path):
     return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
 
 
+def thinking_model(directory: Path, smol_path: str) -> str:
+    """SmolLM2 as a reasoning model's tokenizer has it: its two unused special tokens 15 and 16 (<jupyter_script>,
+    <empty_output>) renamed <think> and </think>, plain added tokens (not special: their text stays in the output,
+    where the reasoning parsers read it), as Qwen3's and DeepSeek-R1's tokenizers have them. The weights and the
+    other files are SmolLM2's own (symlinked): the model's text is SmolLM2's, and a logit_bias on 16 makes it
+    close its thinking."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = {15: "<think>", 16: "</think>"}
+    for f in Path(smol_path).iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json"):
+            (directory / f.name).symlink_to(f)
+    tok = json.loads((Path(smol_path) / "tokenizer.json").read_text())
+    for t in tok["added_tokens"]:
+        if t["id"] in names:
+            t.update(content=names[t["id"]], special=False)
+    for word, i in list(tok["model"]["vocab"].items()):
+        if i in names:
+            del tok["model"]["vocab"][word]
+            tok["model"]["vocab"][names[i]] = i
+    (directory / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((Path(smol_path) / "tokenizer_config.json").read_text())
+    for i, t in cfg.get("added_tokens_decoder", {}).items():
+        if int(i) in names:
+            t.update(content=names[int(i)], special=False)
+    cfg["additional_special_tokens"] = [t for t in cfg.get("additional_special_tokens", [])
+                                        if t not in ("<jupyter_script>", "<empty_output>")]
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return str(directory)
+
+
 # Tests of what structured outputs produce, engines and clusters alike, are not about the compile timeout (its
 # refusal has its own test in tests/test_structured_output.py, with its own timeout): a cold compile of a JSON
 # schema over SmolLM2's vocabulary took over the default 10 s on a slowed machine (14 s) and at idle priority

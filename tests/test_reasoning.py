@@ -113,3 +113,35 @@ def test_tool_calls_are_read_from_the_answer_not_the_thinking():
     thought = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks
                       if c.choices[0].delta.model_extra)
     assert calls == ["add"] and "sub" in thought and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_tool_call_follows_the_thinking(choice):
+    """Under a parser a forced call's grammar waits for </think> (the engine's after_thinking): the thinking streams
+    as reasoning_content, and the call (its arguments streamed as they come, for a named one) is the answer alone."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    tool_choice = {"type": "function", "function": {"name": "add"}} if choice == "named" else "required"
+    args = '{"a": 2, "b": 2}'
+    answer = args if choice == "named" else f'[{{"name": "add", "arguments": {args}}}]'
+    text = ("<think>Two", " and two.</th", "ink>", answer[:7], answer[7:])
+    for stream in (False, True):
+        req = _chat(tools=tools, tool_choice=tool_choice, stream=stream)
+        b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok(), oa.tool_plan(req, ToolFormat()),
+                               reasoning="deepseek_r1")
+        if not stream:
+            for d in _deltas(*text):
+                b.add(0, d)
+            msg = ChatCompletion.model_validate(b.final()).choices[0].message
+            assert msg.model_extra["reasoning_content"] == "Two and two." and not msg.content
+            assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("add", args)]
+            continue
+        chunks = [ChatCompletionChunk.model_validate(c) for d in _deltas(*text) for c in b.chunks(0, d)]
+        deltas = [c.choices[0].delta for c in chunks]
+        thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        calls = [t for d in deltas for t in d.tool_calls or []]
+        first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+        assert thought == "Two and two." and not any((d.model_extra or {}).get("reasoning_content")
+                                                     for d in deltas[first_call:])
+        assert [t.function.name for t in calls if t.function.name] == ["add"]
+        assert "".join(t.function.arguments or "" for t in calls) == args
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and not any(d.content for d in deltas)
