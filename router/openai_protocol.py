@@ -586,6 +586,9 @@ class ResponseBuilder:
         self.want_lp = bool(req.logprobs) if chat else req.logprobs is not None
         self.generated: dict[int, int] = {}      # tokens per choice so far (continuous usage stats)
         self.chat_echo = _chat_echo(req) if chat else ""   # vLLM's chat echo: the message the answer continues
+        # the answer's role, as vLLM names it: the assistant's, or without the assistant's header (add_generation_prompt
+        # false) the role of the last message, which the answer continues
+        self.role = "assistant" if not chat or req.add_generation_prompt or not req.messages else req.messages[-1].role
         self.reasoning = reasoning if chat else "none"
         self.streams: dict[int, ReasoningStream] = {}   # reasoning, streaming: each choice's split so far
 
@@ -686,7 +689,7 @@ class ResponseBuilder:
             if self.chat:
                 thought, text = split_reasoning(self.reasoning, text)
                 finish = self.finish.get(i, "stop")
-                message = {"role": "assistant",
+                message = {"role": self.role,
                            "content": self.chat_echo + (text or "") if text is not None or self.chat_echo else None}
                 if thought is not None and self.req.include_reasoning:
                     message["reasoning_content"] = thought
@@ -718,7 +721,7 @@ class ResponseBuilder:
     def first_chunks(self) -> list[dict]:
         if not self.chat:
             return []
-        out = [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        out = [self._chunk([{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                              "finish_reason": None} for i in range(self._num_choices())])]
         if self.chat_echo:
             out.append(self._chunk([{"index": i, "delta": {"content": self.chat_echo}, "logprobs": None,

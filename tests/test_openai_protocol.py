@@ -197,7 +197,8 @@ def test_bodies_and_chunks_parse_as_the_official_types():
 def test_vllms_response_extras_token_ids_as_text_chat_echo_request_id_and_continuous_usage():
     """return_tokens_as_token_ids writes each logprob token (and each top one) as "token_id:{id}"; chat echo puts
     the message the answer continues before it (the last message when it is the assistant's, or any last message
-    with add_generation_prompt false), streamed as the first content; continuous_usage_stats puts the usage so far
+    with add_generation_prompt false, whose role the answer then takes, as vLLM names it), streamed as the first
+    content; continuous_usage_stats puts the usage so far
     in every chunk."""
     req = _chat(logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
     b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok())
@@ -213,18 +214,22 @@ def test_vllms_response_extras_token_ids_as_text_chat_echo_request_id_and_contin
     assert Completion.model_validate(cb.final()).choices[0].logprobs.tokens == ["token_id:5", "token_id:6"]
 
     said = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "One, two,"}]
-    for extra, echoed in [({"continue_final_message": True, "add_generation_prompt": False}, "One, two,"),
-                          ({}, "One, two,"), ({"messages": said[:1], "add_generation_prompt": False}, "Count:"),
-                          ({"messages": said[:1]}, ""), ({"echo": False}, "")]:
+    for extra, echoed, role in [
+            ({"continue_final_message": True, "add_generation_prompt": False}, "One, two,", "assistant"),
+            ({}, "One, two,", "assistant"), ({"messages": said[:1], "add_generation_prompt": False}, "Count:", "user"),
+            ({"messages": said[:1]}, "", "assistant"), ({"echo": False}, "", "assistant"),
+            ({"messages": said[:1], "add_generation_prompt": False, "echo": False}, "", "user")]:
         body = {"model": "m", "messages": said, "echo": True, **extra}
         b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, oa.parse_request(body, chat=True), Tok())
         for d in _deltas():
             b.add(0, d)
-        assert b.final()["choices"][0]["message"]["content"] == echoed + "Hello", extra
+        message = b.final()["choices"][0]["message"]
+        assert (message["content"], message["role"]) == (echoed + "Hello", role), extra   # the role continued
         sb = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, oa.parse_request({**body, "stream": True}, chat=True), Tok())
         chunks = sb.first_chunks() + [c for d in _deltas() for c in sb.chunks(0, d)]
         streamed = [ChatCompletionChunk.model_validate(c).choices[0].delta.content or "" for c in chunks]
         assert "".join(streamed) == echoed + "Hello" and (not echoed or streamed[1] == echoed)
+        assert chunks[0]["choices"][0]["delta"]["role"] == role
 
     req = _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok(), prompts=[[1] * 7])
