@@ -28,7 +28,7 @@ from engine.errors import InvalidRequestError
 from engine.llm import chat_token_ids
 from engine.lora import LoRARequest
 from engine.loader import load_tokenizer
-from router import openai_protocol as oa
+from router import openai_protocol as oa, responses as rs
 from router.cluster_state import merge_expositions
 from router.admission import Admission
 from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
@@ -51,7 +51,7 @@ def _openapi() -> dict:
         from fastapi.openapi.utils import get_openapi
         doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (oa.ChatCompletionRequest, oa.CompletionRequest, oa.LoadLoRAAdapterRequest,
+        for model in (oa.ChatCompletionRequest, oa.CompletionRequest, rs.ResponsesRequest, oa.LoadLoRAAdapterRequest,
                       oa.UnloadLoRAAdapterRequest, oa.TokenizeRequest, oa.DetokenizeRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
@@ -339,12 +339,21 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
 
+    @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, chat=True, responses=True)
+
     # -- one request ------------------------------------------------------------------------------
-    async def _serve(self, request: Request, chat: bool) -> Response:
+    async def _serve(self, request: Request, chat: bool, responses: bool = False) -> Response:
+        """A chat or completion request; `responses`: a Responses API request, served as the chat request it
+        translates to (router/responses.py) and shaped back."""
         try:
             self.keys.check(request.headers.get("authorization"))
             body = await _json(request, self.limits.max_body_bytes)
             orchestrator = await self._setup()
+            if responses:
+                rreq = rs.parse(body)
+                body = rs.to_chat(rreq)
             req = oa.parse_request(body, chat, self.limits)
             lora = await self._resolve_model(req.model)
             tools = oa.tool_plan(req, self.tool_format)
@@ -363,9 +372,11 @@ class Ingress:
                                            for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], req.n)
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
+        rid = ("resp_" if responses else "chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
         created, model = int(time.time()), self.served_name if lora is None else lora.lora_name
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools, prompts, self.reasoning)
+        if responses:
+            builder = rs.ResponsesBuilder(builder, rreq, len(hashes[0]) * orchestrator.model["block_size"])
         if req.stream:
             body = self._stream(orchestrator, jobs, builder, ticket)
             ticket.release_with(body)
@@ -459,7 +470,7 @@ class Ingress:
         tasks = [asyncio.create_task(one(i, *job)) for i, job in enumerate(jobs)]
         try:
             for chunk in builder.first_chunks():
-                yield oa.sse(chunk)
+                yield builder.sse(chunk)
             done, failed = 0, False
             while done < len(tasks) and not failed:
                 # every delta that is already here goes out as one body message: under load, one hop through
@@ -468,10 +479,10 @@ class Ingress:
                 while True:
                     i, d = await queue.get() if not events else queue.get_nowait()
                     if isinstance(d, Exception):     # the stream ends with an error event in OpenAI's shape
-                        events.append(oa.sse(as_openai_error(d, builder.id).body()))
+                        events.append(builder.sse_error(as_openai_error(d, builder.id)))
                         failed = True
                         break
-                    events += [oa.sse(chunk) for chunk in builder.chunks(i, d)]
+                    events += [builder.sse(chunk) for chunk in builder.chunks(i, d)]
                     done += d.finished
                     if done == len(tasks) or queue.empty():
                         break
@@ -480,8 +491,8 @@ class Ingress:
             if not failed:
                 usage = builder.usage_chunk()
                 if usage is not None:
-                    yield oa.sse(usage)
-            yield oa.SSE_DONE
+                    yield builder.sse(usage)
+            yield builder.end()
         finally:
             for t in tasks:                 # client gone: cancel every choice; the pools abort and free
                 t.cancel()

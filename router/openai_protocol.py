@@ -814,3 +814,13 @@ class ResponseBuilder:
 
     def usage_chunk(self) -> dict | None:
         return self._chunk([], self.usage()) if self.req.include_usage else None
+
+    # -- the stream's framing (router/responses.py frames its events its own way) -----------------
+    def sse(self, chunk: dict) -> bytes:
+        return sse(chunk)
+
+    def sse_error(self, err: OpenAIError) -> bytes:
+        return sse(err.body())
+
+    def end(self) -> bytes:
+        return SSE_DONE

@@ -4,10 +4,12 @@ batched (decode.stream_interval_ms); a request without a temperature takes the g
 host KV tier: a prompt the KV cache evicted is served from host memory, and the router's index knows where."""
 from __future__ import annotations
 
+import json
 import random
 import time
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
@@ -100,6 +102,53 @@ def test_colocated_structured_outputs_and_tool_calls_validate_and_bad_specs_get_
     check_structured_outputs(client, MODEL, quick=True)      # the whole set runs disaggregated (test_cluster_e2e)
     check_bad_specs_get_400(client, MODEL)
     check_tool_calls(client, MODEL, quick=True)
+
+
+def test_the_responses_api_serves_the_chat_answer_streamed_with_tools_and_schemas(client):
+    """client.responses, as a user of OpenAI's newer API calls it: the output text is the offline engine's chat answer
+    (instructions as the system message) and usage counts it; the streamed events add up to it and end with the
+    whole response; a forced function call goes round (its output items and the result back in as input) to the
+    answer chat completions give for the same conversation; text.format's schema shapes the output; what needs stored
+    state is a 400 naming the field."""
+    coach, ask = "You coach a relay team in one sentence.", "Why practise the baton exchange?"
+    want = LLM(None, **ENGINE).chat([{"role": "system", "content": coach}, {"role": "user", "content": ask}],
+                                    SamplingParams(temperature=0, max_tokens=24))
+    r = client.responses.create(model=MODEL, instructions=coach, input=ask, max_output_tokens=24, temperature=0)
+    assert r.output_text == want.text and r.id.startswith("resp_") and r.store is False
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    assert r.status == ("incomplete" if want.finish_reason == "length" else "completed")
+    events = list(client.responses.create(model=MODEL, instructions=coach, input=ask, max_output_tokens=24,
+                                          temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.text
+    assert events[0].type == "response.created" and events[-1].response.output_text == want.text
+
+    split = {"type": "object", "properties": {"runner": {"type": "string", "maxLength": 12},
+                                              "leg": {"type": "integer", "minimum": 1, "maximum": 4}},
+             "required": ["runner", "leg"], "additionalProperties": False}
+    tools = [{"type": "function", "name": "get_split", "description": "A runner's split time on a leg",
+              "parameters": split}]
+    question = [{"role": "user", "content": "What was Ana's split on the anchor leg?"}]
+    r = client.responses.create(model=MODEL, input=question, tools=tools, max_output_tokens=40,
+                                tool_choice={"type": "function", "name": "get_split"})
+    [call] = [o for o in r.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), split)
+    history = question + [o.model_dump(exclude_none=True) for o in r.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "11.2 seconds"}]
+    answer = client.responses.create(model=MODEL, input=history, tools=tools, max_output_tokens=24)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=24, tools=[
+        {"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}], messages=question + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "get_split", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "11.2 seconds"}])
+    assert answer.output_text and answer.output_text == chat.choices[0].message.content
+
+    shaped = client.responses.create(model=MODEL, input="Record Ana's anchor leg.", max_output_tokens=40,
+                                     text={"format": {"type": "json_schema", "name": "split", "schema": split}})
+    jsonschema.validate(json.loads(shaped.output_text), split)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="And then?", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id"
 
 
 def test_a_prompt_evicted_to_the_host_tier_is_copied_back_with_the_same_text(client):

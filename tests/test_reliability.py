@@ -228,14 +228,15 @@ def test_fuzzing_the_openapi_spec_gets_no_5xx_and_kills_no_replica(cluster):
     def check(case) -> None:
         if isinstance(case.body, dict) and rng.random() < 0.5:
             case.body["model"] = MODEL                         # past the model check, into the pools
-            for key in ("max_tokens", "max_completion_tokens"):     # keep the valid ones short
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):     # keep the valid ones short
                 if not isinstance(case.body.get(key), int) or case.body[key] > 16:
                     case.body[key] = 16
         r = case.call(base_url=BASE, session=session, timeout=60)
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, (case.method, case.path, str(case.body)[:300], r.status_code, r.text[:300])
 
-    ops = [("/v1/completions", "POST", 260), ("/v1/chat/completions", "POST", 260), ("/tokenize", "POST", 40),
+    ops = [("/v1/completions", "POST", 230), ("/v1/chat/completions", "POST", 230), ("/v1/responses", "POST", 60),
+           ("/tokenize", "POST", 40),
            ("/detokenize", "POST", 30), ("/tokenizer_info", "GET", 10), ("/v1/models", "GET", 30),
            ("/v1/models/{name}", "GET", 15), ("/version", "GET", 5), ("/health", "GET", 15), ("/metrics", "GET", 15)]
     for path, method, n in ops:
