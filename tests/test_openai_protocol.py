@@ -446,7 +446,7 @@ def test_bodies_valid_under_the_openapi_document_pass_the_checks():
     refused: dict[str, int] = {}
     total = 0
     for path, chat in (("/v1/chat/completions", True), ("/v1/completions", False), ("/v1/responses", "responses")):
-        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=45, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         @given(schema[path]["POST"].as_strategy(generation_mode=GenerationMode.POSITIVE))
         def run(case):
@@ -456,4 +456,4 @@ def test_bodies_valid_under_the_openapi_document_pass_the_checks():
             if why is not None and not any(s in why for s in DOCUMENTED_ONLY_AT_RUNTIME):
                 refused[why[:150]] = refused.get(why[:150], 0) + 1
         run()
-    assert total >= 150 and not refused, "\n".join(f"{n} x {why}" for why, n in refused.items())
+    assert total >= 120 and not refused, "\n".join(f"{n} x {why}" for why, n in refused.items())

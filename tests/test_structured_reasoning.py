@@ -51,15 +51,14 @@ def answer(text: str) -> dict:
 def test_the_grammar_shapes_the_answer_and_leaves_the_thinking_free(llm):
     """The thinking is the same text as without a grammar (token for token, up to and with </think>), and the answer
     after it follows the schema. The same grammar without after_thinking forbids the thinking from the first
-    token: its output is the JSON alone."""
-    free = llm.chat(MESSAGES, params(structured=False))
-    gated = llm.chat(MESSAGES, params())
+    token: its output is the JSON alone. (One batch: the three requests run side by side.)"""
+    prompt = llm.apply_chat_template(MESSAGES)
+    free, gated, whole = llm.generate([prompt] * 3, [params(structured=False), params(), params(after_thinking=False)])
     cut = free.token_ids.index(END) + 1
     assert cut > 5 and gated.token_ids[:cut] == free.token_ids[:cut]     # a sentence of thinking, untouched
     assert gated.text.startswith(free.text[:free.text.index("</think>")])
     answer(gated.text)
-    assert gated.finish_reason == "stop" and gated.token_ids[-1] not in (END,)
-    whole = llm.chat(MESSAGES, params(after_thinking=False))
+    assert gated.finish_reason == "stop"
     assert END not in whole.token_ids
     jsonschema.validate(json.loads(whole.text), SCHEMA)
 
@@ -72,15 +71,15 @@ def test_a_prompt_that_closed_its_thinking_gets_the_grammar_from_the_first_token
 
     def enc(text: str) -> list[int]:
         return llm.tokenizer.encode(text, add_special_tokens=False)
-    closed = llm.generate([base + enc("<think>\n\n</think>\n\n")], params(bias=None))[0]
+    opened = [base + enc("<think>\n"), base + enc("<think>\n\n</think>\n\n<think>\n"), base]
+    closed, *got = llm.generate([base + enc("<think>\n\n</think>\n\n")] + opened, [params(bias=None)] + [params()] * 3)
     assert "</think>" not in closed.text
     jsonschema.validate(json.loads(closed.text), SCHEMA)
-    for opened in (base + enc("<think>\n"), base + enc("<think>\n\n</think>\n\n<think>\n"), base):
-        got = llm.generate([opened], params())[0]
-        free = llm.generate([opened], params(structured=False))[0]
-        cut = free.token_ids.index(END) + 1
-        assert got.token_ids[:cut] == free.token_ids[:cut], opened[-8:]
-        answer(got.text)
+    free = llm.generate(opened, params(structured=False))
+    for prompt, g, f in zip(opened, got, free):
+        cut = f.token_ids.index(END) + 1
+        assert g.token_ids[:cut] == f.token_ids[:cut], prompt[-8:]
+        answer(g.text)
 
 
 def test_the_gate_rolls_back_with_the_drafts_across_its_tag(llm):
@@ -123,14 +122,15 @@ def test_a_resumed_request_replays_its_thinking_and_answer(llm):
     prompt = llm.apply_chat_template(MESSAGES)
     whole = llm.generate([prompt], params())[0]
     end = whole.token_ids.index(END)
-    for cut in (end // 2, end + 1, end + 4):
-        rid = engine.add_request(prompt, params(), f"resumed-{cut}", resume=Resume(whole.token_ids[:cut], 0))
-        tokens = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == rid and out.finished:
-                    tokens = out.token_ids
-        assert tokens == whole.token_ids, cut
+    cuts = (end // 2, end + 1, end + 4)
+    for cut in cuts:                                       # side by side, as a replica would run them
+        engine.add_request(prompt, params(), f"resumed-{cut}", resume=Resume(whole.token_ids[:cut], 0))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    assert tokens == {f"resumed-{cut}": whole.token_ids for cut in cuts}
     bad = whole.token_ids[:end + 1] + llm.tokenizer.encode("hello", add_special_tokens=False)[:1]
     with pytest.raises(InvalidRequestError, match="grammar"):
         engine.add_request(prompt, params(), "bad", resume=Resume(bad, 0))
