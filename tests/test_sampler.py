@@ -27,10 +27,17 @@ LOGITS[5] = -1e9
 def seqs_for(params: list[SamplingParams], sampler: Sampler, prompt: list[int] | None = None) -> list[Sequence]:
     """One sequence per row, each with its own seed (the request's, else one from the sampler's RNG), as
     add_request gives them."""
-    out = []
+    out, made = [], {}
+    # the statistical tests' 20,000 rows: their engine seeds drawn at once, and each row a copy of its params' first
+    # sequence (5x cheaper than request_seed and a new Sequence per row)
+    drawn = iter(sampler._rng.integers(0, 2**64, size=sum(p.seed is None for p in params), dtype=np.uint64).tolist())
     for i, p in enumerate(params):
-        seq = Sequence(f"r{i}", list(prompt or [1, 2, 3]), p)
-        seq.sampling_seed = sampler.request_seed(p.seed)
+        if id(p) not in made:
+            made[id(p)] = Sequence("r", list(prompt or [1, 2, 3]), p)
+        seq = object.__new__(Sequence)
+        seq.__dict__.update(made[id(p)].__dict__)
+        seq.request_id = f"r{i}"
+        seq.sampling_seed = sampler.request_seed(p.seed) if p.seed is not None else next(drawn)
         out.append(seq)
     return out
 
