@@ -343,6 +343,18 @@ class Ingress:
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, chat=True, responses=True)
 
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_response(self, request: Request, response_id: str) -> Response:
+        """OpenAI's retrieve, delete and cancel of a stored response: Baton stores none, so each is a 404 that says
+        so (the openai client raises NotFoundError with it)."""
+        if (refused := await self._keyed(request)) is not None:
+            return refused
+        e = oa.OpenAIError(404, rs.NOT_STORED.format(response_id), "NotFoundError", param="response_id",
+                           code="not_found")
+        return JSONResponse(e.body(), status_code=e.status)
+
     # -- one request ------------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool, responses: bool = False) -> Response:
         """A chat or completion request; `responses`: a Responses API request, served as the chat request it

@@ -113,6 +113,8 @@ STATEFUL = {"previous_response_id": "previous_response_id needs stored responses
             "conversation": "conversations need stored state; Baton keeps none: send the whole conversation as input",
             "prompt": "stored prompt templates are not supported: send the instructions and input",
             "max_tool_calls": "max_tool_calls is not supported"}
+NOT_STORED = ("No response {!r}: Baton stores no responses (they are answered, not kept), so none can be retrieved, "
+              "deleted or cancelled")
 # vLLM's sampling extras the chat request checks and serves, passed on as they are
 SAMPLING = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "ignore_eos", "min_tokens", "include_stop_str_in_output", "allowed_token_ids",

@@ -109,7 +109,7 @@ def test_the_responses_api_serves_the_chat_answer_streamed_with_tools_and_schema
     (instructions as the system message) and usage counts it; the streamed events add up to it and end with the
     whole response; a forced function call goes round (its output items and the result back in as input) to the
     answer chat completions give for the same conversation; text.format's schema shapes the output; what needs stored
-    state is a 400 naming the field."""
+    state is a 400 naming the field, and retrieving, deleting or cancelling a response a 404 saying none is stored."""
     coach, ask = "You coach a relay team in one sentence.", "Why practise the baton exchange?"
     want = LLM(None, **ENGINE).chat([{"role": "system", "content": coach}, {"role": "user", "content": ask}],
                                     SamplingParams(temperature=0, max_tokens=24))
@@ -149,6 +149,9 @@ def test_the_responses_api_serves_the_chat_answer_streamed_with_tools_and_schema
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="And then?", previous_response_id=r.id)
     assert e.value.body["param"] == "previous_response_id"
+    for stored in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError, match="stores no responses"):
+            stored(r.id)
 
 
 def test_a_prompt_evicted_to_the_host_tier_is_copied_back_with_the_same_text(client):
