@@ -72,10 +72,13 @@ class LimitsConfig(_Section):
 
 class ToolsConfig(_Section):
     """Tool calling on chat completions (router/tools.py)."""
-    parser: Literal["auto", "hermes", "llama3_json"] = Field(
-        "auto", description="How `auto` tool calls are read from the model's output: hermes (<tool_call> JSON "
-        "blocks: Qwen2.5, SmolLM2, Hermes), llama3_json (Llama 3.1's {\"name\", \"parameters\"} JSON); auto: "
-        "llama3_json for a chat template in Llama 3's JSON tool format, else hermes")
+    parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
+        "auto", description="How `auto` tool calls are read from the model's output, as vLLM's parsers of the same "
+        "names: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, SmolLM2, Hermes), llama3_json (Llama 3.1's "
+        "{\"name\", \"parameters\"} JSON), mistral ([TOOL_CALLS] and a JSON array, or name[ARGS]{...}: Mistral, "
+        "Magistral, Devstral), pythonic ([fn(arg=value), ...]: Llama 3.2 and 4 with pythonic templates, ToolACE); "
+        "auto: mistral for a chat template that writes [TOOL_CALLS], pythonic for one that teaches the pythonic "
+        "form, llama3_json for one in Llama 3's JSON tool format, else hermes")
 
 
 class ReasoningConfig(_Section):

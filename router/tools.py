@@ -7,10 +7,16 @@ trained to read them: the function signatures in a system block inside <tools></
 as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, a tool's result as a user turn inside
 <tool_response></tool_response>.
 
-Parsing `auto` output (`ToolFormat.parser`, the cluster's `tools.parser`): `hermes` reads <tool_call> blocks
-(Qwen2.5, SmolLM2, NousHermes); `llama3_json` reads Llama 3.1's JSON calls, {"name": ..., "parameters": ...}
-(after an optional <|python_tag|>, several separated by `;`). `auto` picks llama3_json for a template that
-speaks Llama 3's JSON tool format and hermes for every other.
+Parsing `auto` output (`ToolFormat.parser`, the cluster's `tools.parser`), as vLLM's parsers of the same names:
+`hermes` reads <tool_call> blocks (Qwen2.5, Qwen3, SmolLM2, NousHermes); `llama3_json` reads Llama 3.1's JSON
+calls, {"name": ..., "parameters": ...} (after an optional <|python_tag|>, several separated by `;`); `mistral`
+reads what follows [TOOL_CALLS]: a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Nemo, Small 3.1) or
+`name[ARGS]{...}` per call (Magistral, Small 3.2, Devstral), and gives calls the 9-character ids Mistral's templates
+require; `pythonic` reads a Python list of calls, [get_weather(city="Oslo"), ...] (Llama 3.2 and Llama 4 with
+their pythonic templates, ToolACE). `auto` picks mistral for a template that writes [TOOL_CALLS], pythonic for
+one that teaches the pythonic form, llama3_json for one that speaks Llama 3's JSON, and hermes for every other.
+[TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: under `mistral` an `auto` request keeps special
+tokens' text, as vLLM's parser makes it, or its calls could not be found.
 
 Choice: `required` and a named function are enforced with a grammar (engine/structured.py), as vLLM does: a
 named call's output is its arguments, a JSON object valid under the function's parameters schema; a
@@ -20,8 +26,11 @@ without parallel_tool_calls). `auto` leaves the model free and parses <tool_call
 """
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,13 +40,24 @@ from engine.structured import StructuredOutput
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
-PARSERS = ("hermes", "llama3_json")
+_TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"                     # Mistral's
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around a pythonic list
+_PYTHONIC_TEMPLATE = "[func_name1(params_name1=params_value1"      # what pythonic templates teach
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+_OPENERS = {"hermes": _OPEN, "mistral": _TOOL_CALLS}              # the tag that opens a call inside the text
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
           "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
           "For each function call, return a json object with function name and arguments within "
           "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
           "<args-json-object>}}\n</tool_call>")
+SYSTEM_MISTRAL = ("# Tools\n\nYou may call one or more functions to assist with the user query. Their signatures:\n"
+                  "{tools}\n\nTo call functions, respond with [TOOL_CALLS] followed by a JSON array of objects, each "
+                  "{{\"name\": <function-name>, \"arguments\": <args-json-object>}}.")
+SYSTEM_PYTHONIC = ("# Tools\n\nYou may call one or more functions to assist with the user query. Their signatures:\n"
+                   "{tools}\n\nTo call functions, respond with only a Python list of calls, in the format "
+                   "[func_name1(params_name1=params_value1, params_name2=params_value2), func_name2(params)], and "
+                   "nothing else.")
 SYSTEM_JSON = ("# Tools\n\nYou may call one or more functions to assist with the user query. Their signatures:\n"
                "{tools}\n\nTo call functions, respond with only JSON objects separated by ';', each in the format "
                "{{\"name\": <function-name>, \"parameters\": <args-json-object>}}, and nothing else.")
@@ -59,7 +79,8 @@ def tool_format(tokenizer, parser: str = "auto") -> ToolFormat:
     native = "tools" in template
     if parser == "auto":
         llama = _PYTHON_TAG in template or '"parameters": ' in template
-        parser = "llama3_json" if native and llama and _OPEN not in template else "hermes"
+        parser = ("mistral" if _TOOL_CALLS in template else "pythonic" if _PYTHONIC_TEMPLATE in template else
+                  "llama3_json" if native and llama and _OPEN not in template else "hermes")
     if parser not in PARSERS:
         raise ValueError(f"tool parser must be auto or one of {', '.join(PARSERS)}, got {parser!r}")
     return ToolFormat(parser, native)
@@ -81,6 +102,11 @@ class ToolCall:
 
     def as_dict(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def mistral_call_id() -> str:
+    """A call id as Mistral's chat templates require it back: 9 letters and digits."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 @dataclass
@@ -121,23 +147,29 @@ class ToolPlan:
                 return text, []
             return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls]
         names = {t["name"] for t in self.tools}
-        if self.format.parser == "llama3_json":
-            return parse_llama3_json(text, names)
-        return parse_hermes(text, names)
+        parse = {"llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic}
+        return parse.get(self.format.parser, parse_hermes)(text, names)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Mistral's [TOOL_CALLS] is a special token: an auto request's text must keep special tokens' text."""
+        return self.mode == "auto" and self.format.parser == "mistral"
 
     def holdback(self, text: str) -> int:
         """auto, streaming: how much of `text` (all the choice's text so far) may go out as content: up to a
         tool call's opening tag, or to a tail that may begin one (llama3_json: a call is the whole output, so
         nothing goes out while the text may begin with one)."""
-        if self.format.parser == "llama3_json":
+        if self.format.parser in ("llama3_json", "pythonic"):
             head = text.lstrip()
-            maybe_call = not head or head.startswith(("{", _PYTHON_TAG)) or _PYTHON_TAG.startswith(head)
+            opens = ("{", _PYTHON_TAG) if self.format.parser == "llama3_json" else ("[", _PYTHON_START)
+            maybe_call = not head or head.startswith(opens) or any(o.startswith(head) for o in opens)
             return 0 if maybe_call else len(text)
-        at = text.find(_OPEN)
+        opener = _OPENERS[self.format.parser]
+        at = text.find(opener)
         if at >= 0:
             return at
-        for n in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-            if _OPEN.startswith(text[-n:]):
+        for n in range(min(len(opener) - 1, len(text)), 0, -1):
+            if opener.startswith(text[-n:]):
                 return len(text) - n
         return len(text)
 
@@ -207,6 +239,80 @@ def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[Tool
     return None, calls
 
 
+def _mistral_call(obj: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", {})
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args), mistral_call_id())
+
+
+def parse_mistral(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """What follows [TOOL_CALLS]: a JSON array of {"name", "arguments"} objects (Mistral's v3 tokenizers), or
+    name[ARGS]{arguments} after each [TOOL_CALLS] (v11 and later); the text before is the content. A call that is
+    not JSON, or of an unknown function, leaves the whole text as content."""
+    at = text.find(_TOOL_CALLS)
+    if at < 0:
+        return text, []
+    decoder, calls = json.JSONDecoder(), []
+    for part in text[at:].split(_TOOL_CALLS)[1:]:
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if part.startswith("["):
+                objs, _ = decoder.raw_decode(part)
+                found = [_mistral_call(o, names) for o in objs] if isinstance(objs, list) and objs else [None]
+            else:
+                name, sep, args = part.partition(_ARGS)
+                obj, _ = decoder.raw_decode(args.strip()) if sep else (None, 0)
+                found = [_mistral_call({"name": name.strip(), "arguments": obj}, names) if sep else None]
+        except ValueError:
+            return text, []
+        if None in found:
+            return text, []
+        calls += found
+    content = text[:at].strip()
+    return (content or None, calls) if calls else (text, [])
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _python_value(node: ast.AST) -> Any:
+    """A literal argument of a pythonic call (JSON's true/false/null too, which models write)."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_python_value(v) for v in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_python_value(k): _python_value(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def parse_pythonic(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """A Python list of calls with keyword arguments, [get_weather(city="Oslo"), get_time(zone="CET")] (inside
+    <|python_start|> <|python_end|> for Llama 4), is the whole output. Anything else, a positional argument, a
+    value that is not a literal, or an unknown function, leaves the whole text as content."""
+    body = text.strip()
+    if body.startswith(_PYTHON_START):
+        body = body[len(_PYTHON_START):].removesuffix(_PYTHON_END).strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+                    and not node.args and all(k.arg is not None for k in node.keywords)):
+                return text, []
+            calls.append(ToolCall(node.func.id, json.dumps({k.arg: _python_value(k.value) for k in node.keywords})))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []
+    return None, calls
+
+
 def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, fmt: ToolFormat = ToolFormat()) -> ToolPlan | None:
     """The request's plan, or None when it has no tools (or tool_choice none). Raises ToolError."""
     if not tools:
@@ -273,14 +379,24 @@ def render(messages: list[dict[str, Any]], plan_: ToolPlan | None,
                 args = _arguments(fn["arguments"])
                 if fmt.parser == "llama3_json":
                     calls.append(json.dumps({"name": fn["name"], "parameters": args}))
+                elif fmt.parser == "mistral":
+                    calls.append({"name": fn["name"], "arguments": args})
+                elif fmt.parser == "pythonic":
+                    kwargs = args if isinstance(args, dict) else {}
+                    calls.append(f"{fn['name']}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
                 else:
                     calls.append(f"{_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args})}\n{_CLOSE}")
+            if fmt.parser == "mistral":
+                calls = [_TOOL_CALLS + json.dumps(calls)]
+            elif fmt.parser == "pythonic":
+                calls = [f"[{', '.join(calls)}]"]
             content = ("; " if fmt.parser == "llama3_json" else "\n").join(([content] if content else []) + calls)
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": role, "content": content})
     if plan_ is not None:
-        system = SYSTEM_JSON if fmt.parser == "llama3_json" else SYSTEM
+        system = {"llama3_json": SYSTEM_JSON, "mistral": SYSTEM_MISTRAL, "pythonic": SYSTEM_PYTHONIC}.get(fmt.parser,
+                                                                                                      SYSTEM)
         block = system.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in plan_.tools))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}

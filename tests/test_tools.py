@@ -270,3 +270,83 @@ def test_vllms_chat_template_options_shape_the_prompt_and_bad_ones_are_refused(s
                       (dict(template_kwargs={"tools": []}), "chat_template_kwargs may not set tools")):
         with pytest.raises(InvalidRequestError, match=words):
             chat_token_ids(tok, kw.pop("messages", msgs), **kw)
+
+
+def test_mistral_calls_parse_in_both_of_its_formats_with_mistral_ids():
+    """[TOOL_CALLS] then a JSON array (v3 tokenizers), or name[ARGS]{...} per call (v11+); content before it;
+    ids of 9 letters and digits, which Mistral's templates check when the calls come back."""
+    from router.tools import parse_mistral
+    names = {"get_weather", "get_time"}
+    content, calls = parse_mistral('Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                                   '{"name": "get_time", "arguments": {"zone": "CET"}}]', names)
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls) and calls[0].id != calls[1].id
+    content, calls = parse_mistral('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]'
+                                   '{"zone": "CET"}', names)
+    assert content is None and [c.name for c in calls] == ["get_weather", "get_time"]
+    for text in ("It is sunny.", '[TOOL_CALLS] [{"name": "launch", "arguments": {}}]', '[TOOL_CALLS] [{"name": "get_t',
+                 "[TOOL_CALLS]get_time{}", '[TOOL_CALLS]launch[ARGS]{}', "[TOOL_CALLS] []"):
+        assert parse_mistral(text, names) == (text, [])
+
+
+def test_pythonic_calls_parse_and_anything_else_stays_content():
+    from router.tools import parse_pythonic
+    names = {"get_weather", "get_time"}
+    content, calls = parse_pythonic('[get_weather(city="Oslo", days=[1, 2], detail={"wind": true}), '
+                                    "get_time(zone='CET')]", names)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": [1, 2], "detail": {"wind": True}}), ("get_time", {"zone": "CET"})]
+    assert parse_pythonic('<|python_start|>[get_time(zone="UTC")]<|python_end|>', names)[1][0].name == "get_time"
+    for text in ("It is sunny.", '[launch(x=1)]', '[get_time("CET")]', '[get_time(zone=os.environ)]',
+                 '[get_time(zone="CET")', "[]", "Sure: [get_time(zone='CET')]", '[get_time(**{"zone": "x"})]',
+                 "[" * 200 + "]" * 200):
+        assert parse_pythonic(text, names) == (text, [])
+
+
+@pytest.mark.parametrize("parser, pieces", [
+    ("mistral", ["Checking. [TOOL", '_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]']),
+    ("pythonic", ["[get_weather(", 'city="Oslo")]']),
+    ("pythonic", ["It is ", "sunny."]),
+])
+def test_mistral_and_pythonic_streams_hold_back_only_what_may_be_a_call(parser, pieces):
+    final, chunks = _run(chat(tools=[WEATHER, TIME]), pieces, ToolFormat(parser, True))
+    body = ChatCompletion.model_validate(final)
+    content, calls = _calls_from(chunks)
+    if pieces[-1] == "sunny.":
+        assert chunks[1]["choices"][0]["delta"] == {"content": "It is "}     # nothing that may start a call: sent
+        assert body.choices[0].message.content == content == "It is sunny." and not calls
+        return
+    assert "[TOOL" not in content and "get_weather" not in content and body.choices[0].finish_reason == "tool_calls"
+    assert content.strip() == (body.choices[0].message.content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_the_template_picks_the_parser_and_mistral_keeps_special_tokens(smol_path):
+    """auto reads the chat template: one that writes [TOOL_CALLS] is Mistral's, one that teaches the pythonic form is
+    pythonic. An auto request under mistral keeps special tokens' text ([TOOL_CALLS] is one); a forced call does
+    not need to. A template without tool support gets the format written into the system turn, with the
+    conversation's calls in it."""
+    from engine.loader import load_tokenizer
+    tok = load_tokenizer(smol_path)
+    for template, parser in [("{% for m in messages %}[TOOL_CALLS]{{ m }}{% endfor %}", "mistral"),
+                             ("{% if tools %}[func_name1(params_name1=params_value1, ...)]{% endif %}", "pythonic"),
+                             (tok.chat_template, "hermes")]:
+        tok.chat_template = template
+        assert tool_format(tok).parser == parser
+    mistral = ToolFormat("mistral", False)
+    assert oa.tool_plan(chat(tools=[WEATHER]), mistral).keeps_special_tokens
+    assert not oa.tool_plan(chat(tools=[WEATHER], tool_choice="required"), mistral).keeps_special_tokens
+    assert not oa.tool_plan(chat(tools=[WEATHER]), ToolFormat("hermes", False)).keeps_special_tokens
+    history = {"model": "m", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [{"id": "a1b2c3d4e", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "22C"}]}
+    for fmt, call in [(mistral, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+                      (ToolFormat("pythonic", False), "[get_weather(city='Oslo')]")]:
+        req = oa.parse_request(history, chat=True)
+        msgs, template_tools = oa.chat_messages(req, oa.tool_plan(req, fmt), fmt)
+        assert template_tools is None and msgs[2]["content"] == call
+        assert ("[TOOL_CALLS]" if fmt.parser == "mistral" else "Python list of calls") in msgs[0]["content"]
+        assert json.dumps(WEATHER) in msgs[0]["content"]
