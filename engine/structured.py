@@ -10,6 +10,14 @@ With speculative decoding, a constrained request's drafts are cut at the first t
 and each verify row is masked by the grammar's state after the drafts before it (mask_verify_rows), so the
 output has the distribution of constrained decoding without speculation.
 
+A JSON schema is compiled only if the grammar can hold the output to all of it. xgrammar compiles some keywords
+without enforcing them (it lets through outputs that break `not`, `if` (with its `then` and `else`), `allOf` of
+several schemas, `contains`, `uniqueItems`, `dependentRequired`, `dependentSchemas`: UNENFORCED, which tests/test_structured_schemas.py holds to
+xgrammar's own behaviour). A schema with one of them is refused naming the keyword and where it is, as OpenAI's
+strict mode refuses keywords it does not support, rather than served with a constraint silently dropped. A
+one-schema `allOf` (older pydantic's way to put a description beside a $ref) is merged into its parent first.
+`oneOf` is compiled as `anyOf`, as every grammar engine does: an output may match more than one branch.
+
 Compilation is bounded: a spec over `max_bytes` is refused, and one whose compilation outlasts `timeout_s`
 is refused while the compile finishes in the background (a pathological schema cannot stall a replica).
 
@@ -34,6 +42,10 @@ import torch
 from engine.errors import InvalidRequestError
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# JSON Schema keywords that xgrammar compiles without enforcing: refused (see the module's docstring)
+UNENFORCED = ("not", "if", "allOf", "contains", "uniqueItems", "dependentRequired", "dependentSchemas")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")          # maps of names to subschemas
+_DATA = ("enum", "const", "default", "examples", "required", "title", "description", "pattern", "format", "$ref")
 THINK_START, THINK_END = "<think>", "</think>"   # a reasoning model's thinking (router/reasoning.py splits it out)
 MAX_GRAMMAR_BYTES = 64 << 10           # defaults of EngineConfig and of the cluster's limits section
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
@@ -144,9 +156,12 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutput):
         c = self._compiler
+        if spec.json is not None:
+            schema = _enforceable(spec.json)
         try:
             if spec.json is not None:
-                return c.compile_json_schema(spec.source(), any_whitespace=False)
+                return c.compile_json_schema(json.dumps(schema) if schema is not None else spec.source(),
+                                             any_whitespace=False)
             if spec.json_object:
                 return c.compile_builtin_json_grammar()
             if spec.regex is not None:
@@ -172,6 +187,41 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _enforceable(schema: dict | str) -> dict | None:
+    """The schema with one-schema allOfs merged, or InvalidRequestError naming a keyword the grammar would not
+    enforce (UNENFORCED) and where. None: the text is not JSON (the grammar engine's own error says so)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return None
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        node = dict(node)
+        one = node.get("allOf")
+        if isinstance(one, list) and len(one) == 1 and isinstance(one[0], dict) and not set(one[0]) & (set(node) - {"allOf"}):
+            del node["allOf"]
+            node.update(one[0])
+        bad = [k for k in UNENFORCED if k in node]
+        if bad:
+            raise InvalidRequestError(f"the JSON schema's {bad[0]!r} (at {path}) is not supported: the grammar engine "
+                                      f"(xgrammar) would not hold the output to it; remove it, or check it yourself")
+        out = {}
+        for k, v in node.items():
+            if k in _NAMED and isinstance(v, dict):
+                out[k] = {name: walk(sub, f"{path}.{k}.{name}") for name, sub in v.items()}
+            elif k in _DATA:
+                out[k] = v
+            else:
+                out[k] = walk(v, f"{path}.{k}")
+        return out
+    return walk(schema, "$")
 
 
 def think_ids(tokenizer) -> tuple[int, int] | None:

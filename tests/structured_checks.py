@@ -71,7 +71,9 @@ def check_bad_specs_get_400(client: openai.OpenAI, model: str) -> None:
                 "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}}, "response_format"),
            ({"response_format": {"type": "yaml"}}, "response_format.type"),
            ({"extra_body": {"structured_outputs": {"regex": "(open"}}}, "structured_outputs"),
-           ({"extra_body": {"structured_outputs": {"choice": ["x" * 70000]}}}, "structured_outputs")]
+           ({"extra_body": {"structured_outputs": {"choice": ["x" * 70000]}}}, "structured_outputs"),
+           ({"response_format": {"type": "json_schema", "json_schema": {"name": "tags", "schema": {      # not enforced
+                "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}, "response_format")]
     for kw, param in bad:
         for stream in (False, True):                 # refused before a stream starts: no 200 then an error
             with pytest.raises(openai.BadRequestError) as e:
