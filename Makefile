@@ -49,7 +49,7 @@ serve: install
 # The Ray tests' failures (and their last 4 lines) are printed again at the very end, after the others' log: a CI that
 # shows only the end of the output still names them (stop 53's CI showed only the other part's tail).
 # The model is converted (once per machine) before the workers start, so that two of them never both convert it.
-XDIST := -n 2 --dist loadgroup
+XDIST := -n 2 --dist loadscope      # a module (or an XDIST_GROUP of them) per worker: tests/conftest.py
 MODEL_READY := $(BIN)/python -c "from engine.loader import resolve_model; resolve_model(None)"
 IDLE := $(shell command -v chrt >/dev/null && echo chrt --idle 0)
 NO_RAY_LOG := .test-no-ray.log

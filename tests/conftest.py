@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -228,10 +229,32 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.timeout(limit * SLOWDOWN), append=False)
         if RAY_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
-        # under pytest-xdist (`make test` runs the tests that start no Ray on two workers, --dist loadgroup) a
-        # module's tests stay on one worker, so its module fixtures (engines, references) are built once; modules
-        # that name a group share a worker (the tensor-parallel ones: one fork server of TP workers, 6-9 s to start)
-        item.add_marker(pytest.mark.xdist_group(getattr(item.module, "XDIST_GROUP", item.module.__name__)))
+
+
+# Under pytest-xdist (`make test` and `make test-fast` run the tests that start no Ray on two workers) a module's
+# tests stay on one worker, so its module fixtures (engines, references) are built once; modules that name an
+# XDIST_GROUP share a worker (the tensor-parallel ones: one fork server of TP workers, 6-9 s to start). The scheduler
+# is ours, through xdist's hook: xdist's own `--dist loadgroup` renames each item through item._nodeid, which
+# pytest 9 no longer reads, so under pytest 9 it grouped nothing (a module's tests ran on both workers, its
+# fixtures built twice: SmolLM2's transformers reference, 37 s, in each).
+def _xdist_groups() -> dict[str, str]:
+    groups = {}
+    for f in Path(__file__).parent.glob("test_*.py"):
+        m = re.search(r'^XDIST_GROUP = "([^"]+)"', f.read_text(), re.MULTILINE)
+        if m:
+            groups[f"{Path(__file__).parent.name}/{f.name}"] = m.group(1)
+    return groups
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+    groups = _xdist_groups()
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return groups.get(module, module)
+    return ModuleScheduling(config, log)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
