@@ -30,41 +30,40 @@ from router import openai_protocol as oa
 _NAME = "^[A-Za-z0-9_-]{1,64}$"                            # a function's name, as the chat tools' schema has it
 
 
-class TextPart(BaseModel):
+class _Part(BaseModel):
+    """A piece of the request: fields of OpenAI's that Baton does not read (ids, statuses) are ignored."""
     model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Part):
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class InputMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class InputMessage(_Part):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
 
 
-class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCallItem(_Part):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCallOutputItem(_Part):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[TextPart]
 
 
-class ReasoningItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ReasoningItem(_Part):
     type: Literal["reasoning"]
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionTool(_Part):
     type: Literal["function"]
     name: str = Field(pattern=_NAME)
     description: str | None = None
@@ -72,23 +71,20 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
-class ToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolChoiceFunction(_Part):
     type: Literal["function"]
     name: str = Field(min_length=1)
 
 
-class FormatText(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FormatText(_Part):
     type: Literal["text"]
 
 
-class FormatJSONObject(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FormatJSONObject(_Part):
     type: Literal["json_object"]
 
 
-class FormatJSONSchema(BaseModel):
+class FormatJSONSchema(_Part):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     type: Literal["json_schema"]
     name: str | None = None
@@ -97,13 +93,11 @@ class FormatJSONSchema(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextConfig(_Part):
     format: FormatText | FormatJSONObject | FormatJSONSchema | None = None
 
 
-class ReasoningConfig(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ReasoningConfig(_Part):
     effort: Literal["low", "medium", "high"] | None = None
 
 

@@ -149,6 +149,22 @@ def thinking_model(directory: Path, smol_path: str) -> str:
     return str(directory)
 
 
+# What the thinking model's tests ask (tests/test_structured_reasoning.py, tests/test_cluster_reasoning.py): a logit_bias
+# of THINK_CLOSE_BIAS on </think> makes SmolLM2 close its thinking after its first sentence (at 12 it ends with EOS
+# first, from 16 it closes at once), and a schema without free strings keeps the bias out of the answer.
+THINK_END, THINK_CLOSE_BIAS = 16, 14
+THINK_SCHEMA = {"type": "object", "properties": {"leg": {"enum": ["first", "anchor"]},
+                                                 "laps": {"type": "integer", "minimum": 1, "maximum": 8},
+                                                 "fast": {"type": "boolean"}},
+                "required": ["leg", "laps", "fast"], "additionalProperties": False}
+THINK_ASK = [{"role": "user", "content": "Which leg of a relay is the anchor leg? Answer as JSON."}]
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory, smol_path) -> str:
+    return thinking_model(tmp_path_factory.mktemp("thinking"), smol_path)
+
+
 # Tests of what structured outputs produce, engines and clusters alike, are not about the compile timeout (its
 # refusal has its own test in tests/test_structured_output.py, with its own timeout): a cold compile of a JSON
 # schema over SmolLM2's vocabulary took over the default 10 s on a slowed machine (14 s) and at idle priority

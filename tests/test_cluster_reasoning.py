@@ -14,24 +14,20 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.structured import StructuredOutput
-from tests.conftest import CLUSTER_ENGINE, GRAMMAR_COMPILE_TIMEOUT_S, thinking_model
+from tests.conftest import (CLUSTER_ENGINE, GRAMMAR_COMPILE_TIMEOUT_S, THINK_ASK as ASK, THINK_CLOSE_BIAS, THINK_END,
+                            THINK_SCHEMA as SCHEMA)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PORT = 8743
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Why is the last leg of a relay the anchor leg?"}]
-CLOSE = {"16": 14}          # the logit_bias on </think> that makes SmolLM2 close its thinking after a sentence
-SCHEMA = {"type": "object", "properties": {"leg": {"enum": ["first", "anchor"]},
-                                           "laps": {"type": "integer", "minimum": 1, "maximum": 8},
-                                           "fast": {"type": "boolean"}},
-          "required": ["leg", "laps", "fast"], "additionalProperties": False}
-ASK = [{"role": "user", "content": "Which leg of a relay is the anchor leg? Answer as JSON."}]
+CLOSE = {str(THINK_END): THINK_CLOSE_BIAS}        # the logit_bias that makes SmolLM2 close its thinking
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, smol_path):
-    return thinking_model(tmp_path_factory.mktemp("thinking"), smol_path)
+def model(thinking_model_dir):
+    return thinking_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +67,10 @@ def test_an_answer_without_a_closing_tag_is_all_thinking_whole_or_streamed(clien
 def test_structured_output_shapes_the_answer_after_the_thinking_whole_or_streamed(client, offline):
     """response_format's schema constrains what follows </think>: the thinking is the offline engine's free text (the
     same request without a grammar), the content parses and validates, streamed or not."""
-    gated = offline.chat(ASK, SamplingParams(temperature=0, max_tokens=60, logit_bias={16: 14},
+    bias = {THINK_END: THINK_CLOSE_BIAS}
+    gated = offline.chat(ASK, SamplingParams(temperature=0, max_tokens=60, logit_bias=bias,
                                              structured=StructuredOutput(json=SCHEMA, after_thinking=True)))
-    free = offline.chat(ASK, SamplingParams(temperature=0, max_tokens=60, logit_bias={16: 14}))
+    free = offline.chat(ASK, SamplingParams(temperature=0, max_tokens=60, logit_bias=bias))
     thought = free.text[:free.text.index("</think>")]
     assert thought and gated.text.startswith(thought + "</think>")
     fmt = {"type": "json_schema", "json_schema": {"name": "leg", "schema": SCHEMA}}

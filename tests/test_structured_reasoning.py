@@ -2,9 +2,8 @@
 the </think> token and shapes only the answer, as vLLM runs structured outputs under a reasoning parser.
 
 The model is SmolLM2 with a reasoning tokenizer (tests/conftest.py's thinking_model: two unused special tokens renamed
-<think> and </think>). SmolLM2 never closes a thinking by itself; a logit_bias of 14 on </think> makes it close it
-after its first sentence (at 12 it ends with EOS first, from 16 it closes at once), and a schema without free
-strings keeps the bias from writing </think> into the answer."""
+<think> and </think>). SmolLM2 never closes a thinking by itself; a logit_bias on </think> makes it close it after
+its first sentence (conftest's THINK_CLOSE_BIAS)."""
 from __future__ import annotations
 
 import json
@@ -15,18 +14,13 @@ import torch
 
 from engine import LLM, InvalidRequestError, LLMEngine, Resume, SamplingParams
 from engine.structured import StructuredOutput
-from tests.conftest import GRAMMAR_COMPILE_TIMEOUT_S, thinking_model
-
-END = 16                                             # </think> in the thinking tokenizer
-SCHEMA = {"type": "object", "properties": {"leg": {"enum": ["first", "anchor"]}, "laps": {"type": "integer", "minimum": 1, "maximum": 8},
-                                           "fast": {"type": "boolean"}},
-          "required": ["leg", "laps", "fast"], "additionalProperties": False}
-MESSAGES = [{"role": "user", "content": "Which leg of a relay is the anchor leg? Answer as JSON."}]
+from tests.conftest import (GRAMMAR_COMPILE_TIMEOUT_S, THINK_ASK as MESSAGES, THINK_CLOSE_BIAS, THINK_END as END,
+                            THINK_SCHEMA as SCHEMA)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, smol_path):
-    return thinking_model(tmp_path_factory.mktemp("thinking"), smol_path)
+def model(thinking_model_dir):
+    return thinking_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def llm(model):
     return LLM(model, kv_cache_memory=128 << 20, max_model_len=1024, grammar_compile_timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
 
 
-def params(after_thinking: bool = True, bias: float | None = 14, structured: bool = True, **kw) -> SamplingParams:
+def params(after_thinking: bool = True, bias: float | None = THINK_CLOSE_BIAS, structured: bool = True, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=60, logit_bias={END: bias} if bias else None,
                           structured=StructuredOutput(json=SCHEMA, after_thinking=after_thinking) if structured
                           else None, **kw)
