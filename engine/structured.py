@@ -11,9 +11,9 @@ and each verify row is masked by the grammar's state after the drafts before it 
 output has the distribution of constrained decoding without speculation.
 
 A JSON schema is compiled only if the grammar can hold the output to all of it. xgrammar compiles some keywords
-without enforcing them (it lets through outputs that break `not`, `if` (with its `then` and `else`), `allOf` of
-several schemas, `contains`, `uniqueItems`, `dependentRequired`, `dependentSchemas`: UNENFORCED, which tests/test_structured_schemas.py holds to
-xgrammar's own behaviour). A schema with one of them is refused naming the keyword and where it is, as OpenAI's
+without enforcing them: it lets through outputs that break `not`, `if` (with its `then` and `else`), `allOf` of
+several schemas, `contains`, `uniqueItems`, `dependentRequired` and `dependentSchemas` (UNENFORCED, which
+tests/test_structured_schemas.py holds to xgrammar's own behaviour). A schema with one of them is refused naming the keyword and where it is, as OpenAI's
 strict mode refuses keywords it does not support, rather than served with a constraint silently dropped. A
 one-schema `allOf` (older pydantic's way to put a description beside a $ref) is merged into its parent first.
 `oneOf` is compiled as `anyOf`, as every grammar engine does: an output may match more than one branch.
@@ -125,7 +125,10 @@ class GrammarCompiler:
             raise InvalidRequestError(f"structured output after the thinking needs {THINK_START} and {THINK_END} as "
                                       f"single tokens of the tokenizer, as vLLM's reasoning parsers do; this model's "
                                       f"tokenizer splits them")
-        src = spec.source()
+        try:
+            src = spec.source()
+        except RecursionError:
+            raise InvalidRequestError(f"the {spec.kind} spec is nested too deeply") from None
         if len(src.encode()) > self.max_bytes:
             raise InvalidRequestError(f"the {spec.kind} spec is {len(src.encode())} bytes, over the limit of "
                                       f"{self.max_bytes}")
@@ -205,7 +208,8 @@ def _enforceable(schema: dict | str) -> dict | None:
             return node
         node = dict(node)
         one = node.get("allOf")
-        if isinstance(one, list) and len(one) == 1 and isinstance(one[0], dict) and not set(one[0]) & (set(node) - {"allOf"}):
+        if isinstance(one, list) and len(one) == 1 and isinstance(one[0], dict) \
+                and not set(one[0]) & (set(node) - {"allOf"}):       # its keys are new to the parent: merged
             del node["allOf"]
             node.update(one[0])
         bad = [k for k in UNENFORCED if k in node]
@@ -221,7 +225,10 @@ def _enforceable(schema: dict | str) -> dict | None:
             else:
                 out[k] = walk(v, f"{path}.{k}")
         return out
-    return walk(schema, "$")
+    try:
+        return walk(schema, "$")
+    except RecursionError:
+        raise InvalidRequestError("the JSON schema is nested too deeply") from None
 
 
 def think_ids(tokenizer) -> tuple[int, int] | None:

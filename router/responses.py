@@ -183,7 +183,8 @@ def to_chat(req) -> dict:
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)              # parallel calls: one assistant turn
@@ -272,8 +273,10 @@ class ResponsesBuilder:
 
     def _response(self, output: list[dict], status: str, usage: dict | None) -> dict:
         r = self.rreq
-        fmt = r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format else {"type": "text"}
-        choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, ToolChoiceFunction) else r.tool_choice or "auto"
+        fmt = (r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text and r.text.format
+               else {"type": "text"})
+        choice = (r.tool_choice.model_dump() if isinstance(r.tool_choice, ToolChoiceFunction)
+                  else r.tool_choice or "auto")
         return {"id": self.id, "object": "response", "created_at": self.inner.created, "status": status,
                 "background": False, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -389,6 +392,6 @@ class ResponsesBuilder:
             out += self._close()
             status = "incomplete" if self.finish == "length" else "completed"
             thinking = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
-            out.append(self._event(f"response.{status}",
-                                   response=self._response(self.items, status, self._usage(self.inner.usage(), thinking))))
+            usage = self._usage(self.inner.usage(), thinking)
+            out.append(self._event(f"response.{status}", response=self._response(self.items, status, usage)))
         return out

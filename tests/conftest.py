@@ -149,9 +149,9 @@ def thinking_model(directory: Path, smol_path: str) -> str:
     return str(directory)
 
 
-# What the thinking model's tests ask (tests/test_structured_reasoning.py, tests/test_cluster_reasoning.py): a logit_bias
-# of THINK_CLOSE_BIAS on </think> makes SmolLM2 close its thinking after its first sentence (at 12 it ends with EOS
-# first, from 16 it closes at once), and a schema without free strings keeps the bias out of the answer.
+# What the thinking model's tests ask (tests/test_structured_reasoning.py, tests/test_cluster_reasoning.py): a
+# logit_bias of THINK_CLOSE_BIAS on </think> makes SmolLM2 close its thinking after its first sentence (at 12 it ends
+# with EOS first, from 16 it closes at once), and a schema without free strings keeps the bias out of the answer.
 THINK_END, THINK_CLOSE_BIAS = 16, 14
 THINK_SCHEMA = {"type": "object", "properties": {"leg": {"enum": ["first", "anchor"]},
                                                  "laps": {"type": "integer", "minimum": 1, "maximum": 8},

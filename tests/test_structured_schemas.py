@@ -73,3 +73,12 @@ def test_a_one_schema_all_of_is_merged_and_served(grammars):
     clash = {"type": "object", "allOf": [{"type": "object", "required": ["a"]}]}        # its keys collide: refused
     with pytest.raises(InvalidRequestError, match="'allOf'"):
         grammars.compile(StructuredOutput(json=clash))
+
+
+def test_a_schema_nested_past_the_recursion_limit_is_a_clear_refusal(grammars):
+    """The offline API takes a schema as a mapping of any depth (HTTP bodies that deep are refused as JSON)."""
+    deep: dict = {"type": "integer"}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidRequestError, match="nested too deeply"):
+        grammars.compile(StructuredOutput(json=deep))
