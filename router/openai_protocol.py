@@ -15,7 +15,6 @@ import hmac
 import json
 import os
 import time
-import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -782,7 +781,7 @@ class ResponseBuilder:
         if t.mode == "named":                           # the call opens with its answer (after any thinking)
             if i not in self.streamed and (text or finish is not None):
                 self.streamed[i] = 0
-                call = {"index": 0, "id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                call = {"index": 0, "id": t.call_id(), "type": "function",
                         "function": {"name": t.name, "arguments": ""}}
                 out.append(chunk({"tool_calls": [call]}))
             sent = self.streamed.get(i, 0)

@@ -140,15 +140,19 @@ class ToolPlan:
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The message's content and tool calls from a choice's whole text."""
         if self.mode == "named":
-            return None, [ToolCall(self.name, text.strip())]
+            return None, [ToolCall(self.name, text.strip(), self.call_id())]
         if self.mode == "required":
             calls = _complete_items(text)      # cut off by max_tokens: the calls that came whole
             if not calls:
                 return text, []
-            return None, [ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls]
+            return None, [ToolCall(c["name"], json.dumps(c["arguments"]), self.call_id()) for c in calls]
         names = {t["name"] for t in self.tools}
         parse = {"llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic}
         return parse.get(self.format.parser, parse_hermes)(text, names)
+
+    def call_id(self) -> str:
+        """A new call's id: Mistral's 9 characters under its parser (its templates check them), else OpenAI's form."""
+        return mistral_call_id() if self.format.parser == "mistral" else "call_" + uuid.uuid4().hex[:24]
 
     @property
     def keeps_special_tokens(self) -> bool:

@@ -336,6 +336,11 @@ def test_the_template_picks_the_parser_and_mistral_keeps_special_tokens(smol_pat
         assert tool_format(tok).parser == parser
     mistral = ToolFormat("mistral", False)
     assert oa.tool_plan(chat(tools=[WEATHER]), mistral).keeps_special_tokens
+    for choice, text in [({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo"}'),
+                         ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')]:
+        _, [call] = oa.tool_plan(chat(tools=[WEATHER], tool_choice=choice), mistral).parse(text)
+        assert len(call.id) == 9 and call.id.isalnum()                  # forced calls too get Mistral's ids
+        assert oa.tool_plan(chat(tools=[WEATHER], tool_choice=choice)).parse(text)[1][0].id.startswith("call_")
     assert not oa.tool_plan(chat(tools=[WEATHER], tool_choice="required"), mistral).keeps_special_tokens
     assert not oa.tool_plan(chat(tools=[WEATHER]), ToolFormat("hermes", False)).keeps_special_tokens
     history = {"model": "m", "tools": [WEATHER], "messages": [
