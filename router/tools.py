@@ -94,11 +94,16 @@ class ToolError(ValueError):
         self.param = param
 
 
+def openai_call_id() -> str:
+    """A call id in OpenAI's form."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str                         # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=openai_call_id)
 
     def as_dict(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -152,7 +157,7 @@ class ToolPlan:
 
     def call_id(self) -> str:
         """A new call's id: Mistral's 9 characters under its parser (its templates check them), else OpenAI's form."""
-        return mistral_call_id() if self.format.parser == "mistral" else "call_" + uuid.uuid4().hex[:24]
+        return mistral_call_id() if self.format.parser == "mistral" else openai_call_id()
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -364,7 +369,7 @@ def render(messages: list[dict[str, Any]], plan_: ToolPlan | None,
         for m in messages:
             turn = {"role": m["role"], "content": m.get("content") or ""}
             if m["role"] == "assistant" and m.get("tool_calls"):
-                turn["tool_calls"] = [{"id": c.get("id") or "call_" + uuid.uuid4().hex[:24], "type": "function",
+                turn["tool_calls"] = [{"id": c.get("id") or openai_call_id(), "type": "function",
                                        "function": {"name": c["function"]["name"],
                                                     "arguments": _arguments(c["function"]["arguments"])}}
                                       for c in m["tool_calls"]]
