@@ -45,7 +45,7 @@ namespace {
 
 // One linear's packed weights: one part per kind (a Q4_K_M checkpoint's Q6_K v beside its Q4_K q and k),
 // their outputs side by side, then the bias if any.
-struct Part { torch::Tensor packed; bool q4; int64_t group, n; };
+struct Part { torch::Tensor packed; int64_t kind, group, n; };
 struct Linear {
   std::vector<Part> parts;
   c10::optional<torch::Tensor> bias;
@@ -54,20 +54,20 @@ struct Linear {
     torch::Tensor y;
     if (parts.size() == 1) {
       const Part& p = parts[0];
-      y = quant::matmul(x, p.packed, p.q4, p.group, p.n);
+      y = quant::matmul(x, p.packed, p.kind, p.group, p.n);
     } else {
       std::vector<torch::Tensor> ys;
-      for (const Part& p : parts) ys.push_back(quant::matmul(x, p.packed, p.q4, p.group, p.n));
+      for (const Part& p : parts) ys.push_back(quant::matmul(x, p.packed, p.kind, p.group, p.n));
       y = torch::cat(ys, -1);
     }
     return bias.has_value() ? y + *bias : y;
   }
 };
 
-Linear make_linear(const std::vector<std::tuple<torch::Tensor, bool, int64_t, int64_t>>& parts,
+Linear make_linear(const std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t>>& parts,
                    c10::optional<torch::Tensor> bias) {
   Linear l;
-  for (const auto& [packed, q4, group, n] : parts) l.parts.push_back(Part{packed, q4, group, n});
+  for (const auto& [packed, kind, group, n] : parts) l.parts.push_back(Part{packed, kind, group, n});
   TORCH_CHECK(!l.parts.empty(), "a linear needs at least one packed part");
   l.bias = std::move(bias);
   return l;
@@ -97,7 +97,7 @@ class DecoderStack {
                double scale)
       : H_(num_heads), G_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale) {}
 
-  using Parts = std::vector<std::tuple<torch::Tensor, bool, int64_t, int64_t>>;
+  using Parts = std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t>>;
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, const Parts& qkv, c10::optional<torch::Tensor> qkv_bias,
                  const Parts& o, c10::optional<torch::Tensor> o_bias, const Parts& gate_up,
                  c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias) {
@@ -200,7 +200,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), nogil);
-  m.def("matmul", &quant::matmul, "y [M, N] = x [M, K] @ W.T for packed q4 / q8 weights", nogil);
+  m.def("matmul", &quant::matmul, "y [M, N] = x [M, K] @ W.T for packed q8 / q4 / f8 weights", nogil);
+  m.def("f8_matmul_portable", [](torch::Tensor x, torch::Tensor packed, int64_t n) {
+    return quant::f8_matmul(x, packed, n, true); }, "the fp8 matmul's plain loops (CPUs without AVX-512)", nogil);
   m.def("lora_shrink", &lora::shrink, "t [G, R] = per-row adapter A @ x[rows]", nogil);
   m.def("lora_expand", &lora::expand, "y[rows, c0:c0+N] += t[:, r0:r0+R] @ per-row adapter B part", nogil);
   m.def("lora_apply", &lora::apply, "y[rows] += per-row adapter B parts @ (A @ x[rows]), in place", nogil);

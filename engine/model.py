@@ -251,10 +251,11 @@ def _quant_kernels():
 
 class QuantLinear(nn.Module):
     """A Linear over packed quantized weights (engine/quant.py), read as stored on every call: on CPU by the C++
-    kernel (engine/quant_kernels.py), on CUDA by the Triton kernel (engine/quant_triton.py); FP8 by torch's
-    `_scaled_mm` (e4m3 activations), and on CUDA at decode-sized batches by the Triton kernel (weight-only: the
-    FP8 GEMM is slower than bf16 there). Parts of different kinds (a Q4_K_M GGUF's Q6_K v beside its Q4_K q and
-    k) run one call each. On CPU without a compiler the weight is dequantized once and runs as an fp32 Linear."""
+    kernel (engine/quant_kernels.py; FP8 there as torch's `_scaled_mm` computes it, e4m3 activations), on CUDA by
+    the Triton kernel (engine/quant_triton.py) and FP8 by `_scaled_mm`, at decode-sized batches by the Triton
+    kernel (weight-only: the FP8 GEMM is slower than bf16 there). Parts of different kinds (a Q4_K_M GGUF's Q6_K
+    v beside its Q4_K q and k) run one call each. On CPU without a compiler the weight is dequantized once and runs
+    as an fp32 Linear (FP8: through torch's own `_scaled_mm`)."""
 
     def __init__(self, parts: list[QuantWeight], bias: torch.Tensor | None, device: torch.device | None = None,
                  triton: bool | None = None, dtype: torch.dtype | None = None):
@@ -268,7 +269,10 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(device)
         self.kernels = None
         self.packed, self.dense, self.weights, self.tinygemm = [], None, [], []
-        if any(w.kind == "f8" for w in weights) or triton:
+        self.kernels = None if triton else _quant_kernels()
+        # FP8 on CPU: the C++ kernel where it builds (K % 16 == 0), else torch's _scaled_mm (50x slower)
+        if triton or any(w.kind == "f8" for w in weights) and (
+                self.kernels is None or any(w.kind == "f8" and w.shape[1] % 16 for w in weights)):
             self.weights = [w.to(device) for w in weights]              # GPU kernels and FP8 read them as stored
             self.fp8 = [(w.scales.view(1, -1).contiguous(), fp8_gemm_supported(device) and (
                 device.type != "cuda" or w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0))    # CUDA's GEMM: 16s
@@ -285,7 +289,6 @@ class QuantLinear(nn.Module):
                 if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
                     self.f8_weight_only_m = FP8_WEIGHT_ONLY_MAX_M
             return
-        self.kernels = _quant_kernels()
         if self.kernels is not None:         # the kernel's own layout replaces the loader's
             self.packed = [self.kernels.prepare(w.kind, w.qs, w.scales, w.mins, w.group) for w in weights]
         else:                                # no compiler: dequantized once
@@ -436,6 +439,7 @@ class LlamaForCausalLM(nn.Module):
     def _build_cpu_stack(self):
         from engine import cpu_model
         from engine.lora import LoRALinear
+        from engine.quant_kernels import KINDS
         layers = self.model.layers
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
@@ -449,7 +453,7 @@ class LlamaForCausalLM(nn.Module):
         stack = cpu_model.kernels().DecoderStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate,
                                                  norm.eps, attn.scale)
         for la, ms in zip(layers, linears):
-            parts = [([(p, kind == "q4", group, n) for (kind, group, n, _k), (p,) in zip(m.calls, m.packed)], m.bias)
+            parts = [([(p, KINDS[kind], group, n) for (kind, group, n, _k), (p,) in zip(m.calls, m.packed)], m.bias)
                      for m in ms]
             stack.add_layer(la.input_layernorm.weight.detach(), la.post_attention_layernorm.weight.detach(),
                             *[a for part in parts for a in part])

@@ -9,11 +9,20 @@
 // acc = fma(min, s_a * sum(q_a), acc)) whatever the tile shape, path or thread count, so a row's result does
 // not depend on which rows share the call (bitwise M-invariance). Threads own disjoint tiles of output rows.
 // Built as part of engine/cpu_model.cpp (one extension, which defines the Python module).
+//
+// FP8 ("f8"): e4m3 weights with one fp32 scale per output row, run as torch._scaled_mm runs them (W8A8): each
+// activation row is quantized to e4m3 with the scale amax / 448 (engine/quant.py's quantize_tokens_fp8, the same
+// fp32 ops and round-to-nearest-even), then y[m, n] = (sum_k q_a[m, k] * q_w[n, k]) * s_a[m] * s_w[n]. A product
+// of two e4m3 values is exact in fp32, so fma and multiply-then-add agree; the sum keeps 16 partial sums (lane l
+// takes k = l, l + 16, ...) added in a fixed tree, the same in the AVX-512 path and the plain one, whatever the
+// batch or the threads. torch's own CPU _scaled_mm converts every weight element on each call: 50 times slower
+// than fp32 at decode sizes on this VM (docs/benchmarks.md); this one reads each e4m3 byte once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
 #include <immintrin.h>
+#include <vector>
 
 namespace {
 
@@ -263,8 +272,184 @@ void run(const Weights& w, const Acts& a, int64_t M, float* y) {
 }
 #endif
 
-torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, bool q4, int64_t group, int64_t n) {
+// -- FP8 (e4m3) weights ------------------------------------------------------------------------------------
+constexpr int64_t F8L = 16;                  // partial sums per output element
+
+inline float f8_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline uint32_t f8_word(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+
+// The value of an e4m3 byte (0x7f / 0xff, e4m3fn's NaN, never occur: quantization saturates at 448).
+inline float e4m3_value(uint8_t byte) {
+  const uint32_t em = byte & 0x7f;
+  const float mag = em < 8 ? (float)em * 0x1p-9f : f8_bits((em << 20) + (120u << 23));
+  return f8_bits(f8_word(mag) | (uint32_t)(byte & 0x80) << 24);
+}
+
+// v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, as torch's .to(torch.float8_e4m3fn).
+inline float e4m3_round(float v) {
+  const float a = std::fabs(v);
+  float r;
+  if (a < 0x1p-6f) {                         // subnormal e4m3: a grid of 2^-9
+    r = std::nearbyint(a * 512.f) * 0x1p-9f;
+  } else {                                   // 3 mantissa bits kept, ties to even
+    uint32_t b = f8_word(a);
+    b += 0x7FFFFu + ((b >> 20) & 1u);
+    r = f8_bits(b & 0xFFF00000u);
+  }
+  return std::copysign(r, v);
+}
+
+// Row m of x as its e4m3 values (fp32) and its scale.
+void f8_quantize_row(const float* x, int64_t K, float* q, float* s) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  float d = amax / 448.f;
+  d = std::isnan(d) ? d : std::max(d, 1e-12f);
+  for (int64_t k = 0; k < K; ++k) q[k] = e4m3_round(std::min(std::max(x[k] / d, -448.f), 448.f));
+  *s = d;
+}
+
+inline float f8_reduce(float* p) {           // the 16 partial sums in a fixed tree
+  for (int w = F8L / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] += p[l + w];
+  return p[0];
+}
+
+// Plain loops: the path of CPUs without AVX-512 (the compiler vectorizes the lanes), and the reference the
+// AVX-512 path is tested against bit for bit (f8_matmul_portable).
+void f8_rows_plain(const float* qa, const float* sa, const uint8_t* w, const float* sw, int64_t K, int64_t N,
+                   int64_t M, int64_t n0, int64_t n1, float* y) {
+  float lut[256];
+  for (int i = 0; i < 256; ++i) lut[i] = e4m3_value((uint8_t)i);
+  std::vector<float> row(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t k = 0; k < K; ++k) row[k] = lut[w[n * K + k]];
+    for (int64_t m = 0; m < M; ++m) {
+      float p[F8L] = {};
+      const float* x = qa + m * K;
+      for (int64_t k = 0; k < K; k += F8L)
+        for (int l = 0; l < F8L; ++l) p[l] = std::fma(x[k + l], row[k + l], p[l]);
+      y[m * N + n] = f8_reduce(p) * sa[m] * sw[n];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 e4m3_16(const uint8_t* p) {    // 16 e4m3 bytes -> fp32, exactly e4m3_value's
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m512i em = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0x1p-9f));
+  const __m512 mag = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+
+// MR activation rows x NR weight rows, all of K, in registers. The weights come as e4m3 bytes (row n at
+// w + n * K), or (WF) as their fp32 values, converted once for all of a prefill's rows (row j at wf + j * K).
+template <int MR, int NR, bool WF>
+void f8_tile(const float* qa, const float* sa, const uint8_t* w, const float* wf, const float* sw, int64_t K,
+             int64_t N, int64_t m0, int64_t n0, float* y) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += F8L) {
+    __m512 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = WF ? _mm512_loadu_ps(wf + j * K + k) : e4m3_16(w + (n0 + j) * K + k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(qa + (m0 + i) * K + k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  alignas(64) float p[F8L];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      _mm512_store_ps(p, acc[i][j]);
+      y[(m0 + i) * N + n0 + j] = f8_reduce(p) * sa[m0 + i] * sw[n0 + j];
+    }
+}
+
+template <int MR, bool WF>
+void f8_tile_r(int64_t r, const float* qa, const float* sa, const uint8_t* w, const float* wf, const float* sw,
+               int64_t K, int64_t N, int64_t m0, int64_t n0, float* y) {
+  switch (r) {
+    case 4: return f8_tile<MR, 4, WF>(qa, sa, w, wf, sw, K, N, m0, n0, y);
+    case 3: return f8_tile<MR, 3, WF>(qa, sa, w, wf, sw, K, N, m0, n0, y);
+    case 2: return f8_tile<MR, 2, WF>(qa, sa, w, wf, sw, K, N, m0, n0, y);
+    default: return f8_tile<MR, 1, WF>(qa, sa, w, wf, sw, K, N, m0, n0, y);
+  }
+}
+
+template <bool WF>
+void f8_tile_any(int64_t mr, int64_t r, const float* qa, const float* sa, const uint8_t* w, const float* wf,
+                 const float* sw, int64_t K, int64_t N, int64_t m0, int64_t n0, float* y) {
+  switch (mr) {
+    case 4: return f8_tile_r<4, WF>(r, qa, sa, w, wf, sw, K, N, m0, n0, y);
+    case 3: return f8_tile_r<3, WF>(r, qa, sa, w, wf, sw, K, N, m0, n0, y);
+    case 2: return f8_tile_r<2, WF>(r, qa, sa, w, wf, sw, K, N, m0, n0, y);
+    default: return f8_tile_r<1, WF>(r, qa, sa, w, wf, sw, K, N, m0, n0, y);
+  }
+}
+
+// Weight rows [n0, n1) against all M activation rows, in tiles of 4 x 4. Past one tile of activation rows the
+// block's weights are converted once into `buf`, and each tile of activation rows (in L1) meets all of them: the
+// same values, so the same bits, at a prefill's speed.
+void f8_block(const float* qa, const float* sa, const uint8_t* w, const float* sw, int64_t K, int64_t N, int64_t M,
+              int64_t n0, int64_t n1, float* y, std::vector<float>& buf) {
+  if (M <= 4) {
+    for (int64_t n = n0; n < n1; n += 4) f8_tile_any<false>(M, std::min<int64_t>(4, n1 - n), qa, sa, w, nullptr, sw,
+                                                            K, N, 0, n, y);
+    return;
+  }
+  buf.resize((n1 - n0) * K);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t k = 0; k < K; k += F8L) _mm512_storeu_ps(buf.data() + (n - n0) * K + k, e4m3_16(w + n * K + k));
+  for (int64_t m0 = 0; m0 < M; m0 += 4)
+    for (int64_t n = n0; n < n1; n += 4)
+      f8_tile_any<true>(std::min<int64_t>(4, M - m0), std::min<int64_t>(4, n1 - n), qa, sa, w,
+                        buf.data() + (n - n0) * K, sw, K, N, m0, n, y);
+}
+#endif
+
+// packed: the codes [N, K] (uint8) then the row scales [N] (fp32), engine/quant_kernels.py's prepare("f8").
+torch::Tensor f8_matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, bool portable) {
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % F8L == 0, "fp8 matmul: K must be a multiple of 16");
+  TORCH_CHECK(packed.numel() == n * K + 4 * n, "packed fp8 weights do not match n, k");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sw = (const float*)(w + n * K);               // K % 16 == 0: 4-byte aligned
+  torch::Tensor acts = torch::empty({M * K + M}, torch::kFloat);
+  float *qa = acts.data_ptr<float>(), *sa = qa + M * K;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) f8_quantize_row(xp + m * K, K, qa + m * K, sa + m);
+  });
+  torch::Tensor y = torch::empty({M, n});
+  float* yp = y.data_ptr<float>();
+  if (M == 0) return y;
+  constexpr int64_t NB = 16;                                 // weight rows a task takes (and converts once)
+  at::parallel_for(0, (n + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * NB, n1 = std::min(n, b1 * NB);
+#if defined(__AVX512F__)
+    if (!portable) {
+      std::vector<float> buf;
+      for (int64_t b = b0; b < b1; ++b) f8_block(qa, sa, w, sw, K, n, M, b * NB, std::min(n, (b + 1) * NB), yp, buf);
+      return;
+    }
+#endif
+    f8_rows_plain(qa, sa, w, sw, K, n, M, n0, n1, yp);
+  });
+  return y;
+}
+
+// kind: KIND_Q8, KIND_Q4 or KIND_F8 (engine/quant_kernels.py's KINDS)
+constexpr int64_t KIND_Q8 = 0, KIND_Q4 = 1, KIND_F8 = 2;
+
+torch::Tensor matmul(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t group, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, K]");
+  if (kind == KIND_F8) return f8_matmul(x, packed, n, false);
+  TORCH_CHECK(kind == KIND_Q8 || kind == KIND_Q4, "unknown packed kind");
+  const bool q4 = kind == KIND_Q4;
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % QK == 0 && K % group == 0 && (group == 16 || group % QK == 0), "bad K or group");
   const int64_t bps = std::max(group, QK) / QK, bytes = q4 ? 256 : 512, nsc = group == 16 ? 2 : 1;

@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul on CPU: y = x @ W.T with W held as packed 4-bit or 8-bit integers.
+"""Quantized matmul on CPU: y = x @ W.T with W held as packed 4-bit or 8-bit integers, or as FP8 (e4m3).
 
 Decode reads every weight once per token, so on CPU its speed is the weights' bytes: SmolLM2-135M is 538 MB
 of fp32 per token, ~6x fewer as 4-bit. The C++ kernel (engine/quant_cpu.cpp, built by engine/cpp_build.py)
@@ -9,6 +9,9 @@ Formats (what the caller builds, one row per output feature, K % 32 == 0):
   "q4": qs uint8 [N, K/2], a 32-element block b of a row in qs[n, 16b:16b+16], element j < 16 the low nibble of
         byte j, 16 + j its high nibble (GGUF order); w = scales[n, k // group] * q + mins[n, k // group], q 0..15.
   "q8": qs int8 [N, K]; w = scales[n, k // group] * q. group 16 (GGUF Q6_K) or a multiple of 32 dividing K.
+  "f8": qs float8_e4m3fn [N, K], one scale per row; K % 16 == 0. W8A8 as torch._scaled_mm: each activation row
+        quantized to e4m3 (engine/quant.py's quantize_tokens_fp8), y = dot(q_a, q_w) * s_a * s_w with 16 partial
+        sums in a fixed order (engine/quant_cpu.cpp says how), so this kind is bitwise batch-invariant too.
 Numerics: a row's block of x is s = max|x| / 127, q_a = round_half_even(x / s) (s = 0: zeros), and
 y[m, n] = sum over blocks b, in order, of s_a[b] * (d * dot(q_w, q_a) [+ min * sum(q_a)]) (two half-block dots with
 their scales for group 16), in fp32 with the same ops for every element, so a row's output is bitwise the same
@@ -22,6 +25,7 @@ import torch
 from engine.cpu_model import available, kernels as _load      # engine/quant_cpu.cpp is built as part of it
 
 TILE = 16                              # output rows per packed weight tile
+KINDS = {"q8": 0, "q4": 1, "f8": 2}    # the C++ matmul's `kind`
 
 
 def _unpack_q4(qs: torch.Tensor) -> torch.Tensor:
@@ -52,6 +56,9 @@ def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]
     A q4 block's byte j holds k = j and k = 16 + j (GGUF order), and the kernel's lane wants the same pairs, so
     both formats' blocks are the stored bytes moved as 4-byte words: one copy per part, straight into its place
     (a replica's start-up pays this for every linear layer)."""
+    if kind == "f8":                       # the codes, then the row scales: one tensor
+        codes = qs.contiguous().view(torch.uint8).reshape(-1)
+        return (torch.cat([codes, scales.float().reshape(-1).contiguous().view(torch.uint8)]),)
     if kind not in ("q4", "q8"):
         raise ValueError(f"unknown quantized kind {kind!r}")
     n, k = qs.shape[0], qs.shape[1] * (2 if kind == "q4" else 1)
@@ -76,7 +83,7 @@ def prepare(kind: str, qs, scales, mins, group: int) -> tuple[torch.Tensor, ...]
 
 def matmul(x: torch.Tensor, packed: tuple, kind: str, group: int, n: int, k: int) -> torch.Tensor:
     """x fp32 [M, K] -> y fp32 [M, N] for weights packed by prepare()."""
-    return _load().matmul(x.float().contiguous(), *packed, kind == "q4", group, n)
+    return _load().matmul(x.float().contiguous(), *packed, KINDS[kind], group, n)
 
 
 def _quantize_acts(x: torch.Tensor):
@@ -88,7 +95,12 @@ def _quantize_acts(x: torch.Tensor):
 
 
 def emulate(x: torch.Tensor, kind: str, qs, scales, mins, group: int) -> torch.Tensor:
-    """The kernel's math in torch: exact integer block dots, the per-block scaling summed in float64."""
+    """The kernel's math in torch: exact integer block dots, the per-block scaling summed in float64 (f8: torch's
+    own e4m3 activations, the dot in float64)."""
+    if kind == "f8":
+        from engine.quant import quantize_tokens_fp8
+        xq, xs = quantize_tokens_fp8(x)
+        return ((xq.double() @ qs.double().t()) * xs.double() * scales.double().reshape(1, -1)).float()
     qa, sa = _quantize_acts(x)
     m, nb = sa.shape
     n = qs.shape[0]
@@ -105,6 +117,8 @@ def emulate(x: torch.Tensor, kind: str, qs, scales, mins, group: int) -> torch.T
 
 def dequantize(kind: str, qs, scales, mins, group: int) -> torch.Tensor:
     """fp32 [N, K]."""
+    if kind == "f8":
+        return qs.float() * scales.float().reshape(-1, 1)
     q = (_unpack_q4(qs) if kind == "q4" else qs).float()
     w = q * scales.float().repeat_interleave(group, dim=1)
     return w + mins.float().repeat_interleave(group, dim=1) if kind == "q4" else w

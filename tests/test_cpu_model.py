@@ -1,7 +1,7 @@
 """The C++ decoder stack (engine/cpu_model.py) runs a packed model's layers with the same kernels and ATen ops as the
 Python modules, so an engine gives the same bits either way: teacher-forced logits over a prefill and a cached
 chunk, and greedy tokens with their logprobs, on the default model (fp32 and int8 KV caches), on a GGUF whose
-fused q/k/v mixes three packed types beside biases (qwen2), on int8 weights, and with LoRA adapters wrapping the
+fused q/k/v mixes three packed types beside biases (qwen2), on int8 and fp8 weights, and with LoRA adapters wrapping the
 linears (their products added by the same kernel). Where it does not apply (fp8 KV) the modules run, and the text
 is the same."""
 from __future__ import annotations
@@ -41,7 +41,7 @@ def stack_switch(monkeypatch):
     cpu_model.stack_enabled.cache_clear()
 
 
-@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "llama int8"])
+@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "llama int8", "llama fp8"])
 def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
     if case.startswith("smollm2"):
         llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512,
@@ -50,7 +50,7 @@ def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
         llm = LLM(str(write_gguf(tmp_path / "q.gguf", ALL_PACKED, arch="qwen2", hidden=256, intermediate=512)),
                   num_kv_blocks=64, max_model_len=512)
     else:
-        llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), quantization="int8", num_kv_blocks=64)
+        llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), quantization=case.split()[1], num_kv_blocks=64)
     g = torch.Generator().manual_seed(1)
     vocab = min(llm.engine.hf_config.vocab_size, 30000)
     seqs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 30, 53)]

@@ -249,15 +249,17 @@ def test_gptq_and_awq_checkpoints_load_packed(tmp_path, method):
 
 @pytest.mark.parametrize("method", ["fp8", "fp8-tensor"])
 def test_fp8_checkpoints_load_packed_and_run_in_fp8(tmp_path, method):
-    """An FP8 checkpoint (e4m3 weights, per-channel or per-tensor weight_scale) stays e4m3 and runs through torch's
-    _scaled_mm with activations scaled per token; `quantization="fp8"` of the float weights it stands for is the
-    same model, token for token."""
+    """An FP8 checkpoint (e4m3 weights, per-channel or per-tensor weight_scale) stays e4m3 and runs as torch's
+    _scaled_mm computes it, with activations scaled per token (on CPU in the C++ kernel, reading a byte a weight);
+    `quantization="fp8"` of the float weights it stands for is the same model, token for token."""
     path, ref_path = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama"), tmp_path / method, method)
     ref = LLM(ref_path, num_kv_blocks=64)
     q = LLM(path, num_kv_blocks=64)
     assert q.engine.runner.quantization == "fp8"
     qkv = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, QuantLinear) and qkv.weights[0].qs.dtype == torch.float8_e4m3fn
+    assert isinstance(qkv, QuantLinear) and [c[0] for c in qkv.calls] == ["f8"] and len(qkv.packed) == 1
+    n, k = qkv.calls[0][2:]
+    assert qkv.packed[0][0].nbytes == n * k + 4 * n                 # e4m3 codes and a scale per row, no more
     assert q.engine.model_key.endswith(":q=fp8") and q.engine.compat_key() == ref.engine.compat_key()
     seqs = [list(range(5, 30)), list(range(100, 111))]
     for ours, want in zip(engine_logprobs(q, seqs), engine_logprobs(ref, seqs)):
