@@ -470,10 +470,13 @@ class LlamaForCausalLM(nn.Module):
         return emb.qweight.dequantize(slice(0, n)) if isinstance(emb, QuantEmbedding) else emb.weight[:n]
 
     def weight_bytes(self) -> int:
-        """Bytes of every weight held, packed ones included, each shared tensor once."""
+        """Bytes of every weight held, packed ones included (oneDNN's reordered fp32 copies too: opaque tensors,
+        no data pointer), each shared tensor once."""
         held = list(self.parameters()) + [t for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))
                                          for t in m.tensors()]
-        return sum({t.data_ptr(): t.numel() * t.element_size() for t in held}.values())
+        onednn = {id(m.packed): m.packed for m in self.modules() if isinstance(m, PackedLinear)}
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in held}.values()) + \
+            sum(t.numel() * t.element_size() for t in onednn.values())
 
     def quantize_linears(self, method: str = "int8") -> int:
         """quantization="int8": every Linear (the head too; a tied embedding stays as it is for lookups) becomes

@@ -154,9 +154,9 @@ class ModelRunner:
             self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
         if hf_method is None and self.quantization in ("int8", "fp8"):   # a float checkpoint quantized at load
             self.model.quantize_linears(self.quantization)
-        self.weight_bytes = self.model.weight_bytes()
         if can_prepack(self.device, self.dtype):
             self.model.prepack_linears()
+        self.weight_bytes = self.model.weight_bytes()       # after prepacking: a tied head gets its own copy there
 
     def allocate_kv(self, num_blocks: int) -> None:
         """The KV cache, the step buffers and (on CUDA, unless enforce_eager) the CUDA graphs."""

@@ -211,6 +211,19 @@ def test_smollm2_formats_stay_close_to_fp32(smol_formats, fmt):
 
 
 @pytest.mark.slow
+def test_smollm2_weight_bytes_count_what_each_format_holds(smol_formats):
+    """The engine's weight bytes (its start-up log, the batch-1 bound of `baton bench engine`): fp32 holds 4 bytes
+    for each of SmolLM2's 134.5M parameters, oneDNN's reordered copies included (they have no data pointer), and
+    its tied head's own copy beside the embedding; the GGUF packed holds under a third of that, and fp8 a byte per
+    weight of its layers beside the fp32 embedding and the head's fp32 copy (the head stays, as vLLM's)."""
+    size = {q: llm.engine.runner.weight_bytes for q, llm in smol_formats.items()}
+    params, embedding = 134_515_008, 49152 * 576
+    assert size["none"] >= 4 * (params + embedding)
+    assert size["gguf"] < size["none"] / 3
+    assert params - embedding <= size["fp8"] - 8 * embedding < 1.05 * (params - embedding)
+
+
+@pytest.mark.slow
 def test_smollm2_packed_equals_itself_whatever_the_chunking_or_the_cache(smol_formats):
     """int8 activations turn a last-bit difference into another code: the packed model runs every attention
     call through one kernel, so a prompt prefilled whole, from the prefix cache, or in 16-token chunks
