@@ -179,8 +179,9 @@ def _perplexity(lp: torch.Tensor, ids: list[int]) -> float:
     return math.exp(-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item())
 
 
-# measured (docs/benchmarks.md): perplexity 10.78 fp32, 10.87 gguf, 11.09 int8, 11.18 fp8; top-1 agreement
-# 0.95 / 0.92 / 0.83; mean KL 0.011 / 0.030 / 0.152; the greedy continuations part at near-ties of at most 0.5 nats.
+# measured (docs/benchmarks.md): perplexity 10.78 fp32, 10.87 gguf, 11.09 int8, 11.18 fp8 (11.67 since fp8 runs
+# Baton's kernel, its sums in another order); top-1 agreement 0.95 / 0.92 / 0.83 (0.85); mean KL 0.011 / 0.030 /
+# 0.152 (0.166); the greedy continuations part at near-ties of at most 0.5 nats.
 # Quantized activations make these figures chaotic: on an AVX2 machine (2026-11-28) the unperturbed run gave gguf
 # 11.01 and fp8 11.87, and the same runs with the embeddings scaled by 1 + 1e-7 noise (about one ulp) gave gguf
 # 10.82-10.98 and fp8 11.13-11.47; int8's greedy text parted at a 0.57-nat near-tie. The bounds hold that spread.
