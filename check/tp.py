@@ -1,9 +1,12 @@
-"""Part 5 of `baton check gpu`: tensor parallelism over two GPUs (NCCL) gives TP 1's greedy tokens, and what its
-collectives cost per decode step. It runs where the machine has at least two GPUs (else one SKIP row); the CPU
+"""Part 5 of `baton check gpu`: tensor parallelism over two GPUs (NCCL) gives TP 1's greedy tokens, the first
+model's GPTQ checkpoint too (each rank's share of the 4-bit codes packed), and what its collectives cost per decode
+step. It runs where the machine has at least two GPUs (else one SKIP row); the CPU
 dry mode runs the same code over gloo."""
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -52,33 +55,45 @@ def check_tp(paths: dict[str, str], cpu: bool, log: Callable[[str], None] = lamb
     lengths, n = (CPU_PROMPTS, CPU_NEW_TOKENS) if cpu else (GPU_PROMPTS, GPU_NEW_TOKENS)
     gap = max(FLOORS[dtype][0], MAX_LOGPROB_GAP)         # the all-reduce sums in another order than one GPU
     rows = []
-    for name, path in paths.items():
-        from engine.loader import load_config
-        prompts = random_prompts(load_config(path).vocab_size, lengths, seed=1)
-        speed = {}
-        for tp in (1, TP):
-            log(f"tp: {name}: TP {tp}")
-            llm = _engine(path, tp, dtype, device)
-            try:
-                outs = _greedy(llm, prompts, n)
-                speed[tp] = _decode_step(llm, prompts[0])
-            finally:
-                llm.engine.shutdown()
-            if tp == 1:
-                ref = outs
-        errors, ties = [], []
-        for i, (out, want) in enumerate(zip(outs, ref)):
-            try:
-                ties.append(check_greedy_close(baton_greedy(out), baton_greedy(want), max_gap=gap))
-            except GreedyMismatch as e:
-                errors.append(f"prompt {i}: {e}")
-        equal = sum(t is None for t in ties)
-        result = "; ".join(errors) or (f"{equal}/{len(prompts)} prompts equal x {n} tokens, near-ties at "
-                                       f"{[t for t in ties if t is not None] or 'none'}")
-        rows.append(Row("tp", f"{name} TP {TP} greedy vs TP 1", result, FAIL if errors else PASS,
-                        data={"equal": equal, "prompts": len(prompts), "errors": errors, "max_gap": gap}))
-        s1, s2 = speed[1], speed[TP]
-        rows.append(Row("tp", f"{name} TP {TP} decode step, batch 1",
-                        f"{s2['step_ms']:.2f} ms ({s2['collectives_ms']:.2f} ms in collectives) vs TP 1 "
-                        f"{s1['step_ms']:.2f} ms", INFO, data={"tp1": s1, f"tp{TP}": s2}))
+    first, first_path = next(iter(paths.items()))
+    with tempfile.TemporaryDirectory() as tmp:
+        from check.quant import write_quantized
+        gptq, _ = write_quantized(first_path, Path(tmp) / "gptq", "gptq", device=torch.device(device))
+        # packed shards: each rank holds its rows or columns of the 4-bit codes (on CPU, int8 activations)
+        cases = [(name, path, gap) for name, path in paths.items()] + \
+            [(f"{first} GPTQ", gptq, max(gap, 0.5) if cpu else gap)]
+        for name, path, max_gap in cases:
+            rows += _tp_case(name, path, device, dtype, lengths, n, max_gap, log)
     return rows
+
+
+def _tp_case(name: str, path: str, device: str, dtype: torch.dtype, lengths, n: int, gap: float,
+             log: Callable[[str], None]) -> list[Row]:
+    from engine.loader import load_config
+    prompts = random_prompts(load_config(path).vocab_size, lengths, seed=1)
+    speed = {}
+    for tp in (1, TP):
+        log(f"tp: {name}: TP {tp}")
+        llm = _engine(path, tp, dtype, device)
+        try:
+            outs = _greedy(llm, prompts, n)
+            speed[tp] = _decode_step(llm, prompts[0])
+        finally:
+            llm.engine.shutdown()
+        if tp == 1:
+            ref = outs
+    errors, ties = [], []
+    for i, (out, want) in enumerate(zip(outs, ref)):
+        try:
+            ties.append(check_greedy_close(baton_greedy(out), baton_greedy(want), max_gap=gap))
+        except GreedyMismatch as e:
+            errors.append(f"prompt {i}: {e}")
+    equal = sum(t is None for t in ties)
+    result = "; ".join(errors) or (f"{equal}/{len(prompts)} prompts equal x {n} tokens, near-ties at "
+                                   f"{[t for t in ties if t is not None] or 'none'}")
+    s1, s2 = speed[1], speed[TP]
+    return [Row("tp", f"{name} TP {TP} greedy vs TP 1", result, FAIL if errors else PASS,
+                data={"equal": equal, "prompts": len(prompts), "errors": errors, "max_gap": gap}),
+            Row("tp", f"{name} TP {TP} decode step, batch 1",
+                f"{s2['step_ms']:.2f} ms ({s2['collectives_ms']:.2f} ms in collectives) vs TP 1 "
+                f"{s1['step_ms']:.2f} ms", INFO, data={"tp1": s1, f"tp{TP}": s2})]

@@ -80,7 +80,8 @@ class EngineKnobs(_Schema):
         "load_format", "auto, safetensors, or dummy (random weights: benchmark a model without its checkpoint)")
     quantization: Literal[QUANTIZATIONS] | None = _knob(
         "quantization", "Weights: auto (a GGUF model, the default included, and a GPTQ, AWQ or FP8 checkpoint "
-                        "run packed, on CPU and CUDA at TP 1), none (the model's dtype; dequantizes those), gguf, "
+                        "run packed, on CPU and CUDA, each TP rank holding its share packed), none (the model's "
+                        "dtype; dequantizes those), gguf, "
                         "gptq, awq, int8 (weight-only, quantized at load), fp8 (e4m3 weights with a scale per "
                         "channel, quantized at load; FP8 GEMMs with per-token activations)")
     block_size: int | None = _knob("block_size", "Tokens per KV block, a power of two; the same in both pools "

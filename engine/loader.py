@@ -408,6 +408,33 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
         raise ModelLoadError(f"{model}: quantized layers without all of {', '.join(leaves)}: {sorted(parts)[:3]}")
 
 
+def shard_weights(weights: Iterator[tuple[str, "torch.Tensor | QuantWeight"]],
+                  shard_of: Callable[[str], tuple[int, int, int] | None] | None
+                  ) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
+    """A tensor-parallel rank's part of each tensor a reader yields whole (a GGUF's, a GPTQ/AWQ/FP8 checkpoint's):
+    float tensors sliced, packed ones by QuantWeight.shard (packed where their layout allows the cut).
+    `shard_of` None (TP 1): everything as it comes. A packed weight whose cut the layout does not allow (columns
+    through a group of scales) runs dequantized, with a warning naming it."""
+    import torch
+    unpacked = []
+    for name, w in weights:
+        part = shard_of(name) if shard_of is not None else None
+        if part is None:
+            yield name, w
+            continue
+        dim, start, stop = part
+        if isinstance(w, torch.Tensor):
+            yield name, (w[start:stop] if dim == 0 else w[:, start:stop]).contiguous()
+            continue
+        mine = w.shard(dim, start, stop)
+        if isinstance(mine, torch.Tensor):
+            unpacked.append(name)
+        yield name, mine
+    if unpacked:
+        log.warning("this rank's columns of %d packed weights (e.g. %s) cut their groups of scales: they run "
+                    "dequantized", len(unpacked), unpacked[0])
+
+
 def read_slice(fh, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
     """Rows (dim 0) or columns (dim 1) start:stop of one tensor, read without the rest of it."""
     sl = fh.get_slice(name)

@@ -106,14 +106,21 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.tp, self.packed = tp, None
+        self.tp, self.packed, self.quant = tp, None, None
 
     def prepack(self) -> None:
         self.packed = PackedLinear(self.weight, None)
         del self.weight                                   # the packed copy replaces it
 
+    def quantize(self, quant: "QuantLinear") -> None:
+        """Packed weights (this rank's columns) replace the float ones; the bias is still added once, after."""
+        self.quant = quant
+        del self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.packed(x) if self.packed is not None else F.linear(x, self.weight))
+        local = self.quant if self.quant is not None else self.packed if self.packed is not None else \
+            (lambda t: F.linear(t, self.weight))
+        y = self.tp.all_reduce(local(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -482,16 +489,17 @@ class LlamaForCausalLM(nn.Module):
         """quantization="int8": every Linear (the head too; a tied embedding stays as it is for lookups) becomes
         int8 with one scale per output row. "fp8": every Linear but the head (as vLLM) becomes e4m3 with one scale
         per output row. Returns how many."""
-        if self.tp is not None:
-            raise ModelLoadError(f"quantization={method!r} runs at tensor_parallel_size 1 only")
         quantize = {"int8": quantize_int8, "fp8": quantize_fp8}[method]
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                  if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)]
         for parent, name, child in swaps:
             setattr(parent, name, QuantLinear([quantize(child.weight)], child.bias, child.weight.device,
                                                dtype=child.weight.dtype))
+        rows = [m for m in self.modules() if isinstance(m, RowParallelLinear)]    # TP: this rank's columns
+        for m in rows:
+            m.quantize(QuantLinear([quantize(m.weight)], None, m.weight.device, dtype=m.weight.dtype))
         self._attention_in_one_kernel()
-        return len(swaps)
+        return len(swaps) + len(rows)
 
     def _attention_in_one_kernel(self) -> None:
         """Quantized linears quantize their activations: every attention call takes the one C++ path, so a
@@ -505,7 +513,7 @@ class LlamaForCausalLM(nn.Module):
                  if isinstance(child, nn.Linear)]
         for parent, name, child in swaps:
             setattr(parent, name, PackedLinear(child.weight, child.bias))
-        rows = [m for m in self.modules() if isinstance(m, RowParallelLinear)]
+        rows = [m for m in self.modules() if isinstance(m, RowParallelLinear) and m.quant is None]
         for m in rows:
             m.prepack()
         return len(swaps) + len(rows)
@@ -552,9 +560,10 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+            if isinstance(tensor, QuantWeight) and self.tp is not None and \
+                    target in ("model.embed_tokens.weight", "lm_head.weight"):
+                tensor = tensor.dequantize()              # vocab-parallel rows (padded per rank) run as floats
             if isinstance(tensor, QuantWeight):
-                if self.tp is not None:
-                    raise ModelLoadError("packed (quantized) weights load at tensor_parallel_size 1 only")
                 packed.setdefault(target.rpartition(".")[0], {})[shard or 0] = (tensor, target, name)
             else:
                 self._copy_in(params[target], tensor, target, shard, name)
@@ -576,11 +585,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             whole = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
             old = self.get_submodule(module)
-            if not isinstance(old, nn.Linear):
+            if not isinstance(old, (nn.Linear, RowParallelLinear)):
                 raise ModelLoadError(f"{module} cannot hold packed weights")
             if len(parts) < whole:
                 for shard, (qw, target, name) in parts.items():
                     self._copy_in(params[target], qw.dequantize(), target, shard if whole > 1 else None, name)
+                continue
+            if isinstance(old, RowParallelLinear):        # TP: this rank's columns, reduced, then the bias
+                old.quantize(QuantLinear([parts[0][0]], None, old.weight.device, dtype=old.weight.dtype))
                 continue
             parent, _, attr = module.rpartition(".")
             setattr(self.get_submodule(parent), attr,

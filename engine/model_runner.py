@@ -18,7 +18,7 @@ from engine.errors import ConfigError
 from engine.kv_layout import KVCacheSpec
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
 from engine.loader import (DUMMY_SHAPES, gguf_source, init_dummy_weights, iter_gguf_weights, iter_hf_quant_weights,
-                           iter_weights, names_gguf)
+                           iter_weights, names_gguf, shard_weights)
 from engine.model import LlamaForCausalLM, can_prepack
 from engine.parallel import TPGroup
 from engine.quant import hf_quant_method, resolve_quantization
@@ -113,7 +113,7 @@ class ModelRunner:
         quant_config = getattr(hf_config, "quantization_config", None)
         hf_method = None if dummy else hf_quant_method(quant_config)
         self.quantization = resolve_quantization(config.quantization, gguf, names_gguf(config.model), self.device,
-                                                 1 if tp is None else tp.size, hf_method)
+                                                 hf_method)
         key = None if dummy or tp is not None else weights_key(
             model_path, gguf if self.quantization == "gguf" else None, hf_config, self.device, self.dtype,
             self.quantization)
@@ -145,11 +145,11 @@ class ModelRunner:
         if dummy:
             init_dummy_weights(self.model, self.config.seed)
         elif self.quantization == "gguf":
-            self.model.load_weights(iter_gguf_weights(gguf, hf_config))
+            self.model.load_weights(shard_weights(iter_gguf_weights(gguf, hf_config), self.model.weight_shard))
         elif hf_method is not None:
-            if tp is not None:
-                raise ConfigError(f"{hf_method} checkpoints load at tensor_parallel_size 1 only so far")
-            self.model.load_weights(iter_hf_quant_weights(model_path, quant_config, self.quantization == "none"))
+            self.model.load_weights(shard_weights(iter_hf_quant_weights(model_path, quant_config,
+                                                                        self.quantization == "none"),
+                                                  self.model.weight_shard))
         else:
             self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
         if hf_method is None and self.quantization in ("int8", "fp8"):   # a float checkpoint quantized at load

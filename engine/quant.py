@@ -57,6 +57,31 @@ class QuantWeight:
         pick = (lambda t: None if t is None else t[index].contiguous())
         return QuantWeight(self.kind, pick(self.qs), pick(self.scales), pick(self.mins), self.group, self.source)
 
+    def cols(self, start: int, stop: int) -> "QuantWeight | None":
+        """Columns start:stop (a row-parallel rank's share of the inputs, tensor parallelism), or None where they
+        would cut a group of scales, a q4 block of 32, or leave a width the kernels do not take (then the caller
+        runs that share dequantized)."""
+        n, k = self.shape
+        block = 16 if self.kind == "f8" else 32          # the C++ kernel's K multiple (q4: also its byte blocks)
+        if start % block or (stop - start) % block or (self.group < k and (start % self.group or stop % self.group)):
+            return None
+        if self.group < k:
+            scales = self.scales[:, start // self.group:stop // self.group].contiguous()
+            mins = None if self.mins is None else self.mins[:, start // self.group:stop // self.group].contiguous()
+            group = self.group
+        else:                                             # one scale per row: it holds for any columns
+            scales, mins, group = self.scales, self.mins, stop - start
+        qs = self.qs[:, start // 2:stop // 2] if self.kind == "q4" else self.qs[:, start:stop]
+        return QuantWeight(self.kind, qs.contiguous(), scales, mins, group, self.source)
+
+    def shard(self, dim: int, start: int, stop: int) -> "QuantWeight | torch.Tensor":
+        """A tensor-parallel rank's part: rows (dim 0) or columns (dim 1) start:stop, packed where the layout
+        allows it, else dequantized to fp32."""
+        if dim == 0:
+            return self.rows(slice(start, stop))
+        part = self.cols(start, stop)
+        return part if part is not None else self.dequantize()[:, start:stop].contiguous()
+
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
         """Rows of several weights of one kind and group stacked (q, k, v into qkv)."""
@@ -85,21 +110,22 @@ class QuantWeight:
         return w.view(n, k)
 
 
-def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device, tp_size: int,
+def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device,
                          hf_method: str | None = None) -> str:
     """What the weights run as. "auto": a model named as a GGUF (the default model included) stays in its
     packed types, as llama.cpp and vLLM run it, and so does a GPTQ, AWQ or FP8 checkpoint (`hf_method`);
     anything else runs in the model's dtype ("none", which dequantizes those). Packed weights run on CPU (C++
-    kernels) and CUDA (Triton; FP8 through torch's `_scaled_mm`) at tensor_parallel_size 1. `gguf` is the GGUF the
-    weights can load from (None for a dummy or a Hugging Face checkpoint)."""
-    packed_ok = device.type in ("cpu", "cuda") and tp_size == 1
+    kernels) and CUDA (Triton; FP8 through torch's `_scaled_mm`), at any tensor_parallel_size (each rank holds its
+    rows or columns packed, QuantWeight.shard). `gguf` is the GGUF the weights can load from (None for a dummy or
+    a Hugging Face checkpoint)."""
+    packed_ok = device.type in ("cpu", "cuda")
     if hf_method is not None:
         if requested in ("auto", hf_method):
             if packed_ok:
                 return hf_method
             if requested == hf_method:
-                raise ConfigError(f"quantization={hf_method!r} runs at tensor_parallel_size 1 on CPU or CUDA only "
-                                  f"so far; quantization='none' dequantizes the checkpoint")
+                raise ConfigError(f"quantization={hf_method!r} runs on CPU or CUDA only; quantization='none' "
+                                  f"dequantizes the checkpoint")
             return "none"
         if requested != "none":
             raise ConfigError(f"the checkpoint holds {hf_method} weights: quantization must be auto, "
@@ -113,7 +139,7 @@ def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.d
     if requested == "gguf" and gguf is None:
         raise ConfigError("quantization='gguf' needs a GGUF model (a .gguf file or the default model)")
     if requested in ("gguf", "int8", "fp8") and not packed_ok:
-        raise ConfigError(f"quantization={requested!r} runs at tensor_parallel_size 1 on CPU or CUDA only so far")
+        raise ConfigError(f"quantization={requested!r} runs on CPU or CUDA only")
     return requested
 
 

@@ -99,6 +99,8 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
         assert greedy["prompts"] == 3 and greedy["equal"] == 3 and not greedy["errors"]   # fp32 on CPU: exact
         step = tp[f"{name} TP 2 decode step, batch 1"]
         assert step["tp2"]["collectives_ms"] > 0 and step["tp1"]["collectives_ms"] == 0 and step["tp1"]["step_ms"] > 0
+    gptq = tp["llama-tiny GPTQ TP 2 greedy vs TP 1"]                  # each rank's share of the codes, packed
+    assert gptq["prompts"] == 3 and not gptq["errors"] and gptq["max_gap"] == 0.5
 
 
 # -- the judges fail on wrong input ------------------------------------------------------------------

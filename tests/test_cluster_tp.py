@@ -17,13 +17,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PORT = 8739
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "SmolLM2-135M-Instruct"
-TP_ENGINE = {**CLUSTER_ENGINE, "tensor_parallel_size": 2}
+# both pools run the GGUF dequantized (fp32), so the text is the fp32 engine's token for token (packed weights at
+# TP 2 equal TP 1 up to the format's near-ties: tests/test_tensor_parallel.py)
+TP_ENGINE = {**CLUSTER_ENGINE, "tensor_parallel_size": 2, "quantization": "none"}
 # every prompt goes through the prefill pool (min_remote_prefill_tokens 0): its TP 2 replica's bundles are
 # [{CPU: 1}, {CPU: 1}] on CPUs (gloo); no admission control: on a shared 2-core machine its TTFT forecast would
 # refuse concurrent requests
 PREFILL_TP2 = {"mode": "disaggregated", "port": PORT, "device": "cpu", "ingress": {"num_cpus": 0},
                "prefill": {"num_cpus": 1, "health_check_period_s": 1.0, "engine": TP_ENGINE},
-               # the TP-2 prefill pool runs the GGUF dequantized (packed weights are TP 1 only): so does decode
                "decode": {"num_cpus": 0, "engine": {**CLUSTER_ENGINE, "quantization": "none"}},
                "disaggregation": {"min_remote_prefill_tokens": 0}, "admission": {"enabled": False}}
 MESSAGES = [[{"role": "user", "content": "Why do relay runners practise the baton exchange?"}],

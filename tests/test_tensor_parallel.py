@@ -16,6 +16,7 @@ from conftest import make_tiny_checkpoint, run_bench, wait_for
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
+from engine.model import QuantLinear
 from engine.parallel import TPWorkerError
 from engine.sampling_params import SamplingParams
 from greedy import MAX_LOGPROB_GAP, TOP_K, baton_greedy, check_greedy_close
@@ -180,6 +181,71 @@ class CountingHandle:
                 log[name] = t.numel() * t.element_size()
                 return t
         return Slice()
+
+
+# -- packed (quantized) weights at TP 2 ----------------------------------------------------------------------
+# SmolLM2 at TP 2, rank 0 (the driver, in this process): 3 query heads and 1 KV head of 64, 768 of 1536 MLP units
+SMOL_RANK0 = {"qkv": 5 * 64, "o_in": 3 * 64, "gate_up": 2 * 768, "down_in": 768}
+
+
+def _packed_calls(model) -> dict[str, tuple]:
+    """Rank 0's first layer: each linear's kernel calls (kind, group, n, k), None where it runs in floats."""
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    calls = {}
+    for name, m in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+        quant = getattr(m, "quant", m)                  # a row-parallel linear holds its packed part
+        calls[name] = quant.calls if isinstance(quant, QuantLinear) else None
+    return calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization,gap", [("auto", 0.5), ("int8", 0.75), ("fp8", 1.0)])
+def test_smollm2_runs_packed_at_tp2(quantization, gap):
+    """Each rank holds its rows (q/k/v, gate/up) or columns (o, down) packed, as vLLM's ranks hold theirs: the
+    default GGUF's own 4-bit codes (quantization auto), or int8/e4m3 quantized per rank at load. The vocabulary's
+    rows run in floats. The text equals TP 1's up to a near-tie of the format's width (tests/test_quant.py's
+    gaps): quantized activations let an all-reduce's last bit move a code, and quantized at load, a row-parallel
+    rank's scales are over its own columns, as vLLM's are."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=TOP_K)
+    prompts = [[1, 5, 9, 33, 7], list(range(100, 140))]
+    tp1 = engine(None, 1, num_kv_blocks=32, quantization=quantization)
+    ref = generate(tp1, prompts, params)
+    tp2 = engine(None, 2, num_kv_blocks=32, quantization=quantization)
+    try:
+        kind = {"auto": "q4", "int8": "q8", "fp8": "f8"}[quantization]
+        assert tp2.runner.quantization == tp1.runner.quantization == {"auto": "gguf"}.get(quantization, quantization)
+        calls = _packed_calls(tp2.runner.model)
+        assert calls["qkv"][0][:1] + calls["qkv"][0][2:] == (kind, SMOL_RANK0["qkv"], 576), calls
+        assert calls["o"][0][:1] + calls["o"][0][2:] == (kind, 576, SMOL_RANK0["o_in"]), calls
+        assert calls["gate_up"][0][2:] == (SMOL_RANK0["gate_up"], 576), calls
+        assert calls["down"][0][2:] == (576, SMOL_RANK0["down_in"]), calls
+        assert_same_greedy(ref, generate(tp2, prompts, params), gap)
+    finally:
+        tp2.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,intermediate", [("gptq", 128), ("fp8", 128), ("gptq", 160)])
+def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, intermediate):
+    """A GPTQ (group 32) or FP8 (per-channel scales) checkpoint at TP 2: every rank's share stays packed, the
+    codes and scales TP 1 holds, and GPTQ's text is TP 1's to fp32's order (its activations' int8 blocks are TP
+    1's; FP8's per-token scales are each rank's own). Where a rank's columns would cut a q4 block (160 MLP units:
+    80 a rank), that share runs dequantized, with fp32 activations, and the text is TP 1's up to a near-tie."""
+    from check.quant import write_quantized
+    path, _ = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama", intermediate_size=intermediate),
+                              tmp_path / method, method)
+    tp1 = engine(path, 1)
+    ref = generate(tp1, PROMPTS)
+    tp2 = engine(path, 2)
+    try:
+        assert tp2.runner.quantization == method
+        calls = _packed_calls(tp2.runner.model)
+        assert calls["o"] is not None and calls["o"][0][3] == 32           # 2 of 4 heads of 16: its columns
+        assert (calls["down"] is None) == (intermediate == 160), calls
+        exact_shares = method == "gptq" and intermediate == 128
+        assert_same_greedy(ref, generate(tp2, PROMPTS), MAX_LOGPROB_GAP if exact_shares else 0.5)
+    finally:
+        tp2.shutdown()
 
 
 def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
