@@ -130,13 +130,19 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
         super().__init__()
-        self.rows, per = vocab_range(vocab_size, tp.rank, tp.size)
-        self.weight = nn.Parameter(torch.empty(per, hidden))
-        self.tp = tp
+        self.rows, self.per = vocab_range(vocab_size, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(self.per, hidden))
+        self.tp, self.quant = tp, None
+
+    def quantize(self, quant: "QuantEmbedding") -> None:
+        """This rank's rows packed (a GGUF's embedding) replace the float ones."""
+        self.quant = quant
+        del self.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.rows.start) & (ids < self.rows.stop)
-        h = F.embedding((ids - self.rows.start) * mine, self.weight) * mine.unsqueeze(-1)
+        local = (ids - self.rows.start) * mine
+        h = (self.quant(local) if self.quant is not None else F.embedding(local, self.weight)) * mine.unsqueeze(-1)
         return self.tp.all_reduce(h)
 
 
@@ -474,6 +480,7 @@ class LlamaForCausalLM(nn.Module):
     def embedding_rows(self, n: int) -> torch.Tensor:
         """The first n rows of the token embedding, as numbers (packed or not): the weights' fingerprint."""
         emb = self.model.embed_tokens
+        emb = getattr(emb, "quant", None) or emb           # a vocabulary shard's packed rows (rank 0: the first)
         return emb.qweight.dequantize(slice(0, n)) if isinstance(emb, QuantEmbedding) else emb.weight[:n]
 
     def weight_bytes(self) -> int:
@@ -562,7 +569,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
             if isinstance(tensor, QuantWeight) and self.tp is not None and \
                     target in ("model.embed_tokens.weight", "lm_head.weight"):
-                tensor = tensor.dequantize()              # vocab-parallel rows (padded per rank) run as floats
+                tensor = tensor.pad_rows(self.model.embed_tokens.per)    # every vocabulary shard as long
             if isinstance(tensor, QuantWeight):
                 packed.setdefault(target.rpartition(".")[0], {})[shard or 0] = (tensor, target, name)
             else:
@@ -579,7 +586,10 @@ class LlamaForCausalLM(nn.Module):
         for module, parts in packed.items():
             if module == "model.embed_tokens":
                 old = self.model.embed_tokens.weight
-                self.model.embed_tokens = QuantEmbedding(parts[0][0], old.device, old.dtype)
+                if self.tp is not None:                   # this rank's rows, looked up and all-reduced
+                    self.model.embed_tokens.quantize(QuantEmbedding(parts[0][0], old.device, old.dtype))
+                else:
+                    self.model.embed_tokens = QuantEmbedding(parts[0][0], old.device, old.dtype)
                 if self.tie_word_embeddings:
                     self.lm_head = QuantLinear([parts[0][0]], None, old.device, dtype=old.dtype)
                 continue

@@ -57,6 +57,14 @@ class QuantWeight:
         pick = (lambda t: None if t is None else t[index].contiguous())
         return QuantWeight(self.kind, pick(self.qs), pick(self.scales), pick(self.mins), self.group, self.source)
 
+    def pad_rows(self, n: int) -> "QuantWeight":
+        """n rows: these, then zero rows (codes, scales and mins 0: weights 0), a vocabulary shard's padding."""
+        extra = n - self.shape[0]
+        if extra <= 0:
+            return self
+        pad = (lambda t: None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])]))
+        return QuantWeight(self.kind, pad(self.qs), pad(self.scales), pad(self.mins), self.group, self.source)
+
     def cols(self, start: int, stop: int) -> "QuantWeight | None":
         """Columns start:stop (a row-parallel rank's share of the inputs, tensor parallelism), or None where they
         would cut a group of scales, a q4 block of 32, or leave a width the kernels do not take (then the caller

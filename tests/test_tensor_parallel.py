@@ -16,7 +16,7 @@ from conftest import make_tiny_checkpoint, run_bench, wait_for
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
-from engine.model import QuantLinear
+from engine.model import QuantEmbedding, QuantLinear
 from engine.parallel import TPWorkerError
 from engine.sampling_params import SamplingParams
 from greedy import MAX_LOGPROB_GAP, TOP_K, baton_greedy, check_greedy_close
@@ -202,8 +202,8 @@ def _packed_calls(model) -> dict[str, tuple]:
 @pytest.mark.parametrize("quantization,gap", [("auto", 0.5), ("int8", 0.75), ("fp8", 1.0)])
 def test_smollm2_runs_packed_at_tp2(quantization, gap):
     """Each rank holds its rows (q/k/v, gate/up) or columns (o, down) packed, as vLLM's ranks hold theirs: the
-    default GGUF's own 4-bit codes (quantization auto), or int8/e4m3 quantized per rank at load. The vocabulary's
-    rows run in floats. The text equals TP 1's up to a near-tie of the format's width (tests/test_quant.py's
+    default GGUF's own 4-bit codes (quantization auto; its Q8_0 vocabulary rows too, half a rank), or int8/e4m3
+    quantized per rank at load. The text equals TP 1's up to a near-tie of the format's width (tests/test_quant.py's
     gaps): quantized activations let an all-reduce's last bit move a code, and quantized at load, a row-parallel
     rank's scales are over its own columns, as vLLM's are."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=TOP_K)
@@ -219,6 +219,11 @@ def test_smollm2_runs_packed_at_tp2(quantization, gap):
         assert calls["o"][0][:1] + calls["o"][0][2:] == (kind, 576, SMOL_RANK0["o_in"]), calls
         assert calls["gate_up"][0][2:] == (SMOL_RANK0["gate_up"], 576), calls
         assert calls["down"][0][2:] == (576, SMOL_RANK0["down_in"]), calls
+        if quantization == "auto":          # the vocabulary's rows too (Q8_0): looked up, and the tied head's
+            model = tp2.runner.model
+            assert isinstance(model.model.embed_tokens.quant, QuantEmbedding)
+            assert isinstance(model.lm_head, QuantLinear) and model.lm_head.calls[0][2] == 49152 // 2
+            assert tp2.runner.weight_bytes < 0.55 * tp1.runner.weight_bytes
         assert_same_greedy(ref, generate(tp2, prompts, params), gap)
     finally:
         tp2.shutdown()
@@ -246,6 +251,30 @@ def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, intermedia
         assert_same_greedy(ref, generate(tp2, PROMPTS), MAX_LOGPROB_GAP if exact_shares else 0.5)
     finally:
         tp2.shutdown()
+
+
+@pytest.mark.slow
+def test_a_gguf_at_tp3_pads_its_last_vocabulary_shard_and_keeps_tp1s_tokens(tmp_path):
+    """4,096 vocabulary rows over 3 ranks: 1,366 a shard, the last one's 1,364 padded with zero rows, its embedding
+    and untied head kept packed (Q8_0); q, k and v of three kinds, each rank's rows: 2 of 6 query heads, the one
+    KV head replicated. The text is TP 1's up to a near-tie (int8 activations)."""
+    from tests.gguf_files import write_gguf
+    types = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
+             "ffn_gate": "Q4_1", "ffn_up": "Q8_0", "ffn_down": "Q4_0", "output": "Q8_0"}
+    path = str(write_gguf(tmp_path / "m.gguf", types, hidden=192, intermediate=384, heads=6, kv_heads=1))
+    prompts = [[1, 5, 9, 33, 7], list(range(3000, 3040)), [4095, 4094, 7]]
+    tp1 = engine(path, 1)
+    ref = generate(tp1, prompts)
+    tp3 = engine(path, 3)
+    try:
+        assert tp3.runner.quantization == "gguf"
+        model = tp3.runner.model
+        assert isinstance(model.model.embed_tokens.quant, QuantEmbedding) and model.lm_head.calls[0][2] == 1366
+        calls = _packed_calls(model)
+        assert [c[0] for c in calls["qkv"]] == ["q4", "q4", "q8"] and calls["o"][0][3] == 64, calls
+        assert_same_greedy(ref, generate(tp3, prompts), 0.5)
+    finally:
+        tp3.shutdown()
 
 
 def test_each_rank_reads_only_its_slices(tmp_path, monkeypatch):
