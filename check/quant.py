@@ -58,20 +58,35 @@ def quantize_4bit(w: torch.Tensor, group: int):
     return q.view(k, n).int(), scale.half(), zero.int(), deq
 
 
-def pack_int4(codes: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """Eight 4-bit codes per int32 along `dim`: nibble i holds element order[i] of each run of eight."""
+def quantize_8bit_sym(w: torch.Tensor, group: int):
+    """Symmetric 8-bit per group of input columns, as GPTQ stores it (sym: every zero 128): codes [K, N] in 0..255,
+    fp16 scales [K / group, N], and w's dequantized [N, K]."""
+    wt = w.float().t().contiguous()
+    k, n = wt.shape
+    g = wt.view(k // group, group, n)
+    scale = (2 * g.abs().amax(1) / 255).clamp_min(1e-6).half().float()
+    q = torch.round(g / scale[:, None] + 128).clamp(0, 255)
+    deq = (scale[:, None] * (q - 128)).view(k, n).t().contiguous()
+    return q.view(k, n).int(), scale.half(), deq
+
+
+def pack_bits(codes: torch.Tensor, dim: int, bits: int = 4, order=None) -> torch.Tensor:
+    """32 // bits codes per int32 along `dim`: field i holds element order[i] of each run."""
+    per = 32 // bits
+    order = order or tuple(range(per))
     c = codes.movedim(dim, -1)
-    c = c.reshape(*c.shape[:-1], -1, 8)
+    c = c.reshape(*c.shape[:-1], -1, per)
     words = torch.zeros(c.shape[:-1], dtype=torch.int32)
     for i, src in enumerate(order):
-        words |= c[..., src] << (4 * i)
+        words |= c[..., src] << (bits * i)
     return words.movedim(-1, dim) if dim != c.dim() - 2 else words
 
 
 def write_quantized(src: str, out: Path, method: str, group: int = 32,
-                    device: torch.device | None = None) -> tuple[str, str]:
+                    device: torch.device | None = None, bits: int = 4) -> tuple[str, str]:
     """`src`'s linears as a checkpoint in `out`, and a float checkpoint (fp32) of exactly the weights those stand
-    for in out/ref. method: "gptq" (v1) or "awq" (GEMM) 4-bit; "fp8" (per-channel weight_scale) or "fp8-tensor"
+    for in out/ref. method: "gptq" (v1; 4-bit, or symmetric 8-bit with `bits` 8) or "awq" (GEMM) 4-bit; group -1:
+    one group of all K; "fp8" (per-channel weight_scale) or "fp8-tensor"
     (one per tensor), as AutoFP8 and llm-compressor write them; "int8" or "fp8-load": `src` itself is the model
     (quantized at load, engine/quant.py) and only the reference is written (int8 rounds the head too, so the
     reference unties it). `device`: where the rounding runs (a GPU quantizes a 1B model in a second)."""
@@ -103,17 +118,26 @@ def write_quantized(src: str, out: Path, method: str, group: int = 32,
             packed[f"{prefix}.input_scale"] = torch.tensor(1.0)          # a static scheme's: not used
             ref[name] = packed[name].float() * scale.cpu()
             continue
-        q, scale, zero, deq = (t.cpu() for t in quantize_4bit(w, group))
+        g = w.shape[1] if group == -1 else group
+        if bits == 8:
+            q, scale, deq = (t.cpu() for t in quantize_8bit_sym(w, g))
+            ref[name] = deq
+            packed[f"{prefix}.qweight"] = pack_bits(q, 0, 8)
+            packed[f"{prefix}.qzeros"] = pack_bits(torch.full((q.shape[0] // g, q.shape[1]), 127, dtype=torch.int32), 1, 8)
+            packed[f"{prefix}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+            packed[f"{prefix}.scales"] = scale
+            continue
+        q, scale, zero, deq = (t.cpu() for t in quantize_4bit(w, g))
         ref[name] = deq
         if method == "gptq":
-            packed[f"{prefix}.qweight"] = pack_int4(q, 0)
-            packed[f"{prefix}.qzeros"] = pack_int4((zero - 1) & 0xF, 1)
-            packed[f"{prefix}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // group
+            packed[f"{prefix}.qweight"] = pack_bits(q, 0)
+            packed[f"{prefix}.qzeros"] = pack_bits((zero - 1) & 0xF, 1)
+            packed[f"{prefix}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
         else:
-            packed[f"{prefix}.qweight"] = pack_int4(q, 1, AWQ_ORDER)
-            packed[f"{prefix}.qzeros"] = pack_int4(zero, 1, AWQ_ORDER)
+            packed[f"{prefix}.qweight"] = pack_bits(q, 1, 4, AWQ_ORDER)
+            packed[f"{prefix}.qzeros"] = pack_bits(zero, 1, 4, AWQ_ORDER)
         packed[f"{prefix}.scales"] = scale
-    qc = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False},
+    qc = {"gptq": {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": bits == 8},
           "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True},
           "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
     ref_config = {**config, "torch_dtype": "float32"} | ({"tie_word_embeddings": False} if method == "int8" else {})

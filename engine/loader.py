@@ -401,7 +401,8 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
                 qw = from_fp8(got["weight"], got["weight_scale"])
             else:
                 qw = from_gptq_awq(method, got["qweight"], got["qzeros"], got["scales"], group,
-                                   gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2")
+                                   gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2",
+                                   bits=q.get("bits", q.get("w_bit", 4)))
             yield f"{prefix}.weight", qw.dequantize() if dequantize else qw
             del parts[prefix]
     if parts:

@@ -236,10 +236,12 @@ def hf_quant_method(quant_config) -> str | None:
         return method
     bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
     problems = []
-    if bits != 4:
-        problems.append(f"bits {bits} (4 loads)")
-    if not group or group < 0 or group % 32:
-        problems.append(f"group_size {group} (a multiple of 32 loads)")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        problems.append(f"bits {bits} ({'4 or 8' if method == 'gptq' else '4'} load)")
+    if bits == 8 and q.get("sym") is False:
+        problems.append("an asymmetric 8-bit scheme (sym false; symmetric 8-bit loads)")
+    if not group or group != -1 and (group < 0 or group % 32):
+        problems.append(f"group_size {group} (a multiple of 32, or -1, loads)")
     if method == "gptq" and q.get("desc_act"):
         problems.append("desc_act (act-order)")
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
@@ -258,11 +260,35 @@ def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.reshape(shape)
 
 
+def _bytes(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> their 4 8-bit codes (low first), spread along `dim` (4x longer)."""
+    codes = (words.unsqueeze(dim + 1) >> (8 * torch.arange(4, dtype=torch.int32)).view(
+        [4 if d == dim + 1 else 1 for d in range(words.dim() + 1)])) & 0xFF
+    shape = list(words.shape)
+    shape[dim] *= 4
+    return codes.reshape(shape)
+
+
 def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
-                  gptq_v1: bool = True) -> QuantWeight:
+                  gptq_v1: bool = True, bits: int = 4) -> QuantWeight:
     """A GPTQ (qweight int32 [K/8, N] packed along K) or AWQ-GEMM (qweight int32 [K, N/8] packed along N, AutoAWQ's
     column order) linear as a q4 QuantWeight [N, K]: w = scale * (q - zero) = scale * q + (-scale * zero).
-    GPTQ's v1 format stores each zero minus one."""
+    GPTQ's v1 format stores each zero minus one. 8-bit GPTQ (qweight [K/4, N]; symmetric: every zero 128) is a q8
+    QuantWeight of codes q - 128. group_size -1: one group of all K."""
+    if group == -1:
+        group = qweight.shape[0] * 32 // bits if method == "gptq" else qweight.shape[0]
+    if bits == 8:
+        q, z = _bytes(qweight, 0), _bytes(qzeros, 1) + (1 if gptq_v1 else 0)          # [K, N], [K/g, N]
+        s = scales.float()
+        k, n = q.shape
+        if s.shape != (k // group, n) or z.shape[0] != k // group:
+            raise ModelLoadError(f"gptq tensors disagree: qweight gives [{k}, {n}], scales are {tuple(s.shape)}, "
+                                 f"group_size {group}")
+        if not (z[:, :n] == 128).all():
+            raise ModelLoadError("this 8-bit gptq checkpoint has zero points other than 128 (an asymmetric "
+                                 "scheme), which this engine does not load: symmetric 8-bit loads")
+        codes = (q.t() - 128).to(torch.int8).contiguous()                             # [N, K]
+        return QuantWeight("q8", codes, s.t().contiguous(), None, group, "GPTQ-8bit")
     if method == "gptq":
         q = _nibbles(qweight, 0)                                    # [K, N]
         z = _nibbles(qzeros, 1) + (1 if gptq_v1 else 0)            # [K/g, N]

@@ -230,15 +230,16 @@ def test_smollm2_runs_packed_at_tp2(quantization, gap):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method,intermediate", [("gptq", 128), ("fp8", 128), ("gptq", 160)])
-def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, intermediate):
-    """A GPTQ (group 32) or FP8 (per-channel scales) checkpoint at TP 2: every rank's share stays packed, the
+@pytest.mark.parametrize("method,bits,intermediate", [("gptq", 4, 128), ("gptq", 8, 128), ("fp8", 8, 128),
+                                                       ("gptq", 4, 160)])
+def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, bits, intermediate):
+    """A GPTQ (group 32; 4-bit, or 8-bit) or FP8 (per-channel scales) checkpoint at TP 2: every rank's share stays packed, the
     codes and scales TP 1 holds, and GPTQ's text is TP 1's to fp32's order (its activations' int8 blocks are TP
     1's; FP8's per-token scales are each rank's own). Where a rank's columns would cut a q4 block (160 MLP units:
     80 a rank), that share runs dequantized, with fp32 activations, and the text is TP 1's up to a near-tie."""
     from check.quant import write_quantized
     path, _ = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama", intermediate_size=intermediate),
-                              tmp_path / method, method)
+                              tmp_path / method, method, bits=bits if method == "gptq" else 4)
     tp1 = engine(path, 1)
     ref = generate(tp1, PROMPTS)
     tp2 = engine(path, 2)
