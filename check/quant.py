@@ -82,11 +82,15 @@ def pack_bits(codes: torch.Tensor, dim: int, bits: int = 4, order=None) -> torch
     return words.movedim(-1, dim) if dim != c.dim() - 2 else words
 
 
+# act-order's column order follows a linear's input: q, k and v share one, as gate and up do
+ACT_ORDER_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
 def write_quantized(src: str, out: Path, method: str, group: int = 32,
-                    device: torch.device | None = None, bits: int = 4) -> tuple[str, str]:
+                    device: torch.device | None = None, bits: int = 4, act_order: bool = False) -> tuple[str, str]:
     """`src`'s linears as a checkpoint in `out`, and a float checkpoint (fp32) of exactly the weights those stand
-    for in out/ref. method: "gptq" (v1; 4-bit, or symmetric 8-bit with `bits` 8) or "awq" (GEMM) 4-bit; group -1:
-    one group of all K; "fp8" (per-channel weight_scale) or "fp8-tensor"
+    for in out/ref. method: "gptq" (v1; 4-bit, or symmetric 8-bit with `bits` 8; `act_order`: desc_act, its groups
+    of input columns out of order) or "awq" (GEMM) 4-bit; group -1: one group of all K; "fp8" (per-channel weight_scale) or "fp8-tensor"
     (one per tensor), as AutoFP8 and llm-compressor write them; "int8" or "fp8-load": `src` itself is the model
     (quantized at load, engine/quant.py) and only the reference is written (int8 rounds the head too, so the
     reference unties it). `device`: where the rounding runs (a GPU quantizes a 1B model in a second)."""
@@ -118,26 +122,34 @@ def write_quantized(src: str, out: Path, method: str, group: int = 32,
             packed[f"{prefix}.input_scale"] = torch.tensor(1.0)          # a static scheme's: not used
             ref[name] = packed[name].float() * scale.cpu()
             continue
-        g = w.shape[1] if group == -1 else group
+        k = w.shape[1]
+        g = k if group == -1 else group
+        # act-order: group j holds input columns perm[j * g:(j + 1) * g] (one order for the linears of one input)
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(
+            sum(map(ord, prefix.replace(piece, ACT_ORDER_INPUT.get(piece, piece)))))) if act_order else torch.arange(k)
+        inv = torch.argsort(perm)
+        g_idx = (torch.arange(k, dtype=torch.int32) // g)[inv]
+        w = w[:, perm.to(w.device)]                       # quantized in group order, stored in input order
         if bits == 8:
             q, scale, deq = (t.cpu() for t in quantize_8bit_sym(w, g))
-            ref[name] = deq
-            packed[f"{prefix}.qweight"] = pack_bits(q, 0, 8)
-            packed[f"{prefix}.qzeros"] = pack_bits(torch.full((q.shape[0] // g, q.shape[1]), 127, dtype=torch.int32), 1, 8)
-            packed[f"{prefix}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+            ref[name] = deq[:, inv]
+            packed[f"{prefix}.qweight"] = pack_bits(q[inv], 0, 8)
+            packed[f"{prefix}.qzeros"] = pack_bits(torch.full((k // g, q.shape[1]), 127, dtype=torch.int32), 1, 8)
+            packed[f"{prefix}.g_idx"] = g_idx
             packed[f"{prefix}.scales"] = scale
             continue
         q, scale, zero, deq = (t.cpu() for t in quantize_4bit(w, g))
-        ref[name] = deq
+        ref[name] = deq[:, inv]
+        q = q[inv]
         if method == "gptq":
             packed[f"{prefix}.qweight"] = pack_bits(q, 0)
             packed[f"{prefix}.qzeros"] = pack_bits((zero - 1) & 0xF, 1)
-            packed[f"{prefix}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+            packed[f"{prefix}.g_idx"] = g_idx
         else:
             packed[f"{prefix}.qweight"] = pack_bits(q, 1, 4, AWQ_ORDER)
             packed[f"{prefix}.qzeros"] = pack_bits(zero, 1, 4, AWQ_ORDER)
         packed[f"{prefix}.scales"] = scale
-    qc = {"gptq": {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False, "sym": bits == 8},
+    qc = {"gptq": {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": bits == 8},
           "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True},
           "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
     ref_config = {**config, "torch_dtype": "float32"} | ({"tie_word_embeddings": False} if method == "int8" else {})

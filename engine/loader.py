@@ -383,10 +383,13 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method, group = hf_quant_method(q), q.get("group_size", q.get("q_group_size"))
     leaves = ("weight", "weight_scale") if method == "fp8" else ("qweight", "qzeros", "scales")
+    act_order = method == "gptq" and bool(q.get("desc_act"))
+    if act_order:                      # each input column's group: act-order groups columns out of order
+        leaves += ("g_idx",)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iter_weights(model):
         prefix, _, leaf = name.rpartition(".")
-        if leaf in ("g_idx", "input_scale"):               # g_idx without act-order: k // group, nothing to use
+        if leaf == "input_scale" or leaf == "g_idx" and not act_order:   # per-token activation scales; k // group
             continue
         if leaf == "weight_scale_inv":
             raise ModelLoadError(f"{model}: {name} is a block-wise FP8 scale, which this engine does not load: "
@@ -402,7 +405,7 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
             else:
                 qw = from_gptq_awq(method, got["qweight"], got["qzeros"], got["scales"], group,
                                    gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2",
-                                   bits=q.get("bits", q.get("w_bit", 4)))
+                                   bits=q.get("bits", q.get("w_bit", 4)), g_idx=got.get("g_idx"))
             yield f"{prefix}.weight", qw.dequantize() if dequantize else qw
             del parts[prefix]
     if parts:

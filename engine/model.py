@@ -275,10 +275,12 @@ class QuantLinear(nn.Module):
         super().__init__()
         device = torch.device(device) if device is not None else parts[0].qs.device
         triton = device.type != "cpu" if triton is None else triton   # True on CPU: the interpreter (tests)
-        same = all((p.kind, p.group) == (parts[0].kind, parts[0].group) for p in parts)
+        same = all((p.kind, p.group) == (parts[0].kind, parts[0].group) and p.same_columns(parts[0]) for p in parts)
         weights = [QuantWeight.cat(parts)] if same and len(parts) > 1 else list(parts)
         self.sources = [p.source for p in parts]
         self.calls = [(w.kind, w.group, *w.shape) for w in weights]      # what each kernel call computes
+        # GPTQ act-order: the order each call reads x's columns in (None: as they come)
+        self.perms = [None if w.perm is None else w.perm.to(device) for w in weights]
         self.bias = None if bias is None else bias.detach().to(device)
         self.kernels = None
         self.packed, self.dense, self.weights, self.tinygemm = [], None, [], []
@@ -329,16 +331,18 @@ class QuantLinear(nn.Module):
         if self.weights:
             x2 = x.reshape(-1, x.shape[-1])
             kernels = [self.route(x2.shape[0], x2.dtype, i) for i in range(len(self.weights))]
-            ys = [tinygemm_matmul(x2, w, self.tinygemm[i]) if kernel == "tinygemm"
-                  else self.wo_matmul(x2, w) if kernel == "triton" else fp8_matmul(x2, w, *self.fp8[i])
-                  for i, (w, kernel) in enumerate(zip(self.weights, kernels))]
+            xs = [x2 if perm is None else x2.index_select(1, perm) for perm in self.perms]
+            ys = [tinygemm_matmul(xi, w, self.tinygemm[i]) if kernel == "tinygemm"
+                  else self.wo_matmul(xi, w) if kernel == "triton" else fp8_matmul(xi, w, *self.fp8[i])
+                  for i, (w, kernel, xi) in enumerate(zip(self.weights, kernels, xs))]
             y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.dense is not None:
             return self.fallback(x.float()).to(x.dtype)
         x32 = x.float().contiguous()
-        ys = [self.kernels.matmul(x32, p, *call) for call, p in zip(self.calls, self.packed)]
+        ys = [self.kernels.matmul(x32 if perm is None else x32.index_select(1, perm), p, *call)
+              for call, p, perm in zip(self.calls, self.packed, self.perms)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
@@ -459,7 +463,8 @@ class LlamaForCausalLM(nn.Module):
         adapters = [[m if isinstance(m, LoRALinear) else None for m in ms] for ms in wrapped]
         linears = [[m.base if a is not None else m for m, a in zip(ms, ad)] for ms, ad in zip(wrapped, adapters)]
         if self.tp is not None or not cpu_model.available() or not all(la.self_attn.one_kernel for la in layers) \
-                or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None for ms in linears for m in ms) \
+                or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None and not any(
+                    p is not None for p in m.perms) for ms in linears for m in ms) \
                 or any(a is not None and a.layout != "cpu" for ad in adapters for a in ad):
             return None
         norm = layers[0].input_layernorm

@@ -39,6 +39,9 @@ class QuantWeight:
     mins: torch.Tensor | None     # q4: fp32 [N, K // group]; q8: None
     group: int                    # columns per scale: 16, 32, ..., K
     source: str                   # what it was: "Q4_1", "Q8_0", "int8", ...
+    # GPTQ act-order (desc_act): column j holds input column perm[j] (its groups made contiguous), so a matmul
+    # reads x[:, perm]; None: columns in input order
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -50,12 +53,14 @@ class QuantWeight:
 
     def to(self, device: torch.device) -> "QuantWeight":
         move = (lambda t: None if t is None else t.to(device))
-        return QuantWeight(self.kind, move(self.qs), move(self.scales), move(self.mins), self.group, self.source)
+        return QuantWeight(self.kind, move(self.qs), move(self.scales), move(self.mins), self.group, self.source,
+                           move(self.perm))
 
     def rows(self, index) -> "QuantWeight":
         """The rows `index` (a slice, a permutation): a head's share, or q/k rows in HF order."""
         pick = (lambda t: None if t is None else t[index].contiguous())
-        return QuantWeight(self.kind, pick(self.qs), pick(self.scales), pick(self.mins), self.group, self.source)
+        return QuantWeight(self.kind, pick(self.qs), pick(self.scales), pick(self.mins), self.group, self.source,
+                           self.perm)
 
     def pad_rows(self, n: int) -> "QuantWeight":
         """n rows: these, then zero rows (codes, scales and mins 0: weights 0), a vocabulary shard's padding."""
@@ -63,7 +68,8 @@ class QuantWeight:
         if extra <= 0:
             return self
         pad = (lambda t: None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])]))
-        return QuantWeight(self.kind, pad(self.qs), pad(self.scales), pad(self.mins), self.group, self.source)
+        return QuantWeight(self.kind, pad(self.qs), pad(self.scales), pad(self.mins), self.group, self.source,
+                           self.perm)
 
     def cols(self, start: int, stop: int) -> "QuantWeight | None":
         """Columns start:stop (a row-parallel rank's share of the inputs, tensor parallelism), or None where they
@@ -71,7 +77,7 @@ class QuantWeight:
         runs that share dequantized)."""
         n, k = self.shape
         block = 16 if self.kind == "f8" else 32          # the C++ kernel's K multiple (q4: also its byte blocks)
-        if start % block or (stop - start) % block or (self.group < k and (start % self.group or stop % self.group)):
+        if self.perm is not None or start % block or (stop - start) % block or (self.group < k and (start % self.group or stop % self.group)):
             return None
         if self.group < k:
             scales = self.scales[:, start // self.group:stop // self.group].contiguous()
@@ -94,11 +100,18 @@ class QuantWeight:
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
         """Rows of several weights of one kind and group stacked (q, k, v into qkv)."""
         a = parts[0]
-        if any((p.kind, p.group, p.shape[1]) != (a.kind, a.group, a.shape[1]) for p in parts):
-            raise ValueError("only weights of one kind, group and width stack")
+        if any((p.kind, p.group, p.shape[1]) != (a.kind, a.group, a.shape[1]) or not p.same_columns(a)
+               for p in parts):
+            raise ValueError("only weights of one kind, group, width and column order stack")
         cat = (lambda ts: None if ts[0] is None else torch.cat(ts))
         return QuantWeight(a.kind, cat([p.qs for p in parts]), cat([p.scales for p in parts]),
-                           cat([p.mins for p in parts]), a.group, "+".join(sorted({p.source for p in parts})))
+                           cat([p.mins for p in parts]), a.group, "+".join(sorted({p.source for p in parts})), a.perm)
+
+    def same_columns(self, other: "QuantWeight") -> bool:
+        """Both read x's columns in the same order (act-order: q, k and v quantized from one input share it)."""
+        if self.perm is None or other.perm is None:
+            return self.perm is None and other.perm is None
+        return torch.equal(self.perm, other.perm)
 
     def codes(self, index=slice(None)) -> torch.Tensor:
         """The codes of rows `index` as [n, K] (q4 unpacked to 0..15; f8 as e4m3)."""
@@ -115,7 +128,10 @@ class QuantWeight:
         w = q.view(n, -1, self.group) * self.scales[index].unsqueeze(-1)
         if self.mins is not None:
             w = w + self.mins[index].unsqueeze(-1)
-        return w.view(n, k)
+        w = w.view(n, k)
+        if self.perm is not None:                         # back to input order
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
 
 
 def resolve_quantization(requested: str, gguf, named_gguf: bool, device: torch.device,
@@ -242,8 +258,6 @@ def hf_quant_method(quant_config) -> str | None:
         problems.append("an asymmetric 8-bit scheme (sym false; symmetric 8-bit loads)")
     if not group or group != -1 and (group < 0 or group % 32):
         problems.append(f"group_size {group} (a multiple of 32, or -1, loads)")
-    if method == "gptq" and q.get("desc_act"):
-        problems.append("desc_act (act-order)")
     if method == "awq" and str(q.get("version", "gemm")).lower() != "gemm":
         problems.append(f"version {q.get('version')} (GEMM loads)")
     if problems:
@@ -269,14 +283,29 @@ def _bytes(words: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.reshape(shape)
 
 
+def act_order(g_idx: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """GPTQ's g_idx (the group of each input column) as the column order that makes its groups contiguous: None
+    when they already are (no act-order); a ModelLoadError where a group does not hold `group` columns."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.long()
+    if torch.equal(g_idx, torch.arange(len(g_idx)) // group):
+        return None
+    if not torch.equal(torch.bincount(g_idx, minlength=len(g_idx) // group), torch.full((len(g_idx) // group,), group)):
+        raise ModelLoadError(f"this gptq checkpoint's g_idx does not give every group {group} columns")
+    return torch.argsort(g_idx, stable=True)
+
+
 def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int,
-                  gptq_v1: bool = True, bits: int = 4) -> QuantWeight:
+                  gptq_v1: bool = True, bits: int = 4, g_idx: torch.Tensor | None = None) -> QuantWeight:
     """A GPTQ (qweight int32 [K/8, N] packed along K) or AWQ-GEMM (qweight int32 [K, N/8] packed along N, AutoAWQ's
     column order) linear as a q4 QuantWeight [N, K]: w = scale * (q - zero) = scale * q + (-scale * zero).
     GPTQ's v1 format stores each zero minus one. 8-bit GPTQ (qweight [K/4, N]; symmetric: every zero 128) is a q8
-    QuantWeight of codes q - 128. group_size -1: one group of all K."""
+    QuantWeight of codes q - 128. group_size -1: one group of all K. GPTQ's act-order (`g_idx` grouping input
+    columns out of order) keeps the codes with their groups made contiguous and the order x must be read in."""
     if group == -1:
         group = qweight.shape[0] * 32 // bits if method == "gptq" else qweight.shape[0]
+    perm = act_order(g_idx, group) if method == "gptq" else None
     if bits == 8:
         q, z = _bytes(qweight, 0), _bytes(qzeros, 1) + (1 if gptq_v1 else 0)          # [K, N], [K/g, N]
         s = scales.float()
@@ -287,8 +316,10 @@ def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         if not (z[:, :n] == 128).all():
             raise ModelLoadError("this 8-bit gptq checkpoint has zero points other than 128 (an asymmetric "
                                  "scheme), which this engine does not load: symmetric 8-bit loads")
+        if perm is not None:
+            q = q[perm]
         codes = (q.t() - 128).to(torch.int8).contiguous()                             # [N, K]
-        return QuantWeight("q8", codes, s.t().contiguous(), None, group, "GPTQ-8bit")
+        return QuantWeight("q8", codes, s.t().contiguous(), None, group, "GPTQ-8bit", perm)
     if method == "gptq":
         q = _nibbles(qweight, 0)                                    # [K, N]
         z = _nibbles(qzeros, 1) + (1 if gptq_v1 else 0)            # [K/g, N]
@@ -302,9 +333,11 @@ def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         raise ModelLoadError(f"{method} tensors disagree: qweight gives [{k}, {n}], scales are {tuple(s.shape)}, "
                              f"group_size {group}")
     z = z[:, :n].float()
+    if perm is not None:
+        q = q[perm]
     codes = q.t().contiguous().to(torch.uint8)                      # [N, K]
     return QuantWeight("q4", _pack_nibbles_t(codes), s.t().contiguous(), (-(s * z)).t().contiguous(), group,
-                       method.upper())
+                       method.upper(), perm)
 
 
 def _pack_nibbles_t(q: torch.Tensor) -> torch.Tensor:

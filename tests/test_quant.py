@@ -244,18 +244,22 @@ def test_smollm2_packed_equals_itself_whatever_the_chunking_or_the_cache(smol_fo
 # check/quant.py writes them (`baton check gpu` writes the same formats on a GPU)
 
 
-@pytest.mark.parametrize("method,bits,group", [("gptq", 4, 32), ("awq", 4, 32), ("gptq", 8, 32), ("gptq", 4, -1),
-                                               ("gptq", 8, -1)])
-def test_gptq_and_awq_checkpoints_load_packed(tmp_path, method, bits, group):
+@pytest.mark.parametrize("method,bits,group,act_order", [
+    ("gptq", 4, 32, False), ("awq", 4, 32, False), ("gptq", 8, 32, False), ("gptq", 4, -1, False),
+    ("gptq", 8, -1, False), ("gptq", 4, 32, True), ("gptq", 8, 32, True)])
+def test_gptq_and_awq_checkpoints_load_packed(tmp_path, method, bits, group, act_order):
     """4-bit GPTQ and AWQ land in q4 (a scale and a min per group); symmetric 8-bit GPTQ (Qwen's GPTQ-Int8) in q8,
-    its codes less the zero point 128; group_size -1 is one group of a row's K."""
+    its codes less the zero point 128; group_size -1 is one group of a row's K. Act-order (desc_act) groups input
+    columns out of order: the codes are kept with their groups contiguous, and each call reads x in that order
+    (q, k and v share their input's, so they stay one call)."""
     path, ref_path = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama"), tmp_path / method, method,
-                                     group=group, bits=bits)
+                                     group=group, bits=bits, act_order=act_order)
     ref = LLM(ref_path, num_kv_blocks=64)                       # the float weights the packed ones stand for
     q = LLM(path, num_kv_blocks=64)
     assert q.engine.runner.quantization == method
     qkv = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.calls[0][:2] == ("q4" if bits == 4 else "q8", 32 if group == 32 else 64)
+    assert len(qkv.calls) == 1 and (qkv.perms[0] is not None) == act_order
     assert q.engine.model_key.endswith(f":q={method}") and q.engine.compat_key() == ref.engine.compat_key()
     dense = LLM(path, quantization="none", num_kv_blocks=64)     # dequantized at load
     seqs = [list(range(5, 30)), list(range(100, 111))]
@@ -320,8 +324,7 @@ def test_quantized_checkpoints_we_do_not_load_are_named(tmp_path):
     import json
     path = make_tiny_checkpoint(tmp_path, "llama")
     cfg = json.loads((tmp_path / "config.json").read_text())
-    for qc, match in (({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}, "desc_act"),
-                      ({"quant_method": "gptq", "bits": 3, "group_size": 32}, "bits 3"),
+    for qc, match in (({"quant_method": "gptq", "bits": 3, "group_size": 32}, "bits 3"),
                       ({"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": False}, "asymmetric 8-bit"),
                       ({"quant_method": "awq", "bits": 8, "group_size": 32}, "bits 8"),
                       ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group_size 48"),
