@@ -82,6 +82,50 @@ def pack_bits(codes: torch.Tensor, dim: int, bits: int = 4, order=None) -> torch
     return words.movedim(-1, dim) if dim != c.dim() - 2 else words
 
 
+# compressed-tensors schemes the writer makes: (format, weight type, bits, strategy)
+CT_METHODS = {"ct-fp8": ("float-quantized", "float", 8, "channel"), "ct-int8": ("int-quantized", "int", 8, "channel"),
+              "ct-w4a16": ("pack-quantized", "int", 4, "group"), "ct-w8a16": ("pack-quantized", "int", 8, "channel")}
+
+
+def compressed_tensors_config(method: str, group: int) -> dict:
+    fmt, kind, bits, strategy = CT_METHODS[method]
+    weights = {"num_bits": bits, "type": kind, "strategy": strategy, "symmetric": True, "dynamic": False,
+               "group_size": group if strategy == "group" else None, "actorder": None}
+    acts = {"num_bits": 8, "type": kind, "strategy": "token", "symmetric": True, "dynamic": True} \
+        if fmt != "pack-quantized" else None
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+            "ignore": ["lm_head"]}
+
+
+def write_compressed_tensors_linear(method: str, w: torch.Tensor, prefix: str, group: int, packed: dict,
+                                    ref: dict) -> None:
+    """One linear as llm-compressor writes it: FP8 or int8 `weight` with a per-row `weight_scale`, or ints packed
+    into int32 (`weight_packed`, each value + 2^(bits-1), low bits first along K) with `weight_scale` per group
+    (4-bit) or row (8-bit) and `weight_shape`."""
+    fmt, kind, bits, strategy = CT_METHODS[method]
+    n, k = w.shape
+    if kind == "float":
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        packed[f"{prefix}.weight"] = (w / scale).to(torch.float8_e4m3fn)
+        packed[f"{prefix}.weight_scale"] = scale
+        ref[f"{prefix}.weight"] = packed[f"{prefix}.weight"].float() * scale
+        return
+    g = group if strategy == "group" else k
+    qmax = 2 ** (bits - 1) - 1
+    wg = w.view(n, k // g, g)
+    scale = (wg.abs().amax(-1, keepdim=True) / (qmax + 0.5)).clamp_min(1e-8).half().float()
+    q = torch.round(wg / scale).clamp(-qmax - 1, qmax)
+    ref[f"{prefix}.weight"] = (q * scale).view(n, k)
+    q = q.view(n, k).to(torch.int32)
+    if fmt == "pack-quantized":
+        packed[f"{prefix}.weight_packed"] = pack_bits(q + 2 ** (bits - 1), 1, bits)
+        packed[f"{prefix}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+    else:
+        packed[f"{prefix}.weight"] = q.to(torch.int8)
+    packed[f"{prefix}.weight_scale"] = scale.view(n, k // g).half()
+
+
 # act-order's column order follows a linear's input: q, k and v share one, as gate and up do
 ACT_ORDER_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 
@@ -112,6 +156,9 @@ def write_quantized(src: str, out: Path, method: str, group: int = 32,
         w = w.to(device or "cpu")
         if at_load:
             ref[name] = (quantize_int8 if method == "int8" else quantize_fp8)(w).dequantize().cpu()
+            continue
+        if method.startswith("ct-"):                       # llm-compressor's compressed-tensors
+            write_compressed_tensors_linear(method, w.float().cpu(), prefix, group, packed, ref)
             continue
         if method.startswith("fp8"):
             wf = w.float()
@@ -150,12 +197,13 @@ def write_quantized(src: str, out: Path, method: str, group: int = 32,
             packed[f"{prefix}.qzeros"] = pack_bits(zero, 1, 4, AWQ_ORDER)
         packed[f"{prefix}.scales"] = scale
     qc = {"gptq": {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": bits == 8},
+          **{m: compressed_tensors_config(m, group) for m in CT_METHODS},
           "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True},
           "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
     ref_config = {**config, "torch_dtype": "float32"} | ({"tie_word_embeddings": False} if method == "int8" else {})
     outputs = [(out / "ref", ref, ref_config)]
     if not at_load:
-        outputs.append((out, packed, {**config, "quantization_config": qc[method.split("-")[0]]}))
+        outputs.append((out, packed, {**config, "quantization_config": qc[method if method in qc else method.split("-")[0]]}))
     for d, tensors, cfg in outputs:
         d.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))

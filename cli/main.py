@@ -144,8 +144,9 @@ def build_parser(bench: str | None = None, plan: str | None = None) -> argparse.
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--quantization", default="auto",
-                   help="weights: auto (a GGUF, the default model included, or a GPTQ/AWQ checkpoint runs packed "
-                        "on CPU), none (fp32), gguf, gptq, awq, int8 (quantized at load), fp8")
+                   help="weights: auto (a GGUF, the default model included, or a GPTQ/AWQ/FP8/compressed-tensors "
+                        "checkpoint runs packed), none (fp32), gguf, gptq, awq, compressed-tensors, int8 (quantized "
+                        "at load), fp8")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="KV cache: auto (the model's dtype), int8 or fp8 (a byte a value, a scale per token and head)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",

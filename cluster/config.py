@@ -79,11 +79,12 @@ class EngineKnobs(_Schema):
     load_format: Literal["auto", "safetensors", "dummy"] | None = _knob(
         "load_format", "auto, safetensors, or dummy (random weights: benchmark a model without its checkpoint)")
     quantization: Literal[QUANTIZATIONS] | None = _knob(
-        "quantization", "Weights: auto (a GGUF model, the default included, and a GPTQ, AWQ or FP8 checkpoint "
-                        "run packed, on CPU and CUDA, each TP rank holding its share packed), none (the model's "
-                        "dtype; dequantizes those), gguf, "
-                        "gptq, awq, int8 (weight-only, quantized at load), fp8 (e4m3 weights with a scale per "
-                        "channel, quantized at load; FP8 GEMMs with per-token activations)")
+        "quantization", "Weights: auto (a GGUF model, the default included, and a GPTQ, AWQ, FP8 or "
+                        "compressed-tensors checkpoint run packed, on CPU and CUDA, each TP rank holding its share "
+                        "packed), none (the model's dtype; dequantizes those), gguf, gptq, awq, compressed-tensors "
+                        "(llm-compressor's FP8, int8 and packed W4A16/W8A16), int8 (weight-only, quantized at load), "
+                        "fp8 (e4m3 weights with a scale per channel, quantized at load; FP8 GEMMs with per-token "
+                        "activations)")
     block_size: int | None = _knob("block_size", "Tokens per KV block, a power of two; the same in both pools "
                                                  "(blocks move between them whole)")
     max_num_seqs: int | None = _knob("max_num_seqs", "Most sequences in one running batch")

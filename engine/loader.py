@@ -379,29 +379,38 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
     `dequantize`), every other tensor as it is. An FP8 checkpoint's static input_scale is not used: activations
     are scaled per token."""
     import torch
-    from engine.quant import from_fp8, from_gptq_awq, hf_quant_method
+    from engine.quant import compressed_tensors_scheme, from_compressed_tensors, from_fp8, from_gptq_awq, hf_quant_method
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method, group = hf_quant_method(q), q.get("group_size", q.get("q_group_size"))
     leaves = ("weight", "weight_scale") if method == "fp8" else ("qweight", "qzeros", "scales")
+    scheme = compressed_tensors_scheme(q) if method == "compressed-tensors" else None
+    if scheme is not None:
+        leaves = ("weight_packed", "weight_scale", "weight_shape") if scheme["format"] == "pack-quantized" \
+            else ("weight", "weight_scale")
+    quantized = {"fp8": (torch.float8_e4m3fn,), "compressed-tensors": (torch.float8_e4m3fn, torch.int8)}.get(method)
     act_order = method == "gptq" and bool(q.get("desc_act"))
     if act_order:                      # each input column's group: act-order groups columns out of order
         leaves += ("g_idx",)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iter_weights(model):
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "input_scale" or leaf == "g_idx" and not act_order:   # per-token activation scales; k // group
+        # activations are scaled per token; symmetric weights' zero points are 0; g_idx without act-order: k // group
+        if leaf in ("input_scale", "input_zero_point", "weight_zero_point", "weight_g_idx") or \
+                leaf == "g_idx" and not act_order:
             continue
         if leaf == "weight_scale_inv":
             raise ModelLoadError(f"{model}: {name} is a block-wise FP8 scale, which this engine does not load: "
                                  f"FP8 with per-tensor or per-channel weight_scale loads")
-        if leaf not in leaves or (method == "fp8" and leaf == "weight" and tensor.dtype != torch.float8_e4m3fn):
-            yield name, tensor
+        if leaf not in leaves or (quantized and leaf == "weight" and tensor.dtype not in quantized):
+            yield name, tensor                             # a module left unquantized (the head, say)
             continue
         got = parts.setdefault(prefix, {})
         got[leaf] = tensor
         if len(got) == len(leaves):
             if method == "fp8":
                 qw = from_fp8(got["weight"], got["weight_scale"])
+            elif scheme is not None:
+                qw = from_compressed_tensors(scheme, got)
             else:
                 qw = from_gptq_awq(method, got["qweight"], got["qzeros"], got["scales"], group,
                                    gptq_v1=q.get("checkpoint_format", "gptq") != "gptq_v2",

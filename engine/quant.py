@@ -5,7 +5,8 @@ Two packed kinds cover every format we load, each re-expressed without loss:
   Q4_1 and Q4_K (each 32-column sub-block's 6-bit scale and min folded into fp32) land here.
 - "q8": int8 codes, w = scale * q per group. GGUF Q8_0 (group 32), Q6_K (6-bit codes - 32, group 16) and
   `quantization="int8"` (an fp16/bf16/fp32 checkpoint quantized at load, one scale per output row).
-GPTQ and AWQ checkpoints (4-bit, zero points, groups of a multiple of 32) land in "q4" too: min = -scale * zero.
+GPTQ and AWQ checkpoints (4-bit, zero points, groups of a multiple of 32) land in "q4" too: min = -scale * zero;
+8-bit GPTQ and llm-compressor's compressed-tensors (int8 W8A8, packed W4A16/W8A16, FP8) land in the kind they are.
 A third kind, "f8", holds FP8 e4m3 weights with one fp32 scale per output row (`quantization="fp8"` of a float
 checkpoint, or an FP8 checkpoint's per-tensor or per-channel `weight_scale`); its GEMM is torch's `_scaled_mm`.
 
@@ -23,8 +24,8 @@ import torch
 
 from engine.errors import ConfigError, ModelLoadError
 
-QUANTIZATIONS = ("auto", "none", "gguf", "gptq", "awq", "int8", "fp8")   # EngineConfig.quantization
-HF_METHODS = ("gptq", "awq", "fp8")     # Hugging Face quantization_config methods whose weights load packed
+QUANTIZATIONS = ("auto", "none", "gguf", "gptq", "awq", "compressed-tensors", "int8", "fp8")   # EngineConfig's
+HF_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")   # quantization_config methods whose weights load packed
 
 # GGUF types kept packed (the rest of a GGUF's tensors are dequantized to fp32 on load, with a warning).
 PACKED_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
@@ -244,6 +245,9 @@ def hf_quant_method(quant_config) -> str | None:
         raise ModelLoadError(f"this checkpoint holds {method or 'quantized'} weights (quantization_config in its "
                              f"config.json), which this engine does not load: GPTQ and AWQ (4-bit), FP8 (e4m3, "
                              f"per-tensor or per-channel scales), GGUF and unquantized checkpoints load")
+    if method == "compressed-tensors":
+        compressed_tensors_scheme(q)                  # refuses what does not load, by name
+        return method
     if method == "fp8":
         if q.get("weight_block_size"):
             raise ModelLoadError(f"this fp8 checkpoint has block-wise scales (weight_block_size "
@@ -263,6 +267,68 @@ def hf_quant_method(quant_config) -> str | None:
     if problems:
         raise ModelLoadError(f"this {method} checkpoint is not loadable: {', '.join(problems)}")
     return method
+
+
+# -- compressed-tensors (llm-compressor; vLLM's most common quantized format) ------------------------------------
+CT_SCHEMES = {("float-quantized", "float", 8), ("naive-quantized", "float", 8), ("int-quantized", "int", 8),
+              ("naive-quantized", "int", 8), ("pack-quantized", "int", 4), ("pack-quantized", "int", 8)}
+
+
+def compressed_tensors_scheme(q: dict) -> dict:
+    """The one weights scheme of a compressed-tensors quantization_config ({num_bits, type, strategy, group_size,
+    format}): symmetric FP8 (8-bit float, per tensor or channel), int8 (per channel, group or tensor), or 4- or
+    8-bit ints packed into int32 (W4A16/W8A16, per group or channel). Activation schemes are not read: activations
+    are quantized per token (FP8) or per 32 values (the int kernels) as they come. Anything else is a
+    ModelLoadError naming it."""
+    fmt = q.get("format")
+    groups = list((q.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    problems = []
+    if not weights or any(w != weights[0] for w in weights):
+        problems.append("config groups with different weight schemes (one scheme loads)")
+    w = weights[0] if weights else {}
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    if (fmt, kind, bits) not in CT_SCHEMES:
+        problems.append(f"{bits}-bit {kind} weights in format {fmt!r} (FP8, int8, and 4- or 8-bit packed ints load)")
+    if w.get("symmetric") is False:
+        problems.append("asymmetric weights (zero points)")
+    if w.get("actorder"):
+        problems.append(f"actorder {w['actorder']!r}")
+    if strategy not in ("tensor", "channel", "group") or (kind == "float" and strategy == "group"):
+        problems.append(f"strategy {strategy!r}")
+    group = w.get("group_size")
+    if strategy == "group" and (not group or group % 32):
+        problems.append(f"group_size {group} (a multiple of 32 loads)")
+    if q.get("sparsity_config"):
+        problems.append("sparsity")
+    if problems:
+        raise ModelLoadError(f"this compressed-tensors checkpoint is not loadable: {', '.join(problems)}")
+    return {"bits": bits, "type": kind, "strategy": strategy, "group": group, "format": fmt}
+
+
+def from_compressed_tensors(scheme: dict, tensors: dict[str, torch.Tensor]) -> QuantWeight:
+    """One linear of a compressed-tensors checkpoint: FP8 (`weight` e4m3, `weight_scale`), int8 (`weight` int8,
+    `weight_scale` per row, group or tensor) or packed ints (`weight_packed` int32 [N, K * bits / 32], each value
+    stored + 2^(bits-1), low bits first, `weight_scale`, `weight_shape`)."""
+    scale = tensors["weight_scale"].float()
+    if scheme["type"] == "float":
+        return from_fp8(tensors["weight"], scale)
+    if scheme["format"] == "pack-quantized":
+        n, k = (int(d) for d in tensors["weight_shape"].tolist())
+        if scheme["bits"] == 4:
+            codes = _nibbles(tensors["weight_packed"], 1)[:, :k].to(torch.uint8)                  # q + 8
+        else:
+            codes = (_bytes(tensors["weight_packed"], 1)[:, :k] - 128).to(torch.int8)             # q
+    else:
+        codes = tensors["weight"]
+        n, k = codes.shape
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(n, 1)
+    scale = scale.reshape(n, -1).contiguous()
+    group = k // scale.shape[1]
+    if scheme["bits"] == 4:                            # w = scale * (u - 8): a q4 min of -8 scale
+        return QuantWeight("q4", _pack_nibbles_t(codes.contiguous()), scale, -8 * scale, group, "CT-W4A16")
+    return QuantWeight("q8", codes.to(torch.int8).contiguous(), scale, None, group, "CT-int8")
 
 
 def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:

@@ -246,16 +246,20 @@ def test_smollm2_packed_equals_itself_whatever_the_chunking_or_the_cache(smol_fo
 
 @pytest.mark.parametrize("method,bits,group,act_order", [
     ("gptq", 4, 32, False), ("awq", 4, 32, False), ("gptq", 8, 32, False), ("gptq", 4, -1, False),
-    ("gptq", 8, -1, False), ("gptq", 4, 32, True), ("gptq", 8, 32, True)])
+    ("gptq", 8, -1, False), ("gptq", 4, 32, True), ("gptq", 8, 32, True),
+    ("ct-w4a16", 4, 32, False), ("ct-w8a16", 8, -1, False), ("ct-int8", 8, -1, False)])
 def test_gptq_and_awq_checkpoints_load_packed(tmp_path, method, bits, group, act_order):
     """4-bit GPTQ and AWQ land in q4 (a scale and a min per group); symmetric 8-bit GPTQ (Qwen's GPTQ-Int8) in q8,
     its codes less the zero point 128; group_size -1 is one group of a row's K. Act-order (desc_act) groups input
     columns out of order: the codes are kept with their groups contiguous, and each call reads x in that order
-    (q, k and v share their input's, so they stay one call)."""
+    (q, k and v share their input's, so they stay one call). llm-compressor's compressed-tensors: W4A16 (4-bit
+    ints packed in int32, a scale per group of 32), W8A16 (8-bit packed, a scale per row) and int8 W8A8 (a scale
+    per row) land in q4 / q8 as they are; its head, left unquantized ("ignore"), stays float."""
     path, ref_path = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama"), tmp_path / method, method,
                                      group=group, bits=bits, act_order=act_order)
     ref = LLM(ref_path, num_kv_blocks=64)                       # the float weights the packed ones stand for
     q = LLM(path, num_kv_blocks=64)
+    method = "compressed-tensors" if method.startswith("ct-") else method
     assert q.engine.runner.quantization == method
     qkv = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and qkv.calls[0][:2] == ("q4" if bits == 4 else "q8", 32 if group == 32 else 64)
@@ -270,20 +274,22 @@ def test_gptq_and_awq_checkpoints_load_packed(tmp_path, method, bits, group, act
     assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone
 
 
-@pytest.mark.parametrize("method", ["fp8", "fp8-tensor"])
+@pytest.mark.parametrize("method", ["fp8", "fp8-tensor", "ct-fp8"])
 def test_fp8_checkpoints_load_packed_and_run_in_fp8(tmp_path, method):
     """An FP8 checkpoint (e4m3 weights, per-channel or per-tensor weight_scale) stays e4m3 and runs as torch's
     _scaled_mm computes it, with activations scaled per token (on CPU in the C++ kernel, reading a byte a weight);
-    `quantization="fp8"` of the float weights it stands for is the same model, token for token."""
+    `quantization="fp8"` of the float weights it stands for is the same model, token for token. llm-compressor's
+    FP8 (compressed-tensors, float-quantized) loads the same way."""
     path, ref_path = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama"), tmp_path / method, method)
     ref = LLM(ref_path, num_kv_blocks=64)
     q = LLM(path, num_kv_blocks=64)
-    assert q.engine.runner.quantization == "fp8"
+    name = "compressed-tensors" if method == "ct-fp8" else "fp8"
+    assert q.engine.runner.quantization == name
     qkv = q.engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear) and [c[0] for c in qkv.calls] == ["f8"] and len(qkv.packed) == 1
     n, k = qkv.calls[0][2:]
     assert qkv.packed[0][0].nbytes == n * k + 4 * n                 # e4m3 codes and a scale per row, no more
-    assert q.engine.model_key.endswith(":q=fp8") and q.engine.compat_key() == ref.engine.compat_key()
+    assert q.engine.model_key.endswith(f":q={name}") and q.engine.compat_key() == ref.engine.compat_key()
     seqs = [list(range(5, 30)), list(range(100, 111))]
     for ours, want in zip(engine_logprobs(q, seqs), engine_logprobs(ref, seqs)):
         err = (ours - want).abs()                    # e4m3 activations (3 mantissa bits: ~3% a GEMM) on a tiny
@@ -320,6 +326,11 @@ def test_fp8_matmul_matches_its_dequantized_weights():
     assert (fast - want).abs().max() < 0.05 * want.abs().max()
 
 
+def CT(format: str, weights: dict) -> dict:           # noqa: N802 - a compressed-tensors quantization_config
+    return {"quant_method": "compressed-tensors", "format": format,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+
+
 def test_quantized_checkpoints_we_do_not_load_are_named(tmp_path):
     import json
     path = make_tiny_checkpoint(tmp_path, "llama")
@@ -328,6 +339,14 @@ def test_quantized_checkpoints_we_do_not_load_are_named(tmp_path):
                       ({"quant_method": "gptq", "bits": 8, "group_size": 32, "sym": False}, "asymmetric 8-bit"),
                       ({"quant_method": "awq", "bits": 8, "group_size": 32}, "bits 8"),
                       ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group_size 48"),
+                      (CT(format="pack-quantized", weights={"num_bits": 4, "type": "int", "strategy": "group",
+                                                            "group_size": 128, "symmetric": False}), "asymmetric"),
+                      (CT(format="pack-quantized", weights={"num_bits": 4, "type": "int", "strategy": "group",
+                                                            "group_size": 128, "actorder": "group"}), "actorder"),
+                      (CT(format="float-quantized", weights={"num_bits": 8, "type": "float", "strategy": "block"}),
+                       "strategy 'block'"),
+                      (CT(format="marlin-24", weights={"num_bits": 4, "type": "int", "strategy": "group",
+                                                       "group_size": 128}), "format 'marlin-24'"),
                       ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version gemv"),
                       ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"), ({"quant_method": "bitsandbytes"}, "bitsandbytes")):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))

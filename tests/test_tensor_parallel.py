@@ -232,11 +232,11 @@ def test_smollm2_runs_packed_at_tp2(quantization, gap):
 @pytest.mark.slow
 @pytest.mark.parametrize("method,bits,intermediate,act_order", [
     ("gptq", 4, 128, False), ("gptq", 8, 128, False), ("fp8", 8, 128, False), ("gptq", 4, 160, False),
-    ("gptq", 4, 128, True)])
+    ("gptq", 4, 128, True), ("ct-w4a16", 4, 128, False)])
 def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, bits, intermediate, act_order):
-    """A GPTQ (group 32; 4-bit, or 8-bit) or FP8 (per-channel scales) checkpoint at TP 2: every rank's share stays
-    packed, the codes and scales TP 1 holds, and GPTQ's text is TP 1's to fp32's order (its activations' int8
-    blocks are TP 1's; FP8's per-token scales are each rank's own). Where a rank's columns would cut a q4 block
+    """A GPTQ (group 32; 4-bit, or 8-bit), FP8 (per-channel scales) or compressed-tensors W4A16 checkpoint at TP 2:
+    every rank's share stays packed, the codes and scales TP 1 holds, and GPTQ's text is TP 1's to fp32's order
+    (its activations' int8 blocks are TP 1's; FP8's per-token scales are each rank's own). Where a rank's columns would cut a q4 block
     (160 MLP units: 80 a rank), that share runs dequantized, with fp32 activations, and the text is TP 1's up to
     a near-tie; so do an act-order checkpoint's row-parallel shares (a rank's columns hold parts of groups),
     whose q/k/v and gate/up rows stay packed in their act-order."""
@@ -247,7 +247,7 @@ def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, bits, inte
     ref = generate(tp1, PROMPTS)
     tp2 = engine(path, 2)
     try:
-        assert tp2.runner.quantization == method
+        assert tp2.runner.quantization == ("compressed-tensors" if method.startswith("ct-") else method)
         calls = _packed_calls(tp2.runner.model)
         assert (calls["o"] is None) == act_order, calls
         assert act_order or calls["o"][0][3] == 32                          # 2 of 4 heads of 16: its columns
