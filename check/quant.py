@@ -134,8 +134,9 @@ def write_quantized(src: str, out: Path, method: str, group: int = 32,
                     device: torch.device | None = None, bits: int = 4, act_order: bool = False) -> tuple[str, str]:
     """`src`'s linears as a checkpoint in `out`, and a float checkpoint (fp32) of exactly the weights those stand
     for in out/ref. method: "gptq" (v1; 4-bit, or symmetric 8-bit with `bits` 8; `act_order`: desc_act, its groups
-    of input columns out of order) or "awq" (GEMM) 4-bit; group -1: one group of all K; "fp8" (per-channel weight_scale) or "fp8-tensor"
-    (one per tensor), as AutoFP8 and llm-compressor write them; "int8" or "fp8-load": `src` itself is the model
+    of input columns out of order) or "awq" (GEMM) 4-bit, group -1: one group of all K; "fp8" (per-channel
+    weight_scale) or "fp8-tensor" (one per tensor), as AutoFP8 and llm-compressor write them; "ct-fp8", "ct-int8",
+    "ct-w4a16", "ct-w8a16": compressed-tensors (CT_METHODS); "int8" or "fp8-load": `src` itself is the model
     (quantized at load, engine/quant.py) and only the reference is written (int8 rounds the head too, so the
     reference unties it). `device`: where the rounding runs (a GPU quantizes a 1B model in a second)."""
     import shutil
@@ -203,7 +204,8 @@ def write_quantized(src: str, out: Path, method: str, group: int = 32,
     ref_config = {**config, "torch_dtype": "float32"} | ({"tie_word_embeddings": False} if method == "int8" else {})
     outputs = [(out / "ref", ref, ref_config)]
     if not at_load:
-        outputs.append((out, packed, {**config, "quantization_config": qc[method if method in qc else method.split("-")[0]]}))
+        config_of = qc[method if method in qc else method.split("-")[0]]
+        outputs.append((out, packed, {**config, "quantization_config": config_of}))
     for d, tensors, cfg in outputs:
         d.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"))

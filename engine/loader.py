@@ -379,7 +379,8 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
     `dequantize`), every other tensor as it is. An FP8 checkpoint's static input_scale is not used: activations
     are scaled per token."""
     import torch
-    from engine.quant import compressed_tensors_scheme, from_compressed_tensors, from_fp8, from_gptq_awq, hf_quant_method
+    from engine.quant import (compressed_tensors_scheme, from_compressed_tensors, from_fp8, from_gptq_awq,
+                              hf_quant_method)
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method, group = hf_quant_method(q), q.get("group_size", q.get("q_group_size"))
     leaves = ("weight", "weight_scale") if method == "fp8" else ("qweight", "qzeros", "scales")

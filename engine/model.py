@@ -282,7 +282,6 @@ class QuantLinear(nn.Module):
         # GPTQ act-order: the order each call reads x's columns in (None: as they come)
         self.perms = [None if w.perm is None else w.perm.to(device) for w in weights]
         self.bias = None if bias is None else bias.detach().to(device)
-        self.kernels = None
         self.packed, self.dense, self.weights, self.tinygemm = [], None, [], []
         self.kernels = None if triton else _quant_kernels()
         # FP8 on CPU: the C++ kernel where it builds (K % 16 == 0), else torch's _scaled_mm (50x slower)

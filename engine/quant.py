@@ -78,7 +78,8 @@ class QuantWeight:
         runs that share dequantized)."""
         n, k = self.shape
         block = 16 if self.kind == "f8" else 32          # the C++ kernel's K multiple (q4: also its byte blocks)
-        if self.perm is not None or start % block or (stop - start) % block or (self.group < k and (start % self.group or stop % self.group)):
+        cuts_group = self.group < k and (start % self.group or stop % self.group)
+        if self.perm is not None or start % block or (stop - start) % block or cuts_group:
             return None
         if self.group < k:
             scales = self.scales[:, start // self.group:stop // self.group].contiguous()

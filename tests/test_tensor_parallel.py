@@ -236,10 +236,10 @@ def test_smollm2_runs_packed_at_tp2(quantization, gap):
 def test_gptq_and_fp8_checkpoints_run_packed_at_tp2(tmp_path, method, bits, intermediate, act_order):
     """A GPTQ (group 32; 4-bit, or 8-bit), FP8 (per-channel scales) or compressed-tensors W4A16 checkpoint at TP 2:
     every rank's share stays packed, the codes and scales TP 1 holds, and GPTQ's text is TP 1's to fp32's order
-    (its activations' int8 blocks are TP 1's; FP8's per-token scales are each rank's own). Where a rank's columns would cut a q4 block
-    (160 MLP units: 80 a rank), that share runs dequantized, with fp32 activations, and the text is TP 1's up to
-    a near-tie; so do an act-order checkpoint's row-parallel shares (a rank's columns hold parts of groups),
-    whose q/k/v and gate/up rows stay packed in their act-order."""
+    (its activations' int8 blocks are TP 1's; FP8's per-token scales are each rank's own). Where a rank's columns
+    would cut a q4 block (160 MLP units: 80 a rank), that share runs dequantized, with fp32 activations, and the
+    text is TP 1's up to a near-tie; so do an act-order checkpoint's row-parallel shares (a rank's columns hold
+    parts of groups), whose q/k/v and gate/up rows stay packed in their act-order."""
     from check.quant import write_quantized
     path, _ = write_quantized(make_tiny_checkpoint(tmp_path / "float", "llama", intermediate_size=intermediate),
                               tmp_path / method, method, bits=bits if method == "gptq" else 4, act_order=act_order)
