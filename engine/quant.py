@@ -317,9 +317,9 @@ def from_compressed_tensors(scheme: dict, tensors: dict[str, torch.Tensor]) -> Q
     if scheme["format"] == "pack-quantized":
         n, k = (int(d) for d in tensors["weight_shape"].tolist())
         if scheme["bits"] == 4:
-            codes = _nibbles(tensors["weight_packed"], 1)[:, :k].to(torch.uint8)                  # q + 8
+            codes = _unpack_bits(tensors["weight_packed"], 1)[:, :k].to(torch.uint8)                  # q + 8
         else:
-            codes = (_bytes(tensors["weight_packed"], 1)[:, :k] - 128).to(torch.int8)             # q
+            codes = (_unpack_bits(tensors["weight_packed"], 1, 8)[:, :k] - 128).to(torch.int8)          # q
     else:
         codes = tensors["weight"]
         n, k = codes.shape
@@ -332,21 +332,13 @@ def from_compressed_tensors(scheme: dict, tensors: dict[str, torch.Tensor]) -> Q
     return QuantWeight("q8", codes.to(torch.int8).contiguous(), scale, None, group, "CT-int8")
 
 
-def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words -> their 8 4-bit codes (low first), spread along `dim` (8x longer)."""
-    codes = (words.unsqueeze(dim + 1) >> (4 * torch.arange(8, dtype=torch.int32)).view(
-        [8 if d == dim + 1 else 1 for d in range(words.dim() + 1)])) & 0xF
+def _unpack_bits(words: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """int32 words -> their 32 // bits codes (low bits first), spread along `dim` (that many times longer)."""
+    per = 32 // bits
+    codes = (words.unsqueeze(dim + 1) >> (bits * torch.arange(per, dtype=torch.int32)).view(
+        [per if d == dim + 1 else 1 for d in range(words.dim() + 1)])) & ((1 << bits) - 1)
     shape = list(words.shape)
-    shape[dim] *= 8
-    return codes.reshape(shape)
-
-
-def _bytes(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 words -> their 4 8-bit codes (low first), spread along `dim` (4x longer)."""
-    codes = (words.unsqueeze(dim + 1) >> (8 * torch.arange(4, dtype=torch.int32)).view(
-        [4 if d == dim + 1 else 1 for d in range(words.dim() + 1)])) & 0xFF
-    shape = list(words.shape)
-    shape[dim] *= 4
+    shape[dim] *= per
     return codes.reshape(shape)
 
 
@@ -374,7 +366,7 @@ def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         group = qweight.shape[0] * 32 // bits if method == "gptq" else qweight.shape[0]
     perm = act_order(g_idx, group) if method == "gptq" else None
     if bits == 8:
-        q, z = _bytes(qweight, 0), _bytes(qzeros, 1) + (1 if gptq_v1 else 0)          # [K, N], [K/g, N]
+        q, z = _unpack_bits(qweight, 0, 8), _unpack_bits(qzeros, 1, 8) + (1 if gptq_v1 else 0)    # [K, N], [K/g, N]
         s = scales.float()
         k, n = q.shape
         if s.shape != (k // group, n) or z.shape[0] != k // group:
@@ -388,12 +380,12 @@ def from_gptq_awq(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         codes = (q.t() - 128).to(torch.int8).contiguous()                             # [N, K]
         return QuantWeight("q8", codes, s.t().contiguous(), None, group, "GPTQ-8bit", perm)
     if method == "gptq":
-        q = _nibbles(qweight, 0)                                    # [K, N]
-        z = _nibbles(qzeros, 1) + (1 if gptq_v1 else 0)            # [K/g, N]
+        q = _unpack_bits(qweight, 0)                                    # [K, N]
+        z = _unpack_bits(qzeros, 1) + (1 if gptq_v1 else 0)            # [K/g, N]
     else:
         inv = torch.tensor([_AWQ_ORDER.index(i) for i in range(8)])
         unorder = (lambda t: t.view(t.shape[0], -1, 8)[:, :, inv].reshape(t.shape[0], -1))
-        q, z = unorder(_nibbles(qweight, 1)), unorder(_nibbles(qzeros, 1))
+        q, z = unorder(_unpack_bits(qweight, 1)), unorder(_unpack_bits(qzeros, 1))
     s = scales.float()
     k, n = q.shape
     if s.shape != (k // group, n) or z.shape[0] != k // group:
