@@ -13,8 +13,9 @@ output has the distribution of constrained decoding without speculation.
 A JSON schema is compiled only if the grammar can hold the output to all of it. xgrammar compiles some keywords
 without enforcing them: it lets through outputs that break `not`, `if` (with its `then` and `else`), `allOf` of
 several schemas, `contains`, `uniqueItems`, `dependentRequired` and `dependentSchemas` (UNENFORCED, which
-tests/test_structured_schemas.py holds to xgrammar's own behaviour). A schema with one of them is refused naming the keyword and where it is, as OpenAI's
-strict mode refuses keywords it does not support, rather than served with a constraint silently dropped. A
+tests/test_structured_schemas.py holds to xgrammar's own behaviour). A schema with one of them is refused naming
+the keyword and where it is, as OpenAI's strict mode refuses keywords it does not support, rather than served
+with a constraint silently dropped. A
 one-schema `allOf` (older pydantic's way to put a description beside a $ref) is merged into its parent first.
 `oneOf` is compiled as `anyOf`, as every grammar engine does: an output may match more than one branch.
 
