@@ -85,9 +85,10 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
         kernel = quant[f"kernel {layout}"]
         assert kernel["status"] == PASS and all(c["worst_over_tolerance"] < 1 for c in kernel["data"]["calls"])
     unquantized = quant["model unquantized"]["data"]
-    for fmt, kind in zip(FORMATS, ("gptq", "int8", "fp8")):
-        model = quant[f"model {fmt} ({kind})"]
+    for fmt, (_, _, _, kind) in FORMATS.items():
+        model = quant[f"model {fmt}"]
         assert model["status"] == PASS and 0 < model["data"]["error"]["mean_abs_err"] <= model["data"]["tol_mean"]
+        assert model["data"]["quantization"] == kind
         assert model["data"]["weight_bytes"] < unquantized["weight_bytes"] and model["data"]["ms_per_token"] > 0
 
     (pull,) = rows["kv_pull"]
@@ -150,9 +151,10 @@ def test_quant_check_fails_a_format_whose_weights_are_not_what_the_checkpoint_st
     from check.models import CPU_MODELS, build_checkpoint
     model_type, config = CPU_MODELS["llama-tiny"]
     path = build_checkpoint(tmp_path / "m", model_type, config, torch.float32, torch.device("cpu"))
-    monkeypatch.setattr(quant, "FORMATS", ("gptq",))
+    monkeypatch.setattr(quant, "FORMATS", {"gptq": quant.FORMATS["gptq"]})
     rows = {r.case: r for r in quant.model_rows(path, True, tmp_path / "ok", lambda m: None)}
-    assert rows["model gptq (gptq)"].status == PASS
+    assert rows["model gptq"].status == PASS
+    assert not any((tmp_path / "ok").iterdir())       # each format's checkpoints go once its row is written
     right = quant.quantize_4bit
 
     def off(w, group):
@@ -160,7 +162,8 @@ def test_quant_check_fails_a_format_whose_weights_are_not_what_the_checkpoint_st
         return q, scale, zero, deq + 0.5 * deq.std() * torch.randn(deq.shape, generator=torch.Generator().manual_seed(0))
 
     monkeypatch.setattr(quant, "quantize_4bit", off)
-    row = {r.case: r for r in quant.model_rows(path, True, tmp_path / "off", lambda m: None)}["model gptq (gptq)"]
+    row = {r.case: r for r in quant.model_rows(path, True, tmp_path / "off", lambda m: None)}
+    row = row["model gptq"]
     assert row.status == FAIL and row.data["error"]["mean_abs_err"] > row.data["tol_mean"], row.result
 
 
