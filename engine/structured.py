@@ -1,6 +1,6 @@
 """Structured output: a grammar constrains which tokens a request may sample. A JSON schema, any JSON
-object, a regex, a choice among strings or an EBNF grammar (vLLM's `structured_outputs` kinds) is compiled
-once per distinct spec with xgrammar (what vLLM and SGLang use: docs/architecture.md says why) into a
+object, a regex, a choice among strings, an EBNF grammar or a structural tag (vLLM's `structured_outputs` kinds)
+is compiled once per distinct spec with xgrammar (what vLLM and SGLang use: docs/architecture.md says why) into a
 token-level automaton; each sequence holds a matcher over it, fed every token the sequence gets (sampled,
 imported from a prefill replica, or replayed after a move), so its state is rebuilt from tokens, never shipped.
 Before each sampling step the engine fills a bitmask row per constrained sequence and the sampler sets the
@@ -18,6 +18,13 @@ the keyword and where it is, as OpenAI's strict mode refuses keywords it does no
 with a constraint silently dropped. A
 one-schema `allOf` (older pydantic's way to put a description beside a $ref) is merged into its parent first.
 `oneOf` is compiled as `anyOf`, as every grammar engine does: an output may match more than one branch.
+
+A structural tag (xgrammar's, as vLLM serves it) constrains parts of an output: free text until a trigger, then
+a tag (`<function=get_weather>`, JSON of a schema, `</function>`), as a model writes tool calls in its own
+format. Two forms: xgrammar's `{"type": "structural_tag", "format": {...}}` as it is, and vLLM's older
+`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`, rewritten into the first as its
+`triggered_tags` (the same language; xgrammar's call for the old form is deprecated). Every JSON schema inside
+either passes the same checks as a request's own schema.
 
 Compilation is bounded: a spec over `max_bytes` is refused, and one whose compilation outlasts `timeout_s`
 is refused while the compile finishes in the background (a pathological schema cannot stall a replica).
@@ -42,7 +49,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 
-_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # JSON Schema keywords that xgrammar compiles without enforcing: refused (see the module's docstring)
 UNENFORCED = ("not", "if", "allOf", "contains", "uniqueItems", "dependentRequired", "dependentSchemas")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions")          # maps of names to subschemas
@@ -55,13 +62,15 @@ GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 @dataclass(slots=True)
 class StructuredOutput:
     """One of: json (a JSON schema, as a mapping or its text), json_object (any JSON object), regex,
-    choice (the output is one of these strings), grammar (EBNF, xgrammar's GBNF dialect). `after_thinking`: the
-    grammar waits for the model's </think> (a reasoning model's answer follows its thinking)."""
+    choice (the output is one of these strings), grammar (EBNF, xgrammar's GBNF dialect), structural_tag (as
+    a mapping or its text; see the module's docstring). `after_thinking`: the grammar waits for the model's
+    </think> (a reasoning model's answer follows its thinking)."""
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
     after_thinking: bool = False
 
     def __post_init__(self) -> None:
@@ -74,6 +83,10 @@ class StructuredOutput:
                                       f"{', '.join(set_) or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise InvalidRequestError("a JSON schema must be an object (or its text)")
+        if self.structural_tag is not None:
+            if not isinstance(self.structural_tag, (dict, str)):
+                raise InvalidRequestError("a structural tag must be an object (or its text)")
+            xgrammar_structural_tag(self.structural_tag)          # its shape, before it reaches a replica
         for name in ("json_object", "after_thinking"):
             if getattr(self, name) is not False and getattr(self, name) is not True:
                 raise InvalidRequestError(f"{name} must be true or false")
@@ -91,8 +104,9 @@ class StructuredOutput:
 
     def source(self) -> str:
         """The spec as text: what is compiled, size-checked and hashed."""
-        if self.json is not None:
-            return self.json if isinstance(self.json, str) else json.dumps(self.json)   # property order matters
+        for v in (self.json, self.structural_tag):
+            if v is not None:
+                return v if isinstance(v, str) else json.dumps(v)          # a schema's property order matters
         if self.choice is not None:
             return json.dumps(self.choice)
         return self.regex or self.grammar or ""
@@ -162,6 +176,8 @@ class GrammarCompiler:
         c = self._compiler
         if spec.json is not None:
             schema = _enforceable(spec.json)
+        if spec.structural_tag is not None:
+            tag = xgrammar_structural_tag(spec.structural_tag)
         try:
             if spec.json is not None:
                 return c.compile_json_schema(json.dumps(schema) if schema is not None else spec.source(),
@@ -172,6 +188,8 @@ class GrammarCompiler:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            if spec.structural_tag is not None:
+                return c.compile_structural_tag(tag)
             return c.compile_grammar(spec.grammar)
         except Exception as e:                       # xgrammar reports bad input as RuntimeError/ValueError
             msg = str(e).strip().splitlines()
@@ -191,6 +209,48 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def xgrammar_structural_tag(tag: dict | str) -> dict:
+    """A structural tag in xgrammar's form, its schemas checked (_enforceable); InvalidRequestError naming what is
+    malformed. vLLM's older form (structures and triggers) becomes a `triggered_tags` format."""
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except ValueError as e:
+            raise InvalidRequestError(f"the structural tag is not JSON: {e}") from None
+    if not isinstance(tag, dict):
+        raise InvalidRequestError("a structural tag must be a JSON object")
+    if "structures" in tag:
+        structures, triggers = tag["structures"], tag.get("triggers")
+        if not isinstance(structures, list) or not structures:
+            raise InvalidRequestError("structural_tag.structures must be a non-empty list")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise InvalidRequestError("structural_tag.triggers must be a non-empty list of non-empty strings")
+        tags = []
+        for i, s in enumerate(structures):
+            if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")) \
+                    or not s["begin"] or not isinstance(s.get("schema"), dict):
+                raise InvalidRequestError(f"structural_tag.structures[{i}] needs begin and end strings and a "
+                                          f"schema object")
+            tags.append({"type": "tag", "begin": s["begin"], "end": s["end"],
+                         "content": {"type": "json_schema", "json_schema": s["schema"]}})
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    elif not isinstance(tag.get("format"), dict):
+        raise InvalidRequestError("a structural tag needs a format object (or vLLM's structures and triggers)")
+
+    def checked(node: Any) -> Any:
+        if isinstance(node, list):
+            return [checked(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: checked(v) for k, v in node.items() if k != "json_schema"}
+        if "json_schema" in node:
+            schema = node["json_schema"]
+            out["json_schema"] = (_enforceable(schema) or schema) if node.get("type") == "json_schema" \
+                and isinstance(schema, (dict, str)) else checked(schema)
+        return out
+    return {"type": "structural_tag", "format": checked(tag["format"])}
 
 
 def _enforceable(schema: dict | str) -> dict | None:

@@ -64,7 +64,8 @@ class LimitsConfig(_Section):
                                                                 "each is checked after every token)")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")
     max_grammar_bytes: int = Field(MAX_GRAMMAR_BYTES, ge=16, description="Largest structured-output spec (JSON "
-                                   "schema, regex, choice list, grammar or forced tool call) in bytes; the ingress "
+                                   "schema, regex, choice list, grammar, structural tag or forced tool call) in "
+                                   "bytes; the ingress "
                                    "and both pools' engines enforce it")
     grammar_compile_timeout_s: float = Field(GRAMMAR_COMPILE_TIMEOUT_S, gt=0, description="A structured-output "
                                              "spec that takes longer to compile is refused (400)")

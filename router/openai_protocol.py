@@ -4,8 +4,9 @@ SSE chunk builders. No server here (router/ingress.py serves it).
 Decisions: unknown request fields are ignored, as OpenAI and vLLM do; fields that would change the answer and
 that Baton does not serve (UNSUPPORTED: suffix, a per-request chat template, audio, beam search, ...) are refused
 with a 400 naming the field rather than silently dropped. Structured output comes as
-OpenAI's `response_format` (json_object, json_schema) or vLLM's `structured_outputs` (json, regex, choice,
-grammar; its older `guided_*` fields too), one of them per request.
+OpenAI's `response_format` (json_object, json_schema; vLLM's structural_tag) or vLLM's `structured_outputs`
+(json, regex, choice, grammar, structural_tag; its older `guided_*` and `structural_tag` fields too), one of them
+per request.
 presence_penalty and frequency_penalty take OpenAI's range [-2, 2]; repetition_penalty (> 0) is vLLM's.
 """
 from __future__ import annotations
@@ -92,14 +93,20 @@ RESPONSE_FORMAT_SCHEMA = {"anyOf": [
     {"type": "object", "required": ["type", "json_schema"], "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
-            "name": _STR, "description": _STR, "schema": _OBJ, "strict": {"type": ["boolean", "null"]}}}}}]}
+            "name": _STR, "description": _STR, "schema": _OBJ, "strict": {"type": ["boolean", "null"]}}}}},
+    # vLLM's: xgrammar's structural tag ({"format": ...}), or its older form (structures and triggers)
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "structural_tag"}, "format": _OBJ, "triggers": {"type": "array", "items": _TEXT},
+        "structures": {"type": "array", "items": {"type": "object", "required": ["begin", "end"], "properties": {
+            "begin": _TEXT, "end": _STR, "schema": _OBJ}}}}}]}
 LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "null"}, {
     "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]}
 STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [{"type": "null"}, {
     "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
         "json": {"anyOf": [_OBJ, _TEXT]}, "json_object": {"const": True}, "regex": _TEXT,
-        "choice": {"type": "array", "minItems": 1, "items": _TEXT}, "grammar": _TEXT}}]}
+        "choice": {"type": "array", "minItems": 1, "items": _TEXT}, "grammar": _TEXT,
+        "structural_tag": {"anyOf": [_OBJ, _TEXT]}}}]}
 
 
 class _Request(BaseModel):
@@ -145,6 +152,7 @@ class _Request(BaseModel):
     guided_regex: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     guided_choice: list[str] | None = Field(default=None, json_schema_extra={"minItems": 1, "items": _TEXT})
     guided_grammar: str | None = Field(default=None, json_schema_extra={"minLength": 1})
+    structural_tag: str | None = Field(default=None, json_schema_extra={"minLength": 1})   # vLLM's older field
 
     @property
     def include_usage(self) -> bool:
@@ -258,7 +266,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty is beam search's, which is not supported"),
     "logits_processors": (lambda v: bool(v), "custom logits processors are not supported"),
     "vllm_xargs": (lambda v: bool(v), "vllm_xargs (custom extensions) are not supported"),
-    "structural_tag": (lambda v: v is not None, "structural_tag is not supported"),
     "guided_whitespace_pattern": (lambda v: v is not None, "guided_whitespace_pattern is not supported"),
     "guided_decoding_backend": (lambda v: v not in (None, "auto", "xgrammar"),
                                 "guided_decoding_backends other than xgrammar (auto) are not supported"),
@@ -330,11 +337,12 @@ def _check(req, chat: bool, limits: LimitsConfig) -> None:
 
 def structured_spec(req) -> tuple[StructuredOutput | None, str | None]:
     """The request's structured-output spec and the field it came in (None, None: free text)."""
-    legacy = {k[len("guided_"):]: v for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-              if (v := getattr(req, k)) is not None}
+    legacy = {k.removeprefix("guided_"): v for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                                     "structural_tag") if (v := getattr(req, k)) is not None}
+    legacy_name = next((k if k == "structural_tag" else f"guided_{k}" for k in legacy), "")
     given = [name for name, v in (("response_format", req.response_format), ("structured_outputs",
                                                                            req.structured_outputs),
-                                  ("guided_" + next(iter(legacy), ""), legacy)) if v]
+                                  (legacy_name, legacy)) if v]
     if len(given) > 1:
         raise OpenAIError(400, f"give one of {' and '.join(given)}, not both", param=given[1])
     if not given:
@@ -354,13 +362,15 @@ def structured_spec(req) -> tuple[StructuredOutput | None, str | None]:
                     raise OpenAIError(400, "response_format.json_schema.schema must be a JSON schema object",
                                       param="response_format.json_schema.schema")
                 return StructuredOutput(json=schema), param
-            raise OpenAIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-                              param="response_format.type")
+            if kind == "structural_tag":
+                return StructuredOutput(structural_tag=req.response_format), param
+            raise OpenAIError(400, f"response_format.type must be text, json_object, json_schema or structural_tag, "
+                                   f"got {kind!r}", param="response_format.type")
         spec = req.structured_outputs or legacy
-        unknown = sorted(set(spec) - {"json", "json_object", "regex", "choice", "grammar"})
+        unknown = sorted(set(spec) - {"json", "json_object", "regex", "choice", "grammar", "structural_tag"})
         if unknown:
             raise OpenAIError(400, f"{param}: unknown key(s) {', '.join(unknown)}; one of json, json_object, "
-                                   f"regex, choice, grammar", param=param)
+                                   f"regex, choice, grammar, structural_tag", param=param)
         return StructuredOutput(**spec), param
     except InvalidRequestError as e:
         raise OpenAIError(400, f"{param}: {e}", param=param) from e

@@ -1,8 +1,9 @@
 """What a user of structured outputs checks, through the `openai` client against a live cluster: every
 JSON-schema response validates (chat, streamed or not, greedy and seeded sampled, n > 1), the client's own
-`chat.completions.parse` gets its Pydantic object, vLLM's structured_outputs extras hold on completions,
-and a spec the grammar engine refuses is a 400 naming the field while the cluster goes on. Tool calls: named
-and required calls parse and match their schemas (check_tool_calls)."""
+`chat.completions.parse` gets its Pydantic object, a structural tag holds a tool call in its format, vLLM's
+structured_outputs extras hold on completions, and a spec the grammar engine refuses is a 400 naming the field
+while the cluster goes on. Tool calls: named and required calls parse and match their schemas
+(check_tool_calls)."""
 from __future__ import annotations
 
 import json
@@ -47,7 +48,13 @@ def check_structured_outputs(client: openai.OpenAI, model: str, quick: bool = Fa
                 got = [r.choices[0].message.content]
             for text in got:
                 jsonschema.validate(json.loads(text), SCHEMAS[name])
-    if not quick:
+    if not quick:                                    # vLLM's structural tag: a tool call in the model's own format
+        from tests.test_structured_output import CALL, CALLS, call_tags
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the weather in Paris? Call a tool."}],
+            temperature=0, max_tokens=80, response_format=call_tags(at_least_one=True, stop_after_first=True))
+        (name, args), = CALL.findall(r.choices[0].message.content)
+        jsonschema.validate(json.loads(args), CALLS[name])
         parsed = client.chat.completions.parse(model=model, messages=messages, response_format=Leg, temperature=0,
                                                max_tokens=80).choices[0].message.parsed
         assert isinstance(parsed, Leg)
@@ -70,6 +77,7 @@ def check_bad_specs_get_400(client: openai.OpenAI, model: str) -> None:
     bad = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                 "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}}, "response_format"),
            ({"response_format": {"type": "yaml"}}, "response_format.type"),
+           ({"response_format": {"type": "structural_tag", "format": {"type": "no_such_format"}}}, "response_format"),
            ({"extra_body": {"structured_outputs": {"regex": "(open"}}}, "structured_outputs"),
            ({"extra_body": {"structured_outputs": {"choice": ["x" * 70000]}}}, "structured_outputs"),
            ({"response_format": {"type": "json_schema", "json_schema": {"name": "tags", "schema": {      # not enforced

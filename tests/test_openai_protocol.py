@@ -95,7 +95,7 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat
     (True, {"web_search_options": {}}, "web_search_options"),
     (True, {"use_beam_search": True}, "use_beam_search"), (False, {"length_penalty": 0.8}, "length_penalty"),
     (False, {"logits_processors": ["my.Processor"]}, "logits_processors"), (True, {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
-    (True, {"structural_tag": "{}"}, "structural_tag"), (False, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    (False, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (True, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
     (True, {"mm_processor_kwargs": {}}, "mm_processor_kwargs"),
     (False, {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
@@ -308,6 +308,10 @@ def test_out_of_range_seeds_are_refused_before_they_reach_an_engine():
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>",
+                                            "content": {"type": "json_schema", "json_schema": SCHEMA}}}
+OLD_TAG = {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": SCHEMA, "end": "</a>"}],
+           "triggers": ["<a"]}
 
 
 @pytest.mark.parametrize("extra, want", [
@@ -321,6 +325,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     ({"structured_outputs": {"grammar": 'root ::= "x"'}}, ("grammar", 'root ::= "x"')),
     ({"guided_json": SCHEMA}, ("json", SCHEMA)),
     ({"guided_choice": ["y", "n"]}, ("choice", ["y", "n"])),
+    ({"response_format": TAG}, ("structural_tag", TAG)),
+    ({"response_format": OLD_TAG}, ("structural_tag", OLD_TAG)),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}}, ("structural_tag", json.dumps(TAG))),
+    ({"structural_tag": json.dumps(OLD_TAG)}, ("structural_tag", json.dumps(OLD_TAG))),
 ])
 def test_response_format_and_vllms_structured_outputs_become_one_spec(extra, want):
     spec, _ = oa.structured_spec(_chat(**extra))
@@ -339,6 +347,10 @@ def test_response_format_and_vllms_structured_outputs_become_one_spec(extra, wan
     ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {**OLD_TAG, "triggers": []}}, "response_format"),
+    ({"structured_outputs": {"structural_tag": "{nope"}}, "structured_outputs"),
+    ({"structural_tag": json.dumps(OLD_TAG), "guided_json": SCHEMA}, "guided_json"),
 ])
 def test_bad_structured_output_requests_get_400_naming_the_field(extra, param):
     with pytest.raises(oa.OpenAIError) as e:

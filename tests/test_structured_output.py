@@ -72,6 +72,71 @@ def test_json_object_regex_choice_and_grammar_outputs_match(smol_llm):
     assert re.fullmatch(r"[ab]{3,6}!", gram), gram
 
 
+CALLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                          "unit": {"enum": ["c", "f"]}},
+                          "required": ["city", "unit"], "additionalProperties": False},
+         "get_time": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                      "required": ["zone"], "additionalProperties": False}}
+CALL = re.compile(r"<function=(\w+)>(.*?)</function>", re.S)
+
+
+def call_tags(structures: bool = False, **options) -> dict:
+    """A structural tag of CALLS' tool calls, `<function=NAME>{JSON}</function>`: xgrammar's form with `options`,
+    or (structures) vLLM's older one."""
+    if structures:
+        return {"structures": [{"begin": f"<function={n}>", "schema": s, "end": "</function>"}
+                               for n, s in CALLS.items()], "triggers": ["<function="]}
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"type": "tag", "begin": f"<function={n}>", "content": {"type": "json_schema", "json_schema": s},
+         "end": "</function>"} for n, s in CALLS.items()], **options}}
+
+
+def test_structural_tags_hold_tool_calls_in_the_models_own_format(smol_llm):
+    """vLLM's structural_tag: text, then after a trigger a tag whose JSON its schema holds. With xgrammar's
+    at_least_one the greedy and the sampled answers call a tool in that format with arguments their schema
+    accepts; vLLM's older form is the same language: its guide takes calls with text around them and refuses
+    arguments the schema does not."""
+    prompt = smol_llm.apply_chat_template([{"role": "user", "content": "What is the weather in Paris? Call a tool."}])
+    spec = StructuredOutput(structural_tag=call_tags(at_least_one=True, stop_after_first=True))
+    outs = smol_llm.generate([prompt] * 2, [structured(spec, 0.0), structured(spec, 0.9)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        (name, args), = CALL.findall(out.text)
+        jsonschema.validate(json.loads(args), CALLS[name])
+    tok = smol_llm.engine.tokenizer
+
+    def takes(text: str) -> bool:
+        g = smol_llm.engine.grammars().matcher(StructuredOutput(structural_tag=call_tags(structures=True)))
+        return all(g.accept(t) for t in tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
+
+    assert takes('Checking. <function=get_weather>{"city": "Paris", "unit": "c"}</function> Then '
+                 '<function=get_time>{"zone": "CET"}</function>')
+    assert takes("No tool needed.")
+    assert not takes('<function=get_weather>{"city": "Paris", "unit": "kelvin"}</function>')
+    assert not takes('<function=get_weather>{"city": "Paris"}</function>')
+    assert not takes('<function=get_news>{}</function>')
+
+
+@pytest.mark.parametrize("tag, match", [
+    ({"type": "structural_tag"}, "needs a format object"),
+    ({"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": []}, "triggers"),
+    ({"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<f"]}, r"structures\[0\] needs"),
+    (call_tags(structures=True) | {"structures": [{"begin": "<f>", "schema": {"type": "array", "uniqueItems": True},
+                                                   "end": "</f>"}]}, "'uniqueItems'"),
+    ("{nope", "not JSON"),
+], ids=["no-format", "no-triggers", "no-schema", "unenforced-schema", "not-json"])
+def test_malformed_structural_tags_are_refused_by_what_is_wrong(tag, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        StructuredOutput(structural_tag=tag)
+
+
+def test_a_structural_tag_xgrammar_refuses_is_refused_and_the_engine_keeps_serving(smol_llm):
+    bad = {"type": "structural_tag", "format": {"type": "no_such_format"}}
+    with pytest.raises(InvalidRequestError, match="invalid structural_tag.*not recognized"):
+        smol_llm.generate(["x"], structured(StructuredOutput(structural_tag=bad)))
+    assert not smol_llm.engine.has_unfinished_requests() and smol_llm.engine.pool.num_used_blocks == 0
+
+
 @slow
 def test_a_resumed_request_rebuilds_its_grammar_state_and_continues_exactly(smol_llm):
     engine: LLMEngine = smol_llm.engine
