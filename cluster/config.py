@@ -385,9 +385,6 @@ class ClusterConfig(_Schema):
     def _gpus_are_the_tp_size(self) -> ClusterConfig:
         pools = [(name, getattr(self, name)) for name in POOLS if getattr(self, name) is not None]
         problems = [p for name, pool in pools for p in pool.tp_problems(name)]
-        if self.lora.on:
-            problems += [f"{name}.engine.tensor_parallel_size: LoRA adapters are served at tensor_parallel_size 1 "
-                         f"only so far" for name, pool in pools if pool.tensor_parallel_size > 1]
         if problems:
             raise ValueError("\n  ".join(problems))
         return self

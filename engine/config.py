@@ -78,8 +78,6 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ConfigError("enable_lora runs at tensor_parallel_size 1 so far")
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
                                                or self.max_cpu_loras < self.max_loras):
             raise ConfigError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "

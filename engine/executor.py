@@ -72,8 +72,12 @@ class TPWorker:
     def serve_steps(self) -> None:
         """A worker's step loop: run each forward rank 0 sends, until it says stop or is gone."""
         while (step := self.group.recv_step()) is not None:
+            shape, ids, tables, num_layers, lora_slots = step
             with self.lock:
-                self.runner.forward_step(*step)
+                lora = self.runner.lora
+                if lora is not None:                 # the step's adapters, as rank 0 put them in the slots
+                    lora.clear_step() if lora_slots is None else lora.set_step(lora_slots, shape.query_lens)
+                self.runner.forward_step(shape, ids, tables, num_layers)
 
     def start_serving(self) -> None:
         """A worker's process (or actor) runs the step loop on a thread and exits with it: rank 0 stopped
@@ -273,6 +277,8 @@ class Executor:
             raise
         self.runner = self.driver.runner
         self.runner.on_step = self._step
+        if self.runner.lora is not None:
+            self.runner.lora.on_load = self._load_lora
 
     def _build_driver(self, spec: WorkerSpec, store, timeout_s: float) -> TPWorker:
         """Rank 0 joins the group and loads its shard on a thread while the workers load theirs, all within the
@@ -352,6 +358,18 @@ class Executor:
                                              f"out of step: replace the replica")
             raise
 
+    def _load_lora(self, slot: int, adapter) -> None:
+        """Rank 0 put `adapter` in LoRA slot `slot` (before the step that uses it): every worker does too."""
+        from engine.lora import LoRARequest
+        request = LoRARequest(adapter.name, lora_path=adapter.path, lora_key=adapter.key)
+        futures = [h.call(_load_lora_slot, slot, request) for h in self.workers]
+        try:
+            for f in futures:
+                f.result(timeout=DEFAULT_TIMEOUT_S)
+        except TimeoutError as e:
+            raise TPWorkerError(f"a TP worker did not load LoRA adapter {adapter.name!r} in {DEFAULT_TIMEOUT_S} s") \
+                from e
+
     def _send_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None) -> None:
         """Fail fast on a dead worker, else send the step's inputs."""
         if self.failure is None:
@@ -361,8 +379,10 @@ class Executor:
                                              f"run steps; replace the replica")
         if self.failure is not None:
             raise self.failure
+        lora = self.runner.lora
         try:
-            self.driver.group.send_step(shape, ids, tables, num_layers)
+            self.driver.group.send_step(shape, ids, tables, num_layers,
+                                        None if lora is None or lora.step.slots is None else lora.seq_slots)
         except TPWorkerError as e:
             self.failure = e
             raise
@@ -409,3 +429,7 @@ def _block_bytes(worker: TPWorker) -> int:
 
 def _copy_blocks(worker: TPWorker, copies: list[tuple[str, int, int]]) -> None:
     worker.runner.copy_blocks(copies)
+
+
+def _load_lora_slot(worker: TPWorker, slot: int, request) -> None:
+    worker.runner.lora.load_slot(slot, request)

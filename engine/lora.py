@@ -107,6 +107,7 @@ class LoRAAdapter:
     rank: int
     weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
     refs: int = 0                            # live requests using it (never evicted from the host cache)
+    path: str = ""                           # where it was read (a TP worker reads it there too)
 
     @property
     def nbytes(self) -> int:
@@ -143,15 +144,17 @@ def read_adapter_config(path: str) -> dict:
 
 
 def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check an adapter against `model` (engine/model.py LlamaForCausalLM, unsharded)."""
+    """Read and check an adapter against `model` (engine/model.py LlamaForCausalLM): whole weights, as PEFT saved
+    them, whatever share of the model a TP rank holds (LoRAManager cuts its share)."""
     path = request.lora_path
     cfg = read_adapter_config(path)
     tensors = _read_tensors(path)
-    layers, attn, mlp = model.num_layers, model.model.layers[0].self_attn, model.model.layers[0].mlp
-    hidden = model.config.hidden_size
-    dims = {"q_proj": (hidden, attn.q_size), "k_proj": (hidden, attn.kv_size), "v_proj": (hidden, attn.kv_size),
-            "o_proj": (attn.q_size, hidden), "gate_proj": (hidden, mlp.intermediate),
-            "up_proj": (hidden, mlp.intermediate), "down_proj": (mlp.intermediate, hidden)}
+    config, layers, head_dim = model.config, model.num_layers, model.model.layers[0].self_attn.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    dims = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         m = _WEIGHT.search(name)
@@ -185,7 +188,7 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
         fused, part = TARGETS[module]
         weights.setdefault((layer, fused), {})[part] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype))
         rank = max(rank, r)
-    return LoRAAdapter(request.lora_name, request.key, rank, weights)
+    return LoRAAdapter(request.lora_name, request.key, rank, weights, path=path)
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -210,12 +213,15 @@ class LoRAStep:
 
 
 class LoRALinear(nn.Module):
-    """A Linear (plain, packed or quantized) plus its adapters' products for the rows that have one."""
+    """A Linear (plain, packed or quantized) plus its adapters' products for the rows that have one. Under TP a
+    column-parallel Linear adds its output rows' share of the products; a row-parallel one (its input columns
+    split) adds its columns' term of them to its own term of the sum, before the all-reduce adds the ranks'."""
 
     def __init__(self, base: nn.Module, in_features: int, parts: list[int], max_loras: int, max_rank: int,
                  step: LoRAStep, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.base, self.step, self.parts, self.rank = base, step, parts, max_rank
+        self.row_parallel = hasattr(base, "reduce")         # engine/model.py RowParallelLinear
         n = len(parts)
         self.a = torch.zeros(max_loras, n * max_rank, in_features, dtype=dtype, device=device)
         self.layout = "diagonal"            # the Triton kernels' layout: one block-diagonal B [S, N, n*R]
@@ -248,18 +254,24 @@ class LoRALinear(nn.Module):
                 self.b[slot, off[i]:off[i + 1], i * R:i * R + r].copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        y = self.base.partial(x) if self.row_parallel else self.base(x)
         if self.step.slots is not None:
             from engine.lora_ops import apply_lora, apply_lora_cpu
             if self.layout == "cpu":
                 apply_lora_cpu(x, self.a, self.b, self.step.groups, y)
             else:
                 apply_lora(x, self.a, self.b, self.step.slots, y, self.step.groups, self.parts)
-        return y
+        return self.base.reduce(y) if self.row_parallel else y
 
 
 class LoRAManager:
-    """The runner's adapters: the host cache (loaded, checked) and the device slots of the wrapped model."""
+    """The runner's adapters: the host cache (loaded, checked) and the device slots of the wrapped model.
+
+    Under tensor parallelism every rank has one, and every rank's slot i holds the same adapter: rank 0's
+    decides (prepare_step) and tells the workers through `on_load` (engine/executor.py), which read the adapter
+    from its path and hold their share of it (load_slot); each step's slots travel with the step's inputs
+    (set_step). A rank's share: q/k/v's B rows of its heads, gate/up's of its intermediate units, and o/down's A
+    columns of its inputs (their B whole: each rank's term of the delta is summed by the layer's all-reduce)."""
 
     def __init__(self, model, max_loras: int, max_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device):
@@ -271,6 +283,9 @@ class LoRAManager:
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.loads = self.evictions = 0
         self._lock = threading.Lock()             # register() runs on request threads, the rest in the step
+        self.on_load = None                       # TP rank 0: (slot, adapter) -> the workers load it there too
+        self.seq_slots: np.ndarray | None = None  # this step's slot of each sequence (-1: base)
+        self.shard = _tp_shard(model)
         self.layers: list[dict[str, LoRALinear]] = []
         for layer in model.model.layers:
             mods = {}
@@ -352,16 +367,61 @@ class LoRAManager:
                 self.evictions += 1
             slot = self.free_slots.pop()
             adapter = self.cache[key]
-            for i, mods in enumerate(self.layers):
-                for fused, m in mods.items():
-                    m.set_slot(slot, adapter.weights.get((i, fused)))
+            self._write_slot(slot, adapter)
+            if self.on_load is not None:
+                self.on_load(slot, adapter)
             self.slots[key] = slot
             self.loads += 1
-        per_seq = np.array([-1 if k is None else self.slots[k] for k in keys], np.int32)
-        tokens = np.repeat(per_seq, query_lens)
+        self.set_step(np.array([-1 if k is None else self.slots[k] for k in keys], np.int32), query_lens)
+
+    def set_step(self, seq_slots: np.ndarray, query_lens: np.ndarray) -> None:
+        """Each token's slot, from its sequence's (-1: base), for the wrapped Linears' next forward."""
         from engine.lora_ops import lora_plan
+        self.seq_slots = seq_slots
+        tokens = np.repeat(seq_slots, query_lens)
         self.step.slots = torch.from_numpy(tokens).to(self.device)
         self.step.groups = lora_plan(tokens) if self.device.type != "cuda" else None
 
     def clear_step(self) -> None:
-        self.step.slots, self.step.groups = None, None
+        self.step.slots, self.step.groups, self.seq_slots = None, None, None
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        for i, mods in enumerate(self.layers):
+            for fused, m in mods.items():
+                parts = adapter.weights.get((i, fused))
+                if parts is not None and self.shard is not None:
+                    cols, rows = self.shard[fused]
+                    parts = {j: (a if cols is None else a.index_select(1, cols),
+                                 b if rows is None else b.index_select(0, rows[j])) for j, (a, b) in parts.items()}
+                m.set_slot(slot, parts)
+
+    def load_slot(self, slot: int, request: LoRARequest) -> None:
+        """A TP worker: rank 0 put this adapter in `slot`; hold this rank's share of it in the same slot (read
+        from its path unless the host cache has it)."""
+        with self._lock:
+            adapter = self.cache.get(request.key)
+        if adapter is None:
+            adapter = load_adapter(request, self.model, self.max_rank, self.dtype)
+        with self._lock:
+            adapter = self.cache.setdefault(request.key, adapter)
+            self.cache.move_to_end(request.key)
+            for key in [k for k, s in self.slots.items() if s == slot]:
+                del self.slots[key]
+            self.slots[request.key] = slot
+            self._trim_cache()
+        self._write_slot(slot, adapter)
+        self.loads += 1
+
+
+def _tp_shard(model) -> dict[str, tuple] | None:
+    """This TP rank's share of an adapter, by module: (A's input columns or None, each part's B output rows or
+    None); None without TP. One layer's heads and units stand for all (engine/model.py splits every layer alike)."""
+    if model.tp is None or model.tp.size == 1:
+        return None
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+
+    def rows(heads: range) -> torch.Tensor:
+        return (torch.tensor(list(heads))[:, None] * attn.head_dim + torch.arange(attn.head_dim)).flatten()
+    q, kv, units = rows(attn.q_heads), rows(attn.kv_heads), torch.tensor(list(mlp.run))
+    return {"self_attn.qkv_proj": (None, [q, kv, kv]), "mlp.gate_up_proj": (None, [units, units]),
+            "self_attn.o_proj": (q, None), "mlp.down_proj": (units, None)}

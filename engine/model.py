@@ -117,11 +117,19 @@ class RowParallelLinear(nn.Module):
         self.quant = quant
         del self.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's product of its columns: one term of the sum (a LoRA delta of its columns joins it)."""
         local = self.quant if self.quant is not None else self.packed if self.packed is not None else \
             (lambda t: F.linear(t, self.weight))
-        y = self.tp.all_reduce(local(x))
+        return local(x)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' terms summed, then the bias once."""
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.partial(x))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -126,7 +126,7 @@ class ModelRunner:
             if key is not None:
                 remember_weights(key, self.model, self.weight_bytes)
         self.lora = None                                    # engine/lora.py LoRAManager (enable_lora)
-        if config.enable_lora:                              # TP 1 only (EngineConfig checks)
+        if config.enable_lora:
             from engine.lora import LoRAManager
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras, self.dtype, self.device)

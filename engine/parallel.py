@@ -90,12 +90,16 @@ class TPGroup:
         return torch.cat(outs[0], dim=-1) if self.is_driver else None
 
     # -- the step's inputs, rank 0 -> workers (gloo, CPU int64 tensors, no pickle) ------------------
-    def send_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None) -> None:
+    def send_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, num_layers: int | None,
+                  lora_slots: np.ndarray | None = None) -> None:
+        """`lora_slots`: each sequence's LoRA slot (-1: base; engine/lora.py), None: no adapter in this step."""
         t0 = time.perf_counter()
         b, n = len(shape.query_lens), len(ids)
-        header = torch.tensor([_STEP, b, n, tables.shape[1], -1 if num_layers is None else num_layers, 0, 0, 0])
+        header = torch.tensor([_STEP, b, n, tables.shape[1], -1 if num_layers is None else num_layers,
+                               int(lora_slots is not None), 0, 0])
         payload = np.concatenate([shape.starts, shape.query_lens, shape.num_logits, ids.astype(np.int64, copy=False),
-                                  tables.reshape(-1).astype(np.int64, copy=False)])
+                                  tables.reshape(-1).astype(np.int64, copy=False),
+                                  np.empty(0, np.int64) if lora_slots is None else lora_slots.astype(np.int64)])
         _wait(self.control_pg.broadcast(header, 0))
         _wait(self.control_pg.broadcast(torch.from_numpy(payload), 0))
         self._count("broadcast_s", t0)
@@ -109,19 +113,22 @@ class TPGroup:
     def send_stop(self) -> None:
         _wait(self.control_pg.broadcast(torch.tensor([_STOP, 0, 0, 0, 0, 0, 0, 0]), 0))
 
-    def recv_step(self) -> tuple[StepShape, np.ndarray, np.ndarray, int | None] | None:
-        """A worker waits for rank 0's next step; None when rank 0 stops the workers."""
+    def recv_step(self) -> tuple[StepShape, np.ndarray, np.ndarray, int | None, np.ndarray | None] | None:
+        """A worker waits for rank 0's next step: (shape, ids, tables, num_layers, lora_slots); None when rank 0
+        stops the workers."""
         header = torch.zeros(8, dtype=torch.int64)
         _wait(self.control_pg.broadcast(header, 0, IDLE_TIMEOUT))    # an idle engine sends nothing for hours
-        kind, b, n, cols, layers = header[:5].tolist()
+        kind, b, n, cols, layers, lora = header[:6].tolist()
         if kind == _STOP:
             return None
-        payload = torch.zeros(3 * b + n + b * cols, dtype=torch.int64)
+        end = 3 * b + n + b * cols
+        payload = torch.zeros(end + (b if lora else 0), dtype=torch.int64)
         _wait(self.control_pg.broadcast(payload, 0))
         p = payload.numpy()
         shape = StepShape(p[:b], p[b:2 * b], p[2 * b:3 * b])
-        tables = p[3 * b + n:].reshape(b, cols).astype(np.int32)
-        return shape, p[3 * b:3 * b + n], tables, None if layers < 0 else layers
+        tables = p[3 * b + n:end].reshape(b, cols).astype(np.int32)
+        return (shape, p[3 * b:3 * b + n], tables, None if layers < 0 else layers,
+                p[end:].astype(np.int32) if lora else None)
 
 
 def _wait(work) -> None:

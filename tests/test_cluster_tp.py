@@ -2,7 +2,8 @@
 and one TP worker actor in its placement group: replica/tp_workers.py) hands its KV, re-sharded, to a TP 1 decode
 replica. The openai client gets the single engine's greedy text through it; killing the prefill replica's worker
 loses no request (the decode pool prefills what the broken replica cannot), and Serve replaces the replica, worker
-and all, which then prefills for the decode pool again."""
+and all, which then prefills for the decode pool again. A LoRA adapter's request, prefilled at TP 2 (each rank
+holding its share of the adapter) and decoded at TP 1, gets the single engine's text under the adapter."""
 from __future__ import annotations
 
 
@@ -32,9 +33,15 @@ MESSAGES = [[{"role": "user", "content": "Why do relay runners practise the bato
 MAX_TOKENS = 12
 
 
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, smol_path) -> str:
+    from bench.models import make_lora_adapter
+    return make_lora_adapter(smol_path, tmp_path_factory.mktemp("tp-lora") / "terse", rank=8, seed=11, scale=0.5)
+
+
 @pytest.fixture
-def client(shared_cluster):
-    shared_cluster.up(PREFILL_TP2, num_cpus=2)
+def client(shared_cluster, adapter):
+    shared_cluster.up({**PREFILL_TP2, "lora": {"adapters": {"terse": adapter}}}, num_cpus=2)
     return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -80,6 +87,19 @@ def test_prefill_tp2_hands_its_kv_to_decode_tp1_and_the_text_is_the_single_engin
     after = prefill_paths()
     assert after["remote"] - before["remote"] == len(MESSAGES)          # both prefilled by the TP 2 replica
     assert after["local_after_prefill_failure"] == before["local_after_prefill_failure"]
+
+
+def test_an_adapter_prefilled_at_tp2_gives_the_single_engines_text(client, adapter, smol_path):
+    from engine import LoRARequest
+    llm = LLM(smol_path, **CLUSTER_ENGINE, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    ids = llm.apply_chat_template(MESSAGES[0])
+    want = llm.generate([ids], params, lora_request=LoRARequest("terse", 1, adapter))[0].text
+    assert want != llm.generate([ids], params)[0].text                 # the adapter changes the text
+    before = prefill_paths()
+    r = client.chat.completions.create(model="terse", messages=MESSAGES[0], temperature=0, max_tokens=MAX_TOKENS)
+    assert r.choices[0].message.content == want
+    assert prefill_paths()["remote"] - before["remote"] == 1             # through the TP 2 replica
 
 
 def test_killing_a_prefill_tp_worker_loses_no_request_and_the_replica_comes_back(client, single_engine_texts):

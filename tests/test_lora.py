@@ -213,12 +213,11 @@ def test_a_bad_adapter_fails_its_request_alone(tiny, tmp_path, reference):
     assert_no_leak(llm)
 
 
-def test_lora_needs_enable_lora_and_tp1(tiny):
+def test_lora_needs_enable_lora_and_max_cpu_loras_of_at_least_max_loras(tiny):
     llm = LLM(tiny["base"], tokenizer=resolve_model(None), num_kv_blocks=32, max_model_len=128)
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         llm.generate(PROMPTS[0], GREEDY, lora_request=req(tiny, "full"))
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
-        EngineConfig(tiny["base"], enable_lora=True, tensor_parallel_size=2)
+    EngineConfig(tiny["base"], enable_lora=True, tensor_parallel_size=2)      # tests/test_tensor_parallel.py
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         EngineConfig(tiny["base"], enable_lora=True, max_loras=4, max_cpu_loras=2)
 

@@ -188,6 +188,41 @@ class CountingHandle:
 SMOL_RANK0 = {"qkv": 5 * 64, "o_in": 3 * 64, "gate_up": 2 * 768, "down_in": 768}
 
 
+def test_lora_adapters_at_tp2_give_tp1s_tokens(tiny_paths, tmp_path):
+    """LoRA under TP: each rank holds its share of every adapter (q/k/v's and gate/up's B rows, o's and down's A
+    columns, on MQA's replicated KV head and an uneven intermediate split). A batch mixing the base and three
+    adapters through two slots, so rank 0 evicts and the workers reload, gives TP 1's greedy tokens (up to an
+    all-reduce's near-tie); and every adapter changes them."""
+    from bench.models import make_lora_adapter
+    from engine.lora import LoRARequest
+    base = tiny_paths["llama-mqa"]
+    adapters = {name: LoRARequest(name, i + 1, make_lora_adapter(base, tmp_path / name, rank=r, seed=i + 1, **kw))
+                for i, (name, r, kw) in enumerate([("full", 8, {}), ("attn", 4, {"targets": ("q_proj", "k_proj",
+                                                   "v_proj", "o_proj")}), ("mlp", 6, {"targets": ("down_proj",)})])}
+    cases = [(name, p) for p in PROMPTS for name in (None, *adapters)]
+
+    def run(eng: LLMEngine) -> list:
+        ids = [eng.add_request(p, GREEDY, lora_request=adapters.get(n)) for n, p in cases]
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        return [done[i] for i in ids]
+
+    lora = dict(enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=8)
+    ref = run(engine(base, 1, **lora))
+    tp2 = engine(base, 2, **lora)
+    try:
+        out = run(tp2)
+        stats = tp2.stats()
+    finally:
+        tp2.shutdown()
+    assert_same_greedy(ref, out)
+    assert stats["lora_loads"] >= 3 and stats["lora_evictions"] >= 1      # three adapters through two slots
+    for (name, p), r in zip(cases, ref):
+        if name is not None:
+            assert r.token_ids != next(b.token_ids for (n, q), b in zip(cases, ref) if n is None and q == p), name
+
+
 def _packed_calls(model) -> dict[str, tuple]:
     """Rank 0's first layer: each linear's kernel calls (kind, group, n, k), None where it runs in floats."""
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -392,9 +427,15 @@ def test_an_idle_worker_outwaits_the_collective_timeout():
     shape = StepShape(np.array([0, 3]), np.array([3, 1]), np.array([1, 1]))
     groups[0].send_step(shape, np.arange(4), np.array([[5, 6], [7, 8]], np.int32), 2)
     worker.join(timeout=10)
-    got_shape, ids, tables, layers = got[0]
+    got_shape, ids, tables, layers, lora = got[0]
     assert got_shape.query_lens.tolist() == [3, 1] and ids.tolist() == [0, 1, 2, 3]
-    assert tables.tolist() == [[5, 6], [7, 8]] and layers == 2
+    assert tables.tolist() == [[5, 6], [7, 8]] and layers == 2 and lora is None
+    worker = threading.Thread(target=lambda: got.append(groups[1].recv_step()))      # a step with LoRA slots
+    worker.start()
+    groups[0].send_step(shape, np.arange(4), np.array([[5, 6], [7, 8]], np.int32), None, np.array([1, -1]))
+    worker.join(timeout=10)
+    got_shape, ids, tables, layers, lora = got[1]
+    assert tables.tolist() == [[5, 6], [7, 8]] and layers is None and lora.tolist() == [1, -1]
 
 
 def test_tensor_parallel_size_is_validated(tmp_path):
