@@ -66,8 +66,8 @@ def build_app(config: ClusterConfig, app_name: str = APP_NAME) -> serve.Applicat
     return ingress.bind(prefill=prefill, decode=decode, state=owner, state_actor=state,
                         num_replicas=config.ingress.num_replicas, limits=config.limits, auth=config.auth,
                         admission=config.admission, disaggregation=config.disaggregation, router=r,
-                        migration=config.migration, tools=config.tools, reasoning=config.reasoning, lora=config.lora,
-                        stream_channels=config.decode.stream_channels)
+                        migration=config.migration, tools=config.tools, chat=config.chat,
+                        reasoning=config.reasoning, lora=config.lora, stream_channels=config.decode.stream_channels)
 
 
 COUPLED_POLICY = "cluster.autoscaling:CoupledPolicy"

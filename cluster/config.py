@@ -42,7 +42,7 @@ from engine.quant import QUANTIZATIONS
 from engine.spec.config import SpeculativeConfig
 from kvtransfer.config import TransferConfig
 from replica.names import INGRESS, POOLS
-from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
+from router.config import (AdmissionConfig, AuthConfig, ChatConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
                            MigrationConfig, ReasoningConfig, RouterConfig, ToolsConfig)
 
 CLUSTER_LEVEL_ENGINE_KEYS = ("model", "dtype", "device")
@@ -363,6 +363,7 @@ class ClusterConfig(_Schema):
     transfer: TransferConfig = Field(default_factory=TransferConfig, description="KV transfer between the pools")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Per-request limits at the ingress")
     tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tool calling on chat completions")
+    chat: ChatConfig = Field(default_factory=ChatConfig, description="Chat templates at the ingress")
     reasoning: ReasoningConfig = Field(default_factory=ReasoningConfig, description="Reasoning models' thinking "
                                                                                     "on chat completions")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Admission control (429 "

@@ -72,12 +72,13 @@ class LLM:
             bar.close()
         return [done[r] for r in ids]
 
-    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
-        """Apply the model's chat template to one conversation and generate the reply."""
-        return self.generate([self.apply_chat_template(messages)], params)[0]
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None,
+             chat_template: str | None = None) -> RequestOutput:
+        """Apply the model's chat template (or `chat_template`) to one conversation and generate the reply."""
+        return self.generate([self.apply_chat_template(messages, chat_template)], params)[0]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[dict[str, str]], chat_template: str | None = None) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages, chat_template=chat_template)
 
 
 # what chat_template_kwargs may not set: the arguments chat_token_ids itself gives the template
@@ -88,12 +89,14 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "docu
 
 def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                    continue_final_message: bool = False, template_kwargs: dict | None = None,
-                   documents: list[dict] | None = None, add_special_tokens: bool = False) -> list[int]:
+                   documents: list[dict] | None = None, add_special_tokens: bool = False,
+                   chat_template: str | None = None) -> list[int]:
     """The prompt's token ids under the model's chat template, ready for the assistant's turn (vLLM's options:
     without the turn's header, or continuing the last, assistant, message); `tools` (OpenAI's function
     definitions) and `documents` (for retrieval-augmented generation) go to a template that takes them,
     `template_kwargs` are the template's own variables; `add_special_tokens` encodes the rendered text with the
-    tokenizer's own special tokens (its BOS) on top of the template's, as vLLM's option does."""
+    tokenizer's own special tokens (its BOS) on top of the template's, as vLLM's option does; `chat_template`
+    replaces the tokenizer's."""
     from engine.errors import InvalidRequestError
     if not messages:
         raise InvalidRequestError("messages must not be empty")
@@ -104,7 +107,8 @@ def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = N
     if reserved:
         raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {}),
-             **({"documents": documents} if documents else {})}
+             **({"documents": documents} if documents else {}),
+             **({"chat_template": chat_template} if chat_template is not None else {})}
     if add_special_tokens:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **extra)

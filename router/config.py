@@ -3,9 +3,10 @@ chosen, when a prompt is prefilled remotely, what one request may ask for, admis
 The ingress and the request routers receive these objects as they are; their defaults are written here once."""
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.structured import GRAMMAR_COMPILE_TIMEOUT_S, MAX_GRAMMAR_BYTES
 
@@ -80,6 +81,30 @@ class ToolsConfig(_Section):
         "Magistral, Devstral), pythonic ([fn(arg=value), ...]: Llama 3.2 and 4 with pythonic templates, ToolACE); "
         "auto: mistral for a chat template that writes [TOOL_CALLS], pythonic for one that teaches the pythonic "
         "form, llama3_json for one in Llama 3's JSON tool format, else hermes")
+
+
+class ChatConfig(_Section):
+    """Chat templates at the ingress, as vLLM's --chat-template and --trust-request-chat-template."""
+    template: str | None = Field(None, description="The chat template of every chat request (and of /tokenize's "
+                                 "messages) in place of the model's own: a Jinja file, read when the config is, or "
+                                 "the template's text; for a model whose tokenizer has none, or to change it")
+    trust_request_template: bool = Field(False, description="Run the chat_template a request brings (vLLM's "
+                                         "--trust-request-chat-template); it renders in transformers' sandboxed "
+                                         "Jinja, which a hostile template can still keep busy, so the default "
+                                         "refuses such a request with a 400")
+
+    @field_validator("template")
+    @classmethod
+    def _file_or_text(cls, v: str | None) -> str | None:
+        """A file's text, else the text itself when it reads as a template (vLLM's rule); else an error."""
+        if v is None:
+            return None
+        if os.path.isfile(v):
+            with open(v, encoding="utf-8") as f:
+                return f.read()
+        if not any(c in v for c in "{}\n"):
+            raise ValueError(f"{v!r} is neither a file nor a Jinja template")
+        return v
 
 
 class ReasoningConfig(_Section):

@@ -31,7 +31,7 @@ from engine.loader import load_tokenizer
 from router import openai_protocol as oa, responses as rs
 from router.cluster_state import merge_expositions
 from router.admission import Admission
-from router.config import (AdmissionConfig, AuthConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
+from router.config import (AdmissionConfig, AuthConfig, ChatConfig, DisaggregationConfig, LimitsConfig, LoRAConfig,
                            MigrationConfig, ReasoningConfig, RouterConfig, ToolsConfig)
 from router.orchestrator import Orchestrator, as_openai_error
 from router.tools import tool_format
@@ -103,14 +103,14 @@ class Ingress:
                  auth: AuthConfig, admission: AdmissionConfig, disaggregation: DisaggregationConfig,
                  router: RouterConfig, migration: MigrationConfig = MigrationConfig(),
                  tools: ToolsConfig = ToolsConfig(), reasoning: ReasoningConfig = ReasoningConfig(),
-                 lora: LoRAConfig = LoRAConfig(), stream_channels: bool = True):
+                 lora: LoRAConfig = LoRAConfig(), stream_channels: bool = True, chat: ChatConfig = ChatConfig()):
         """prefill, decode, state: handles of the pools and of the state actor's owner (cluster/app.py);
         state_actor: the actor's name (the index mirror reads it); num_replicas: ingress replicas, which
         share the decode pool's KV budget; stream_channels: the decode section's; the rest are the cluster
         config's sections."""
         self.stream_channels = stream_channels
         self.limits, self.disaggregation, self.router_config = limits, disaggregation, router
-        self.migration, self.tools_config, self.lora_config = migration, tools, lora
+        self.migration, self.tools_config, self.lora_config, self.chat_config = migration, tools, lora, chat
         self.reasoning = reasoning.parser
         self._loras: dict[str, LoRARequest] = {}     # the registry's copy: adapter name -> request
         self._loras_read = 0.0
@@ -139,6 +139,8 @@ class Ingress:
                 if self.orchestrator is None:
                     info = await self.decode.model_info.remote()
                     self.tokenizer = await asyncio.to_thread(load_tokenizer, info["model_path"])
+                    if self.chat_config.template is not None:        # the server's template, for every chat
+                        self.tokenizer.chat_template = self.chat_config.template
                     self.tool_format = tool_format(self.tokenizer, self.tools_config.parser)
                     self.served_name = info["served_model_name"]
                     self.info = info
@@ -432,18 +434,25 @@ class Ingress:
         completion's as given or encoded; the last truncate_prompt_tokens of each when that is set."""
         if chat:
             messages, template_tools = oa.chat_messages(req, tools, self.tool_format)
+            if req.chat_template is not None and not self.chat_config.trust_request_template:
+                raise oa.OpenAIError(400, "this server does not run a chat_template a request brings (the cluster's "
+                                          "chat.trust_request_template, vLLM's --trust-request-chat-template)",
+                                     param="chat_template")
             try:
                 variables = {**({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}),
                              **(req.chat_template_kwargs or {})}
                 prompts = [chat_token_ids(self.tokenizer, messages, template_tools, req.add_generation_prompt,
                                           req.continue_final_message, variables, req.documents,
-                                          req.add_special_tokens)]
+                                          req.add_special_tokens, req.chat_template)]
             except InvalidRequestError as e:
                 param = str(e).split(" ", 1)[0]
                 raise oa.OpenAIError(400, str(e), param=param if param in type(req).model_fields else None) from e
             except jinja2.TemplateError as e:
-                raise oa.OpenAIError(400, f"the model's chat template failed on this request: {e}",
-                                     param="chat_template_kwargs" if req.chat_template_kwargs else "messages") from e
+                whose = "the request's" if req.chat_template is not None else "the server's" \
+                    if self.chat_config.template is not None else "the model's"
+                raise oa.OpenAIError(400, f"{whose} chat template failed on this request: {e}",
+                                     param="chat_template" if req.chat_template is not None else
+                                     "chat_template_kwargs" if req.chat_template_kwargs else "messages") from e
         else:
             prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
                        for p in oa.completion_prompts(req)]

@@ -2,7 +2,7 @@
 SSE chunk builders. No server here (router/ingress.py serves it).
 
 Decisions: unknown request fields are ignored, as OpenAI and vLLM do; fields that would change the answer and
-that Baton does not serve (UNSUPPORTED: suffix, a per-request chat template, audio, beam search, ...) are refused
+that Baton does not serve (UNSUPPORTED: suffix, audio, beam search, ...) are refused
 with a 400 naming the field rather than silently dropped. Structured output comes as
 OpenAI's `response_format` (json_object, json_schema; vLLM's structural_tag) or vLLM's `structured_outputs`
 (json, regex, choice, grammar, structural_tag; its older `guided_*` and `structural_tag` fields too), one of them
@@ -183,6 +183,8 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool = True                    # vLLM's: false leaves the assistant turn's header out
     continue_final_message: bool = False                  # vLLM's: the last (assistant) message goes on
     chat_template_kwargs: dict[str, Any] | None = None    # vLLM's: the chat template's own variables
+    # vLLM's: a Jinja template in place of the server's, run only where the server trusts them (chat section)
+    chat_template: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     documents: list[dict[str, Any]] | None = None         # vLLM's: retrieved documents, for a template that takes them
     reasoning_effort: Literal["low", "medium", "high"] | None = None   # OpenAI's: a template variable, as vLLM
     include_reasoning: bool = True                        # vLLM's: false leaves reasoning_content out
@@ -257,7 +259,6 @@ def parse_body(body: Any, model: type[BaseModel]) -> BaseModel:
 # their default is a 400 naming the field, never silently dropped (other unknown fields are ignored, as vLLM does).
 # field -> (is the value refused, why)
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "chat_template": (lambda v: v is not None, "a per-request chat_template is not supported; the model's own is used"),
     "audio": (lambda v: v is not None, "audio output is not supported"),
     "modalities": (lambda v: v is not None and v != ["text"], "modalities other than [\"text\"] are not supported"),
     "web_search_options": (lambda v: v is not None, "web search is not supported"),

@@ -1,7 +1,9 @@
 """Colocated mode from the same config (one pool prefills and decodes): the openai client gets the offline
 engine's greedy text, n seeded choices, logprobs, and /metrics shows only the decode pool; its streams are
 batched (decode.stream_interval_ms); a request without a temperature takes the generation config's. Its pool runs a
-host KV tier: a prompt the KV cache evicted is served from host memory, and the router's index knows where."""
+host KV tier: a prompt the KV cache evicted is served from host memory, and the router's index knows where. Its
+ingress renders chats with a chat template of its own (chat.template) and runs a request's own where it trusts
+them (chat.trust_request_template)."""
 from __future__ import annotations
 
 import json
@@ -26,9 +28,15 @@ ENGINE = {**CLUSTER_ENGINE, "kv_offloading_size": 0.125}    # 96 MiB of device K
 STREAM_INTERVAL_MS = 100
 # a sampling default over the model's generation config: requests that set no temperature decode greedily
 GENERATION = {"override_generation_config": {"temperature": 0.0}}
+# SmolLM2's own chat template with another default system line (vLLM's --chat-template)
+TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\nYou are Baton, a relay coach<|im_end|>\n' }}{% endif %}"
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 COLOCATED = {"mode": "colocated", "port": PORT, "ingress": {"num_cpus": 0},
              "decode": {"num_cpus": 0, "engine": {**ENGINE, **GENERATION}, "stream_interval_ms": STREAM_INTERVAL_MS},
-             "limits": {"grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S}}
+             "limits": {"grammar_compile_timeout_s": GRAMMAR_COMPILE_TIMEOUT_S},
+             "chat": {"template": TEMPLATE, "trust_request_template": True}}
 
 
 @pytest.fixture
@@ -40,7 +48,7 @@ def client(shared_cluster):
 def test_colocated_serves_greedy_n_and_logprobs(client):
     messages = [{"role": "user", "content": "Why do relay runners practise the baton exchange?"}]
     # the default model as the cluster runs it (its GGUF, packed)
-    want = LLM(None, **ENGINE).chat(messages, SamplingParams(temperature=0, max_tokens=24))
+    want = LLM(None, **ENGINE).chat(messages, SamplingParams(temperature=0, max_tokens=24), chat_template=TEMPLATE)
     r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
                                        logprobs=True, top_logprobs=2)
     assert r.choices[0].message.content == want.text
@@ -65,8 +73,9 @@ def test_a_request_without_a_temperature_takes_the_generation_configs(client):
     generation-config defaults); a request's own temperature wins."""
     messages = [{"role": "user", "content": "Name a famous relay runner."}]
     offline = LLM(None, **ENGINE)
-    greedy = offline.chat(messages, SamplingParams(temperature=0, max_tokens=20)).text
-    sampled = offline.chat(messages, SamplingParams(temperature=1.0, seed=5, max_tokens=20)).text
+    greedy = offline.chat(messages, SamplingParams(temperature=0, max_tokens=20), chat_template=TEMPLATE).text
+    sampled = offline.chat(messages, SamplingParams(temperature=1.0, seed=5, max_tokens=20),
+                           chat_template=TEMPLATE).text
     assert sampled != greedy
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20)
     assert r.choices[0].message.content == greedy
@@ -104,6 +113,37 @@ def test_colocated_structured_outputs_and_tool_calls_validate_and_bad_specs_get_
     check_tool_calls(client, MODEL, quick=True)
 
 
+def _tokenize(body: dict) -> list[int]:
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}/tokenize", json.dumps({"model": MODEL, **body}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["tokens"]
+
+
+def test_the_servers_chat_template_and_a_trusted_requests_own(client, smol_path):
+    """chat.template renders every chat in place of the model's (here: its default system line), and a request's
+    own chat_template renders its prompt where chat.trust_request_template allows it; the answer is the offline
+    engine's on those prompt tokens."""
+    from engine.llm import chat_token_ids
+    from engine.loader import load_tokenizer
+    tok = load_tokenizer(smol_path)
+    messages = [{"role": "user", "content": "Who runs the last leg?"}]
+    ids = _tokenize({"messages": messages})
+    assert ids == chat_token_ids(tok, messages, chat_template=TEMPLATE) != chat_token_ids(tok, messages)
+    assert "You are Baton, a relay coach" in tok.decode(ids)
+    own = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}coach:"
+    ids = _tokenize({"messages": messages, "chat_template": own})
+    assert ids == tok.encode("user: Who runs the last leg?\ncoach:", add_special_tokens=False)
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+                                       extra_body={"chat_template": own})
+    want = LLM(None, **ENGINE).generate([ids], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:                 # the template's own error: a 400 naming it
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                       extra_body={"chat_template": "{{ raise_exception('no users here') }}"})
+    assert e.value.body["param"] == "chat_template" and "no users here" in e.value.body["message"]
+
+
 def test_the_responses_api_serves_the_chat_answer_streamed_with_tools_and_schemas(client):
     """client.responses, as a user of OpenAI's newer API calls it: the output text is the offline engine's chat answer
     (instructions as the system message) and usage counts it; the streamed events add up to it and end with the
@@ -112,7 +152,7 @@ def test_the_responses_api_serves_the_chat_answer_streamed_with_tools_and_schema
     state is a 400 naming the field, and retrieving, deleting or cancelling a response a 404 saying none is stored."""
     coach, ask = "You coach a relay team in one sentence.", "Why practise the baton exchange?"
     want = LLM(None, **ENGINE).chat([{"role": "system", "content": coach}, {"role": "user", "content": ask}],
-                                    SamplingParams(temperature=0, max_tokens=24))
+                                    SamplingParams(temperature=0, max_tokens=24), chat_template=TEMPLATE)
     r = client.responses.create(model=MODEL, instructions=coach, input=ask, max_output_tokens=24, temperature=0)
     assert r.output_text == want.text and r.id.startswith("resp_") and r.store is False
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(want.prompt_token_ids), len(want.token_ids))

@@ -159,11 +159,25 @@ def test_every_problem_is_listed_at_once():
      "decode.num_cpus: 0 but decode.engine.tensor_parallel_size is 2 without GPUs"),
     ({"decode": {"engine": {"tensor_parallel_size": 0}}},
      "decode.engine.tensor_parallel_size: Input should be greater than or equal to 1"),
+    ({"chat": {"template": "templates/missing.jinja"}},
+     "chat.template: 'templates/missing.jinja' is neither a file nor a Jinja template"),
 ])
 def test_bad_values_say_what_and_where(doc, says):
     with pytest.raises(ConfigError) as e:
         ClusterConfig.from_dict(doc)
     assert says in str(e.value)
+
+
+def test_a_chat_template_is_a_files_text_read_with_the_config_or_the_text_itself(tmp_path):
+    """The deployed config carries the template's text, so an ingress on any node renders with it."""
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    assert ClusterConfig.from_dict({"chat": {"template": str(tmp_path / "chat.jinja")}}).chat.template == template
+    assert ClusterConfig.from_dict({"chat": {"template": template}}).chat.template == template
+    cfg = ClusterConfig.from_dict({"chat": {"template": template, "trust_request_template": True}})
+    (tmp_path / "again.yaml").write_text(cfg.to_yaml())
+    assert ClusterConfig.from_yaml(tmp_path / "again.yaml") == cfg
+    assert ClusterConfig().chat.template is None and not ClusterConfig().chat.trust_request_template
 
 
 def test_unreadable_files_are_config_errors(tmp_path):

@@ -305,6 +305,9 @@ def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 1100}]}, 400, "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        # a request's own template runs only where chat.trust_request_template says so (vLLM's default refuses it)
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' }}"}, 400,
+         "chat_template"),
     ]
     big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (10 << 20)}]}).encode()
     cases.append((big, 413, None))                                      # 10 MB against a 256 KiB limit

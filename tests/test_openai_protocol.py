@@ -90,7 +90,6 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat
 
 
 @pytest.mark.parametrize("chat, extra, param", [
-    (True, {"chat_template": "{{ messages }}"}, "chat_template"),
     (True, {"modalities": ["text", "audio"]}, "modalities"), (True, {"audio": {"voice": "alloy"}}, "audio"),
     (True, {"web_search_options": {}}, "web_search_options"),
     (True, {"use_beam_search": True}, "use_beam_search"), (False, {"length_penalty": 0.8}, "length_penalty"),
