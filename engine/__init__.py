@@ -16,6 +16,7 @@ _WHERE = {
     "BatonError": "engine.errors", "ConfigError": "engine.errors", "InvalidRequestError": "engine.errors",
     "ModelLoadError": "engine.errors", "PromptTooLongError": "engine.errors",
     "LoRARequest": "engine.lora", "LoRAError": "engine.lora",
+    "BeamSearchParams": "engine.beam_search", "BeamSearchOutput": "engine.beam_search",
 }
 __all__ = list(_WHERE)
 

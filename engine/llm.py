@@ -1,10 +1,11 @@
-"""LLM: the offline API — generate over many prompts, chat over one conversation."""
+"""LLM: the offline API — generate over many prompts, chat over one conversation, beam search."""
 from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
 from tqdm import tqdm
 
+from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -71,6 +72,25 @@ class LLM:
         finally:
             bar.close()
         return [done[r] for r in ids]
+
+    def beam_search(self, prompts: str | list[int] | Seq[str | list[int]], params: BeamSearchParams,
+                    lora_request=None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the best `params.beam_width` beams of each prompt (engine/beam_search.py), all
+        prompts' beams in each round's batch."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params.validate()
+        searches = [BeamSearch(self.engine.tokenize(p), params, self.engine.eos_ids, self.engine.max_model_len)
+                    for p in prompts]
+        round_params = SamplingParams(max_tokens=1, temperature=params.temperature, ignore_eos=True,
+                                      logprobs=2 * params.beam_width)
+        while live := [s for s in searches if not s.done]:
+            batch = [(s, p) for s in live for p in s.prompts()]
+            outs = self.generate([p for _, p in batch], round_params, lora_request=lora_request)
+            for s in live:
+                s.advance([o.logprobs[0] for (owner, _), o in zip(batch, outs) if owner is s])
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)      # noqa: E731
+        return [s.results(decode) for s in searches]
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None,
              chat_template: str | None = None) -> RequestOutput:

@@ -24,10 +24,13 @@ import jinja2
 import prometheus_client
 from ray import serve
 
+from engine.beam_search import BeamSearch
 from engine.errors import InvalidRequestError
 from engine.llm import chat_token_ids
 from engine.lora import LoRARequest
 from engine.loader import load_tokenizer
+from engine.sampling_params import SamplingParams
+from replica.messages import TokenDelta
 from router import openai_protocol as oa, responses as rs
 from router.cluster_state import merge_expositions
 from router.admission import Admission
@@ -383,6 +386,7 @@ class Ingress:
                                                    structured=structured, vocab_size=self.info["vocab_size"],
                                                    defaults=self.info.get("default_sampling")), lora)
                     for ids, h in zip(prompts, hashes) for i in range(req.n)]
+            beams = [oa.beam_search_params(req, jobs[k * req.n][2].max_tokens) for k in range(len(prompts))]
             scoring = jobs[0][2].prompt_logprobs is not None       # its prompt is computed whole, cached or not
             ticket = self.admission.admit([len(ids) - (0 if scoring else orchestrator.cached_tokens(h))
                                            for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], req.n)
@@ -393,6 +397,21 @@ class Ingress:
         builder = oa.ResponseBuilder(rid, created, model, chat, req, self.tokenizer, tools, prompts, self.reasoning)
         if responses:
             builder = rs.ResponsesBuilder(builder, rreq, len(hashes[0]) * orchestrator.model["block_size"])
+        if beams[0] is not None:
+            search = self._beam_search(orchestrator, prompts, beams, lora, builder)
+            if req.stream:
+                body = self._stream_beams(search, builder)
+                ticket.release_with(body)
+                return StreamingResponse(body, media_type="text/event-stream")
+            try:
+                for i, d in await search:
+                    builder.add(i, d)
+                return JSONResponse(builder.final())
+            except Exception as e:                  # noqa: BLE001 - one request fails, the server goes on
+                err = as_openai_error(e, builder.id)
+                return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+            finally:
+                ticket.release_all()
         if req.stream:
             body = self._stream(orchestrator, jobs, builder, ticket)
             ticket.release_with(body)
@@ -475,6 +494,52 @@ class Ingress:
             err = as_openai_error(e, builder.id)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
         return JSONResponse(builder.final())
+
+    async def _beam_search(self, orchestrator: Orchestrator, prompts, beams, lora, builder) -> list:
+        """vLLM's use_beam_search (engine/beam_search.py): every prompt's rounds through the pools, one token of
+        each live beam a round (its prompt mostly cached), all at once; choice k * n + j is prompt k's beam j,
+        as one finished delta."""
+        req = builder.req
+
+        async def top(ids: list[int], width: int) -> dict[int, float]:
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
+            hashes = orchestrator.hashes(ids, lora, req.cache_salt)
+            async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=req.priority):
+                if d.logprobs:
+                    return d.logprobs[0]
+            raise RuntimeError("a beam search round ended without its token")
+
+        async def search(ids: list[int], params) -> list:
+            s = BeamSearch(ids, params, self.info["eos_token_ids"], self.info["max_model_len"])
+            while not s.done:
+                s.advance(await asyncio.gather(*(top(p, params.beam_width) for p in s.prompts())))
+            return s.results().sequences
+
+        results = await asyncio.gather(*(search(ids, params) for ids, params in zip(prompts, beams)))
+        out = []
+        for k, (ids, seqs) in enumerate(zip(prompts, results)):
+            for j, b in enumerate(seqs):
+                gen = b.tokens[len(ids):]
+                text = self.tokenizer.decode(gen, skip_special_tokens=req.skip_special_tokens)
+                out.append((k * req.n + j, TokenDelta(gen, text, True, finish_reason=b.finish_reason,
+                                                      prompt_tokens=len(ids), completion_tokens=len(gen))))
+        return out
+
+    async def _stream_beams(self, search, builder) -> AsyncIterator[bytes]:
+        """A beam search streamed: its choices come whole once the search ends (as vLLM's)."""
+        for chunk in builder.first_chunks():
+            yield builder.sse(chunk)
+        try:
+            results = await search
+        except Exception as e:                       # noqa: BLE001
+            yield builder.sse_error(as_openai_error(e, builder.id))
+            yield builder.end()
+            return
+        yield b"".join(builder.sse(chunk) for i, d in results for chunk in builder.chunks(i, d))
+        usage = builder.usage_chunk()
+        if usage is not None:
+            yield builder.sse(usage)
+        yield builder.end()
 
     async def _stream(self, orchestrator: Orchestrator, jobs, builder, ticket) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSche
 
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
+from engine.beam_search import BeamSearchParams
 from engine.structured import StructuredOutput
 from router.config import LimitsConfig
 from router.reasoning import Stream as ReasoningStream, split as split_reasoning
@@ -95,10 +96,13 @@ RESPONSE_FORMAT_SCHEMA = {"anyOf": [
         "json_schema": {"type": "object", "required": ["schema"], "properties": {
             "name": _STR, "description": _STR, "schema": _OBJ, "strict": {"type": ["boolean", "null"]}}}}},
     # vLLM's: xgrammar's structural tag ({"format": ...}), or its older form (structures and triggers)
-    {"type": "object", "required": ["type"], "properties": {
-        "type": {"const": "structural_tag"}, "format": _OBJ, "triggers": {"type": "array", "items": _TEXT},
-        "structures": {"type": "array", "items": {"type": "object", "required": ["begin", "end"], "properties": {
-            "begin": _TEXT, "end": _STR, "schema": _OBJ}}}}}]}
+    {"type": "object", "required": ["type", "format"], "properties": {"type": {"const": "structural_tag"},
+                                                                      "format": _OBJ}},
+    {"type": "object", "required": ["type", "structures", "triggers"], "properties": {
+        "type": {"const": "structural_tag"}, "triggers": {"type": "array", "minItems": 1, "items": _TEXT},
+        "structures": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["begin", "end", "schema"], "properties": {
+                "begin": _TEXT, "end": _STR, "schema": _OBJ}}}}}]}
 LOGIT_BIAS_SCHEMA = {"anyOf": [{"type": "null"}, {
     "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
     "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}]}
@@ -106,7 +110,7 @@ STRUCTURED_OUTPUTS_SCHEMA = {"anyOf": [{"type": "null"}, {
     "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False, "properties": {
         "json": {"anyOf": [_OBJ, _TEXT]}, "json_object": {"const": True}, "regex": _TEXT,
         "choice": {"type": "array", "minItems": 1, "items": _TEXT}, "grammar": _TEXT,
-        "structural_tag": {"anyOf": [_OBJ, _TEXT]}}}]}
+        "structural_tag": {"anyOf": [_OBJ, {**_TEXT, "contentMediaType": "application/json"}]}}}]}
 
 
 class _Request(BaseModel):
@@ -152,7 +156,10 @@ class _Request(BaseModel):
     guided_regex: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     guided_choice: list[str] | None = Field(default=None, json_schema_extra={"minItems": 1, "items": _TEXT})
     guided_grammar: str | None = Field(default=None, json_schema_extra={"minLength": 1})
-    structural_tag: str | None = Field(default=None, json_schema_extra={"minLength": 1})   # vLLM's older field
+    structural_tag: str | None = Field(default=None, json_schema_extra={                   # vLLM's older field
+        "minLength": 1, "contentMediaType": "application/json"})
+    use_beam_search: bool = False                         # vLLM's: n beams (engine/beam_search.py), n choices
+    length_penalty: float = 1.0                           # vLLM's: a beam's score is its logprob / length ** this
 
     @property
     def include_usage(self) -> bool:
@@ -263,8 +270,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "modalities": (lambda v: v is not None and v != ["text"], "modalities other than [\"text\"] are not supported"),
     "web_search_options": (lambda v: v is not None, "web search is not supported"),
     # vLLM's
-    "use_beam_search": (lambda v: bool(v), "beam search is not supported"),
-    "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty is beam search's, which is not supported"),
     "logits_processors": (lambda v: bool(v), "custom logits processors are not supported"),
     "vllm_xargs": (lambda v: bool(v), "vllm_xargs (custom extensions) are not supported"),
     "guided_whitespace_pattern": (lambda v: v is not None, "guided_whitespace_pattern is not supported"),
@@ -334,6 +339,34 @@ def _check(req, chat: bool, limits: LimitsConfig) -> None:
         param = "functions" if req.functions is not None else "function_call"
         raise OpenAIError(400, f"{param} is OpenAI's deprecated form of tool calling and is not supported; "
                                f"use tools and tool_choice", param=param)
+
+
+# What a beam search cannot honour: its rounds rank the model's own log-probabilities, one token at a time
+BEAM_SEARCH_REFUSES = ("stop", "stop_token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "min_tokens",
+                       "logit_bias", "bad_words", "allowed_token_ids", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                       "guided_choice", "guided_grammar", "structural_tag", "tools", "tool_choice")
+
+
+def beam_search_params(req, max_tokens: int) -> BeamSearchParams | None:
+    """vLLM's use_beam_search: n beams of max_tokens (the request's, checked by to_sampling_params), n choices; None
+    without it. A field beam search would drop is a 400 naming it (vLLM ignores them)."""
+    if not req.use_beam_search:
+        if req.length_penalty != 1.0:
+            raise OpenAIError(400, "length_penalty is beam search's: set use_beam_search", param="length_penalty")
+        return None
+    for name in BEAM_SEARCH_REFUSES:
+        v = getattr(req, name, None)
+        if v not in (None, False, 0, 0.0, [], {}, "") and not (name == "response_format" and v.get("type") == "text"):
+            raise OpenAIError(400, f"{name} is not served with use_beam_search (beam search ranks the model's own "
+                                   f"log-probabilities)", param=name)
+    params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                              length_penalty=req.length_penalty)
+    try:
+        params.validate()
+    except InvalidRequestError as e:
+        raise OpenAIError(400, f"n: {e}", param="n") from e
+    return params
 
 
 def structured_spec(req) -> tuple[StructuredOutput | None, str | None]:

@@ -144,6 +144,29 @@ def test_the_servers_chat_template_and_a_trusted_requests_own(client, smol_path)
     assert e.value.body["param"] == "chat_template" and "no users here" in e.value.body["message"]
 
 
+def test_use_beam_search_gives_the_offline_engines_beams(client):
+    """vLLM's use_beam_search over HTTP: its rounds run through the pool one token a beam, and the n choices are
+    the offline LLM.beam_search's beams, best first, streamed or not; a field it would drop is a 400."""
+    from engine import BeamSearchParams
+    prompt = "The baton exchange in a relay race"
+    offline = LLM(None, **ENGINE)
+    ids = offline.engine.tokenize(prompt)
+    beams = offline.beam_search(ids, BeamSearchParams(beam_width=3, max_tokens=12))[0].sequences
+    want = [b.text for b in beams]
+    kw = dict(model=MODEL, prompt=prompt, n=3, max_tokens=12, extra_body={"use_beam_search": True})
+    r = client.completions.create(**kw)
+    assert [c.text for c in r.choices] == want and len(set(want)) == 3
+    assert r.usage.completion_tokens == sum(len(b.tokens) - len(ids) for b in beams)
+    texts = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[i] for i in range(3)] == want
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**kw, "extra_body": {"use_beam_search": True, "min_tokens": 2}})
+    assert e.value.body["param"] == "min_tokens"
+
+
 def test_the_responses_api_serves_the_chat_answer_streamed_with_tools_and_schemas(client):
     """client.responses, as a user of OpenAI's newer API calls it: the output text is the offline engine's chat answer
     (instructions as the system message) and usage counts it; the streamed events add up to it and end with the

@@ -92,7 +92,6 @@ def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(chat
 @pytest.mark.parametrize("chat, extra, param", [
     (True, {"modalities": ["text", "audio"]}, "modalities"), (True, {"audio": {"voice": "alloy"}}, "audio"),
     (True, {"web_search_options": {}}, "web_search_options"),
-    (True, {"use_beam_search": True}, "use_beam_search"), (False, {"length_penalty": 0.8}, "length_penalty"),
     (False, {"logits_processors": ["my.Processor"]}, "logits_processors"), (True, {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
     (False, {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (True, {"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
@@ -357,12 +356,31 @@ def test_bad_structured_output_requests_get_400_naming_the_field(extra, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+def test_use_beam_search_becomes_n_beams_and_refuses_what_it_would_drop():
+    chat = lambda **kw: oa.parse_request({"model": "m", "messages": [{"role": "user", "content": "x"}], **kw},  # noqa
+                                         chat=True)
+    assert oa.beam_search_params(chat(), 16) is None
+    params = oa.beam_search_params(chat(use_beam_search=True, n=3, length_penalty=0.5, ignore_eos=True), 16)
+    assert (params.beam_width, params.max_tokens, params.length_penalty, params.ignore_eos) == (3, 16, 0.5, True)
+    for kw, param in [({"stop": ["x"]}, "stop"), ({"logprobs": True}, "logprobs"), ({"min_tokens": 2}, "min_tokens"),
+                      ({"response_format": {"type": "json_object"}}, "response_format"),
+                      ({"presence_penalty": 0.5}, "presence_penalty")]:
+        with pytest.raises(oa.OpenAIError) as e:
+            oa.beam_search_params(chat(use_beam_search=True, **kw), 16)
+        assert e.value.status == 400 and e.value.param == param
+    oa.beam_search_params(chat(use_beam_search=True, response_format={"type": "text"}), 16)
+    with pytest.raises(oa.OpenAIError) as e:
+        oa.beam_search_params(chat(length_penalty=0.8), 16)
+    assert e.value.param == "length_penalty"
+
+
 # -- the published OpenAPI document agrees with the checks ------------------------------------------------
 # What a body valid under /openapi.json may still be refused for: what only the limits, the served model or a
 # combination of fields decide (the document cannot say it, or says it only loosely).
 DOCUMENTED_ONLY_AT_RUNTIME = ("n must be between", "stop sequence", "not among the tools", "tool_choice needs tools",
                               "defined twice", "give one of", "not both", "exactly one of", "prompt token ids",
-                              "at most", "may only equal n", "are not streamed", "no message to answer")
+                              "at most", "may only equal n", "are not streamed", "no message to answer",
+                              "structural tag")     # a structural tag as text: JSON of xgrammar's form
 
 
 def _document() -> dict:
