@@ -6,8 +6,8 @@ from __future__ import annotations
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type]
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
     cfg = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, initializer_range=0.2,
                tie_word_embeddings=False)

@@ -50,6 +50,9 @@ GPU_MODELS = {
     "Qwen2-0.5B": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                                  rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=32768)),
+    "Qwen3-0.6B": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                 rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=40960)),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -57,6 +60,9 @@ CPU_MODELS = {
                              "max_position_embeddings": 512}),
     "qwen2-tiny": ("qwen2", dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
                                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+                                 max_position_embeddings=512)),
+    "qwen3-tiny": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
                                  max_position_embeddings=512)),
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
@@ -76,8 +82,8 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
                      seed: int = 0) -> str:
     """A random-weight checkpoint of `config`, saved by transformers (safetensors) in `dtype`: the weights both
     systems load are then the same numbers, whatever dtype each computes in."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type](**config)
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type](**config)
     torch.manual_seed(seed)
     with torch.device(device):                            # initialising 1B weights on a GPU takes a second
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

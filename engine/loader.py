@@ -100,7 +100,8 @@ def convert_gguf(gguf: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(tmp)
     steps.update()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                              **gguf_config_overrides(gguf))
     steps.update()
     state = {k: v.contiguous() for k, v in hf.state_dict().items()
              if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
@@ -125,6 +126,26 @@ def convert_gguf(gguf: Path) -> Path:
     steps.close()
     log.info("converted %s to %s in %.1f s", gguf, out, time.time() - t0)
     return out
+
+
+def gguf_config_overrides(gguf: Path) -> dict:
+    """Config fields transformers' GGUF reader leaves out: head_dim, where the file's attention.key_length is not
+    hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16)."""
+    from gguf import GGUFReader
+    fields = GGUFReader(str(gguf)).fields
+
+    def value(key: str):
+        f = fields.get(key)
+        if f is None or not f.data:
+            return None
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types and f.types[0].name == "STRING" else int(v[0])
+    arch = value("general.architecture")
+    key_length, hidden, heads = (value(f"{arch}.{k}") for k in ("attention.key_length", "embedding_length",
+                                                                 "attention.head_count"))
+    if key_length and hidden and heads and key_length != hidden // heads:
+        return {"head_dim": key_length}
+    return {}
 
 
 def names_gguf(model: str | None) -> bool:
@@ -226,7 +247,7 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
 
 

@@ -25,7 +25,8 @@ from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, v
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+QK_NORM_MODEL_TYPES = {"qwen3"}       # an RMSNorm over each head's q and k before the rotation
 
 
 class RMSNorm(nn.Module):
@@ -175,12 +176,17 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        qk_norm = config.model_type in QK_NORM_MODEL_TYPES        # Qwen3: one norm of head_dim, every head alike
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.o_proj = row_linear(self.q_size, config.hidden_size, bool(getattr(config, "attention_bias", False)), tp)
         self.scale = self.head_dim ** -0.5
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: list[LayerKV], md: AttentionMetadata):
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv)
         k_cache, v_cache, k_scale, v_scale = kv_cache[self.layer_idx]
         # rotate and store in one op: fp32 caches, and int8 ones (fp8 codes are written by write_kv)
         fused = _cpu_kernel(qkv) and k_cache.dtype in (torch.float32, torch.int8)
@@ -199,6 +205,14 @@ class Attention(nn.Module):
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel,
                             k_scale=k_scale, v_scale=v_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's: each head's q and k normalised over head_dim (before the rotation, as transformers does)."""
+        t, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
+        q = self.q_norm(qkv[:, :q_end].reshape(t * self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[:, q_end:k_end].reshape(t * self.num_kv_heads, self.head_dim))
+        return torch.cat([q.view(t, -1), k.view(t, -1), qkv[:, k_end:]], dim=1)
 
 
 class MLP(nn.Module):
@@ -470,6 +484,7 @@ class LlamaForCausalLM(nn.Module):
         adapters = [[m if isinstance(m, LoRALinear) else None for m in ms] for ms in wrapped]
         linears = [[m.base if a is not None else m for m, a in zip(ms, ad)] for ms, ad in zip(wrapped, adapters)]
         if self.tp is not None or not cpu_model.available() or not all(la.self_attn.one_kernel for la in layers) \
+                or attn.q_norm is not None \
                 or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None and not any(
                     p is not None for p in m.perms) for ms in linears for m in ms) \
                 or any(a is not None and a.layout != "cpu" for ad in adapters for a in ad):

@@ -51,7 +51,8 @@ def _raw_kquant(rng, rows: int, cols: int, type_name: str) -> np.ndarray:
 
 
 def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden: int = 256,
-               intermediate: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+               intermediate: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+               head_dim: int | None = None) -> Path:
     """`types` maps a GGUF tensor role ("token_embd", "attn_q", ..., "ffn_down", "output") to a type name
     (F32, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, or any other the gguf package can quantize to); roles not named
     are F32. K-quants need widths that are multiples of 256. An "output" entry writes an untied head."""
@@ -69,7 +70,11 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(hidden // heads)
+    head_dim = head_dim or hidden // heads
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != hidden // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     for key, value, kind, sub in _tokenizer_fields():
         w.add_key_value(key, value, kind, sub)
 
@@ -85,7 +90,6 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
             qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
 
-    head_dim = hidden // heads
     add("token_embd.weight", "token_embd", vocab, hidden)
     for i in range(layers):
         p = f"blk.{i}."
@@ -94,6 +98,9 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
         add(p + "attn_q.weight", "attn_q", heads * head_dim, hidden)
         add(p + "attn_k.weight", "attn_k", kv_heads * head_dim, hidden)
         add(p + "attn_v.weight", "attn_v", kv_heads * head_dim, hidden)
+        if arch == "qwen3":                               # q/k norms of head_dim
+            for role in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(p + role + ".weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
         if arch == "qwen2":
             for role, n in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
                 w.add_tensor(p + role + ".bias", (0.02 * rng.standard_normal(n * head_dim)).astype(np.float32))

@@ -56,6 +56,7 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
 @pytest.mark.parametrize("model_type,extra", [
     ("llama", {}),
     ("qwen2", {}),                                                    # q/k/v bias
+    ("qwen3", {"head_dim": 32}),               # q/k norms; head_dim apart from hidden / heads (Qwen3's 128 at 1024)
     ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),   # MQA + tied embeddings
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
