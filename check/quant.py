@@ -338,6 +338,8 @@ FORMATS = {                    # row -> (write_quantized's method and keywords, 
     "fp8-load": ("fp8-load", {}, "fp8", "fp8"),
 }
 E4M3_ACTIVATIONS = {"fp8 checkpoint", "ct-fp8", "fp8-load"}   # W8A8: the GEMM rounds the activations too
+# the CPU dry mode's: one of each path through the check (its loaders' every format: tests/test_quant.py)
+CPU_FORMATS = ("gptq", "gptq act-order", "ct-fp8", "int8", "fp8-load")
 WEIGHT_ONLY_FACTOR = 2.0       # x the unquantized bf16 engine's own error (same weights, fp32 reference)
 FP8_MEAN_TOL = 1.0             # nats added by e4m3 activations and weights: the 1B model in fp32 on CPU, 0.70
 CPU_MEAN_TOL, CPU_FP8_MEAN_TOL = 0.05, 0.15      # fp32, tiny model: weight-only / e4m3 activations
@@ -384,7 +386,7 @@ def model_rows(path: str, cpu: bool, workdir: Path, log: Callable[[str], None]) 
                     f"{base['weight_bytes'] / 1e9:.3g} GB", INFO,
                     data={"error": base_err.as_dict(), "ms_per_token": base["ms_per_token"],
                           "weight_bytes": base["weight_bytes"]}))
-    for fmt in FORMATS:
+    for fmt in CPU_FORMATS if cpu else FORMATS:
         rows += _guarded(f"model {fmt}", lambda f=fmt: [_format_row(f, path, seqs, base, base_err, cpu, workdir, log)])
     return rows
 

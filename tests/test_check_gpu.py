@@ -80,12 +80,13 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
     assert any(case.startswith("transformers generate") for case in speed)
 
     quant = {r["case"]: r for r in rows["quant"]}
-    from check.quant import FORMATS, LAYOUTS
+    from check.quant import CPU_FORMATS, FORMATS, LAYOUTS
     for layout in LAYOUTS:                                            # Triton's interpreter; FP8 by _scaled_mm
         kernel = quant[f"kernel {layout}"]
         assert kernel["status"] == PASS and all(c["worst_over_tolerance"] < 1 for c in kernel["data"]["calls"])
     unquantized = quant["model unquantized"]["data"]
-    for fmt, (_, _, _, kind) in FORMATS.items():
+    for fmt in CPU_FORMATS:
+        kind = FORMATS[fmt][3]
         model = quant[f"model {fmt}"]
         assert model["status"] == PASS and 0 < model["data"]["error"]["mean_abs_err"] <= model["data"]["tol_mean"]
         assert model["data"]["quantization"] == kind
@@ -151,7 +152,7 @@ def test_quant_check_fails_a_format_whose_weights_are_not_what_the_checkpoint_st
     from check.models import CPU_MODELS, build_checkpoint
     model_type, config = CPU_MODELS["llama-tiny"]
     path = build_checkpoint(tmp_path / "m", model_type, config, torch.float32, torch.device("cpu"))
-    monkeypatch.setattr(quant, "FORMATS", {"gptq": quant.FORMATS["gptq"]})
+    monkeypatch.setattr(quant, "CPU_FORMATS", ("gptq",))
     rows = {r.case: r for r in quant.model_rows(path, True, tmp_path / "ok", lambda m: None)}
     assert rows["model gptq"].status == PASS
     assert not any((tmp_path / "ok").iterdir())       # each format's checkpoints go once its row is written
