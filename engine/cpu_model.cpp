@@ -88,6 +88,7 @@ struct LoRARows {
 struct Layer {
   torch::Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;     // Qwen3's: one RMSNorm over head_dim for every head's q and k
   std::vector<c10::optional<LoRA>> lora = std::vector<c10::optional<LoRA>>(4);   // qkv, o, gate_up, down
 };
 
@@ -100,9 +101,12 @@ class DecoderStack {
   using Parts = std::vector<std::tuple<torch::Tensor, int64_t, int64_t, int64_t>>;
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, const Parts& qkv, c10::optional<torch::Tensor> qkv_bias,
                  const Parts& o, c10::optional<torch::Tensor> o_bias, const Parts& gate_up,
-                 c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias) {
+                 c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "add_layer: q_norm and k_norm come together");
     layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), make_linear(qkv, qkv_bias),
-                            make_linear(o, o_bias), make_linear(gate_up, gate_up_bias), make_linear(down, down_bias)});
+                            make_linear(o, o_bias), make_linear(gate_up, gate_up_bias), make_linear(down, down_bias),
+                            q_norm, k_norm});
   }
 
   // The adapter slots of one of layer i's linears (which: 0 qkv, 1 o, 2 gate_up, 3 down).
@@ -160,6 +164,13 @@ class DecoderStack {
         h = attn::rms_norm(x, l.in_norm, eps_, residual);
       }
       torch::Tensor qkv = linear(l, 0, l.qkv, h);
+      if (l.q_norm.has_value()) {     // each head's q and k over head_dim first (engine/model.py Attention._qk_norm)
+        torch::Tensor q = attn::rms_norm(qkv.narrow(1, 0, H_ * D_).reshape({T * H_, D_}), *l.q_norm, eps_,
+                                         c10::nullopt);
+        torch::Tensor k = attn::rms_norm(qkv.narrow(1, H_ * D_, G_ * D_).reshape({T * G_, D_}), *l.k_norm, eps_,
+                                         c10::nullopt);
+        qkv = at::cat({q.view({T, H_ * D_}), k.view({T, G_ * D_}), qkv.narrow(1, (H_ + G_) * D_, G_ * D_)}, 1);
+      }
       attn::rope_write_kv(qkv, cos, sin, k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
       torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor o = attn::paged_attention_varlen(q, k_[i], v_[i], block_tables, seq_lens, query_start_loc,

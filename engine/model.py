@@ -484,7 +484,6 @@ class LlamaForCausalLM(nn.Module):
         adapters = [[m if isinstance(m, LoRALinear) else None for m in ms] for ms in wrapped]
         linears = [[m.base if a is not None else m for m, a in zip(ms, ad)] for ms, ad in zip(wrapped, adapters)]
         if self.tp is not None or not cpu_model.available() or not all(la.self_attn.one_kernel for la in layers) \
-                or attn.q_norm is not None \
                 or not all(isinstance(m, QuantLinear) and m.packed and m.dense is None and not any(
                     p is not None for p in m.perms) for ms in linears for m in ms) \
                 or any(a is not None and a.layout != "cpu" for ad in adapters for a in ad):
@@ -495,8 +494,9 @@ class LlamaForCausalLM(nn.Module):
         for la, ms in zip(layers, linears):
             parts = [([(p, KINDS[kind], group, n) for (kind, group, n, _k), (p,) in zip(m.calls, m.packed)], m.bias)
                      for m in ms]
+            norms = [None if n is None else n.weight.detach() for n in (la.self_attn.q_norm, la.self_attn.k_norm)]
             stack.add_layer(la.input_layernorm.weight.detach(), la.post_attention_layernorm.weight.detach(),
-                            *[a for part in parts for a in part])
+                            *[a for part in parts for a in part], *norms)
         for i, ad in enumerate(adapters):               # LoRA's slots, shared: an adapter loaded later is seen there
             for which, a in enumerate(ad):
                 if a is not None:

@@ -1,9 +1,9 @@
 """The C++ decoder stack (engine/cpu_model.py) runs a packed model's layers with the same kernels and ATen ops as the
 Python modules, so an engine gives the same bits either way: teacher-forced logits over a prefill and a cached
 chunk, and greedy tokens with their logprobs, on the default model (fp32 and int8 KV caches), on a GGUF whose
-fused q/k/v mixes three packed types beside biases (qwen2), on int8 and fp8 weights, and with LoRA adapters wrapping the
-linears (their products added by the same kernel). Where it does not apply (fp8 KV) the modules run, and the text
-is the same."""
+fused q/k/v mixes three packed types beside biases (qwen2) or before q/k norms (qwen3), on int8 and fp8 weights, and
+with LoRA adapters wrapping the linears (their products added by the same kernel). Where it does not apply (fp8 KV)
+the modules run, and the text is the same."""
 from __future__ import annotations
 
 import pytest
@@ -42,14 +42,16 @@ def stack_switch(monkeypatch):
     cpu_model.stack_enabled.cache_clear()
 
 
-@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "llama int8", "llama fp8"])
+@pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "qwen3 gguf mixed", "llama int8",
+                                  "llama fp8"])
 def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
     if case.startswith("smollm2"):
         llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512,
                   kv_cache_dtype="int8" if "int8" in case else "auto")
-    elif case.startswith("qwen2"):
-        llm = LLM(str(write_gguf(tmp_path / "q.gguf", ALL_PACKED, arch="qwen2", hidden=256, intermediate=512)),
-                  num_kv_blocks=64, max_model_len=512)
+    elif case.startswith("qwen"):               # qwen3: its q/k norms, and a head_dim (32) apart from hidden / heads
+        arch = case.split()[0]
+        llm = LLM(str(write_gguf(tmp_path / "q.gguf", ALL_PACKED, arch=arch, hidden=256, intermediate=512,
+                                 head_dim=32 if arch == "qwen3" else None)), num_kv_blocks=64, max_model_len=512)
     else:
         llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), quantization=case.split()[1], num_kv_blocks=64)
     g = torch.Generator().manual_seed(1)
