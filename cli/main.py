@@ -33,6 +33,12 @@ PLANS = {
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, BatonError, SamplingParams
+    from router.config import chat_template_text
+    try:
+        template = chat_template_text(args.chat_template) if args.chat_template else None
+    except ValueError as e:                              # neither a file nor a template
+        print(f"baton: error: --chat-template: {e}", file=sys.stderr)
+        return 2
     try:
         spec = json.loads(args.speculative_config) if args.speculative_config else None
         llm = LLM(args.model, max_model_len=args.max_model_len, speculative_config=spec,
@@ -41,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
                                 seed=args.seed)
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
-        out = llm.chat(messages, params) if not args.raw else llm.generate([args.prompt], params)[0]
+        out = llm.chat(messages, params, template) if not args.raw else llm.generate([args.prompt], params)[0]
     except json.JSONDecodeError as e:
         print(f"baton: error: --speculative-config is not valid JSON: {e}", file=sys.stderr)
         return 2
@@ -66,7 +72,9 @@ def _serve(args: argparse.Namespace) -> int:
         from cluster.config import ClusterConfig
         config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
         config = config.with_overrides(model=args.model, prefill_replicas=args.prefill_replicas,
-                                       decode_replicas=args.decode_replicas, port=args.port)
+                                       decode_replicas=args.decode_replicas, port=args.port,
+                                       chat_template=args.chat_template,
+                                       trust_request_chat_template=args.trust_request_chat_template)
     except BatonError as e:
         print(f"baton: error: {e}", file=sys.stderr)
         return 2
@@ -151,6 +159,8 @@ def build_parser(bench: str | None = None, plan: str | None = None) -> argparse.
                    help="KV cache: auto (the model's dtype), int8 or fp8 (a byte a value, a scale per token and head)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM-style, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file or its text) in place of the model's")
     g.set_defaults(fn=_generate)
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible API from a local Ray cluster (port 8000)")
@@ -159,6 +169,10 @@ def build_parser(bench: str | None = None, plan: str | None = None) -> argparse.
     sv.add_argument("--prefill-replicas", type=int, default=None, help="fixed prefill replica count")
     sv.add_argument("--decode-replicas", type=int, default=None, help="fixed decode replica count")
     sv.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    sv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                    help="chat.template: a Jinja chat template (a file or its text) in place of the model's")
+    sv.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                    help="chat.trust_request_template: run a chat_template a request brings (else a 400)")
     sv.add_argument("--print-serve-config", action="store_true",
                     help="print the Serve config (serve deploy / serveConfigV2) of this cluster and exit")
     sv.set_defaults(fn=_serve)

@@ -428,13 +428,18 @@ class ClusterConfig(_Schema):
         return self.model_dump(mode="json", exclude_none=True)     # None is every optional field's default
 
     def with_overrides(self, model: str | None = None, prefill_replicas: int | None = None,
-                       decode_replicas: int | None = None, port: int | None = None) -> ClusterConfig:
+                       decode_replicas: int | None = None, port: int | None = None, chat_template: str | None = None,
+                       trust_request_chat_template: bool | None = None) -> ClusterConfig:
         """A copy with `baton serve` flags applied (None keeps the value); a replica count replaces autoscaling."""
         d = self._dump()
         if model is not None:
             d["model"] = model
         if port is not None:
             d["port"] = port
+        if chat_template is not None:
+            d["chat"] = {**d.get("chat", {}), "template": chat_template}
+        if trust_request_chat_template is not None:
+            d["chat"] = {**d.get("chat", {}), "trust_request_template": trust_request_chat_template}
         for name, n in (("prefill", prefill_replicas), ("decode", decode_replicas)):
             if n is not None:
                 if getattr(self, name) is None:

@@ -96,15 +96,18 @@ class ChatConfig(_Section):
     @field_validator("template")
     @classmethod
     def _file_or_text(cls, v: str | None) -> str | None:
-        """A file's text, else the text itself when it reads as a template (vLLM's rule); else an error."""
-        if v is None:
-            return None
-        if os.path.isfile(v):
-            with open(v, encoding="utf-8") as f:
-                return f.read()
-        if not any(c in v for c in "{}\n"):
-            raise ValueError(f"{v!r} is neither a file nor a Jinja template")
-        return v
+        return None if v is None else chat_template_text(v)
+
+
+def chat_template_text(v: str) -> str:
+    """A chat template given as a file (its text) or as the text itself, when it reads as a template (vLLM's
+    rule for --chat-template); else ValueError."""
+    if os.path.isfile(v):
+        with open(v, encoding="utf-8") as f:
+            return f.read()
+    if not any(c in v for c in "{}\n"):
+        raise ValueError(f"{v!r} is neither a file nor a Jinja template")
+    return v
 
 
 class ReasoningConfig(_Section):

@@ -200,8 +200,10 @@ def test_unreadable_files_are_config_errors(tmp_path):
 def test_overrides_for_the_cli_flags():
     cfg = ClusterConfig.from_dict({"decode": {"autoscaling": {"min_replicas": 1, "max_replicas": 4}},
                                    "prefill": {"engine": {"max_num_seqs": 8}}})
-    over = cfg.with_overrides(model="llama-tiny", prefill_replicas=2, decode_replicas=3, port=9000)
+    over = cfg.with_overrides(model="llama-tiny", prefill_replicas=2, decode_replicas=3, port=9000,
+                              chat_template="{{ messages[0].content }}", trust_request_chat_template=True)
     assert (over.model, over.port, over.model_name()) == ("llama-tiny", 9000, "llama-tiny")
+    assert over.chat.template == "{{ messages[0].content }}" and over.chat.trust_request_template
     assert over.deployment_options("prefill")["num_replicas"] == 2
     assert over.prefill.engine.max_num_seqs == 8                        # the rest of the pool is kept
     assert over.decode.autoscaling is None and over.deployment_options("decode")["num_replicas"] == 3

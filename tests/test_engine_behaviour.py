@@ -345,6 +345,9 @@ def test_cli_generate_prints_a_completion():
     bad = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--model", "/no/such/model", "hi"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--chat-template", "templates/none.jinja", "hi"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "neither a file nor a Jinja template" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_async_engine_survives_a_failing_step(smol_path):
