@@ -161,6 +161,10 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
                       "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256},
     "qwen2.5-32b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40,
                     "num_key_value_heads": 8, "intermediate_size": 27648, "vocab_size": 152064},
+    "qwen3-8b": {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936},
+    "qwen3-32b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+                  "head_dim": 128, "intermediate_size": 25600, "vocab_size": 151936},   # heads x head_dim: 8,192
 }
 
 

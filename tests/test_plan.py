@@ -1113,3 +1113,12 @@ def test_a_step_s_spread_widens_the_token_gaps_tail_and_keeps_their_mean():
     f50, f90 = np.percentile(flat_all, [50, 90])
     assert f90 / f50 < 1.05                                     # the model alone: the same step every time
     assert (gaps(0.3)[0] == spread).all() and not (gaps(0.3, seed=1)[0] == spread).all()
+
+
+@pytest.mark.parametrize("preset, published", [("llama-3.1-8b", 8.03e9), ("qwen3-8b", 8.19e9), ("qwen3-32b", 32.8e9)])
+def test_the_roofline_counts_a_presets_parameters_as_published(preset, published):
+    """Qwen3's attention is wider than its hidden size (64 heads x 128 for 5,120): head_dim counts, not hidden /
+    heads. The roofline reads the embedding once; the published counts hold the untied head too."""
+    cost = RooflineCost(gpu="h100", model=model_shape(preset))
+    m = cost.model
+    assert cost.params + m["vocab_size"] * m["hidden_size"] == pytest.approx(published, rel=0.02)
