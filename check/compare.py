@@ -103,3 +103,27 @@ def check_greedy_close(ours: Greedy, theirs: Greedy, max_gap: float = MAX_LOGPRO
         require(gap <= max_gap, f"token {i}: {a} vs {b}, a gap of {gap:.5f} nats is no near-tie")
         return i
     return None
+
+
+@dataclass
+class GreedyBatch:
+    """A batch of greedy outputs against its references, each up to a near-tie (check_greedy_close)."""
+    equal: int
+    near_ties: list[int]
+    errors: list[str]
+    text: str                  # what the table shows
+
+    @classmethod
+    def compare(cls, ours: list, theirs: list, new_tokens: int, max_gap: float) -> "GreedyBatch":
+        """ours, theirs: engine outputs (token_ids, logprobs) or Greedy references, in prompt order."""
+        ties, errors = [], []
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            try:
+                ties.append(check_greedy_close(a if isinstance(a, Greedy) else baton_greedy(a),
+                                               b if isinstance(b, Greedy) else baton_greedy(b), max_gap))
+            except GreedyMismatch as e:
+                errors.append(f"prompt {i}: {e}")
+        equal, near = sum(t is None for t in ties), [t for t in ties if t is not None]
+        text = "; ".join(errors) or (f"{equal}/{len(ours)} prompts equal x {new_tokens} tokens, near-ties at "
+                                     f"{near or 'none'}")
+        return cls(equal, near, errors, text)

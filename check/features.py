@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from check.compare import MAX_LOGPROB_GAP, TOP_K, GreedyMismatch, baton_greedy, check_greedy_close
+from check.compare import MAX_LOGPROB_GAP, TOP_K, GreedyBatch
 from check.report import FAIL, PASS, Row
 
 SCHEMA = {"type": "object", "properties": {
@@ -59,17 +59,9 @@ def _prompts(vocab: int, n: int = 4) -> list[list[int]]:
 
 
 def _close(name: str, ours: list, theirs: list, gap: float) -> Row:
-    ties, errors = [], []
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        try:
-            ties.append(check_greedy_close(baton_greedy(a), baton_greedy(b), max_gap=gap))
-        except GreedyMismatch as e:
-            errors.append(f"prompt {i}: {e}")
-    equal = sum(t is None for t in ties)
-    result = (f"{equal}/{len(ours)} prompts equal x {len(ours[0].token_ids)} tokens, near-ties at "
-              f"{[t for t in ties if t is not None] or 'none'}" if not errors else "; ".join(errors))
-    return Row("features", name, result, FAIL if errors else PASS,
-               data={"equal": equal, "prompts": len(ours), "errors": errors, "max_gap": gap})
+    c = GreedyBatch.compare(ours, theirs, len(ours[0].token_ids), gap)
+    return Row("features", name, c.text, FAIL if c.errors else PASS,
+               data={"equal": c.equal, "prompts": len(ours), "errors": c.errors, "max_gap": gap})
 
 
 def structured_row(path: str, cpu: bool) -> Row:

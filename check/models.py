@@ -37,8 +37,8 @@ from typing import Callable
 
 import torch
 
-from check.compare import (MAX_LOGPROB_GAP, TOP_K, ErrorStats, Greedy, GreedyMismatch, Tolerance, baton_greedy,
-                           check_greedy_close, error_stats, hf_greedy)
+from check.compare import (MAX_LOGPROB_GAP, TOP_K, ErrorStats, Greedy, GreedyBatch, Tolerance, error_stats,
+                           hf_greedy)
 from check.report import FAIL, PASS, Row
 from engine.loader import DUMMY_SHAPES
 
@@ -210,18 +210,10 @@ def compare_greedy(name: str, llm, ref: Reference, label: str) -> Row:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=TOP_K)
     outs = llm.generate(ref.prompts, params)
     gap = max(ref.tol_max, MAX_LOGPROB_GAP)
-    ties, errors = [], []
-    for i, (out, want) in enumerate(zip(outs, ref.greedy)):
-        try:
-            ties.append(check_greedy_close(baton_greedy(out), want, max_gap=gap))
-        except GreedyMismatch as e:
-            errors.append(f"prompt {i}: {e}")
-    equal = sum(t is None for t in ties)
-    result = (f"{equal}/{len(outs)} prompts equal x {n} tokens, near-ties at "
-              f"{[t for t in ties if t is not None] or 'none'}" if not errors else "; ".join(errors))
-    data = {"prompts": len(outs), "new_tokens": n, "equal": equal, "near_ties": [t for t in ties if t is not None],
-            "errors": errors, "max_gap": gap, "passed": not errors}
-    return Row("models", f"{name} greedy, {label}", result, FAIL if errors else PASS, data=data)
+    c = GreedyBatch.compare(outs, ref.greedy, n, gap)
+    data = {"prompts": len(outs), "new_tokens": n, "equal": c.equal, "near_ties": c.near_ties,
+            "errors": c.errors, "max_gap": gap, "passed": not c.errors}
+    return Row("models", f"{name} greedy, {label}", c.text, FAIL if c.errors else PASS, data=data)
 
 
 def compare_quantized_kv(name: str, llm, ref: Reference, kv_cache_dtype: str,

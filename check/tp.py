@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from check.compare import MAX_LOGPROB_GAP, TOP_K, GreedyMismatch, baton_greedy, check_greedy_close
+from check.compare import MAX_LOGPROB_GAP, TOP_K, GreedyBatch
 from check.models import CPU_NEW_TOKENS, CPU_PROMPTS, FLOORS, GPU_NEW_TOKENS, GPU_PROMPTS, random_prompts
 from check.report import FAIL, INFO, PASS, SKIP, Row
 
@@ -82,18 +82,10 @@ def _tp_case(name: str, path: str, device: str, dtype: torch.dtype, lengths, n: 
             llm.engine.shutdown()
         if tp == 1:
             ref = outs
-    errors, ties = [], []
-    for i, (out, want) in enumerate(zip(outs, ref)):
-        try:
-            ties.append(check_greedy_close(baton_greedy(out), baton_greedy(want), max_gap=gap))
-        except GreedyMismatch as e:
-            errors.append(f"prompt {i}: {e}")
-    equal = sum(t is None for t in ties)
-    result = "; ".join(errors) or (f"{equal}/{len(prompts)} prompts equal x {n} tokens, near-ties at "
-                                   f"{[t for t in ties if t is not None] or 'none'}")
+    c = GreedyBatch.compare(outs, ref, n, gap)
     s1, s2 = speed[1], speed[TP]
-    return [Row("tp", f"{name} TP {TP} greedy vs TP 1", result, FAIL if errors else PASS,
-                data={"equal": equal, "prompts": len(prompts), "errors": errors, "max_gap": gap}),
+    return [Row("tp", f"{name} TP {TP} greedy vs TP 1", c.text, FAIL if c.errors else PASS,
+                data={"equal": c.equal, "prompts": len(prompts), "errors": c.errors, "max_gap": gap}),
             Row("tp", f"{name} TP {TP} decode step, batch 1",
                 f"{s2['step_ms']:.2f} ms ({s2['collectives_ms']:.2f} ms in collectives) vs TP 1 "
                 f"{s1['step_ms']:.2f} ms", INFO, data={"tp1": s1, f"tp{TP}": s2})]

@@ -472,7 +472,7 @@ def run(args: argparse.Namespace) -> dict:
         planner.close()
     colo, dis = plan["colocated"], plan["disaggregated"]
     per = f" a cell, x {args.cells} cells" if args.cells > 1 else ""
-    log(f"plan: colocated " + (f"{colo['replicas']} replicas{per} ({colo['gpus']} GPUs)" if colo["gpus"] else
+    log("plan: colocated " + (f"{colo['replicas']} replicas{per} ({colo['gpus']} GPUs)" if colo["gpus"] else
                                "cannot meet the target") +
         f"; disaggregated {dis['prefill']} prefill + {dis['decode']} decode{per} ({dis['gpus']} GPUs)")
     result: dict[str, Any] = {

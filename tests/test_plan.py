@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
