@@ -83,7 +83,7 @@ class LLM:
         searches = [BeamSearch(self.engine.tokenize(p), params, self.engine.eos_ids, self.engine.max_model_len)
                     for p in prompts]
         round_params = SamplingParams(max_tokens=1, temperature=params.temperature, ignore_eos=True,
-                                      logprobs=2 * params.beam_width)
+                                      logprobs=searches[0].num_top_logprobs if searches else 0)
         while live := [s for s in searches if not s.done]:
             batch = [(s, p) for s in live for p in s.prompts()]
             outs = self.generate([p for _, p in batch], round_params, lora_request=lora_request)

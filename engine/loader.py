@@ -131,18 +131,13 @@ def convert_gguf(gguf: Path) -> Path:
 def gguf_config_overrides(gguf: Path) -> dict:
     """Config fields transformers' GGUF reader leaves out: head_dim, where the file's attention.key_length is not
     hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16)."""
-    from gguf import GGUFReader
-    fields = GGUFReader(str(gguf)).fields
-
-    def value(key: str):
-        f = fields.get(key)
-        if f is None or not f.data:
-            return None
-        v = f.parts[f.data[0]]
-        return bytes(v).decode() if f.types and f.types[0].name == "STRING" else int(v[0])
-    arch = value("general.architecture")
-    key_length, hidden, heads = (value(f"{arch}.{k}") for k in ("attention.key_length", "embedding_length",
-                                                                 "attention.head_count"))
+    try:
+        meta = gguf_metadata(gguf)
+    except ValueError:                                     # not little-endian v2/v3: transformers reads it as it can
+        return {}
+    arch = meta.get("general.architecture")
+    key_length, hidden, heads = (meta.get(f"{arch}.{k}") for k in ("attention.key_length", "embedding_length",
+                                                                   "attention.head_count"))
     if key_length and hidden and heads and key_length != hidden // heads:
         return {"head_dim": key_length}
     return {}
@@ -263,17 +258,12 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
-    """A GGUF file's architecture and tensors (little-endian, version 2 or 3), the data mapped from the file.
-    gguf's GGUFReader turns every metadata field into numpy views (2.3 s for SmolLM2's 49k-token vocabulary
-    and merges, at every replica start); this walks the fields it does not need with struct (0.02 s) and types
-    each tensor's data as GGUFReader does. Raises ValueError for anything else (the caller then uses gguf's)."""
+def _gguf_fields(mm) -> tuple[dict[str, object], int, int]:
+    """A mapped GGUF's (little-endian, version 2 or 3) scalar metadata fields (strings and numbers; arrays such as
+    the vocabulary are walked over, not read), where its tensor infos start, and how many there are. gguf's
+    GGUFReader turns every field into numpy views (2.3 s for SmolLM2's 49k-token vocabulary and merges); this
+    walks them with struct (0.02 s). Raises ValueError for another file."""
     import struct
-
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
     magic, version = struct.unpack_from("<II", mm, 0)
     if magic != 0x46554747 or version not in (2, 3):
         raise ValueError(f"not a little-endian GGUF v2/v3 file (magic {magic:#x}, version {version})")
@@ -307,9 +297,34 @@ def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
         key, pos = string(pos)
         (kind,) = struct.unpack_from("<I", mm, pos)
         pos += 4
-        if key in ("general.architecture", "general.alignment"):
+        if kind == _GGUF_STRING or kind in _GGUF_SCALARS:
             meta[key] = string(pos)[0] if kind == _GGUF_STRING else struct.unpack_from(_GGUF_SCALARS[kind], mm, pos)[0]
         pos = skip(pos, kind)
+    return meta, pos, n_tensors
+
+
+def gguf_metadata(path: Path) -> dict[str, object]:
+    """A GGUF file's scalar metadata fields (_gguf_fields)."""
+    import numpy as np
+    return _gguf_fields(np.memmap(path, dtype=np.uint8, mode="r"))[0]
+
+
+def read_gguf(path: Path) -> tuple[str, list[GGUFTensor]]:
+    """A GGUF file's architecture and tensors (little-endian, version 2 or 3), the data mapped from the file, each
+    tensor's data typed as GGUFReader types it (the fields walked by _gguf_fields, at every replica start). Raises
+    ValueError for anything else (the caller then uses gguf's)."""
+    import struct
+
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    meta, pos, n_tensors = _gguf_fields(mm)
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", mm, at)
+        return bytes(mm[at + 8:at + 8 + n]).decode(), at + 8 + n
+
     infos = []
     for _ in range(n_tensors):
         name, pos = string(pos)

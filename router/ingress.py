@@ -501,8 +501,8 @@ class Ingress:
         as one finished delta."""
         req = builder.req
 
-        async def top(ids: list[int], width: int) -> dict[int, float]:
-            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
+        async def top(ids: list[int], k: int) -> dict[int, float]:
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=k)
             hashes = orchestrator.hashes(ids, lora, req.cache_salt)
             async for d in orchestrator.stream(ids, params, hashes=hashes, lora=lora, priority=req.priority):
                 if d.logprobs:
@@ -512,7 +512,7 @@ class Ingress:
         async def search(ids: list[int], params) -> list:
             s = BeamSearch(ids, params, self.info["eos_token_ids"], self.info["max_model_len"])
             while not s.done:
-                s.advance(await asyncio.gather(*(top(p, params.beam_width) for p in s.prompts())))
+                s.advance(await asyncio.gather(*(top(p, s.num_top_logprobs) for p in s.prompts())))
             return s.results().sequences
 
         results = await asyncio.gather(*(search(ids, params) for ids, params in zip(prompts, beams)))

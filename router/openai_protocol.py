@@ -2,7 +2,7 @@
 SSE chunk builders. No server here (router/ingress.py serves it).
 
 Decisions: unknown request fields are ignored, as OpenAI and vLLM do; fields that would change the answer and
-that Baton does not serve (UNSUPPORTED: suffix, audio, beam search, ...) are refused
+that Baton does not serve (UNSUPPORTED: suffix, audio, custom logits processors, ...) are refused
 with a 400 naming the field rather than silently dropped. Structured output comes as
 OpenAI's `response_format` (json_object, json_schema; vLLM's structural_tag) or vLLM's `structured_outputs`
 (json, regex, choice, grammar, structural_tag; its older `guided_*` and `structural_tag` fields too), one of them
