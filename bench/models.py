@@ -6,11 +6,17 @@ from __future__ import annotations
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
+           "qwen3_moe": Qwen3MoeConfig}[model_type]
     cfg = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, initializer_range=0.2,
                tie_word_embeddings=False)
+    if model_type == "mixtral":                           # 4 experts, 2 a token
+        cfg.update(num_local_experts=4, num_experts_per_tok=2)
+    elif model_type == "qwen3_moe":                       # ... each of its own width, beside the dense one
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
     cfg.update(overrides)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(cls(**cfg), dtype=torch.float32)
@@ -22,17 +28,19 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def make_lora_adapter(base_dir: str, out_dir, rank: int = 8, seed: int = 0, alpha: float | None = None,
-                      targets=LORA_TARGETS, scale: float = 1.0, use_rslora: bool = False) -> str:
+                      targets=LORA_TARGETS, scale: float = 1.0, use_rslora: bool = False, **patterns) -> str:
     """A random LoRA adapter for the HF checkpoint at `base_dir`, saved by PEFT (adapter_config.json and
     adapter_model.safetensors) as a fine-tune would be. PEFT starts B at zero (a no-op); here A and B are
-    random with B scaled by `scale`, so the adapter changes what the model says."""
+    random with B scaled by `scale`, so the adapter changes what the model says. `patterns`: PEFT's rank_pattern
+    and alpha_pattern."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     torch.manual_seed(seed)
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=list(targets),
-                                            init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0))
+                                            init_lora_weights=False, use_rslora=use_rslora, lora_dropout=0.0,
+                                            **patterns))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

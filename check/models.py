@@ -1,6 +1,7 @@
 """Part 2 of `baton check gpu`: the engine against transformers on random-weight models built from config.
 
-Each model (a Llama-3 shape of about 1B with llama3 RoPE scaling, a Qwen2 shape with its q/k/v bias) is built
+Each model (a Llama-3 shape of about 1B with llama3 RoPE scaling, a Qwen2 shape with its q/k/v bias, Qwen3's,
+and four layers of Qwen3-30B-A3B's mixture of experts) is built
 by transformers with random weights and saved with `save_pretrained` (safetensors), then loaded by both, as a
 real checkpoint is. transformers in fp32 gives the reference: greedy continuations with their top logprobs,
 and the teacher-forced log-probabilities of every position of prompt + continuation.
@@ -53,6 +54,12 @@ GPU_MODELS = {
     "Qwen3-0.6B": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                                  rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=40960)),
+    # Qwen3-30B-A3B's layer (128 experts of 768 units, 8 a token) in 4 layers: the experts' routing and indexing
+    "Qwen3-30B-A3B-4L": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                           num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                           head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+                                           tie_word_embeddings=False, max_position_embeddings=40960)),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -64,6 +71,10 @@ CPU_MODELS = {
     "qwen3-tiny": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
                                  max_position_embeddings=512)),
+    "qwen3-moe-tiny": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=32, vocab_size=512, max_position_embeddings=512)),
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
 CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12
@@ -82,8 +93,9 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
                      seed: int = 0) -> str:
     """A random-weight checkpoint of `config`, saved by transformers (safetensors) in `dtype`: the weights both
     systems load are then the same numbers, whatever dtype each computes in."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type](**config)
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "qwen3_moe": Qwen3MoeConfig}[model_type](**config)
     torch.manual_seed(seed)
     with torch.device(device):                            # initialising 1B weights on a GPU takes a second
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

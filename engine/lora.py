@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0)}
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 _WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -131,7 +132,7 @@ def read_adapter_config(path: str) -> dict:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter at {path!r}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for flag, what in (("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"),
-                       ("layers_to_transform", "layers_to_transform"), ("alpha_pattern", "alpha_pattern")):
+                       ("layers_to_transform", "layers_to_transform")):
         if cfg.get(flag):
             raise LoRAError(f"LoRA adapter at {path!r}: {what} is not supported")
     if cfg.get("bias", "none") != "none":
@@ -140,7 +141,27 @@ def read_adapter_config(path: str) -> dict:
         v = cfg.get(k)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise LoRAError(f"LoRA adapter at {path!r}: {k} must be a positive number, got {v!r}")
+    # per-module overrides (PEFT writes them for Qwen3-MoE's fused experts, say): a rank is read from the shapes
+    for k in ("rank_pattern", "alpha_pattern"):
+        v = cfg.get(k) or {}
+        if not isinstance(v, dict) or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0
+                                          for x in v.values()):
+            raise LoRAError(f"LoRA adapter at {path!r}: {k} must map module patterns to positive numbers, got {v!r}")
+        try:
+            for key in v:
+                re.compile(key)
+        except (re.error, TypeError) as e:
+            raise LoRAError(f"LoRA adapter at {path!r}: {k} has a bad pattern ({e})") from None
     return cfg
+
+
+def module_alpha(cfg: dict, module: str) -> float:
+    """lora_alpha of one module (`model.layers.3.self_attn.q_proj`): the first alpha_pattern key that matches
+    the end of its name, as PEFT's get_pattern_key matches it, else the adapter's."""
+    for key, alpha in (cfg.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return float(alpha)
+    return float(cfg["lora_alpha"])
 
 
 def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
@@ -158,6 +179,9 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         m = _WEIGHT.search(name)
+        if m is None and ".experts." in name:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} adapts the experts of a "
+                            f"mixture-of-experts layer, which is not supported (adapters of attention are)")
         if m is None:
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} is not a LoRA weight of a "
                             f"supported module ({', '.join(TARGETS)})")
@@ -165,10 +189,13 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
         if module not in TARGETS or layer >= layers:
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} has no place in this model "
                             f"({layers} layers; modules {', '.join(TARGETS)})")
+        if m.group(2) == "mlp" and not hasattr(model.model.layers[layer].mlp, "gate_up_proj"):
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} adapts layer {layer}'s MLP, a "
+                            f"mixture of experts: adapters of experts are not supported (attention's are)")
         pairs.setdefault((layer, module), {})[which] = t
     if not pairs:
         raise LoRAError(f"LoRA adapter {request.lora_name!r} has no LoRA weights")
-    alpha, rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
+    rslora = bool(cfg.get("use_rslora"))
     weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
@@ -184,6 +211,7 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
                             f"(was it trained for another base model?)")
         if r > max_rank:
             raise LoRAError(f"LoRA adapter {request.lora_name!r} has rank {r}, above max_lora_rank {max_rank}")
+        alpha = module_alpha(cfg, f"model.layers.{layer}.{'self_attn' if module in _ATTENTION else 'mlp'}.{module}")
         scaling = alpha / (r ** 0.5 if rslora else r)
         fused, part = TARGETS[module]
         weights.setdefault((layer, fused), {})[part] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype))
@@ -290,6 +318,8 @@ class LoRAManager:
         for layer in model.model.layers:
             mods = {}
             for fused, n in _PARTS.items():
+                if fused.startswith("mlp.") and not hasattr(layer.mlp, "gate_up_proj"):
+                    continue                          # a sparse MoE block: adapters reach its attention only
                 parent_name, _, attr = fused.rpartition(".")
                 parent = layer.get_submodule(parent_name)
                 base = getattr(parent, attr)
@@ -302,10 +332,10 @@ class LoRAManager:
             self.layers.append(mods)
 
     def _part_sizes(self, fused: str) -> list[int]:
-        attn, mlp, hidden = self.model.model.layers[0].self_attn, self.model.model.layers[0].mlp, \
+        attn, mlp, hidden = self.model.model.layers[0].self_attn, self.model.dense_mlp(), \
             self.model.config.hidden_size
         return {"self_attn.qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size], "self_attn.o_proj": [hidden],
-                "mlp.gate_up_proj": [mlp.intermediate] * 2, "mlp.down_proj": [hidden]}[fused]
+                "mlp.gate_up_proj": [mlp and mlp.intermediate] * 2, "mlp.down_proj": [hidden]}[fused]
 
     # -- host cache -------------------------------------------------------------------------------
     def register(self, request: LoRARequest) -> LoRAAdapter:
@@ -418,10 +448,10 @@ def _tp_shard(model) -> dict[str, tuple] | None:
     None); None without TP. One layer's heads and units stand for all (engine/model.py splits every layer alike)."""
     if model.tp is None or model.tp.size == 1:
         return None
-    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    attn, mlp = model.model.layers[0].self_attn, model.dense_mlp()
 
     def rows(heads: range) -> torch.Tensor:
         return (torch.tensor(list(heads))[:, None] * attn.head_dim + torch.arange(attn.head_dim)).flatten()
-    q, kv, units = rows(attn.q_heads), rows(attn.kv_heads), torch.tensor(list(mlp.run))
+    q, kv, units = rows(attn.q_heads), rows(attn.kv_heads), torch.tensor(list(mlp.run if mlp else []), dtype=torch.long)
     return {"self_attn.qkv_proj": (None, [q, kv, kv]), "mlp.gate_up_proj": (None, [units, units]),
             "self_attn.o_proj": (q, None), "mlp.down_proj": (units, None)}

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat, paged batch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM; Mixtral and Qwen3-MoE) over a flat, paged batch.
 
 Tokens of all sequences in a step are packed into one [num_tokens] row; attention finds each
 sequence's context through the paged KV cache (engine/attention.py). Weight names follow Hugging
@@ -8,9 +8,14 @@ With tensor parallelism (a TPGroup given) each rank builds its shard (Megatron's
 gate/up column-parallel (its heads, its run of the intermediate), o and down row-parallel (one
 all-reduce each, bias added once after it), a vocab-parallel embedding and LM head (rank 0 gathers
 the logits). Without one, the layers are plain nn.Linear/nn.Embedding: TP 1 runs no extra op.
+
+Mixture-of-experts models (Mixtral, Qwen3-MoE) replace the MLP with SparseMoE: a router and stacked experts,
+each token through its top-k. Under TP every rank holds its run of every expert's intermediate units (vLLM's
+default sharding, not expert parallelism), so the block ends in one all-reduce, as the dense MLP does.
 """
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -25,8 +30,9 @@ from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, v
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-QK_NORM_MODEL_TYPES = {"qwen3"}       # an RMSNorm over each head's q and k before the rotation
+MOE_MODEL_TYPES = {"mixtral", "qwen3_moe"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}       # an RMSNorm over each head's q and k before the rotation
 
 
 class RMSNorm(nn.Module):
@@ -230,11 +236,90 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def num_experts(config) -> int:
+    """Experts per MoE layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts); 0 for a dense model."""
+    if config.model_type not in MOE_MODEL_TYPES:
+        return 0
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+
+
+def is_moe_layer(config, layer_idx: int) -> bool:
+    """Whether this layer's MLP is sparse: every layer of Mixtral; Qwen3-MoE's but those in mlp_only_layers and
+    off its decoder_sparse_step (transformers' rule)."""
+    if num_experts(config) == 0:
+        return False
+    if config.model_type == "qwen3_moe":
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+    return True
+
+
+def moe_intermediate_size(config) -> int:
+    """Each expert's intermediate units: Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
+    if config.model_type == "qwen3_moe":
+        return int(config.moe_intermediate_size)
+    return int(config.intermediate_size)
+
+
+class SparseMoE(nn.Module):
+    """A sparse MLP block: the router's softmax over the experts, each token's top k (renormalised to sum to 1 for
+    Mixtral, and for Qwen3-MoE where norm_topk_prob), each expert a SiLU-gated MLP, a token's output its experts'
+    outputs weighted. Experts are stacked as transformers keeps them: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+
+    The step's (token, expert) pairs are sorted by expert and each expert hit runs once on its tokens: its weights
+    are read once a step however many tokens chose it. The counts cross to the host (one sync a layer), so a CUDA
+    graph cannot hold this block: MoE models run eagerly (engine/model_runner.py graph_plan)."""
+
+    def __init__(self, config, tp: TPGroup | None = None):
+        super().__init__()
+        size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
+        self.num_experts, self.top_k = num_experts(config), int(config.num_experts_per_tok)
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {self.top_k} must be within 1..{self.num_experts} experts")
+        self.run = split_range(moe_intermediate_size(config), rank, size)    # this rank's units of every expert
+        self.intermediate = len(self.run)
+        self.renormalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)      # the router: replicated
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate,
+                                                             config.hidden_size))
+        self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, self.intermediate))
+        self.tp = tp
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], experts [T, k]) of each token: softmax in fp32, the top k, renormalised where the model
+        does."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)                    # pairs by expert; tokens in order within one
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, pair_weights = order // self.top_k, weights.flatten()[order]
+        out = torch.zeros_like(x)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = tokens[start:start + n]
+            gate, up = F.linear(x[rows], w13[e]).split(self.intermediate, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[e]) * pair_weights[start:start + n, None]
+            out.index_add_(0, rows, y)
+            start += n
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, tp: TPGroup | None = None):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp)
-        self.mlp = MLP(config, tp)
+        self.mlp = SparseMoE(config, tp) if is_moe_layer(config, layer_idx) else MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -383,6 +468,12 @@ class QuantEmbedding(nn.Module):
         return self.qweight.dequantize(ids).to(self.dtype)
 
 
+# one expert's tensor in a checkpoint: Qwen3-MoE's names, and Mixtral's (block_sparse_moe, read as mlp, and w1/w3/w2)
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     import os
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -412,6 +503,14 @@ class LlamaForCausalLM(nn.Module):
         vocab = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[1]
         self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tie_weights()
+
+    @property
+    def has_moe(self) -> bool:
+        return any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
+
+    def dense_mlp(self) -> "MLP | None":
+        """The first dense MLP (every dense layer's is split alike), or None where every layer is sparse."""
+        return next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MLP)), None)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -479,6 +578,8 @@ class LlamaForCausalLM(nn.Module):
         from engine.lora import LoRALinear
         from engine.quant_kernels import KINDS
         layers = self.model.layers
+        if self.has_moe:                                  # the C++ stack runs dense MLPs only
+            return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
         adapters = [[m if isinstance(m, LoRALinear) else None for m in ms] for ms in wrapped]
@@ -524,6 +625,9 @@ class LlamaForCausalLM(nn.Module):
         int8 with one scale per output row. "fp8": every Linear but the head (as vLLM) becomes e4m3 with one scale
         per output row. Returns how many."""
         quantize = {"int8": quantize_int8, "fp8": quantize_fp8}[method]
+        if self.has_moe:
+            raise ModelLoadError(f"quantization={method!r} does not cover a mixture-of-experts model's experts yet: "
+                                 f"serve {self.config.model_type} unquantized")
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                  if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)]
         for parent, name, child in swaps:
@@ -562,13 +666,18 @@ class LlamaForCausalLM(nn.Module):
         """(dim, start, stop): the part of checkpoint tensor `name` this rank holds; None: all of it."""
         if self.tp is None:
             return None
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        expert = _EXPERT.match(name)
+        if expert is not None:                            # every expert's run of units, as the dense MLP's
+            run = self.model.layers[int(expert.group(1))].mlp.run
+            return (1, run.start, run.stop) if expert.group(3) in ("down_proj", "w2") else (0, run.start, run.stop)
+        attn, mlp = self.model.layers[0].self_attn, self.dense_mlp()
         d = attn.head_dim
+        units = mlp.run if mlp is not None else range(0)
         rows = {"q_proj": range(attn.q_heads.start * d, attn.q_heads.stop * d),
-                "k_proj": range(attn.kv_heads.start * d, attn.kv_heads.stop * d), "gate_proj": mlp.run,
-                "up_proj": mlp.run, "embed_tokens": self.model.embed_tokens.rows}
+                "k_proj": range(attn.kv_heads.start * d, attn.kv_heads.stop * d), "gate_proj": units,
+                "up_proj": units, "embed_tokens": self.model.embed_tokens.rows}
         rows["v_proj"], rows["lm_head"] = rows["k_proj"], rows["embed_tokens"]
-        cols = {"o_proj": rows["q_proj"], "down_proj": mlp.run}
+        cols = {"o_proj": rows["q_proj"], "down_proj": units}
         piece = name.split(".")[-2]
         if piece in rows:
             return 0, rows[piece].start, rows[piece].stop
@@ -586,6 +695,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")     # Mixtral's router and experts
+            if _EXPERT.match(name):
+                filled.add(self._load_expert(name, tensor))
                 continue
             target, shard = name, None
             for piece, (fused, idx) in self._FUSED.items():
@@ -638,13 +751,33 @@ class LlamaForCausalLM(nn.Module):
         if any(isinstance(m, QuantLinear) for m in self.modules()):
             self._attention_in_one_kernel()
 
+    def _load_expert(self, name: str, tensor) -> str:
+        """One expert's gate, up or down weight (HF's per-expert tensors; Mixtral's w1, w3, w2) into its row of the
+        stacked experts. Returns its name as Qwen3-MoE spells it (what _expected_names lists)."""
+        layer, expert, part = _EXPERT.match(name).groups()
+        part = _EXPERT_PARTS.get(part, part)
+        moe = self.model.layers[int(layer)].mlp if int(layer) < len(self.model.layers) else None
+        if not isinstance(moe, SparseMoE) or int(expert) >= moe.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelLoadError(f"{name}: quantized expert weights do not load yet; a mixture-of-experts model "
+                                 f"loads from a float checkpoint")
+        dst = (moe.experts.down_proj if part == "down_proj" else moe.experts.gate_up_proj)[int(expert)]
+        if part != "down_proj":
+            dst = dst.split(moe.intermediate, dim=0)[part == "up_proj"]
+        if dst.shape != tensor.shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        return f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"
+
     def _copy_in(self, param, tensor, target: str, shard: int | None, name: str) -> None:
         with torch.no_grad():
             dst = param
             if shard is not None:
                 attn = self.model.layers[0].self_attn
                 sizes = ([attn.q_size, attn.kv_size, attn.kv_size] if ".qkv_proj." in target
-                         else [self.model.layers[0].mlp.intermediate] * 2)
+                         else [self.dense_mlp().intermediate] * 2)
                 dst = param.split(sizes, dim=0)[shard]
             elif self.tp is not None and target in ("model.embed_tokens.weight", "lm_head.weight"):
                 dst.zero_()                               # the last shard's padding rows stay zero
@@ -655,8 +788,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_names(self) -> set[str]:
         names = set()
-        for n, _ in self.named_parameters():
+        for n, p in self.named_parameters():
             if n == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if ".mlp.experts." in n:                      # stacked: each expert's tensors, as checkpoints hold them
+                layer = n.split(".mlp.")[0]
+                parts = ("down_proj",) if n.endswith("down_proj") else ("gate_proj", "up_proj")
+                names.update(f"{layer}.mlp.experts.{e}.{part}.weight" for e in range(p.shape[0]) for part in parts)
                 continue
             for piece, (fused, _) in self._FUSED.items():
                 if fused in n:

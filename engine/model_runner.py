@@ -241,6 +241,9 @@ class ModelRunner:
         c = self.config
         if c.enforce_eager:
             return []
+        if self.model.has_moe:               # its experts' token counts cross to the host (engine/model.py SparseMoE)
+            log.info("a mixture-of-experts model runs eagerly: no CUDA graphs")
+            return []
         return graph_keys(c.max_num_seqs, verify_widths(c.speculative_config), c.max_num_batched_tokens)
 
     @property

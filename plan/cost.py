@@ -165,7 +165,28 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
                  "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936},
     "qwen3-32b": {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
                   "head_dim": 128, "intermediate_size": 25600, "vocab_size": 151936},   # heads x head_dim: 8,192
+    # mixtures of experts: every layer sparse
+    "mixtral-8x7b": {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                     "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                      "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "vocab_size": 151936, "num_experts": 128,
+                      "num_experts_per_tok": 8},
 }
+
+
+def moe_shape(m: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(experts a sparse layer holds, experts a token uses, parameters of one expert, sparse layers) of a config;
+    zeros for a dense model. The layers are sparse as engine/model.py's is_moe_layer rules (Qwen3-MoE's
+    mlp_only_layers and decoder_sparse_step; every layer of Mixtral)."""
+    experts = int(m.get("num_local_experts") or m.get("num_experts") or 0)
+    if not experts:
+        return 0, 0, 0, 0
+    step, dense = int(m.get("decoder_sparse_step") or 1), set(m.get("mlp_only_layers") or [])
+    sparse = sum(1 for i in range(m["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    width = m.get("moe_intermediate_size") or m["intermediate_size"]
+    return experts, int(m["num_experts_per_tok"]), 3 * m["hidden_size"] * width, sparse
 
 
 def model_shape(model: str | dict) -> dict[str, Any]:
@@ -218,9 +239,15 @@ class RooflineCost:
         h, layers = m["hidden_size"], m["num_hidden_layers"]
         heads, kv_heads = m["num_attention_heads"], m.get("num_key_value_heads", m["num_attention_heads"])
         d = m.get("head_dim") or h // heads
-        per_layer = h * heads * d + 2 * h * kv_heads * d + heads * d * h + 3 * h * m["intermediate_size"]
-        self.params = layers * per_layer + m["vocab_size"] * h           # the embedding is read, not multiplied
-        self.flops_per_token = 2 * (layers * per_layer + m["vocab_size"] * h)
+        attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+        experts, top_k, expert, sparse = moe_shape(m)
+        dense_layer = attention + 3 * h * m["intermediate_size"]
+        sparse_layer = attention + h * experts                               # the router's, then its experts'
+        held = (layers - sparse) * dense_layer + sparse * sparse_layer      # all but the experts
+        self.params = held + sparse * experts * expert + m["vocab_size"] * h    # the embedding is read, not multiplied
+        self.active_params = held + sparse * top_k * expert + m["vocab_size"] * h   # what one token multiplies by
+        self.flops_per_token = 2 * self.active_params
+        self.experts, self.top_k, self.expert_params, self.sparse_layers = experts, top_k, expert, sparse
         self.flops_per_pair = 4 * layers * heads * d
         self.kv_bytes_per_token = int(2 * layers * kv_heads * d * self.kv_bytes_per_value)
         g = GPUS[self.gpu]
@@ -229,15 +256,27 @@ class RooflineCost:
         self.layers, self.hidden = layers, h
         self.name = f"{self.tp}x {g['name']}, {m.get('name', 'model')}"
 
-    def read_s(self, context: int | np.ndarray) -> float | np.ndarray:
-        """Reading the weights once and `context` tokens of KV, at their fractions of HBM bandwidth."""
+    def weight_bytes_read(self, tokens: int | np.ndarray) -> float | np.ndarray:
+        """Bytes of weights a step of `tokens` tokens reads: all of a dense model's; of a mixture of experts, the
+        rest and the experts its tokens chose, once each. Tokens choose top_k of E experts alike and apart (the
+        expected count of distinct ones: E (1 - (1 - k/E)^tokens)); real routers are skewed, so a step may touch
+        fewer and this errs on the slow side."""
+        if not self.experts:
+            return self.params * self.weight_bytes_per_param
+        touched = self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** np.maximum(tokens, 1))
+        rest = self.params - self.sparse_layers * self.experts * self.expert_params
+        return (rest + self.sparse_layers * touched * self.expert_params) * self.weight_bytes_per_param
+
+    def read_s(self, context: int | np.ndarray, tokens: int | np.ndarray = 1) -> float | np.ndarray:
+        """Reading a step's weights (weight_bytes_read) and `context` tokens of KV, at their fractions of HBM
+        bandwidth."""
         kv_mbu = self.mbu if self.kv_mbu is None else self.kv_mbu
-        return (self.params * self.weight_bytes_per_param / self.mbu
-                + self.kv_bytes_per_token * context / kv_mbu) / self.bandwidth
+        return (self.weight_bytes_read(tokens) / self.mbu + self.kv_bytes_per_token * context / kv_mbu) / self.bandwidth
 
     def step_s(self, b: Batch) -> float:
         flops = self.flops_per_token * b.tokens + self.flops_per_pair * b.pairs
-        return max(flops / (self.peak * self.mfu), self.read_s(b.context)) + self.overhead_s(b) + self.comm_s(b.tokens)
+        return max(flops / (self.peak * self.mfu), self.read_s(b.context, b.tokens)) + self.overhead_s(b) + \
+            self.comm_s(b.tokens)
 
     def comm_s(self, tokens: int | np.ndarray) -> float | np.ndarray:
         """Tensor parallelism's all-reduces, not overlapped with compute (as in Baton's and vLLM's TP): two a layer
@@ -258,7 +297,8 @@ class RooflineCost:
     def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
         ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)
         flops = self.flops_per_token * batch + self.flops_per_pair * ctx
-        return np.maximum(flops / (self.peak * self.mfu), self.read_s(ctx)) + self.step_overhead_s + self.comm_s(batch)
+        return np.maximum(flops / (self.peak * self.mfu), self.read_s(ctx, batch)) + self.step_overhead_s + \
+            self.comm_s(batch)
 
     def fitted(self, rows: list[tuple[Batch, float]]) -> tuple[RooflineCost, dict[str, Any]]:
         """This roofline with mfu, kv_mbu and the two step overheads fitted to measured (batch, seconds) steps of the
@@ -269,7 +309,7 @@ class RooflineCost:
         per-step overhead cannot be told apart from its steps (only their sum); the overhead takes the rest.
         Returns the fit and a report of both models' errors."""
         flops = np.array([self.flops_per_token * b.tokens + self.flops_per_pair * b.pairs for b, _ in rows])
-        weights = self.params * self.weight_bytes_per_param
+        weights = np.array([self.weight_bytes_read(b.tokens) for b, _ in rows], dtype=np.float64)
         kv = np.array([self.kv_bytes_per_token * b.context for b, _ in rows], dtype=np.float64)
         y = np.array([t for _, t in rows])
         rest = y - np.array([self.comm_s(b.tokens) for b, _ in rows], dtype=np.float64)   # less TP's all-reduces

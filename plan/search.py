@@ -395,7 +395,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                            "own rate)")
     p.add_argument("--seconds", type=float, default=120.0, help="simulated load per candidate (default 120 s)")
     p.add_argument("--model", default="llama-3.1-8b", help="a preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-32b, "
-                                                           "qwen3-8b, qwen3-32b) or a config.json / model directory")
+                                                           "qwen3-8b, qwen3-32b, mixtral-8x7b, qwen3-30b-a3b) or a config.json / "
+                                                           "model directory")
     p.add_argument("--gpu", default="h100", choices=["h100", "h200"])
     p.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel)")
     p.add_argument("--mfu", type=float, default=0.5, help="roofline: share of peak FLOP/s reached (default 0.5)")

@@ -58,6 +58,9 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("qwen2", {}),                                                    # q/k/v bias
     ("qwen3", {"head_dim": 32}),               # q/k norms; head_dim apart from hidden / heads (Qwen3's 128 at 1024)
     ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),   # MQA + tied embeddings
+    ("mixtral", {}),                                                  # 4 experts, top 2, renormalised
+    ("qwen3_moe", {"head_dim": 32, "mlp_only_layers": [1]}),          # experts beside a dense layer; q/k norms
+    ("qwen3_moe", {"norm_topk_prob": False}),                         # the top-k weights as the softmax gave them
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                "rope_theta": 50000.0}),

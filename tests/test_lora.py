@@ -213,6 +213,27 @@ def test_a_bad_adapter_fails_its_request_alone(tiny, tmp_path, reference):
     assert_no_leak(llm)
 
 
+def test_rank_and_alpha_patterns_shape_their_modules_as_peft_does(tiny, tmp_path):
+    """PEFT's per-module rank_pattern and alpha_pattern (regexes on module names; it writes them itself for a
+    Qwen3-MoE's experts): each module's scaling is its own alpha over its own rank."""
+    patterns = {"rank_pattern": {"v_proj": 2}, "alpha_pattern": {"q_proj": 64, r"layers\.1\.mlp\.down_proj": 1}}
+    path = make_lora_adapter(tiny["base"], tmp_path / "patterns", rank=4, seed=9, **patterns)
+    cfg = json.loads((tmp_path / "patterns" / "adapter_config.json").read_text())
+    assert {k: cfg[k] for k in patterns} == patterns
+    want = [peft_greedy(tiny["base"], path, p) for p in PROMPTS]
+    flat = tmp_path / "flat"                          # the same weights read with one alpha: other tokens
+    shutil.copytree(path, flat)
+    (flat / "adapter_config.json").write_text(json.dumps({**cfg, "alpha_pattern": {}}))
+    assert [peft_greedy(tiny["base"], str(flat), p) for p in PROMPTS] != want
+    llm = lora_llm(tiny["base"])
+    got = llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("patterns", 1, path))
+    assert [o.token_ids for o in got] == want
+    (flat / "adapter_config.json").write_text(json.dumps({**cfg, "alpha_pattern": {"q_proj": -1}}))
+    with pytest.raises(LoRAError, match="alpha_pattern must map module patterns to positive numbers"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("bad", 2, str(flat)))
+    assert_no_leak(llm)
+
+
 def test_lora_needs_enable_lora_and_max_cpu_loras_of_at_least_max_loras(tiny):
     llm = LLM(tiny["base"], tokenizer=resolve_model(None), num_kv_blocks=32, max_model_len=128)
     with pytest.raises(InvalidRequestError, match="enable_lora"):

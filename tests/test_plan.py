@@ -1114,10 +1114,30 @@ def test_a_step_s_spread_widens_the_token_gaps_tail_and_keeps_their_mean():
     assert (gaps(0.3)[0] == spread).all() and not (gaps(0.3, seed=1)[0] == spread).all()
 
 
-@pytest.mark.parametrize("preset, published", [("llama-3.1-8b", 8.03e9), ("qwen3-8b", 8.19e9), ("qwen3-32b", 32.8e9)])
+@pytest.mark.parametrize("preset, published", [("llama-3.1-8b", 8.03e9), ("qwen3-8b", 8.19e9), ("qwen3-32b", 32.8e9),
+                                               ("mixtral-8x7b", 46.7e9), ("qwen3-30b-a3b", 30.5e9)])
 def test_the_roofline_counts_a_presets_parameters_as_published(preset, published):
     """Qwen3's attention is wider than its hidden size (64 heads x 128 for 5,120): head_dim counts, not hidden /
     heads. The roofline reads the embedding once; the published counts hold the untied head too."""
     cost = RooflineCost(gpu="h100", model=model_shape(preset))
     m = cost.model
     assert cost.params + m["vocab_size"] * m["hidden_size"] == pytest.approx(published, rel=0.02)
+
+
+@pytest.mark.parametrize("preset, active, tp", [("mixtral-8x7b", 12.9e9, 2), ("qwen3-30b-a3b", 3.3e9, 1)])
+def test_a_mixture_of_experts_holds_every_expert_and_reads_those_its_tokens_chose(preset, active, tp):
+    """Memory holds every expert; a token multiplies by its top k (the published active count); a step reads the
+    experts its tokens chose: a decode of one sequence reads about the active weights, a long prefill all of them."""
+    cost = RooflineCost(gpu="h100", model=model_shape(preset), tp=tp)        # Mixtral's 93 GB: two H100s
+    m, bpp = cost.model, cost.weight_bytes_per_param
+    assert cost.active_params + m["vocab_size"] * m["hidden_size"] == pytest.approx(active, rel=0.02)
+    assert cost.flops_per_token == 2 * cost.active_params
+    reads = [cost.weight_bytes_read(t) for t in (1, 2, 8, 64, 4096)]
+    assert reads == sorted(reads) and len(set(reads)) == len(reads)
+    assert reads[0] == pytest.approx(cost.active_params * bpp, rel=1e-9)
+    assert reads[-1] == pytest.approx(cost.params * bpp, rel=1e-3)
+    dense = RooflineCost(gpu="h100", model=model_shape("qwen3-32b"), tp=tp)     # as many parameters or more, dense
+    one = Batch(tokens=1, pairs=2000, seqs=1, context=2000)
+    assert cost.step_s(one) - cost.step_overhead_s < 0.5 * (dense.step_s(one) - dense.step_overhead_s)
+    free = 0.9 * cost.memory - cost.params * bpp                     # the KV cache gets what every expert leaves
+    assert cost.kv_tokens(None, None, 16) == pytest.approx(free / cost.kv_bytes_per_token, rel=0.01)

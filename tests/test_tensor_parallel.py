@@ -30,11 +30,15 @@ TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # 
 
 # (model type, config overrides): MQA (1 KV head on 2 ranks: replicated) with uneven intermediate and vocab
 # splits; Qwen2 with q/k/v biases and tied embeddings (the LM head shares the embedding's vocab shard); Qwen3's
-# q/k norms (replicated: one of head_dim for every head) with a head_dim apart from hidden / heads
+# q/k norms (replicated: one of head_dim for every head) with a head_dim apart from hidden / heads; two
+# mixtures of experts
 TINY_MODELS = {
     "llama-mqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=161, vocab_size=301)),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(head_dim=32)),
+    # experts: every rank its run of each expert's units (49: uneven), a dense layer beside them (its own width)
+    "qwen3-moe": ("qwen3_moe", dict(moe_intermediate_size=49, mlp_only_layers=[1])),
+    "mixtral": ("mixtral", dict(intermediate_size=161)),          # Mixtral's names: block_sparse_moe, w1/w3/w2
 }
 
 
