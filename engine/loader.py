@@ -130,7 +130,7 @@ def convert_gguf(gguf: Path) -> Path:
 
 def gguf_config_overrides(gguf: Path) -> dict:
     """Config fields transformers' GGUF reader leaves out: head_dim, where the file's attention.key_length is not
-    hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16)."""
+    hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16); a Qwen3-MoE's expert width (expert_feed_forward_length)."""
     try:
         meta = gguf_metadata(gguf)
     except ValueError:                                     # not little-endian v2/v3: transformers reads it as it can
@@ -138,9 +138,12 @@ def gguf_config_overrides(gguf: Path) -> dict:
     arch = meta.get("general.architecture")
     key_length, hidden, heads = (meta.get(f"{arch}.{k}") for k in ("attention.key_length", "embedding_length",
                                                                    "attention.head_count"))
+    out = {}
     if key_length and hidden and heads and key_length != hidden // heads:
-        return {"head_dim": key_length}
-    return {}
+        out["head_dim"] = key_length
+    if meta.get(f"{arch}.expert_feed_forward_length"):
+        out["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
+    return out
 
 
 def names_gguf(model: str | None) -> bool:
@@ -243,6 +246,8 @@ _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GGUF_LAYER["ffn_gate_inp"] = "mlp.gate"                      # a mixture of experts' router
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}   # stacked
 _GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
 
 
@@ -374,10 +379,19 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     unpacked: set[str] = set()
+    experts: set[str] = set()
     for t in tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
         if parts[0] in _GGUF_SKIP:
+            continue
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_EXPERTS:     # [experts, rows, cols]
+            kind = t.tensor_type.name
+            experts.add(kind)
+            data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
+            stacked = np.array(data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+            for e, w in enumerate(stacked):
+                yield f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", torch.from_numpy(w)
             continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
             name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{suffix}"
@@ -401,6 +415,9 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     if unpacked:
         log.warning("GGUF %s: tensors of type %s are not kept packed; they run dequantized to fp32",
                     path.name, ", ".join(sorted(unpacked)))
+    if experts - {"F32"}:
+        log.warning("GGUF %s: the experts (%s) run dequantized to fp32: packed experts are not supported yet",
+                    path.name, ", ".join(sorted(experts)))
 
 
 def _unrotate(rows: int, n_head: int) -> "torch.Tensor":

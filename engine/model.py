@@ -472,6 +472,7 @@ class QuantEmbedding(nn.Module):
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -700,6 +701,9 @@ class LlamaForCausalLM(nn.Module):
             if _EXPERT.match(name):
                 filled.add(self._load_expert(name, tensor))
                 continue
+            if _STACKED_EXPERTS.match(name):
+                filled.update(self._load_stacked_experts(name, tensor))
+                continue
             target, shard = name, None
             for piece, (fused, idx) in self._FUSED.items():
                 if f".{piece}." in name:
@@ -770,6 +774,33 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             dst.copy_(tensor)
         return f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"
+
+    def _load_stacked_experts(self, name: str, tensor) -> list[str]:
+        """Every expert of a layer at once, stacked as transformers 5 holds them in memory (a state dict it did not
+        save: gate_up_proj [E, 2I, H], gate's rows then up's; down_proj [E, H, I]), read whole: this rank keeps its
+        run of units. Returns the per-expert names it fills."""
+        layer, which = _STACKED_EXPERTS.match(name).groups()
+        moe = self.model.layers[int(layer)].mlp if int(layer) < len(self.model.layers) else None
+        if not isinstance(moe, SparseMoE):
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelLoadError(f"{name}: quantized expert weights do not load yet; a mixture-of-experts model "
+                                 f"loads from a float checkpoint")
+        run = torch.tensor(list(moe.run), dtype=torch.long)
+        if which == "gate_up_proj" and tensor.dim() == 3 and tensor.shape[1] % 2 == 0:
+            gate, up = tensor.chunk(2, dim=1)
+            mine, dst = torch.cat([gate.index_select(1, run), up.index_select(1, run)], dim=1), moe.experts.gate_up_proj
+        elif which == "down_proj" and tensor.dim() == 3:
+            mine, dst = tensor.index_select(2, run), moe.experts.down_proj
+        else:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}: not stacked experts")
+        if mine.shape != dst.shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)} "
+                                 f"(this rank's units)")
+        with torch.no_grad():
+            dst.copy_(mine)
+        parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
+        return [f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for e in range(moe.num_experts) for p in parts]
 
     def _copy_in(self, param, tensor, target: str, shard: int | None, name: str) -> None:
         with torch.no_grad():

@@ -52,10 +52,12 @@ def _raw_kquant(rng, rows: int, cols: int, type_name: str) -> np.ndarray:
 
 def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden: int = 256,
                intermediate: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-               head_dim: int | None = None) -> Path:
+               head_dim: int | None = None, experts: int = 4, top_k: int = 2, expert_intermediate: int = 128) -> Path:
     """`types` maps a GGUF tensor role ("token_embd", "attn_q", ..., "ffn_down", "output") to a type name
     (F32, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, or any other the gguf package can quantize to); roles not named
-    are F32. K-quants need widths that are multiples of 256. An "output" entry writes an untied head."""
+    are F32. K-quants need widths that are multiples of 256. An "output" entry writes an untied head.
+    arch "qwen3moe": every layer's MLP is `experts` stacked experts of `expert_intermediate` units (roles
+    "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), `top_k` a token, with the router "ffn_gate_inp" (F32)."""
     import gguf
     from gguf.quants import quantize
 
@@ -71,6 +73,11 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     head_dim = head_dim or hidden // heads
+    moe = arch == "qwen3moe"
+    if moe:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(top_k)
+        w.add_expert_feed_forward_length(expert_intermediate)
     w.add_rope_dimension_count(head_dim)
     if head_dim != hidden // heads:
         w.add_key_length(head_dim)
@@ -78,12 +85,12 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     for key, value, kind, sub in _tokenizer_fields():
         w.add_key_value(key, value, kind, sub)
 
-    def add(name: str, role: str, rows: int, cols: int) -> None:
+    def add(name: str, role: str, rows: int, cols: int, stack: int = 0, std: float = 0.02) -> None:
         kind = types.get(role, "F32")
         if kind in ("Q4_K", "Q6_K"):
             w.add_tensor(name, _raw_kquant(rng, rows, cols, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
             return
-        x = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        x = (rng.standard_normal(((stack,) if stack else ()) + (rows, cols)) * std).astype(np.float32)
         if kind == "F32":
             w.add_tensor(name, x)
         else:
@@ -98,13 +105,20 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
         add(p + "attn_q.weight", "attn_q", heads * head_dim, hidden)
         add(p + "attn_k.weight", "attn_k", kv_heads * head_dim, hidden)
         add(p + "attn_v.weight", "attn_v", kv_heads * head_dim, hidden)
-        if arch == "qwen3":                               # q/k norms of head_dim
+        if arch in ("qwen3", "qwen3moe"):                 # q/k norms of head_dim
             for role in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(p + role + ".weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
         if arch == "qwen2":
             for role, n in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
                 w.add_tensor(p + role + ".bias", (0.02 * rng.standard_normal(n * head_dim)).astype(np.float32))
         add(p + "attn_output.weight", "attn_output", hidden, heads * head_dim)
+        if moe:
+            w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((experts, hidden)) * 0.5).astype(np.float32))
+            # wide enough that the experts move the logits (at 0.02 their output is lost in the residual)
+            add(p + "ffn_gate_exps.weight", "ffn_gate_exps", expert_intermediate, hidden, experts, 0.2)
+            add(p + "ffn_up_exps.weight", "ffn_up_exps", expert_intermediate, hidden, experts, 0.2)
+            add(p + "ffn_down_exps.weight", "ffn_down_exps", hidden, expert_intermediate, experts, 0.2)
+            continue
         add(p + "ffn_gate.weight", "ffn_gate", intermediate, hidden)
         add(p + "ffn_up.weight", "ffn_up", intermediate, hidden)
         add(p + "ffn_down.weight", "ffn_down", hidden, intermediate)

@@ -17,7 +17,7 @@ from check.models import engine_logprobs
 from check.quant import write_quantized
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError, ModelLoadError
-from engine.model import QuantEmbedding, QuantLinear
+from engine.model import QuantEmbedding, QuantLinear, SparseMoE
 from engine.quant import PACKED_GGUF_TYPES, from_gguf, quantize_int8, resolve_quantization
 from tests.conftest import make_tiny_checkpoint
 from tests.gguf_files import VOCAB, _raw_kquant, write_gguf
@@ -100,6 +100,38 @@ def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_fil
     seqs = _prompts()
     for ours, want in zip(engine_logprobs(q, seqs), engine_logprobs(ref, seqs)):
         assert (ours - want).abs().max() < 0.05 * want.abs().max()
+    alone = [q.generate([p], GREEDY)[0].token_ids for p in seqs]
+    assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone       # batched equals alone, exactly
+
+
+@pytest.mark.slow                        # transformers converts the file for the reference
+def test_a_qwen3_moe_gguf_runs_close_to_transformers_conversion_of_it(tmp_path, caplog):
+    """llama.cpp's qwen3moe layout: a router (ffn_gate_inp) and each layer's experts stacked in one tensor per
+    projection (ffn_gate_exps, ...). The experts run dequantized, named in a warning; attention stays packed. The
+    reference is transformers' own reading of the file (its experts stacked in memory as gate_up_proj and
+    down_proj), with the expert width that its reader leaves out (engine/loader.py gguf_config_overrides)."""
+    path = str(write_gguf(tmp_path / "moe.gguf", {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q8_0",
+                                                  "attn_v": "Q8_0", "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0",
+                                                  "ffn_down_exps": "Q8_0"}, arch="qwen3moe", head_dim=32))
+    ref = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)
+    config = ref.engine.runner.hf_config
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 128)
+    with caplog.at_level(logging.WARNING, logger="engine.loader"):
+        q = LLM(path, num_kv_blocks=64, max_model_len=512)
+    assert "the experts (Q4_0, Q8_0) run dequantized" in caplog.text
+    layer = q.engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp, SparseMoE) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    seqs = _prompts()
+    ours, want = engine_logprobs(q, seqs), engine_logprobs(ref, seqs)
+    for o, w in zip(ours, want):
+        assert (o - w).abs().max() < 0.05 * w.abs().max()
+    # the experts move the answer: the same file with its experts' gate and up swapped is far off
+    swapped = LLM(path, num_kv_blocks=64, max_model_len=512)
+    for moe in swapped.engine.runner.model.model.layers:
+        w13 = moe.mlp.experts.gate_up_proj
+        w13.copy_(torch.cat(w13.chunk(2, dim=1)[::-1], dim=1))
+    off = max((s - w).abs().max() for s, w in zip(engine_logprobs(swapped, seqs), want))
+    assert off > 4 * max((o - w).abs().max() for o, w in zip(ours, want))
     alone = [q.generate([p], GREEDY)[0].token_ids for p in seqs]
     assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone       # batched equals alone, exactly
 
