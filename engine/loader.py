@@ -379,19 +379,24 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     unpacked: set[str] = set()
-    experts: set[str] = set()
     for t in tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
         if parts[0] in _GGUF_SKIP:
             continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_EXPERTS:     # [experts, rows, cols]
-            kind = t.tensor_type.name
-            experts.add(kind)
+            kind, (n, rows, cols) = t.tensor_type.name, (int(d) for d in reversed(t.shape))
+            prefix = f"model.layers.{parts[1]}.mlp.experts"
+            if kind in PACKED_GGUF_TYPES:                 # each expert's rows of bytes, packed as a 2-D tensor's
+                for e in range(n):
+                    yield f"{prefix}.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", from_gguf(t.data[e], kind, (rows, cols))
+                continue
+            if kind not in ("F32", "F16", "BF16"):
+                unpacked.add(kind)
             data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
-            stacked = np.array(data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+            stacked = np.array(data, dtype=np.float32).reshape(n, rows, cols)
             for e, w in enumerate(stacked):
-                yield f"model.layers.{parts[1]}.mlp.experts.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", torch.from_numpy(w)
+                yield f"{prefix}.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", torch.from_numpy(w)
             continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
             name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{suffix}"
@@ -415,9 +420,6 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     if unpacked:
         log.warning("GGUF %s: tensors of type %s are not kept packed; they run dequantized to fp32",
                     path.name, ", ".join(sorted(unpacked)))
-    if experts - {"F32"}:
-        log.warning("GGUF %s: the experts (%s) run dequantized to fp32: packed experts are not supported yet",
-                    path.name, ", ".join(sorted(experts)))
 
 
 def _unrotate(rows: int, n_head: int) -> "torch.Tensor":

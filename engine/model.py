@@ -268,7 +268,10 @@ class SparseMoE(nn.Module):
 
     The step's (token, expert) pairs are sorted by expert and each expert hit runs once on its tokens: its weights
     are read once a step however many tokens chose it. The counts cross to the host (one sync a layer), so a CUDA
-    graph cannot hold this block: MoE models run eagerly (engine/model_runner.py graph_plan)."""
+    graph cannot hold this block: MoE models run eagerly (engine/model_runner.py graph_plan).
+
+    Packed experts (a GGUF's, a GPTQ/AWQ/FP8 checkpoint's, quantization="int8"/"fp8"): each expert's gate/up and
+    down become a QuantLinear (`packed`), read as stored, in place of that projection's stacked floats."""
 
     def __init__(self, config, tp: TPGroup | None = None):
         super().__init__()
@@ -285,6 +288,16 @@ class SparseMoE(nn.Module):
                                                              config.hidden_size))
         self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, self.intermediate))
         self.tp = tp
+        self.packed: dict[str, nn.ModuleList] = {}       # "gate_up_proj" / "down_proj" -> one QuantLinear an expert
+
+    def pack(self, which: str, experts: list[list[QuantWeight]]) -> None:
+        """Every expert's `which` ("gate_up_proj": its gate's and up's parts; "down_proj") as packed weights, in
+        place of the stacked floats."""
+        old = getattr(self.experts, which)
+        mods = nn.ModuleList(QuantLinear(parts, None, old.device, dtype=old.dtype) for parts in experts)
+        self.add_module(f"packed_{which}", mods)
+        self.packed[which] = mods
+        delattr(self.experts, which)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k]) of each token: softmax in fp32, the top k, renormalised where the model
@@ -302,17 +315,25 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens, pair_weights = order // self.top_k, weights.flatten()[order]
         out = torch.zeros_like(x)
-        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up, down = self._projection("gate_up_proj"), self._projection("down_proj")
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = tokens[start:start + n]
-            gate, up = F.linear(x[rows], w13[e]).split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e]) * pair_weights[start:start + n, None]
+            gate, up = gate_up(e, x[rows]).split(self.intermediate, dim=-1)
+            y = down(e, F.silu(gate) * up) * pair_weights[start:start + n, None]
             out.index_add_(0, rows, y)
             start += n
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _projection(self, which: str):
+        """(expert, x) -> x through that expert's `which`: its packed QuantLinear, or its row of the stacked floats."""
+        if which in self.packed:
+            mods = self.packed[which]
+            return lambda e, x: mods[e](x)
+        w = getattr(self.experts, which)
+        return lambda e, x: F.linear(x, w[e])
 
 
 class DecoderLayer(nn.Module):
@@ -391,6 +412,8 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(device)
         self.packed, self.dense, self.weights, self.tinygemm = [], None, [], []
         self.kernels = None if triton else _quant_kernels()
+        if self.kernels is not None and any(w.kind in ("q4", "q8") and w.shape[1] % 32 for w in weights):
+            self.kernels = None              # the kernel quantizes activations in blocks of 32 columns
         # FP8 on CPU: the C++ kernel where it builds (K % 16 == 0), else torch's _scaled_mm (50x slower)
         if triton or any(w.kind == "f8" for w in weights) and (
                 self.kernels is None or any(w.kind == "f8" and w.shape[1] % 16 for w in weights)):
@@ -626,11 +649,15 @@ class LlamaForCausalLM(nn.Module):
         int8 with one scale per output row. "fp8": every Linear but the head (as vLLM) becomes e4m3 with one scale
         per output row. Returns how many."""
         quantize = {"int8": quantize_int8, "fp8": quantize_fp8}[method]
-        if self.has_moe:
-            raise ModelLoadError(f"quantization={method!r} does not cover a mixture-of-experts model's experts yet: "
-                                 f"serve {self.config.model_type} unquantized")
+        # a router stays as it is (as vLLM keeps it): it is small, and its rounding would move tokens' experts
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
-                 if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)]
+                 if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)
+                 and not isinstance(parent, SparseMoE)]
+        moes = [la.mlp for la in self.model.layers if isinstance(la.mlp, SparseMoE)]
+        for moe in moes:                                  # each expert's gate/up and down, one scale per row
+            for which in ("gate_up_proj", "down_proj"):
+                if which not in moe.packed:
+                    moe.pack(which, [[quantize(w)] for w in getattr(moe.experts, which)])
         for parent, name, child in swaps:
             setattr(parent, name, QuantLinear([quantize(child.weight)], child.bias, child.weight.device,
                                                dtype=child.weight.dtype))
@@ -638,7 +665,7 @@ class LlamaForCausalLM(nn.Module):
         for m in rows:
             m.quantize(QuantLinear([quantize(m.weight)], None, m.weight.device, dtype=m.weight.dtype))
         self._attention_in_one_kernel()
-        return len(swaps) + len(rows)
+        return len(swaps) + len(rows) + 2 * sum(moe.num_experts for moe in moes)
 
     def _attention_in_one_kernel(self) -> None:
         """Quantized linears quantize their activations: every attention call takes the one C++ path, so a
@@ -692,6 +719,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: set[str] = set()
         packed: dict[str, dict[int, tuple[QuantWeight, str, str]]] = {}
+        packed_experts: dict[tuple[int, str], dict[int, QuantWeight]] = {}    # (layer, part) -> expert -> weight
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
@@ -699,7 +727,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")     # Mixtral's router and experts
             if _EXPERT.match(name):
-                filled.add(self._load_expert(name, tensor))
+                filled.add(self._load_expert(name, tensor, packed_experts))
                 continue
             if _STACKED_EXPERTS.match(name):
                 filled.update(self._load_stacked_experts(name, tensor))
@@ -719,6 +747,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self._copy_in(params[target], tensor, target, shard, name)
             filled.add(name)
+        self._install_packed_experts(packed_experts)
         self._install_packed(packed, params)
         missing = self._expected_names() - filled
         if missing:
@@ -755,17 +784,19 @@ class LlamaForCausalLM(nn.Module):
         if any(isinstance(m, QuantLinear) for m in self.modules()):
             self._attention_in_one_kernel()
 
-    def _load_expert(self, name: str, tensor) -> str:
+    def _load_expert(self, name: str, tensor, packed: dict[tuple[int, str], dict[int, QuantWeight]]) -> str:
         """One expert's gate, up or down weight (HF's per-expert tensors; Mixtral's w1, w3, w2) into its row of the
-        stacked experts. Returns its name as Qwen3-MoE spells it (what _expected_names lists)."""
+        stacked experts, or, packed, into `packed` (installed once all are in). Returns its name as Qwen3-MoE
+        spells it (what _expected_names lists)."""
         layer, expert, part = _EXPERT.match(name).groups()
         part = _EXPERT_PARTS.get(part, part)
         moe = self.model.layers[int(layer)].mlp if int(layer) < len(self.model.layers) else None
         if not isinstance(moe, SparseMoE) or int(expert) >= moe.num_experts:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+        canonical = f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"
         if not isinstance(tensor, torch.Tensor):
-            raise ModelLoadError(f"{name}: quantized expert weights do not load yet; a mixture-of-experts model "
-                                 f"loads from a float checkpoint")
+            packed.setdefault((int(layer), part), {})[int(expert)] = tensor
+            return canonical
         dst = (moe.experts.down_proj if part == "down_proj" else moe.experts.gate_up_proj)[int(expert)]
         if part != "down_proj":
             dst = dst.split(moe.intermediate, dim=0)[part == "up_proj"]
@@ -773,7 +804,29 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(tensor)
-        return f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"
+        return canonical
+
+    def _install_packed_experts(self, packed: dict[tuple[int, str], dict[int, QuantWeight]]) -> None:
+        """A layer's gate/up runs packed where every expert's gate and up came packed, its down where every down
+        did; anything short of that (a type that stays float, a TP cut through a group of scales) is dequantized
+        into the stacked floats."""
+        for layer, moe in enumerate(self.model.layers):
+            if not isinstance(moe.mlp, SparseMoE):
+                continue
+            moe = moe.mlp
+            parts = {part: packed.get((layer, part), {}) for part in ("gate_proj", "up_proj", "down_proj")}
+            every = lambda *ps: all(len(parts[p]) == moe.num_experts for p in ps)     # noqa: E731
+            if every("gate_proj", "up_proj"):
+                moe.pack("gate_up_proj", [[parts["gate_proj"][e], parts["up_proj"][e]] for e in range(moe.num_experts)])
+            else:
+                for p in ("gate_proj", "up_proj"):
+                    for e, qw in parts[p].items():
+                        self._load_expert(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight", qw.dequantize(), {})
+            if every("down_proj"):
+                moe.pack("down_proj", [[parts["down_proj"][e]] for e in range(moe.num_experts)])
+            else:
+                for e, qw in parts["down_proj"].items():
+                    self._load_expert(f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", qw.dequantize(), {})
 
     def _load_stacked_experts(self, name: str, tensor) -> list[str]:
         """Every expert of a layer at once, stacked as transformers 5 holds them in memory (a state dict it did not
@@ -822,10 +875,7 @@ class LlamaForCausalLM(nn.Module):
         for n, p in self.named_parameters():
             if n == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            if ".mlp.experts." in n:                      # stacked: each expert's tensors, as checkpoints hold them
-                layer = n.split(".mlp.")[0]
-                parts = ("down_proj",) if n.endswith("down_proj") else ("gate_proj", "up_proj")
-                names.update(f"{layer}.mlp.experts.{e}.{part}.weight" for e in range(p.shape[0]) for part in parts)
+            if ".mlp.experts." in n:                      # stacked (or packed): listed below
                 continue
             for piece, (fused, _) in self._FUSED.items():
                 if fused in n:
@@ -834,4 +884,8 @@ class LlamaForCausalLM(nn.Module):
                     break
             else:
                 names.add(n)
+        for i, layer in enumerate(self.model.layers):      # each expert's tensors, as checkpoints hold them
+            if isinstance(layer.mlp, SparseMoE):
+                names.update(f"model.layers.{i}.mlp.experts.{e}.{part}.weight" for e in range(layer.mlp.num_experts)
+                             for part in ("gate_proj", "up_proj", "down_proj"))
         return names

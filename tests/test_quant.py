@@ -105,28 +105,31 @@ def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_fil
 
 
 @pytest.mark.slow                        # transformers converts the file for the reference
-def test_a_qwen3_moe_gguf_runs_close_to_transformers_conversion_of_it(tmp_path, caplog):
+def test_a_qwen3_moe_gguf_runs_packed_close_to_transformers_conversion_of_it(tmp_path, caplog):
     """llama.cpp's qwen3moe layout: a router (ffn_gate_inp) and each layer's experts stacked in one tensor per
-    projection (ffn_gate_exps, ...). The experts run dequantized, named in a warning; attention stays packed. The
-    reference is transformers' own reading of the file (its experts stacked in memory as gate_up_proj and
-    down_proj), with the expert width that its reader leaves out (engine/loader.py gguf_config_overrides)."""
+    projection (ffn_gate_exps, ...). Each expert's projections run packed where their type is (gate/up here: Q8_0
+    and Q4_0 in one call each), dequantized where not (down: Q5_0, named in the warning). The reference is
+    transformers' own reading of the file (its experts stacked in memory as gate_up_proj and down_proj), with the
+    expert width its reader leaves out (engine/loader.py gguf_config_overrides)."""
     path = str(write_gguf(tmp_path / "moe.gguf", {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q8_0",
                                                   "attn_v": "Q8_0", "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0",
-                                                  "ffn_down_exps": "Q8_0"}, arch="qwen3moe", head_dim=32))
+                                                  "ffn_down_exps": "Q5_0"}, arch="qwen3moe", head_dim=32))
     ref = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)
     config = ref.engine.runner.hf_config
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 128)
     with caplog.at_level(logging.WARNING, logger="engine.loader"):
         q = LLM(path, num_kv_blocks=64, max_model_len=512)
-    assert "the experts (Q4_0, Q8_0) run dequantized" in caplog.text
+    assert "Q5_0" in caplog.text
     layer = q.engine.runner.model.model.layers[0]
-    assert isinstance(layer.mlp, SparseMoE) and isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
+    assert sorted(layer.mlp.packed) == ["gate_up_proj"] and layer.mlp.packed["gate_up_proj"][3].sources == ["Q8_0", "Q4_0"]
+    assert q.engine.runner.weight_bytes < 0.7 * ref.engine.runner.weight_bytes
     seqs = _prompts()
     ours, want = engine_logprobs(q, seqs), engine_logprobs(ref, seqs)
     for o, w in zip(ours, want):
         assert (o - w).abs().max() < 0.05 * w.abs().max()
-    # the experts move the answer: the same file with its experts' gate and up swapped is far off
-    swapped = LLM(path, num_kv_blocks=64, max_model_len=512)
+    # the experts move the answer: the reference with its experts' gate and up swapped is far off
+    swapped = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)
     for moe in swapped.engine.runner.model.model.layers:
         w13 = moe.mlp.experts.gate_up_proj
         w13.copy_(torch.cat(w13.chunk(2, dim=1)[::-1], dim=1))
