@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_attention
+from engine import cpu_attention, moe_ops
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import LayerKV
@@ -31,6 +31,7 @@ from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_m
                           tinygemm_matmul, tinygemm_pack)
 
 MOE_MODEL_TYPES = {"mixtral", "qwen3_moe"}
+FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}       # an RMSNorm over each head's q and k before the rotation
 
@@ -267,8 +268,10 @@ class SparseMoE(nn.Module):
     outputs weighted. Experts are stacked as transformers keeps them: gate_up_proj [E, 2I, H], down_proj [E, H, I].
 
     The step's (token, expert) pairs are sorted by expert and each expert hit runs once on its tokens: its weights
-    are read once a step however many tokens chose it. The counts cross to the host (one sync a layer), so a CUDA
-    graph cannot hold this block: MoE models run eagerly (engine/model_runner.py graph_plan).
+    are read once a step however many tokens chose it. On CUDA one Triton kernel a projection does it
+    (engine/moe_ops.py, vLLM's fused_moe), reading nothing back; elsewhere, and for packed experts, a loop over the
+    experts hit, whose counts cross to the host (one sync a layer). MoE models run eagerly (engine/model_runner.py
+    graph_plan): the fused kernel's capture in a CUDA graph awaits a GPU run.
 
     Packed experts (a GGUF's, a GPTQ/AWQ/FP8 checkpoint's, quantization="int8"/"fp8"): each expert's gate/up and
     down become a QuantLinear (`packed`), read as stored, in place of that projection's stacked floats."""
@@ -310,6 +313,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed and moe_ops.triton is not None:
+            pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
+            out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
+                                    block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64)
+            return out if self.tp is None else self.tp.all_reduce(out)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)                    # pairs by expert; tokens in order within one
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
