@@ -17,7 +17,7 @@ from check.models import engine_logprobs
 from check.quant import write_quantized
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError, ModelLoadError
-from engine.model import QuantEmbedding, QuantLinear, SparseMoE
+from engine.model import QuantEmbedding, QuantLinear
 from engine.quant import PACKED_GGUF_TYPES, from_gguf, quantize_int8, resolve_quantization
 from tests.conftest import make_tiny_checkpoint
 from tests.gguf_files import VOCAB, _raw_kquant, write_gguf
