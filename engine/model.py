@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM; Mixtral and Qwen3-MoE) over a flat, paged batch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM; Mixtral, Qwen2/3-MoE) over a flat, paged batch.
 
 Tokens of all sequences in a step are packed into one [num_tokens] row; attention finds each
 sequence's context through the paged KV cache (engine/attention.py). Weight names follow Hugging
@@ -9,7 +9,7 @@ gate/up column-parallel (its heads, its run of the intermediate), o and down row
 all-reduce each, bias added once after it), a vocab-parallel embedding and LM head (rank 0 gathers
 the logits). Without one, the layers are plain nn.Linear/nn.Embedding: TP 1 runs no extra op.
 
-Mixture-of-experts models (Mixtral, Qwen3-MoE) replace the MLP with SparseMoE: a router and stacked experts,
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP with SparseMoE: a router and stacked experts,
 each token through its top-k. Under TP every rank holds its run of every expert's intermediate units (vLLM's
 default sharding, not expert parallelism), so the block ends in one all-reduce, as the dense MLP does.
 """
@@ -30,7 +30,7 @@ from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, v
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
 
-MOE_MODEL_TYPES = {"mixtral", "qwen3_moe"}
+MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}       # an RMSNorm over each head's q and k before the rotation
@@ -181,7 +181,8 @@ class Attention(nn.Module):
             self.q_heads, self.kv_heads = query_heads_of(layout, heads, tp.rank), layout.heads_of(tp.rank)
         self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)) or \
+            config.model_type == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         qk_norm = config.model_type in QK_NORM_MODEL_TYPES        # Qwen3: one norm of head_dim, every head alike
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -223,10 +224,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, tp: TPGroup | None = None):
+    def __init__(self, config, tp: TPGroup | None = None, intermediate_size: int | None = None):
         super().__init__()
         size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
-        self.run = split_range(config.intermediate_size, rank, size)     # this rank's intermediate units
+        self.run = split_range(intermediate_size or config.intermediate_size, rank, size)   # this rank's units
         self.intermediate = len(self.run)
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
@@ -236,9 +237,15 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def partial(self, x):
+        """Under TP this rank's term of the output (its units), to be summed by the caller's all-reduce."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        return self.down_proj.partial(h) if isinstance(self.down_proj, RowParallelLinear) else self.down_proj(h)
+
 
 def num_experts(config) -> int:
-    """Experts per MoE layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts); 0 for a dense model."""
+    """Experts per MoE layer (Mixtral's num_local_experts, Qwen2/3-MoE's num_experts); 0 for a dense model."""
     if config.model_type not in MOE_MODEL_TYPES:
         return 0
     return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
@@ -249,7 +256,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
     off its decoder_sparse_step (transformers' rule)."""
     if num_experts(config) == 0:
         return False
-    if config.model_type == "qwen3_moe":
+    if config.model_type in ("qwen2_moe", "qwen3_moe"):
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
     return True
@@ -257,7 +264,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 
 def moe_intermediate_size(config) -> int:
     """Each expert's intermediate units: Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
-    if config.model_type == "qwen3_moe":
+    if config.model_type in ("qwen2_moe", "qwen3_moe"):
         return int(config.moe_intermediate_size)
     return int(config.intermediate_size)
 
@@ -274,7 +281,10 @@ class SparseMoE(nn.Module):
     graph_plan): the fused kernel's capture in a CUDA graph awaits a GPU run.
 
     Packed experts (a GGUF's, a GPTQ/AWQ/FP8 checkpoint's, quantization="int8"/"fp8"): each expert's gate/up and
-    down become a QuantLinear (`packed`), read as stored, in place of that projection's stacked floats."""
+    down become a QuantLinear (`packed`), read as stored, in place of that projection's stacked floats.
+
+    Qwen2-MoE adds a shared expert every token passes through (a dense MLP of shared_expert_intermediate_size),
+    scaled by the sigmoid of its own gate; under TP its term joins the experts' before the one all-reduce."""
 
     def __init__(self, config, tp: TPGroup | None = None):
         super().__init__()
@@ -292,6 +302,9 @@ class SparseMoE(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, self.intermediate))
         self.tp = tp
         self.packed: dict[str, nn.ModuleList] = {}       # "gate_up_proj" / "down_proj" -> one QuantLinear an expert
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        self.shared_expert = MLP(config, tp, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
 
     def pack(self, which: str, experts: list[list[QuantWeight]]) -> None:
         """Every expert's `which` ("gate_up_proj": its gate's and up's parts; "down_proj") as packed weights, in
@@ -317,7 +330,7 @@ class SparseMoE(nn.Module):
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
             out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
                                     block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64)
-            return out if self.tp is None else self.tp.all_reduce(out)
+            return self._finish(x, out)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)                    # pairs by expert; tokens in order within one
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -333,6 +346,12 @@ class SparseMoE(nn.Module):
             y = down(e, F.silu(gate) * up) * pair_weights[start:start + n, None]
             out.index_add_(0, rows, y)
             start += n
+        return self._finish(x, out)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The experts' sum, plus the shared expert's gated term where the model has one, summed over the ranks."""
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _projection(self, which: str):
@@ -707,6 +726,8 @@ class LlamaForCausalLM(nn.Module):
             run = self.model.layers[int(expert.group(1))].mlp.run
             return (1, run.start, run.stop) if expert.group(3) in ("down_proj", "w2") else (0, run.start, run.stop)
         attn, mlp = self.model.layers[0].self_attn, self.dense_mlp()
+        if ".shared_expert." in name:                     # Qwen2-MoE's: split as a dense MLP of its own width
+            mlp = self.get_submodule(name.split(".shared_expert.")[0] + ".shared_expert")
         d = attn.head_dim
         units = mlp.run if mlp is not None else range(0)
         rows = {"q_proj": range(attn.q_heads.start * d, attn.q_heads.stop * d),
@@ -869,7 +890,7 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 attn = self.model.layers[0].self_attn
                 sizes = ([attn.q_size, attn.kv_size, attn.kv_size] if ".qkv_proj." in target
-                         else [self.dense_mlp().intermediate] * 2)
+                         else [self.get_submodule(target.rsplit(".", 2)[0]).intermediate] * 2)
                 dst = param.split(sizes, dim=0)[shard]
             elif self.tp is not None and target in ("model.embed_tokens.weight", "lm_head.weight"):
                 dst.zero_()                               # the last shard's padding rows stay zero

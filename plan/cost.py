@@ -242,7 +242,8 @@ class RooflineCost:
         attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
         experts, top_k, expert, sparse = moe_shape(m)
         dense_layer = attention + 3 * h * m["intermediate_size"]
-        sparse_layer = attention + h * experts                               # the router's, then its experts'
+        shared = m.get("shared_expert_intermediate_size") or 0               # Qwen2-MoE's: every token's
+        sparse_layer = attention + h * experts + (3 * h * shared + h if shared else 0)   # + the router, then experts
         held = (layers - sparse) * dense_layer + sparse * sparse_layer      # all but the experts
         self.params = held + sparse * experts * expert + m["vocab_size"] * h    # the embedding is read, not multiplied
         self.active_params = held + sparse * top_k * expert + m["vocab_size"] * h   # what one token multiplies by

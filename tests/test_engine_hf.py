@@ -61,6 +61,7 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("mixtral", {}),                                                  # 4 experts, top 2, renormalised
     ("qwen3_moe", {"head_dim": 32, "mlp_only_layers": [1]}),          # experts beside a dense layer; q/k norms
     ("qwen3_moe", {"norm_topk_prob": False}),                         # the top-k weights as the softmax gave them
+    ("qwen2_moe", {"mlp_only_layers": [2]}),                          # q/k/v bias; a gated shared expert
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                "rope_theta": 50000.0}),

@@ -1141,3 +1141,15 @@ def test_a_mixture_of_experts_holds_every_expert_and_reads_those_its_tokens_chos
     assert cost.step_s(one) - cost.step_overhead_s < 0.5 * (dense.step_s(one) - dense.step_overhead_s)
     free = 0.9 * cost.memory - cost.params * bpp                     # the KV cache gets what every expert leaves
     assert cost.kv_tokens(None, None, 16) == pytest.approx(free / cost.kv_bytes_per_token, rel=0.01)
+
+
+def test_a_shared_expert_counts_as_active_in_every_sparse_layer():
+    """Qwen1.5-MoE-A2.7B's config (Qwen2-MoE: 60 experts of 1,408 units, 4 a token, and a shared expert of
+    5,632): 14.3 B parameters held and 2.7 B active, as published."""
+    m = {"model_type": "qwen2_moe", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "intermediate_size": 5632, "moe_intermediate_size": 1408,
+         "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4, "vocab_size": 151936}
+    cost = RooflineCost(gpu="h100", model=m)
+    head = m["vocab_size"] * m["hidden_size"]
+    assert cost.params + head == pytest.approx(14.3e9, rel=0.02)
+    assert cost.active_params + head == pytest.approx(2.7e9, rel=0.02)

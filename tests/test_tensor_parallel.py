@@ -39,6 +39,7 @@ TINY_MODELS = {
     # experts: every rank its run of each expert's units (49: uneven), a dense layer beside them (its own width)
     "qwen3-moe": ("qwen3_moe", dict(moe_intermediate_size=49, mlp_only_layers=[1])),
     "mixtral": ("mixtral", dict(intermediate_size=161)),          # Mixtral's names: block_sparse_moe, w1/w3/w2
+    "qwen2-moe": ("qwen2_moe", dict(shared_expert_intermediate_size=97)),   # the shared expert's term, split unevenly
 }
 
 
