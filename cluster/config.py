@@ -116,6 +116,10 @@ class EngineKnobs(_Schema):
     tensor_parallel_size: int | None = _knob(
         "tensor_parallel_size", "Ranks one replica's model is sharded over, one device each, packed on one node; "
                                 "a pool with GPUs gives each replica this many (num_gpus)", ge=1)
+    enable_expert_parallel: bool | None = _knob(
+        "enable_expert_parallel", "A mixture of experts under tensor parallelism: each rank holds whole experts "
+                                  "(a run of them) rather than a share of every expert's units, as vLLM's "
+                                  "--enable-expert-parallel; no effect on dense models or at TP 1")
     speculative_config: dict[str, Any] | None = _knob(
         "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
                               "num_speculative_tokens, ...} (off when unset)")

@@ -492,6 +492,9 @@ def shard_weights(weights: Iterator[tuple[str, "torch.Tensor | QuantWeight"]],
             yield name, w
             continue
         dim, start, stop = part
+        if start == stop:                                 # none of it here (another rank's expert)
+            yield name, torch.empty(0)
+            continue
         if isinstance(w, torch.Tensor):
             yield name, (w[start:stop] if dim == 0 else w[:, start:stop]).contiguous()
             continue

@@ -286,20 +286,25 @@ class SparseMoE(nn.Module):
     Qwen2-MoE adds a shared expert every token passes through (a dense MLP of shared_expert_intermediate_size),
     scaled by the sigmoid of its own gate; under TP its term joins the experts' before the one all-reduce."""
 
-    def __init__(self, config, tp: TPGroup | None = None):
+    def __init__(self, config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
         self.num_experts, self.top_k = num_experts(config), int(config.num_experts_per_tok)
         if not 0 < self.top_k <= self.num_experts:
             raise ModelLoadError(f"num_experts_per_tok {self.top_k} must be within 1..{self.num_experts} experts")
-        self.run = split_range(moe_intermediate_size(config), rank, size)    # this rank's units of every expert
+        if expert_parallel and size > 1:                  # this rank's run of whole experts
+            self.local = split_range(self.num_experts, rank, size)
+            self.run = range(moe_intermediate_size(config))
+        else:                                             # every expert, this rank's run of each one's units
+            self.local = range(self.num_experts)
+            self.run = split_range(moe_intermediate_size(config), rank, size)
         self.intermediate = len(self.run)
         self.renormalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)      # the router: replicated
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate,
+        self.experts = nn.Module()                        # this rank's experts: global e is row e - local.start
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(len(self.local), 2 * self.intermediate,
                                                              config.hidden_size))
-        self.experts.down_proj = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, self.intermediate))
+        self.experts.down_proj = nn.Parameter(torch.empty(len(self.local), config.hidden_size, self.intermediate))
         self.tp = tp
         self.packed: dict[str, nn.ModuleList] = {}       # "gate_up_proj" / "down_proj" -> one QuantLinear an expert
         shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
@@ -329,7 +334,8 @@ class SparseMoE(nn.Module):
         if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed and moe_ops.triton is not None:
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
             out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
-                                    block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64)
+                                    block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64,
+                                    expert_start=self.local.start)
             return self._finish(x, out)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)                    # pairs by expert; tokens in order within one
@@ -339,13 +345,13 @@ class SparseMoE(nn.Module):
         gate_up, down = self._projection("gate_up_proj"), self._projection("down_proj")
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = tokens[start:start + n]
-            gate, up = gate_up(e, x[rows]).split(self.intermediate, dim=-1)
-            y = down(e, F.silu(gate) * up) * pair_weights[start:start + n, None]
-            out.index_add_(0, rows, y)
             start += n
+            if n == 0 or e not in self.local:             # expert parallel: another rank's expert adds its term
+                continue
+            rows = tokens[start - n:start]
+            gate, up = gate_up(e - self.local.start, x[rows]).split(self.intermediate, dim=-1)
+            y = down(e - self.local.start, F.silu(gate) * up) * pair_weights[start - n:start, None]
+            out.index_add_(0, rows, y)
         return self._finish(x, out)
 
     def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -364,10 +370,10 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, tp: TPGroup | None = None):
+    def __init__(self, config, layer_idx: int, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp)
-        self.mlp = SparseMoE(config, tp) if is_moe_layer(config, layer_idx) else MLP(config, tp)
+        self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -383,11 +389,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, tp: TPGroup | None = None):
+    def __init__(self, config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp, expert_parallel)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -535,13 +542,13 @@ class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions, kv_cache, md, logits_indices) -> logits of the chosen rows
     (None on TP ranks other than 0). kv_cache: every layer's views of the cache (KVCacheSpec.layers)."""
 
-    def __init__(self, config, max_positions: int, tp: TPGroup | None = None):
+    def __init__(self, config, max_positions: int, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(f"model_type {config.model_type!r} is not supported "
                                  f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})")
         self.config, self.tp = config, tp
-        self.model = LlamaModel(config, tp)
+        self.model = LlamaModel(config, tp, expert_parallel)
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim      # this rank's KV heads
         self.total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -723,7 +730,10 @@ class LlamaForCausalLM(nn.Module):
             return None
         expert = _EXPERT.match(name)
         if expert is not None:                            # every expert's run of units, as the dense MLP's
-            run = self.model.layers[int(expert.group(1))].mlp.run
+            moe = self.model.layers[int(expert.group(1))].mlp
+            if int(expert.group(2)) not in getattr(moe, "local", ()):
+                return 0, 0, 0                            # expert parallel: another rank's expert, nothing read
+            run = moe.run
             return (1, run.start, run.stop) if expert.group(3) in ("down_proj", "w2") else (0, run.start, run.stop)
         attn, mlp = self.model.layers[0].self_attn, self.dense_mlp()
         if ".shared_expert." in name:                     # Qwen2-MoE's: split as a dense MLP of its own width
@@ -823,10 +833,13 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(moe, SparseMoE) or int(expert) >= moe.num_experts:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
         canonical = f"model.layers.{layer}.mlp.experts.{expert}.{part}.weight"
-        if not isinstance(tensor, torch.Tensor):
-            packed.setdefault((int(layer), part), {})[int(expert)] = tensor
+        if int(expert) not in moe.local:                  # expert parallel: another rank holds it
             return canonical
-        dst = (moe.experts.down_proj if part == "down_proj" else moe.experts.gate_up_proj)[int(expert)]
+        row = int(expert) - moe.local.start
+        if not isinstance(tensor, torch.Tensor):
+            packed.setdefault((int(layer), part), {})[row] = tensor
+            return canonical
+        dst = (moe.experts.down_proj if part == "down_proj" else moe.experts.gate_up_proj)[row]
         if part != "down_proj":
             dst = dst.split(moe.intermediate, dim=0)[part == "up_proj"]
         if dst.shape != tensor.shape:
@@ -844,18 +857,21 @@ class LlamaForCausalLM(nn.Module):
                 continue
             moe = moe.mlp
             parts = {part: packed.get((layer, part), {}) for part in ("gate_proj", "up_proj", "down_proj")}
-            every = lambda *ps: all(len(parts[p]) == moe.num_experts for p in ps)     # noqa: E731
+            n = len(moe.local)                            # keyed by this rank's row of each expert
+            every = lambda *ps: all(len(parts[p]) == n for p in ps)     # noqa: E731
             if every("gate_proj", "up_proj"):
-                moe.pack("gate_up_proj", [[parts["gate_proj"][e], parts["up_proj"][e]] for e in range(moe.num_experts)])
+                moe.pack("gate_up_proj", [[parts["gate_proj"][e], parts["up_proj"][e]] for e in range(n)])
             else:
                 for p in ("gate_proj", "up_proj"):
                     for e, qw in parts[p].items():
-                        self._load_expert(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight", qw.dequantize(), {})
+                        self._load_expert(f"model.layers.{layer}.mlp.experts.{e + moe.local.start}.{p}.weight",
+                                          qw.dequantize(), {})
             if every("down_proj"):
-                moe.pack("down_proj", [[parts["down_proj"][e]] for e in range(moe.num_experts)])
+                moe.pack("down_proj", [[parts["down_proj"][e]] for e in range(n)])
             else:
                 for e, qw in parts["down_proj"].items():
-                    self._load_expert(f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", qw.dequantize(), {})
+                    self._load_expert(f"model.layers.{layer}.mlp.experts.{e + moe.local.start}.down_proj.weight",
+                                      qw.dequantize(), {})
 
     def _load_stacked_experts(self, name: str, tensor) -> list[str]:
         """Every expert of a layer at once, stacked as transformers 5 holds them in memory (a state dict it did not
@@ -869,6 +885,7 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"{name}: quantized expert weights do not load yet; a mixture-of-experts model "
                                  f"loads from a float checkpoint")
         run = torch.tensor(list(moe.run), dtype=torch.long)
+        tensor = tensor[moe.local.start:moe.local.stop] if tensor.dim() == 3 else tensor    # this rank's experts
         if which == "gate_up_proj" and tensor.dim() == 3 and tensor.shape[1] % 2 == 0:
             gate, up = tensor.chunk(2, dim=1)
             mine, dst = torch.cat([gate.index_select(1, run), up.index_select(1, run)], dim=1), moe.experts.gate_up_proj

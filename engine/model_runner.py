@@ -140,7 +140,8 @@ class ModelRunner:
 
     def _load(self, model_path, hf_config, max_model_len, tp, dummy, gguf, hf_method, quant_config) -> None:
         with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, max_positions=max_model_len, tp=tp)
+            model = LlamaForCausalLM(hf_config, max_positions=max_model_len, tp=tp,
+                                     expert_parallel=self.config.enable_expert_parallel)
         self.model = model.materialize(self.device, self.dtype).eval()
         if dummy:
             init_dummy_weights(self.model, self.config.seed)

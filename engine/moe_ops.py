@@ -32,21 +32,24 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
     Pair p = t * k + j is token t's j-th choice. The ids are sorted by expert (stable: tokens in order within
     one), each expert's run padded to a multiple of block_m with the id T x k (no pair); a block past the
-    step's last real one has expert -1. P = the bound T x k + E (block_m - 1), rounded up to block_m."""
+    step's last real one has expert -1. P = the bound T x k + E (block_m - 1), rounded up to block_m. A choice
+    outside 0..E-1 (expert parallel: another rank's expert) is in no block."""
     flat = experts.flatten().long()
     n, device = flat.numel(), flat.device
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)     # E: the pairs of no block
     bound = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
     by_expert = flat[order]
     first = torch.cumsum(counts, 0) - counts                  # each expert's first position among the sorted pairs
     dest = (ends - padded)[by_expert] + torch.arange(n, device=device) - first[by_expert]
-    ids = torch.full((bound,), n, dtype=torch.long, device=device).scatter_(0, dest, order)
+    dest = torch.where(by_expert < num_experts, dest, bound)  # pairs of no block: one spare slot, cut off below
+    ids = torch.full((bound + 1,), n, dtype=torch.long, device=device).scatter_(0, dest, order)[:bound]
     starts = torch.arange(0, bound, block_m, device=device)
     block_expert = torch.searchsorted(ends, starts, right=True)
-    block_expert = torch.where(starts < ends[-1], block_expert, -1)
+    block_expert = torch.where((starts < ends[-1]) & (block_expert < num_experts), block_expert, -1)
     return ids, block_expert
 
 
@@ -83,7 +86,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, ids_ptr, experts_ptr, scale_ptr, num_p
 def _gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, block_expert: torch.Tensor, num_pairs: int,
           a_per_token: int, scale: torch.Tensor | None, block_m: int, block_n: int, block_k: int) -> torch.Tensor:
     n_out, k_dim = w.shape[1], w.shape[2]
-    c = torch.empty((num_pairs, n_out), dtype=a.dtype, device=a.device)
+    c = torch.zeros((num_pairs, n_out), dtype=a.dtype, device=a.device)     # pairs in no block stay 0
     grid = (block_expert.numel(), triton.cdiv(n_out, block_n))
     _moe_gemm_kernel[grid](a, w, c, ids, block_expert, scale if scale is not None else c, num_pairs, n_out, k_dim,
                            a_per_token, *a.stride(), *w.stride(), *c.stride(), WEIGHTED=scale is not None,
@@ -92,15 +95,16 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, block_expert: tor
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              *, block_m: int = 16, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+              *, block_m: int = 16, block_n: int = 64, block_k: int = 32, expert_start: int = 0) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate's rows, then up's); w2 [E, H, I]; weights and experts [T, k] (the router's)
     -> [T, H]: each token's experts' SiLU-gated MLPs, weighted and summed. block_* are powers of two of at least
-    16 (tl.dot's least; tests in the interpreter use the smallest)."""
+    16 (tl.dot's least; tests in the interpreter use the smallest). Expert parallel: w13 and w2 hold experts
+    expert_start.. only; the others' pairs add nothing here (their rank adds them)."""
     t, k = experts.shape
     num_pairs, inter = t * k, w13.shape[1] // 2
     if num_pairs == 0:
         return torch.zeros_like(x)
-    ids, block_expert = align_pairs(experts, w13.shape[0], block_m)
+    ids, block_expert = align_pairs(experts - expert_start, w13.shape[0], block_m)
     gate_up = _gemm(x, w13, ids, block_expert, num_pairs, k, None, block_m, block_n, block_k)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     down = _gemm(act, w2, ids, block_expert, num_pairs, 1, weights.flatten().contiguous(), block_m, block_n, block_k)

@@ -49,6 +49,18 @@ def test_experts_with_no_tokens_and_with_several_blocks_of_them():
     torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, experts), atol=1e-5, rtol=1e-5)
 
 
+def test_expert_parallel_ranks_sum_to_the_whole():
+    """Two ranks of whole experts (0-2 and 3, E = 4): each adds its experts' terms; their sum is the whole."""
+    x, w13, w2, weights, experts = _case(19, 2, seed=3)
+    kw = dict(block_m=16, block_n=16, block_k=16)
+    first = fused_moe(x, w13[:3], w2[:3], weights, experts, **kw)
+    second = fused_moe(x, w13[3:], w2[3:], weights, experts, expert_start=3, **kw)
+    torch.testing.assert_close(first + second, loop_reference(x, w13, w2, weights, experts), atol=1e-5, rtol=1e-5)
+    ids, block_expert = align_pairs(experts - 3, num_experts=1, block_m=16)      # the second rank's view
+    n = experts.numel()
+    assert sorted(ids[ids < n].tolist()) == (experts.flatten() == 3).nonzero().flatten().tolist()
+
+
 def test_aligned_pairs_cover_every_pair_once_in_blocks_of_one_expert():
     experts = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 1], [1, 2]])
     ids, block_expert = align_pairs(experts, num_experts=4, block_m=4)

@@ -100,6 +100,23 @@ def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
+def test_expert_parallel_tp2_holds_whole_experts_and_gives_tp1s_tokens(tmp_path, name):
+    """enable_expert_parallel: rank 0 holds experts 0-1 of 5, whole (every unit), rank 1 experts 2-4; each adds its
+    experts' terms and the block's one all-reduce sums them (a shared expert's term split by units, as before)."""
+    kind, overrides = TINY_MODELS[name]
+    path = make_tiny_checkpoint(tmp_path, kind, **{**overrides, "num_experts": 5})
+    tp1, ep = engine(path, 1), engine(path, 2, enable_expert_parallel=True)
+    try:
+        moe = ep.runner.model.model.layers[0].mlp
+        width = ep.hf_config.moe_intermediate_size
+        assert moe.local == range(0, 2) and moe.run == range(0, width) and moe.intermediate == width
+        assert tuple(moe.experts.gate_up_proj.shape[:2]) == (2, 2 * moe.intermediate)
+        assert_same_greedy(generate(tp1, PROMPTS), generate(ep, PROMPTS))
+    finally:
+        ep.shutdown()
+
+
 def test_the_host_kv_tier_copies_every_ranks_share(tiny_paths):
     """With a host tier at TP 2, a prefix the device cache evicted comes back from host memory on both ranks
     (each holds its heads' share of both tiers): the same tokens as when it was computed, nothing recomputed."""
