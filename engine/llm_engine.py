@@ -45,7 +45,7 @@ def sliding_window(hf) -> int | None:
     """The window of a model whose attention sees only its last W tokens (Mistral-7B-v0.1: 4,096), or None. Qwen2
     and Qwen3 configs carry a sliding_window that applies only with use_sliding_window (off in their releases)."""
     window = getattr(hf, "sliding_window", None)
-    if hf.model_type in ("qwen2", "qwen3", "qwen3_moe") and not getattr(hf, "use_sliding_window", False):
+    if hf.model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not getattr(hf, "use_sliding_window", False):
         return None
     return int(window) if window else None
 

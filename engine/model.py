@@ -9,9 +9,10 @@ gate/up column-parallel (its heads, its run of the intermediate), o and down row
 all-reduce each, bias added once after it), a vocab-parallel embedding and LM head (rank 0 gathers
 the logits). Without one, the layers are plain nn.Linear/nn.Embedding: TP 1 runs no extra op.
 
-Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP with SparseMoE: a router and stacked experts,
-each token through its top-k. Under TP every rank holds its run of every expert's intermediate units (vLLM's
-default sharding, not expert parallelism), so the block ends in one all-reduce, as the dense MLP does.
+Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP with SparseMoE: a router and stacked
+experts, each token through its top k. Under TP every rank holds its run of every expert's intermediate units
+(vLLM's default), or with expert parallelism a run of whole experts; either way the block ends in one all-reduce,
+as the dense MLP does.
 """
 from __future__ import annotations
 
@@ -252,8 +253,8 @@ def num_experts(config) -> int:
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
-    """Whether this layer's MLP is sparse: every layer of Mixtral; Qwen3-MoE's but those in mlp_only_layers and
-    off its decoder_sparse_step (transformers' rule)."""
+    """Whether this layer's MLP is sparse: every layer of Mixtral; Qwen2/3-MoE's but those in mlp_only_layers and
+    off their decoder_sparse_step (transformers' rule)."""
     if num_experts(config) == 0:
         return False
     if config.model_type in ("qwen2_moe", "qwen3_moe"):
@@ -263,7 +264,7 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 
 
 def moe_intermediate_size(config) -> int:
-    """Each expert's intermediate units: Qwen3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
+    """Each expert's intermediate units: Qwen2/3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
     if config.model_type in ("qwen2_moe", "qwen3_moe"):
         return int(config.moe_intermediate_size)
     return int(config.intermediate_size)
@@ -271,8 +272,8 @@ def moe_intermediate_size(config) -> int:
 
 class SparseMoE(nn.Module):
     """A sparse MLP block: the router's softmax over the experts, each token's top k (renormalised to sum to 1 for
-    Mixtral, and for Qwen3-MoE where norm_topk_prob), each expert a SiLU-gated MLP, a token's output its experts'
-    outputs weighted. Experts are stacked as transformers keeps them: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+    Mixtral, and for Qwen2/3-MoE where norm_topk_prob), each expert a SiLU-gated MLP, a token's output its
+    experts' outputs weighted. Experts are stacked as transformers keeps them: gate_up_proj [E, 2I, H], down_proj [E, H, I].
 
     The step's (token, expert) pairs are sorted by expert and each expert hit runs once on its tokens: its weights
     are read once a step however many tokens chose it. On CUDA one Triton kernel a projection does it
@@ -699,7 +700,7 @@ class LlamaForCausalLM(nn.Module):
         for m in rows:
             m.quantize(QuantLinear([quantize(m.weight)], None, m.weight.device, dtype=m.weight.dtype))
         self._attention_in_one_kernel()
-        return len(swaps) + len(rows) + 2 * sum(moe.num_experts for moe in moes)
+        return len(swaps) + len(rows) + 2 * sum(len(moe.local) for moe in moes)
 
     def _attention_in_one_kernel(self) -> None:
         """Quantized linears quantize their activations: every attention call takes the one C++ path, so a
@@ -876,7 +877,7 @@ class LlamaForCausalLM(nn.Module):
     def _load_stacked_experts(self, name: str, tensor) -> list[str]:
         """Every expert of a layer at once, stacked as transformers 5 holds them in memory (a state dict it did not
         save: gate_up_proj [E, 2I, H], gate's rows then up's; down_proj [E, H, I]), read whole: this rank keeps its
-        run of units. Returns the per-expert names it fills."""
+        experts' run of units. Returns the per-expert names it fills."""
         layer, which = _STACKED_EXPERTS.match(name).groups()
         moe = self.model.layers[int(layer)].mlp if int(layer) < len(self.model.layers) else None
         if not isinstance(moe, SparseMoE):
@@ -918,7 +919,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_names(self) -> set[str]:
         names = set()
-        for n, p in self.named_parameters():
+        for n, _ in self.named_parameters():
             if n == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if ".mlp.experts." in n:                      # stacked (or packed): listed below

@@ -242,7 +242,7 @@ class ModelRunner:
         c = self.config
         if c.enforce_eager:
             return []
-        if self.model.has_moe:               # its experts' token counts cross to the host (engine/model.py SparseMoE)
+        if self.model.has_moe:               # until a GPU run has captured the fused MoE kernel (engine/moe_ops.py)
             log.info("a mixture-of-experts model runs eagerly: no CUDA graphs")
             return []
         return graph_keys(c.max_num_seqs, verify_widths(c.speculative_config), c.max_num_batched_tokens)
