@@ -130,7 +130,8 @@ def convert_gguf(gguf: Path) -> Path:
 
 def gguf_config_overrides(gguf: Path) -> dict:
     """Config fields transformers' GGUF reader leaves out: head_dim, where the file's attention.key_length is not
-    hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16); a Qwen3-MoE's expert width (expert_feed_forward_length)."""
+    hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16); a Qwen MoE's expert width (expert_feed_forward_length) and
+    Qwen2-MoE's shared expert's (expert_shared_feed_forward_length)."""
     try:
         meta = gguf_metadata(gguf)
     except ValueError:                                     # not little-endian v2/v3: transformers reads it as it can
@@ -143,6 +144,8 @@ def gguf_config_overrides(gguf: Path) -> dict:
         out["head_dim"] = key_length
     if meta.get(f"{arch}.expert_feed_forward_length"):
         out["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
+    if meta.get(f"{arch}.expert_shared_feed_forward_length"):
+        out["shared_expert_intermediate_size"] = meta[f"{arch}.expert_shared_feed_forward_length"]
     return out
 
 
@@ -247,6 +250,9 @@ _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _GGUF_LAYER["ffn_gate_inp"] = "mlp.gate"                      # a mixture of experts' router
+_GGUF_LAYER.update({"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                    "ffn_down_shexp": "mlp.shared_expert.down_proj",           # Qwen2-MoE's shared expert
+                    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"})          # ... and its gate, [H] in the file
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}   # stacked
 _GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
 
@@ -413,6 +419,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
                 unpacked.add(kind)
             data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
             w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))   # a copy: the reader maps the file
+        if parts[-1] == "ffn_gate_inp_shexp" and w.dim() == 1:
+            w = w[None, :]                                # one output: the shared expert's gate, [1, H]
         if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
             n = heads if parts[-1] == "attn_q" else kv_heads
             w = w.rows(_unrotate(shape[0], n)) if not isinstance(w, torch.Tensor) else w[_unrotate(shape[0], n)]

@@ -57,7 +57,8 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     (F32, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, or any other the gguf package can quantize to); roles not named
     are F32. K-quants need widths that are multiples of 256. An "output" entry writes an untied head.
     arch "qwen3moe": every layer's MLP is `experts` stacked experts of `expert_intermediate` units (roles
-    "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), `top_k` a token, with the router "ffn_gate_inp" (F32)."""
+    "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), `top_k` a token, with the router "ffn_gate_inp" (F32);
+    "qwen2moe" adds q/k/v biases and a shared expert of `intermediate` units ("ffn_*_shexp") with its gate."""
     import gguf
     from gguf.quants import quantize
 
@@ -73,11 +74,13 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     head_dim = head_dim or hidden // heads
-    moe = arch == "qwen3moe"
+    moe = arch in ("qwen2moe", "qwen3moe")
     if moe:
         w.add_expert_count(experts)
         w.add_expert_used_count(top_k)
         w.add_expert_feed_forward_length(expert_intermediate)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(intermediate)
     w.add_rope_dimension_count(head_dim)
     if head_dim != hidden // heads:
         w.add_key_length(head_dim)
@@ -108,7 +111,7 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
         if arch in ("qwen3", "qwen3moe"):                 # q/k norms of head_dim
             for role in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(p + role + ".weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             for role, n in (("attn_q", heads), ("attn_k", kv_heads), ("attn_v", kv_heads)):
                 w.add_tensor(p + role + ".bias", (0.02 * rng.standard_normal(n * head_dim)).astype(np.float32))
         add(p + "attn_output.weight", "attn_output", hidden, heads * head_dim)
@@ -118,6 +121,11 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
             add(p + "ffn_gate_exps.weight", "ffn_gate_exps", expert_intermediate, hidden, experts, 0.2)
             add(p + "ffn_up_exps.weight", "ffn_up_exps", expert_intermediate, hidden, experts, 0.2)
             add(p + "ffn_down_exps.weight", "ffn_down_exps", hidden, expert_intermediate, experts, 0.2)
+            if arch == "qwen2moe":
+                w.add_tensor(p + "ffn_gate_inp_shexp.weight", (rng.standard_normal(hidden) * 0.5).astype(np.float32))
+                add(p + "ffn_gate_shexp.weight", "ffn_gate_shexp", intermediate, hidden, 0, 0.2)
+                add(p + "ffn_up_shexp.weight", "ffn_up_shexp", intermediate, hidden, 0, 0.2)
+                add(p + "ffn_down_shexp.weight", "ffn_down_shexp", hidden, intermediate, 0, 0.2)
             continue
         add(p + "ffn_gate.weight", "ffn_gate", intermediate, hidden)
         add(p + "ffn_up.weight", "ffn_up", intermediate, hidden)

@@ -105,24 +105,31 @@ def test_gguf_loads_packed_and_runs_close_to_its_dequantized_reference(mixed_fil
 
 
 @pytest.mark.slow                        # transformers converts the file for the reference
-def test_a_qwen3_moe_gguf_runs_packed_close_to_transformers_conversion_of_it(tmp_path, caplog):
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])      # qwen2moe: q/k/v bias, a shared expert (ffn_*_shexp)
+def test_a_moe_gguf_runs_packed_close_to_transformers_conversion_of_it(tmp_path, caplog, arch):
     """llama.cpp's qwen3moe layout: a router (ffn_gate_inp) and each layer's experts stacked in one tensor per
     projection (ffn_gate_exps, ...). Each expert's projections run packed where their type is (gate/up here: Q8_0
     and Q4_0 in one call each), dequantized where not (down: Q5_0, named in the warning). The reference is
     transformers' own reading of the file (its experts stacked in memory as gate_up_proj and down_proj), with the
-    expert width its reader leaves out (engine/loader.py gguf_config_overrides)."""
+    expert widths its reader leaves out (engine/loader.py gguf_config_overrides)."""
     path = str(write_gguf(tmp_path / "moe.gguf", {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q8_0",
                                                   "attn_v": "Q8_0", "ffn_gate_exps": "Q8_0", "ffn_up_exps": "Q4_0",
-                                                  "ffn_down_exps": "Q5_0"}, arch="qwen3moe", head_dim=32))
+                                                  "ffn_down_exps": "Q5_0", "ffn_gate_shexp": "Q8_0", "ffn_up_shexp": "Q8_0",
+                                                  "ffn_down_shexp": "Q4_0"}, arch=arch,
+                                    head_dim=32 if arch == "qwen3moe" else None))
     ref = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)
     config = ref.engine.runner.hf_config
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 128)
+    if arch == "qwen2moe":
+        assert config.shared_expert_intermediate_size == 512
     with caplog.at_level(logging.WARNING, logger="engine.loader"):
         q = LLM(path, num_kv_blocks=64, max_model_len=512)
     assert "Q5_0" in caplog.text
     layer = q.engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantLinear)
     assert sorted(layer.mlp.packed) == ["gate_up_proj"] and layer.mlp.packed["gate_up_proj"][3].sources == ["Q8_0", "Q4_0"]
+    if arch == "qwen2moe":
+        assert isinstance(layer.mlp.shared_expert.down_proj, QuantLinear) and layer.self_attn.qkv_proj.bias is not None
     assert q.engine.runner.weight_bytes < 0.7 * ref.engine.runner.weight_bytes
     seqs = _prompts()
     ours, want = engine_logprobs(q, seqs), engine_logprobs(ref, seqs)
