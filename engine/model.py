@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_attention, moe_ops
+from engine import cpu_attention
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import LayerKV
@@ -245,6 +245,13 @@ class MLP(nn.Module):
         return self.down_proj.partial(h) if isinstance(self.down_proj, RowParallelLinear) else self.down_proj(h)
 
 
+def _fused_moe_ops():
+    """engine/moe_ops.py where Triton imports, else None; imported on first use (Triton's import is 0.15 s that a
+    CPU engine never needs)."""
+    from engine import moe_ops
+    return moe_ops if moe_ops.triton is not None else None
+
+
 def num_experts(config) -> int:
     """Experts per MoE layer (Mixtral's num_local_experts, Qwen2/3-MoE's num_experts); 0 for a dense model."""
     if config.model_type not in MOE_MODEL_TYPES:
@@ -332,7 +339,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed and moe_ops.triton is not None:
+        if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed and _fused_moe_ops() is not None:
+            moe_ops = _fused_moe_ops()
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
             out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
                                     block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64,

@@ -90,10 +90,11 @@ def test_an_engine_on_the_fused_kernel_gives_the_loops_tokens(tmp_path, monkeypa
     prompts = [list(range(10, 40)), [7, 8, 9] * 5]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
     loop = LLM(path, num_kv_blocks=32, max_model_len=128).generate(prompts, params)
+    from engine import moe_ops
     calls = []
-    real = model_module.moe_ops.fused_moe
+    real = moe_ops.fused_moe
     monkeypatch.setattr(model_module, "FUSED_MOE", True)
-    monkeypatch.setattr(model_module.moe_ops, "fused_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(moe_ops, "fused_moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     fused = LLM(path, num_kv_blocks=32, max_model_len=128).generate(prompts, params)
     assert calls                                                       # the kernel ran, not the loop
     for f, want in zip(fused, loop):
