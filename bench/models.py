@@ -6,10 +6,7 @@ from __future__ import annotations
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
     import torch
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig,
-           "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}[model_type]
+    from transformers import AutoConfig, AutoModelForCausalLM
     cfg = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, initializer_range=0.2,
                tie_word_embeddings=False)
@@ -21,7 +18,7 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)
     cfg.update(overrides)
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(cls(**cfg), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg), dtype=torch.float32)
     model.save_pretrained(tmp_dir)
     return str(tmp_dir)
 

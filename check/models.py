@@ -93,9 +93,8 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
                      seed: int = 0) -> str:
     """A random-weight checkpoint of `config`, saved by transformers (safetensors) in `dtype`: the weights both
     systems load are then the same numbers, whatever dtype each computes in."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
-    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "qwen3_moe": Qwen3MoeConfig}[model_type](**config)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(model_type, **config)
     torch.manual_seed(seed)
     with torch.device(device):                            # initialising 1B weights on a GPU takes a second
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -248,11 +248,11 @@ _GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "o
 _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_GGUF_LAYER["ffn_gate_inp"] = "mlp.gate"                      # a mixture of experts' router
-_GGUF_LAYER.update({"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                    "ffn_down_shexp": "mlp.shared_expert.down_proj",           # Qwen2-MoE's shared expert
-                    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"})          # ... and its gate, [H] in the file
+               "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+               "ffn_gate_inp": "mlp.gate",                                     # a mixture of experts' router
+               "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+               "ffn_down_shexp": "mlp.shared_expert.down_proj",                # Qwen2-MoE's shared expert
+               "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}                 # ... and its gate, [H] in the file
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}   # stacked
 _GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
 
@@ -385,6 +385,15 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     unpacked: set[str] = set()
+
+    def floats(t, shape: tuple[int, ...]) -> "np.ndarray":
+        """A tensor the kernels do not read packed, as fp32 (a copy: the reader maps the file); its type noted."""
+        kind = t.tensor_type.name
+        if kind not in ("F32", "F16", "BF16"):
+            unpacked.add(kind)
+        data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
+        return np.array(data, dtype=np.float32).reshape(shape)
+
     for t in tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
@@ -397,11 +406,7 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
                 for e in range(n):
                     yield f"{prefix}.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", from_gguf(t.data[e], kind, (rows, cols))
                 continue
-            if kind not in ("F32", "F16", "BF16"):
-                unpacked.add(kind)
-            data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
-            stacked = np.array(data, dtype=np.float32).reshape(n, rows, cols)
-            for e, w in enumerate(stacked):
+            for e, w in enumerate(floats(t, (n, rows, cols))):
                 yield f"{prefix}.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", torch.from_numpy(w)
             continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
@@ -412,13 +417,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
             raise ModelLoadError(f"GGUF {path.name}: tensor {t.name!r} has no place in a {arch} model")
         shape = tuple(int(d) for d in reversed(t.shape))                # ggml lists the fastest dim first
         kind = t.tensor_type.name
-        if kind in PACKED_GGUF_TYPES and len(shape) == 2:
-            w = from_gguf(t.data, kind, shape)
-        else:
-            if kind not in ("F32", "F16", "BF16"):
-                unpacked.add(kind)
-            data = np.asarray(t.data) if kind == "F32" else dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))   # a copy: the reader maps the file
+        w = from_gguf(t.data, kind, shape) if kind in PACKED_GGUF_TYPES and len(shape) == 2 else \
+            torch.from_numpy(floats(t, shape))
         if parts[-1] == "ffn_gate_inp_shexp" and w.dim() == 1:
             w = w[None, :]                                # one output: the shared expert's gate, [1, H]
         if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):

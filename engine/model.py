@@ -235,14 +235,16 @@ class MLP(nn.Module):
         self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, tp)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._gated(x))
 
     def partial(self, x):
         """Under TP this rank's term of the output (its units), to be summed by the caller's all-reduce."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
+        h = self._gated(x)
         return self.down_proj.partial(h) if isinstance(self.down_proj, RowParallelLinear) else self.down_proj(h)
+
+    def _gated(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
 
 
 def _fused_moe_ops():
@@ -339,8 +341,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed and _fused_moe_ops() is not None:
-            moe_ops = _fused_moe_ops()
+        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed else None
+        if moe_ops is not None:
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
             out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
                                     block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -178,15 +179,14 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
 
 def moe_shape(m: dict[str, Any]) -> tuple[int, int, int, int]:
     """(experts a sparse layer holds, experts a token uses, parameters of one expert, sparse layers) of a config;
-    zeros for a dense model. The layers are sparse as engine/model.py's is_moe_layer rules (Qwen3-MoE's
-    mlp_only_layers and decoder_sparse_step; every layer of Mixtral)."""
-    experts = int(m.get("num_local_experts") or m.get("num_experts") or 0)
+    zeros for a dense model: the engine's own rules (engine/model.py), on the config as a dict."""
+    from engine.model import is_moe_layer, moe_intermediate_size, num_experts
+    config = SimpleNamespace(**{"model_type": "", **m})
+    experts = num_experts(config)
     if not experts:
         return 0, 0, 0, 0
-    step, dense = int(m.get("decoder_sparse_step") or 1), set(m.get("mlp_only_layers") or [])
-    sparse = sum(1 for i in range(m["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
-    width = m.get("moe_intermediate_size") or m["intermediate_size"]
-    return experts, int(m["num_experts_per_tok"]), 3 * m["hidden_size"] * width, sparse
+    sparse = sum(1 for i in range(m["num_hidden_layers"]) if is_moe_layer(config, i))
+    return experts, int(m["num_experts_per_tok"]), 3 * m["hidden_size"] * moe_intermediate_size(config), sparse
 
 
 def model_shape(model: str | dict) -> dict[str, Any]:
