@@ -3,6 +3,21 @@ measure the system rather than the model (reliability, chaos) load."""
 from __future__ import annotations
 
 
+# Gemma's tiny configs: head_dim apart from hidden / heads (Gemma's own 256), a query_pre_attn_scalar apart from it;
+# Gemma 2/3's sliding window of 8 tokens (prompts run past it), Gemma 2's softcaps low enough to bite, Gemma 3's
+# sliding and full layers each with a RoPE of its own (the full ones' scaled)
+_GEMMA = dict(head_dim=16, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")
+GEMMA_TINY = {
+    "gemma": dict(_GEMMA, hidden_act="gelu_pytorch_tanh"),
+    "gemma2": dict(_GEMMA, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0),
+    "gemma3_text": dict(_GEMMA, query_pre_attn_scalar=24, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+}
+
+
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
     import torch
@@ -16,9 +31,16 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
     elif model_type == "qwen2_moe":                       # ... and a shared expert every token passes through
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)
+    elif model_type in GEMMA_TINY:
+        cfg.update(GEMMA_TINY[model_type])
     cfg.update(overrides)
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg), dtype=torch.float32)
+    if model_type in GEMMA_TINY:                          # Gemma starts its norms at 0 (1 + 0): make them count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
     model.save_pretrained(tmp_dir)
     return str(tmp_dir)
 

@@ -9,6 +9,10 @@ Contract shared by the torch reference (CPU) and the Triton kernel (CUDA), vLLM-
                                                        tokens of its context (causal within them)
 The new tokens' K/V are written to the cache (write_kv) before attention reads it.
 
+Two per-layer options (Mistral, Gemma 2/3, Qwen2 with use_sliding_window): `window` W > 0, a sliding window: the
+query at position p sees the keys at positions p - W + 1 .. p (transformers' `kv_idx > q_idx - W`); `softcap` C > 0
+(Gemma 2): each scaled score s becomes C * tanh(s / C) before the softmax. 0 turns either off.
+
 A quantized cache (kv_cache_dtype int8 / fp8, engine/kv_layout.py) adds k_scale/v_scale [num_blocks, block_size,
 num_kv_heads] (fp32, strided views too): write_kv stores codes and scales, and every reader turns a row back into
 floats as it reads it. A prompt's own new tokens attend to each other unquantized (k_new/v_new), as vLLM's do.
@@ -111,29 +115,31 @@ def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, in
 
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
-                    k_new=None, v_new=None, one_kernel: bool = False, k_scale=None, v_scale=None) -> torch.Tensor:
+                    k_new=None, v_new=None, one_kernel: bool = False, k_scale=None, v_scale=None,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. `one_kernel` (CPU): every query, long
     prefill chunks too, goes to the C++ kernel, whose rows do not depend on how a prompt was chunked or how
     much of it was cached. Models with quantized activations need that to stay equal to themselves: there a
     last-bit difference between SDPA and the kernel can move an int8 code, and the greedy path with it.
-    k_scale/v_scale: a quantized cache's scales (module docstring)."""
+    k_scale/v_scale: a quantized cache's scales; window, softcap: the layer's (module docstring)."""
     if q.is_cuda:
         from engine.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                      md.query_start_loc, md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale)
+                                      md.query_start_loc, md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale,
+                                      window=window, softcap=softcap)
     from engine import cpu_attention
     kernel = q.dtype == torch.float32 and (k_cache.dtype == torch.float32 or k_scale is not None) \
         and cpu_attention.available()
     if kernel and one_kernel:
         return cpu_attention.paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                    md.query_start_loc, scale, k_scale, v_scale)
+                                                    md.query_start_loc, scale, k_scale, v_scale, window, softcap)
     return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel,
-                                 k_scale=k_scale, v_scale=v_scale)
+                                 k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
 
 
 def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
                           k_new=None, v_new=None, decode_kernel: bool = False,
-                          k_scale=None, v_scale=None) -> torch.Tensor:
+                          k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Reference: single-token queries batched in one SDPA call, longer queries one by one.
 
     `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather;
@@ -144,13 +150,13 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     qsl = [0]
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
-    scales = (k_scale, v_scale)
+    scales, opts = (k_scale, v_scale), (window, softcap)
     if decode_kernel:
         from engine.cpu_attention import paged_attention_varlen
         short = [i for i, n in enumerate(md.query_lens_list) if n <= SHORT_QUERY]
         if len(short) == md.num_seqs:                     # decode / verify steps: no copy, no scatter
             return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                          md.query_start_loc, scale, *scales)
+                                          md.query_start_loc, scale, *scales, *opts)
         out = torch.empty_like(q)
         if short:
             rows = torch.tensor([t for i in short for t in range(qsl[i], qsl[i + 1])])
@@ -160,18 +166,18 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
             sel = torch.tensor(short)
             o = paged_attention_varlen(q.index_select(0, rows), k_cache, v_cache,
                                        md.block_tables.index_select(0, sel), md.seq_lens.index_select(0, sel),
-                                       torch.tensor(sub_qsl, dtype=torch.int32), scale, *scales)
+                                       torch.tensor(sub_qsl, dtype=torch.int32), scale, *scales, *opts)
             out.index_copy_(0, rows, o)
         rest = [i for i, n in enumerate(md.query_lens_list) if n > SHORT_QUERY]
     else:
         decodes = [i for i, n in enumerate(md.query_lens_list) if n == 1]
         if len(decodes) == md.num_seqs:                   # the common all-decode step: no scatter
-            return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, *scales)
+            return _decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, scale, *scales, *opts)
         out = torch.empty_like(q)
         if decodes:
             rows = torch.tensor([qsl[i] for i in decodes])
             out[rows] = _decode_attention(q[rows], k_cache, v_cache, md.block_tables[decodes],
-                                          md.seq_lens[decodes], scale, *scales)
+                                          md.seq_lens[decodes], scale, *scales, *opts)
         rest = [i for i, n in enumerate(md.query_lens_list) if n != 1]
     for i in rest:
         n, ctx, s, e = md.query_lens_list[i], md.seq_lens_list[i], qsl[i], qsl[i + 1]
@@ -181,7 +187,7 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
             bt = md.block_tables[i:i + 1]
             k = _gather(k_cache, bt, ctx, k_scale, q.dtype)[0]
             v = _gather(v_cache, bt, ctx, v_scale, q.dtype)[0]
-        out[s:e] = _prefill_attention(q[s:e], k, v, scale)
+        out[s:e] = _prefill_attention(q[s:e], k, v, scale, *opts)
     return out
 
 
@@ -212,26 +218,45 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int, scal
     return out[:, :, :n_tokens]
 
 
-def _prefill_attention(q, k, v, scale):
+def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0):
     """q [n, H, D] are the last n positions of a context k/v [Hkv, ctx, D]."""
     n, ctx = q.shape[0], k.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]
-    if n == ctx:
+    if n == ctx and not window and not softcap:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos_q = torch.arange(ctx - n, ctx).unsqueeze(1)
-        mask = torch.arange(ctx).unsqueeze(0) <= pos_q                 # [n, ctx]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        keys = torch.arange(ctx).unsqueeze(0)
+        mask = keys <= pos_q                                           # [n, ctx]
+        if window:
+            mask &= keys > pos_q - window
+        o = _attention(qh, kh, vh, mask, scale, softcap)
     return o[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale, k_scale=None, v_scale=None):
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale, k_scale=None, v_scale=None,
+                      window: int = 0, softcap: float = 0.0):
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
     lens = seq_lens.tolist()
     max_len = max(lens)
     k = _gather(k_cache, block_tables, max_len, k_scale, q.dtype)                # [B, Hkv, max_len, D]
     v = _gather(v_cache, block_tables, max_len, v_scale, q.dtype)
-    mask = torch.arange(max_len).unsqueeze(0) < seq_lens.unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                       scale=scale, enable_gqa=True)
+    keys, ends = torch.arange(max_len).unsqueeze(0), seq_lens.unsqueeze(1)
+    mask = keys < ends
+    if window:
+        mask &= keys >= ends - window
+    o = _attention(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap)
     return o.squeeze(2)
+
+
+def _attention(q, k, v, mask, scale: float, softcap: float = 0.0):
+    """SDPA of q [B, H, n, D] over k/v [B, Hkv, ctx, D] under a boolean mask; with a softcap, the same written out
+    (SDPA has no place for one): scores scaled, capped (C * tanh(s / C)), masked, softmaxed."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)

@@ -338,6 +338,8 @@ struct Problem {
   float* out; int64_t os0, os1;                   // [T, Hq, D] contiguous
   int64_t Hkv, G, D, bs;
   float scale;
+  int64_t window;                                 // > 0: a query at p sees keys p - window + 1 .. p only
+  float softcap;                                  // > 0: scores s become softcap * tanh(s / softcap)
 };
 
 struct Scratch {
@@ -350,7 +352,8 @@ struct Scratch {
 // run per tile, so whole token rows stream in together), a softmax per row over its causal range, then
 // a second sweep for the weighted V sums. A row skips the tiles wholly past its range (a prompt's
 // causal half): they would score -inf and weigh exactly 0, so its result is the same bits as if it
-// swept them, and the same whichever rows share its call or its task.
+// swept them, and the same whichever rows share its call or its task. With a sliding window a row's range
+// starts at its first visible token, and the tiles wholly before it are skipped the same way.
 template <bool SIMD, class T>
 void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int64_t h1, Scratch& w) {
   constexpr bool QUANT = !std::is_same<T, float>::value;
@@ -361,9 +364,12 @@ void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int
   const int64_t q0 = qs + j0, past = L - n + j0;     // query token j0 sees `past` + 1 cached tokens
   const int64_t G = P.G, D = P.D, R = (j1 - j0) * G, RR = (h1 - h0) * R;
   const int64_t tiles = (past + (j1 - j0) + TILE - 1) / TILE, Lp = tiles * TILE;
-  // row r's visible tokens, and its tiles' end: those are all it scores and weighs
+  // row r's visible tokens [first(r), seen(r)), and its tiles' start and end: those are all it scores and weighs
   auto seen = [&](int64_t r) { return past + (r % R) / G + 1; };
+  auto first = [&](int64_t r) { return P.window > 0 ? std::max<int64_t>(0, seen(r) - P.window) : int64_t(0); };
+  auto begin = [&](int64_t r) { return first(r) / TILE * TILE; };
   auto end = [&](int64_t r) { return (seen(r) + TILE - 1) / TILE * TILE; };
+  const int64_t t_begin = begin(0);                  // row 0 (query token j0) sees the earliest tokens
   w.q.resize(RR * D);
   w.s.resize(RR * Lp);
   w.o.assign(RR * D, 0.f);
@@ -420,14 +426,14 @@ void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int
   };
   const T* K = static_cast<const T*>(P.k);
   const T* V = static_cast<const T*>(P.v);
-  for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(K, P.ks0, P.ks1, P.ks2, t0);
-  for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
+  for (int64_t t0 = t_begin; t0 < t_begin + PREFETCH * TILE; t0 += TILE) prefetch_tile(K, P.ks0, P.ks1, P.ks2, t0);
+  for (int64_t t0 = t_begin; t0 < Lp; t0 += TILE) {
     tile_rows(K, P.ks0, P.ks1, P.ks2, t0);
     prefetch_tile(K, P.ks0, P.ks1, P.ks2, t0 + PREFETCH * TILE);
     for (int64_t h = h0; h < h1; ++h) {
       head_rows(P.ks2, P.ksc, P.kss0, P.kss1, P.kss2, t0, h);
       for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
-        if (t0 >= end(r)) continue;
+        if (t0 >= end(r) || t0 < begin(r)) continue;
         if (SIMD) qk_tile_simd(qb + r * D, hrows, D, sb + r * Lp + t0);
         else qk_tile_scalar(qb + r * D, hrows, D, sb + r * Lp + t0);
       }
@@ -437,17 +443,21 @@ void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int
     // query j sees context positions [0, L - n + j]: the rest of its last tile gets weight 0 (the
     // tiles past it would add exactly 0 to each lane's sum)
     float* s = sb + r * Lp;
+    if (P.softcap > 0.f)
+      for (int64_t t = first(r); t < seen(r); ++t) s[t] = P.softcap * std::tanh(s[t] / P.softcap);
+    std::fill(s + begin(r), s + first(r), -INFINITY);
     std::fill(s + seen(r), s + end(r), -INFINITY);
-    w.inv[r] = 1.f / (SIMD ? softmax_simd(s, end(r)) : softmax_scalar(s, end(r)));
+    const int64_t n_r = end(r) - begin(r);
+    w.inv[r] = 1.f / (SIMD ? softmax_simd(s + begin(r), n_r) : softmax_scalar(s + begin(r), n_r));
   }
-  for (int64_t t0 = 0; t0 < PREFETCH * TILE; t0 += TILE) prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0);
-  for (int64_t t0 = 0; t0 < Lp; t0 += TILE) {
+  for (int64_t t0 = t_begin; t0 < t_begin + PREFETCH * TILE; t0 += TILE) prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0);
+  for (int64_t t0 = t_begin; t0 < Lp; t0 += TILE) {
     tile_rows(V, P.vs0, P.vs1, P.vs2, t0);
     prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0 + PREFETCH * TILE);
     for (int64_t h = h0; h < h1; ++h) {
       head_rows(P.vs2, P.vsc, P.vss0, P.vss1, P.vss2, t0, h);
       for (int64_t r = (h - h0) * R; r < (h - h0 + 1) * R; ++r) {
-        if (t0 >= end(r)) continue;
+        if (t0 >= end(r) || t0 < begin(r)) continue;
         if (SIMD) pv_tile_simd(sb + r * Lp + t0, hrows, D, ob + r * D);
         else pv_tile_scalar(sb + r * Lp + t0, hrows, D, ob + r * D);
       }
@@ -477,7 +487,9 @@ Cache cache_kind(const torch::Tensor& c) {
 torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                   const c10::optional<torch::Tensor>& query_start_loc, double scale,
-                  const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+                  const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                  int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "q [T, H, D], caches [blocks, block_size, kv_heads, D]");
   const Cache kind = cache_kind(k_cache);
@@ -531,7 +543,7 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
             ksc, st(k_scale, 0), st(k_scale, 1), st(k_scale, 2),
             vsc, st(v_scale, 0), st(v_scale, 1), st(v_scale, 2),
             btp, maxb, slp, qslp, out.data_ptr<float>(), out.stride(0), out.stride(1),
-            Hkv, Hq / Hkv, D, bs, static_cast<float>(scale)};
+            Hkv, Hq / Hkv, D, bs, static_cast<float>(scale), window, static_cast<float>(softcap)};
   const bool simd = VW > 0 && D % VW == 0;
   // Tasks are (sequence, kv head) pairs, numbered sequence-major, so a single sequence still spreads
   // its kv heads over the threads. Where a token's heads are one row (stride(2) == D), a thread's
@@ -550,7 +562,8 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
   for (int64_t b = 0; b < S; ++b) {
     const int64_t n = qslp ? qslp[b + 1] - qslp[b] : 1, L = slp[b];
     const int64_t C = std::max<int64_t>(1, std::min(2 * threads, n / MIN_CHUNK));
-    const double work = (double)n * (L - n) + 0.5 * n * (n + 1);    // sum over j of L - n + j + 1
+    const double work = (double)n * (L - n) + 0.5 * n * (n + 1);    // sum over j of L - n + j + 1 (a window's
+                                                                    // work is flatter: chunks err uneven, not wrong)
     int64_t j0 = 0;
     for (int64_t j = 0, c = 1; j + 1 < n && c < C; ++j) {         // chunk c - 1 ends after token j once
       if ((double)(j + 1) * (L - n) + 0.5 * (j + 1) * (j + 2) >= work * c / C) {   // it holds c / C of the work
@@ -585,19 +598,21 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
 }  // namespace
 
 // q [T, H, D]: sequence i owns q[qsl[i]:qsl[i+1]], the last tokens of its seq_lens[i]-token
-// context, causal among themselves.
+// context, causal among themselves (and within `window` tokens, where > 0; scores soft-capped where softcap > 0).
 torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      torch::Tensor query_start_loc, double scale,
-                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale);
+                                     c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                                     int64_t window, double softcap) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window, softcap);
 }
 
 // One query token per sequence (the n = 1 case).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale, k_scale, v_scale);
+                           c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                           int64_t window, double softcap) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale, k_scale, v_scale, window, softcap);
 }
 
 // Structured output (engine/structured.py): logits[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is 0.

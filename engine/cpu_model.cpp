@@ -89,6 +89,7 @@ struct Layer {
   torch::Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
   c10::optional<torch::Tensor> q_norm, k_norm;     // Qwen3's: one RMSNorm over head_dim for every head's q and k
+  int64_t window = 0;                              // a sliding window's tokens (Mistral), 0: none
   std::vector<c10::optional<LoRA>> lora = std::vector<c10::optional<LoRA>>(4);   // qkv, o, gate_up, down
 };
 
@@ -102,11 +103,12 @@ class DecoderStack {
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, const Parts& qkv, c10::optional<torch::Tensor> qkv_bias,
                  const Parts& o, c10::optional<torch::Tensor> o_bias, const Parts& gate_up,
                  c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, int64_t window) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "add_layer: q_norm and k_norm come together");
     layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), make_linear(qkv, qkv_bias),
                             make_linear(o, o_bias), make_linear(gate_up, gate_up_bias), make_linear(down, down_bias),
                             q_norm, k_norm});
+    layers_.back().window = window;
   }
 
   // The adapter slots of one of layer i's linears (which: 0 qkv, 1 o, 2 gate_up, 3 down).
@@ -174,7 +176,7 @@ class DecoderStack {
       attn::rope_write_kv(qkv, cos, sin, k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
       torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor o = attn::paged_attention_varlen(q, k_[i], v_[i], block_tables, seq_lens, query_start_loc,
-                                                     scale_, ks_[i], vs_[i]);
+                                                     scale_, ks_[i], vs_[i], l.window, 0.0);
       h = attn::rms_norm(linear(l, 1, l.o, o.reshape({T, H_ * D_})), l.post_norm, eps_, residual);
       torch::Tensor gu = linear(l, 2, l.gate_up, h);
       torch::Tensor act = at::silu(gu.narrow(1, 0, I_)) * gu.narrow(1, I_, I_);
@@ -201,10 +203,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_varlen", &attn::paged_attention_varlen, "queries of any length over the paged cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), nogil);
+        py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0, nogil);
   m.def("paged_decode", &attn::paged_decode, "one query token per sequence over the paged cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), nogil);
+        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("window") = 0,
+        py::arg("softcap") = 0.0, nogil);
   m.def("rms_norm", &attn::rms_norm, "RMSNorm of rows, with an optional residual added first (in place)",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("residual") = py::none(), nogil);
   m.def("rope_write_kv", &attn::rope_write_kv, "rotate q and k in place, store k and v at their cache slots",

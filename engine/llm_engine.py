@@ -41,15 +41,6 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
-def sliding_window(hf) -> int | None:
-    """The window of a model whose attention sees only its last W tokens (Mistral-7B-v0.1: 4,096), or None. Qwen2
-    and Qwen3 configs carry a sliding_window that applies only with use_sliding_window (off in their releases)."""
-    window = getattr(hf, "sliding_window", None)
-    if hf.model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not getattr(hf, "use_sliding_window", False):
-        return None
-    return int(window) if window else None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, on_kv_event: Callable[[KVEvent], None] | None = None,
                  clock: Callable[[], float] = time.time):
@@ -62,14 +53,9 @@ class LLMEngine:
         self.generation = generation_config.load(self.model_path, config.generation_config,
                                                  config.override_generation_config)
         limit = getattr(hf, "max_position_embeddings", MAX_DEFAULT_MODEL_LEN)
-        window = sliding_window(hf)
-        self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN, window or limit)
+        self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
-        if window and self.max_model_len > window:
-            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's sliding window of {window} "
-                              f"tokens: attention beyond the window is not supported (vLLM's "
-                              f"--disable-sliding-window caps max_model_len the same way)")
         if not config.enable_chunked_prefill and self.max_model_len > config.max_num_batched_tokens:
             raise ConfigError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) "
                               f"must be >= max_model_len ({self.max_model_len}): a prompt must fit one step")

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM; Mixtral, Qwen2/3-MoE) over a flat, paged batch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 1/2/3; Mixtral, Qwen2/3-MoE) over a flat,
+paged batch.
 
 Tokens of all sequences in a step are packed into one [num_tokens] row; attention finds each
 sequence's context through the paged KV cache (engine/attention.py). Weight names follow Hugging
@@ -13,6 +14,11 @@ Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) replace the MLP with S
 experts, each token through its top k. Under TP every rank holds its run of every expert's intermediate units
 (vLLM's default), or with expert parallelism a run of whole experts; either way the block ends in one all-reduce,
 as the dense MLP does.
+
+Gemma's differences are options of the same modules: embeddings scaled by sqrt(hidden), norms of (1 + weight) (the 1
+added at load), a GELU-gated MLP; Gemma 2/3 add a norm after attention and after the MLP, layers that alternate a
+sliding window with full attention (Gemma 3's with a RoPE of their own), Gemma 2 a softcap on attention scores and
+on the logits, Gemma 3 Qwen3's q/k norms.
 """
 from __future__ import annotations
 
@@ -33,8 +39,42 @@ from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_m
 
 MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES
-QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe"}       # an RMSNorm over each head's q and k before the rotation
+GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
+SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text"}      # a norm after attention and after the MLP as well
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES | GEMMA_MODEL_TYPES
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}   # an RMSNorm over each head's q and k before the rotation
+
+
+def layer_window(config, layer_idx: int) -> int:
+    """A layer's sliding window in tokens (engine/attention.py), 0 where it sees the whole context: every layer of a
+    model with a sliding_window (Mistral-7B-v0.1: 4,096), or those its layer_types name "sliding_attention" (Gemma 2
+    and 3 alternate them with full ones; Qwen2's from max_window_layers on). Qwen2 and Qwen3 configs carry a
+    sliding_window that applies only with use_sliding_window (off in their releases)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or config.model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and \
+            not getattr(config, "use_sliding_window", False):
+        return 0
+    types = getattr(config, "layer_types", None)
+    return int(window) if types is None or types[layer_idx] == "sliding_attention" else 0
+
+
+def rope_kind(config, layer_idx: int) -> str | None:
+    """Which RoPE a layer takes: None where the model has one; its layer type where rope_parameters holds one per
+    type (Gemma 3: theta 10,000 for sliding layers, 1,000,000 and maybe a scaling for full ones)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    types = getattr(config, "layer_types", None)
+    return types[layer_idx] if types is not None and isinstance(params.get(types[layer_idx]), dict) else None
+
+
+def activation(config):
+    """The MLP's gate activation, as transformers names it: SiLU (Llama, Qwen, Mistral) or Gemma's GELU."""
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN
+    if name not in ACT2FN:
+        raise ModelLoadError(f"unsupported activation {name!r}")
+    return ACT2FN[name]
 
 
 class RMSNorm(nn.Module):
@@ -69,9 +109,9 @@ def _cpu_kernel(t: torch.Tensor) -> bool:
 class RotaryEmbedding(nn.Module):
     """RoPE with the config's theta and scaling (default, linear, llama3, yarn, ... via HF's table)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int):
+    def __init__(self, config, head_dim: int, max_positions: int, kind: str | None = None):
         super().__init__()
-        inv_freq, self.attention_scaling = _rope_inv_freq(config, head_dim)
+        inv_freq, self.attention_scaling = _rope_inv_freq(config, head_dim, kind)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", (freqs.cos() * self.attention_scaling), persistent=False)
@@ -90,8 +130,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
 
 
-def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def _rope_inv_freq(config, head_dim: int, kind: str | None = None) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or {}
+    params = params[kind] if kind is not None else params
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -103,7 +144,7 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r}")
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **({"layer_type": kind} if kind else {}))
     return inv.float(), float(scale)
 
 
@@ -189,10 +230,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.o_proj = row_linear(self.q_size, config.hidden_size, bool(getattr(config, "attention_bias", False)), tp)
-        self.scale = self.head_dim ** -0.5
+        pre_scalar = getattr(config, "query_pre_attn_scalar", None) if config.model_type in SANDWICH_NORM_MODEL_TYPES \
+            else None
+        self.scale = (pre_scalar or self.head_dim) ** -0.5              # Gemma 2/3: query_pre_attn_scalar's
+        self.window = layer_window(config, layer_idx)                    # engine/attention.py; 0: none
+        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        self.rope_kind = rope_kind(config, layer_idx)
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: list[LayerKV], md: AttentionMetadata):
+    def forward(self, x, ropes: dict, kv_cache: list[LayerKV], md: AttentionMetadata):
+        """ropes: this step's cos/sin tables by rope_kind."""
+        rope = ropes[self.rope_kind]
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
@@ -212,7 +260,7 @@ class Attention(nn.Module):
         if not fused:
             write_kv(k_cache, v_cache, k, v, md.slot_mapping, k_scale, v_scale)
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel,
-                            k_scale=k_scale, v_scale=v_scale)
+                            k_scale=k_scale, v_scale=v_scale, window=self.window, softcap=self.softcap)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -233,6 +281,7 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, tp)
+        self.act = activation(config)
 
     def forward(self, x):
         return self.down_proj(self._gated(x))
@@ -244,7 +293,7 @@ class MLP(nn.Module):
 
     def _gated(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return F.silu(gate) * up
+        return self.act(gate) * up
 
 
 def _fused_moe_ops():
@@ -387,15 +436,24 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma 2/3: post_attention_layernorm normalises attention's output, and two more norms frame the MLP
+        self.sandwich = config.model_type in SANDWICH_NORM_MODEL_TYPES
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, rope, kv_cache, md):
+    def forward(self, x, residual, ropes, kv_cache, md):
         """x: the last layer's output (the embeddings, with residual None, for the first); residual: the stream
         so far. Returns (this layer's output, the stream): each norm adds the two first (vLLM's fused add)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm.add(x, residual)
-        h = self.post_attention_layernorm.add(self.self_attn(h, rope, kv_cache, md), residual)
+        a = self.self_attn(h, ropes, kv_cache, md)
+        if self.sandwich:
+            h = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(a), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h = self.post_attention_layernorm.add(a, residual)
         return self.mlp(h), residual
 
 
@@ -566,6 +624,11 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None       # built by materialize(), on the real device
+        self.ropes: dict[str | None, RotaryEmbedding] = {}   # by rope_kind: Gemma 3's two; else {None: self.rope}
+        gemma = config.model_type in GEMMA_MODEL_TYPES
+        self.embed_scale = config.hidden_size ** 0.5 if gemma else None     # Gemma scales its embeddings
+        self.norm_offset = 1.0 if gemma else 0.0        # Gemma's norms multiply by 1 + weight: added at load
+        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
         self._stack_lora = None                          # the LoRA adapters' step (engine/lora.py), where it has them
@@ -589,20 +652,28 @@ class LlamaForCausalLM(nn.Module):
         """Allocate (uninitialised) storage for a model built on the meta device."""
         self.to_empty(device=device).to(dtype).requires_grad_(False)
         self.tie_weights()
-        self.rope = RotaryEmbedding(self.config, self.head_dim, self.max_positions).to(device)
+        self._build_ropes(device)
         return self
+
+    def _build_ropes(self, device: torch.device) -> None:
+        kinds = {layer.self_attn.rope_kind for layer in self.model.layers}
+        self.ropes = {kind: RotaryEmbedding(self.config, self.head_dim, self.max_positions, kind).to(device)
+                      for kind in kinds}
+        self.rope = next(iter(self.ropes.values())) if len(self.ropes) == 1 else None    # the C++ stack's
 
     def cover_positions(self, max_positions: int) -> None:
         """Rotary tables for this many positions (an engine sharing weights loaded for another max_model_len)."""
         if max_positions != self.max_positions:
             self.max_positions = max_positions
-            self.rope = RotaryEmbedding(self.config, self.head_dim, max_positions).to(self.rope.cos.device)
+            self._build_ropes(next(iter(self.ropes.values())).cos.device)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices,
                 num_layers: int | None = None):
         """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts)."""
         h, residual = self.model.embed_tokens(input_ids), None
+        if self.embed_scale is not None:                 # in the embeddings' dtype, as transformers rounds it
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
             plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
@@ -611,16 +682,22 @@ class LlamaForCausalLM(nn.Module):
                                         -1 if num_layers is None else num_layers,
                                         plan.rows if plan else None, plan.row_slots if plan else None)
         else:
-            rope = self.rope.tables(positions)
+            ropes = {kind: rope.tables(positions) for kind, rope in self.ropes.items()}
             for layer in self.model.layers[:num_layers]:
-                h, residual = layer(h, residual, rope, kv_cache, md)
+                h, residual = layer(h, residual, ropes, kv_cache, md)
         if residual is not None:
             h = residual.add_(h)
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
         if self.tp is None:
-            return self.lm_head(h).float()
+            return self._cap(self.lm_head(h).float())
         logits = self.tp.gather_to_driver(self.lm_head(h))
-        return None if logits is None else logits[:, :self.config.vocab_size].float()
+        return None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
+
+    def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final softcap: C * tanh(logits / C), in place (fp32)."""
+        if self.final_softcap:
+            logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
+        return logits
 
     def cpu_stack(self, x: torch.Tensor, kv_cache: list[LayerKV]):
         """The C++ DecoderStack (engine/cpu_model.py) for this forward, or None where the modules run it: it takes a
@@ -647,7 +724,9 @@ class LlamaForCausalLM(nn.Module):
         from engine.lora import LoRALinear
         from engine.quant_kernels import KINDS
         layers = self.model.layers
-        if self.has_moe:                                  # the C++ stack runs dense MLPs only
+        # the C++ stack runs the Llama layer: dense SiLU MLPs, one RoPE, no softcap, no sandwich norms
+        if self.has_moe or self.rope is None or any(la.sandwich or la.self_attn.softcap or la.mlp.act is not F.silu
+                                                    for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
@@ -666,7 +745,7 @@ class LlamaForCausalLM(nn.Module):
                      for m in ms]
             norms = [None if n is None else n.weight.detach() for n in (la.self_attn.q_norm, la.self_attn.k_norm)]
             stack.add_layer(la.input_layernorm.weight.detach(), la.post_attention_layernorm.weight.detach(),
-                            *[a for part in parts for a in part], *norms)
+                            *[a for part in parts for a in part], *norms, la.self_attn.window)
         for i, ad in enumerate(adapters):               # LoRA's slots, shared: an adapter loaded later is seen there
             for which, a in enumerate(ad):
                 if a is not None:
@@ -795,6 +874,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, QuantWeight):
                 packed.setdefault(target.rpartition(".")[0], {})[shard or 0] = (tensor, target, name)
             else:
+                if self.norm_offset and target.endswith("norm.weight"):     # Gemma's 1 + weight, once
+                    tensor = tensor.float() + self.norm_offset
                 self._copy_in(params[target], tensor, target, shard, name)
             filled.add(name)
         self._install_packed_experts(packed_experts)

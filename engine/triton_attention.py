@@ -29,7 +29,7 @@ def _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr,
-    scale_log2, num_seqs, num_heads, n_rows,
+    scale_log2, num_seqs, num_heads, n_rows, window, softcap,
     s_qt, s_qh, s_qd,
     s_ot, s_oh, s_od,
     s_kb, s_ks, s_kh, s_kd,
@@ -40,6 +40,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,6 +78,10 @@ def _paged_attention_kernel(
     # Keys past the last query of this tile are masked for every row: skip them.
     kv_end = tl.minimum(seq_len, ctx_len + (q_block_local + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    # A sliding window: keys before the first query's window are masked for every row: skip those too.
+    tile_lo = 0
+    if WINDOW:
+        tile_lo = tl.maximum(ctx_len + q_block_local * BLOCK_Q - window + 1, 0) // TILE_N
     n = tl.arange(0, TILE_N)
     bt_row = bt_ptr + seq.to(tl.int64) * s_bt0
     k_head = k_ptr + kv_head * s_kh
@@ -84,8 +89,8 @@ def _paged_attention_kernel(
 
     # Split-KV (flash-decoding): with NUM_SPLITS > 1 this program takes one slice of the key tiles and
     # leaves its unnormalised partial (m, l, acc) for _combine_splits.
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    t_first = split * per_split
+    per_split = tl.cdiv(num_tiles - tile_lo, NUM_SPLITS)
+    t_first = tile_lo + split * per_split
     t_last = tl.minimum(num_tiles, t_first + per_split)
     for t in range(t_first, t_last):
         k_pos = t * TILE_N + n
@@ -105,7 +110,13 @@ def _paged_attention_kernel(
             v = (v.to(tl.float32) * vsc[:, None]).to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2             # log2 domain for exp2
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        if SOFTCAP:    # softcap * tanh(s / softcap) on the natural-log scores, back in log2 (tanh from exp)
+            c = softcap * 1.4426950408889634
+            s = c * (1.0 - 2.0 / (tl.exp(2.0 * s / c) + 1.0))
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -173,10 +184,11 @@ def _sm_count(device: torch.device) -> int:
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            max_query_len: int, scale: float, num_splits: int | None = None,
-                           k_scale=None, v_scale=None) -> torch.Tensor:
+                           k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`.
     `num_splits`: key slices per program (None: num_kv_splits decides; the tests set it). A quantized cache
-    (int8 or fp8 codes) comes with its scales [blocks, block_size, kv_heads] (k_scale, v_scale).
+    (int8 or fp8 codes) comes with its scales [blocks, block_size, kv_heads] (k_scale, v_scale). window, softcap:
+    a sliding window and a score softcap (engine/attention.py; 0: none), constants of a layer.
 
     CUDA-graph safe: the grid and constexprs follow from shapes (tokens, sequences) and the host int
     max_query_len (the query width of a captured decode/verify step); nothing reads device memory
@@ -223,11 +235,11 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     _paged_attention_kernel[grid + (splits,)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         part_m, part_l, part_acc, ks, vs,
-        float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows,
+        float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows, int(window), float(softcap),
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *scale_strides, QUANT=quant, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        DOT_PREC=dot_prec, NUM_SPLITS=splits, num_warps=num_warps,
+        DOT_PREC=dot_prec, NUM_SPLITS=splits, WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=num_warps,
     )
     if splits > 1:
         _combine_splits[(n_rows,)](out, part_m, part_l, part_acc, num_heads, n_rows, *out.stride(),

@@ -241,3 +241,48 @@ def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_process():
         assert res.returncode == 0, res.stderr[-2000:]
     finally:
         lock.unlink(missing_ok=True)
+
+
+def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0):
+    """Attention written out token by token from the block tables: the query at position p weighs the keys at
+    max(0, p - window + 1) .. p (all of 0 .. p without a window), its scores capped as C * tanh(s / C)."""
+    bs, heads = k_cache.shape[1], k_cache.shape[2]
+    group, out, t = q.shape[1] // heads, torch.empty_like(q), 0
+    for i, (ctx, n) in enumerate(zip(md.seq_lens_list, md.query_lens_list)):
+        slots = [(int(md.block_tables[i, p // bs]), p % bs) for p in range(ctx)]
+        k = torch.stack([k_cache[b, o] for b, o in slots])             # [ctx, Hkv, D]
+        v = torch.stack([v_cache[b, o] for b, o in slots])
+        for p in range(ctx - n, ctx):
+            lo = max(0, p - window + 1) if window else 0
+            for h in range(q.shape[1]):
+                s = (k[lo:p + 1, h // group] @ q[t, h]) * scale
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                out[t, h] = torch.softmax(s, 0) @ v[lo:p + 1, h // group]
+            t += 1
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(8, 0.0), (20, 0.0), (0, 5.0), (8, 5.0), (1, 0.0)])
+def test_sliding_window_and_softcap(window, softcap):
+    """A sliding window (Mistral, Gemma 2/3) and a score softcap (Gemma 2) in every CPU path, against attention
+    written out token by token: decodes whose window starts mid-block or covers the whole context, a verify
+    step, a prompt chunk (SDPA's path) and a fresh prompt. The window of 1 sees only the token itself. Scores are
+    scaled up (x3) so that the cap bites."""
+    q, k, v, md = _batch([5, 40, 61, 30, 45], 6, 2, 32, qlens=[1, 1, 4, 30, 20])
+    q = q * 3
+    want = _naive(q, k, v, md, 0.125, window, softcap)
+    for name, got in [
+        ("torch", paged_attention_torch(q, k, v, md, 0.125, window=window, softcap=softcap)),
+        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, window=window,
+                                                           softcap=softcap)),
+        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
+                                                            md.query_start_loc, 0.125, window=window,
+                                                            softcap=softcap))]:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    whole = _naive(q, k, v, md, 0.125)
+    assert not torch.allclose(whole, want, atol=1e-3)                  # the options change what a test sees
+    dec = [0, 1, 2]
+    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
+                                               window=window, softcap=softcap)
+    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)

@@ -43,7 +43,7 @@ def stack_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "qwen3 gguf mixed", "llama int8",
-                                  "llama fp8"])
+                                  "llama fp8", "mistral int8"])
 def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
     if case.startswith("smollm2"):
         llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512,
@@ -52,6 +52,8 @@ def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
         arch = case.split()[0]
         llm = LLM(str(write_gguf(tmp_path / "q.gguf", ALL_PACKED, arch=arch, hidden=256, intermediate=512,
                                  head_dim=32 if arch == "qwen3" else None)), num_kv_blocks=64, max_model_len=512)
+    elif case.startswith("mistral"):            # a sliding window of 12 tokens: each layer passes it to the kernel
+        llm = LLM(make_tiny_checkpoint(tmp_path, "mistral", sliding_window=12), quantization="int8", num_kv_blocks=64)
     else:
         llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), quantization=case.split()[1], num_kv_blocks=64)
     g = torch.Generator().manual_seed(1)

@@ -179,18 +179,6 @@ def test_max_model_len_ends_with_length(tmp_path):
     assert out.finish_reason == "length" and len(out.token_ids) == 10
 
 
-def test_a_sliding_window_caps_max_model_len(tmp_path):
-    """Attention limited to the last W tokens (Mistral-7B-v0.1's 4,096) is full attention while a sequence is no
-    longer than W: max_model_len defaults to W, and more is refused by name. A Qwen2 config's window applies only
-    with use_sliding_window, which its releases leave off."""
-    windowed = make_tiny_checkpoint(tmp_path / "mixtral", "mixtral", sliding_window=48)
-    assert LLM(windowed, num_kv_blocks=16).engine.max_model_len == 48
-    with pytest.raises(ConfigError, match="exceeds the model's sliding window of 48 tokens"):
-        LLM(windowed, max_model_len=64, num_kv_blocks=16)
-    off = make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", sliding_window=48, use_sliding_window=False)
-    assert LLM(off, max_model_len=96, num_kv_blocks=16).engine.max_model_len == 96
-
-
 # -- sampling through the engine ----------------------------------------------------------------
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(smol_llm):

@@ -65,6 +65,11 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                "rope_theta": 50000.0}),
+    ("mistral", {"sliding_window": 12}),                              # every layer sees its last 12 tokens
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),   # layers 1.. windowed
+    ("gemma", {}),                                   # scaled embeddings, 1 + w norms, GELU, tied head
+    ("gemma2", {}),                                  # + sandwich norms, alternating windows, two softcaps
+    ("gemma3_text", {}),                             # + q/k norms, a RoPE per layer type
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM

@@ -97,3 +97,19 @@ def test_a_quantized_cache_matches_the_reference_over_the_values_it_stands_for(k
                                  scale, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
     ref = paged_attention_torch(q, *layer_views(values, 1), md, scale)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+@pytest.mark.parametrize("window,softcap", [(12, 0.0), (0, 4.0), (12, 4.0)])
+def test_sliding_window_and_softcap(window, softcap, num_splits):
+    """Gemma 2's layers (a sliding window, a score softcap) against the torch reference (itself checked token by
+    token in tests/test_cpu_attention.py): decodes past the window, a chunk whose query tile starts past it (whole
+    key tiles skipped), a fresh prompt longer than it; split over the keys too."""
+    q, kv, md = random_batch([(37, 1), (70, 20), (40, 40), (9, 1)], 4, 2, 32, 16, seed=5)
+    q = q * 3                                                          # scores large enough for the cap to bite
+    k_cache, v_cache = layer_views(kv, 1)
+    out = triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                 md.max_query_len, 0.2, num_splits=num_splits, window=window, softcap=softcap)
+    ref = paged_attention_torch(q, k_cache, v_cache, md, 0.2, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref, paged_attention_torch(q, k_cache, v_cache, md, 0.2), atol=1e-3)
