@@ -1,7 +1,8 @@
 """Part 2 of `baton check gpu`: the engine against transformers on random-weight models built from config.
 
 Each model (a Llama-3 shape of about 1B with llama3 RoPE scaling, a Qwen2 shape with its q/k/v bias, Qwen3's,
-and four layers of Qwen3-30B-A3B's mixture of experts) is built
+four layers of Qwen3-30B-A3B's mixture of experts, and four of Gemma-2-2B's with a sliding window short enough to
+matter and its softcaps) is built
 by transformers with random weights and saved with `save_pretrained` (safetensors), then loaded by both, as a
 real checkpoint is. transformers in fp32 gives the reference: greedy continuations with their top logprobs,
 and the teacher-forced log-probabilities of every position of prompt + continuation.
@@ -42,6 +43,7 @@ from check.compare import (MAX_LOGPROB_GAP, TOP_K, ErrorStats, Greedy, GreedyBat
                            hf_greedy)
 from check.report import FAIL, PASS, Row
 from engine.loader import DUMMY_SHAPES
+from engine.model import GEMMA_MODEL_TYPES
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -60,6 +62,13 @@ GPU_MODELS = {
                                            num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
                                            head_dim=128, vocab_size=151936, rope_theta=1000000.0,
                                            tie_word_embeddings=False, max_position_embeddings=40960)),
+    # Gemma-2-2B's layer in 4 layers, its window cut from 4,096 to 128 so that the longer prompts run past it in the
+    # sliding layers (every other one); its softcaps (50 on attention scores, 30 on logits) as released
+    "Gemma-2-2B-4L-w128": ("gemma2", dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=4,
+                                          num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                          query_pre_attn_scalar=256, sliding_window=128, vocab_size=256000,
+                                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                          max_position_embeddings=8192)),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -75,6 +84,10 @@ CPU_MODELS = {
                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=32, vocab_size=512, max_position_embeddings=512)),
+    "gemma2-tiny": ("gemma2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                                   vocab_size=512, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                                   max_position_embeddings=512)),
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
 CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12
@@ -98,8 +111,9 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
     torch.manual_seed(seed)
     with torch.device(device):                            # initialising 1B weights on a GPU takes a second
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.fill_(LOGIT_STD / (cfg.initializer_range * cfg.hidden_size ** 0.5))
+    with torch.no_grad():       # Gemma's norms multiply by 1 + weight
+        offset = 1.0 if model_type in GEMMA_MODEL_TYPES else 0.0
+        model.model.norm.weight.fill_(LOGIT_STD / (cfg.initializer_range * cfg.hidden_size ** 0.5) - offset)
     model.to(dtype).save_pretrained(out_dir)
     del model
     free_memory(device)

@@ -91,8 +91,7 @@ class EngineKnobs(_Schema):
     max_num_batched_tokens: int | None = _knob("max_num_batched_tokens", "Token budget of one engine step "
                                                                           "(prefill chunks plus decodes)")
     max_model_len: int | None = _knob("max_model_len", "Longest prompt plus output, in tokens "
-                                                       "(default: the model's limit, at most 8192 and its sliding "
-                                                       "window's length)")
+                                                       "(default: the model's limit, at most 8192)")
     enable_prefix_caching: bool | None = _knob("enable_prefix_caching", "Reuse the KV blocks of prompt "
                                                                         "prefixes already computed")
     enable_chunked_prefill: bool | None = _knob("enable_chunked_prefill", "Split long prompts over steps so "

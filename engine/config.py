@@ -27,7 +27,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048        # token budget of one step (prefill chunks + decodes)
-    max_model_len: int | None = None          # defaults to the model's max positions, capped at 8192 (and a window)
+    max_model_len: int | None = None          # defaults to the model's max positions, capped at 8192
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_memory: int | float | None = None  # bytes (int) or fraction of device memory (float)
