@@ -35,8 +35,17 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         cfg.update(GEMMA_TINY[model_type])
     cfg.update(overrides)
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg), dtype=torch.float32)
-    if model_type in GEMMA_TINY:                          # Gemma starts its norms at 0 (1 + 0): make them count
+    if model_type == "gemma3":       # Gemma 3 4B+'s multimodal checkpoint: Gemma 3's text model beside a tiny vision tower
+        text = {**cfg, **GEMMA_TINY["gemma3_text"], **overrides}
+        config = AutoConfig.for_model("gemma3", text_config=text, tie_word_embeddings=text["tie_word_embeddings"],
+                                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=28, patch_size=14),
+                                      mm_tokens_per_image=4, image_token_index=cfg["vocab_size"] - 1,
+                                      boi_token_index=cfg["vocab_size"] - 3, eoi_token_index=cfg["vocab_size"] - 2)
+    else:
+        config = AutoConfig.for_model(model_type, **cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type in GEMMA_TINY or model_type == "gemma3":                          # Gemma starts its norms at 0 (1 + 0): make them count
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

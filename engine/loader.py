@@ -163,6 +163,25 @@ def gguf_source(model: str) -> Path | None:
     return path if path.is_file() else None
 
 
+# Multimodal checkpoints whose language model Baton serves, text only (Gemma 3's 4B, 12B and 27B ship only as
+# these): the config's text_config, the language model's tensors read under their text names (transformers' saved
+# layout, language_model.model.*, and its 4.52+ one, model.language_model.*); the vision tower is not read.
+MULTIMODAL_TEXT = {"gemma3"}
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_weight_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under its text model's name, or None for the vision side's."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
+
+
 def load_config(model: str):
     from transformers import AutoConfig, LlamaConfig
     if model in DUMMY_SHAPES:
@@ -171,6 +190,13 @@ def load_config(model: str):
         config = AutoConfig.from_pretrained(model)
     except Exception as e:                                 # noqa: BLE001 - surface as our typed error
         raise ModelLoadError(f"cannot read the config of {model}: {e}") from e
+    if config.model_type in MULTIMODAL_TEXT:              # its language model, with the checkpoint's own settings
+        text = config.text_config
+        for key in ("quantization_config", "tie_word_embeddings"):
+            if getattr(config, key, None) is not None:
+                setattr(text, key, getattr(config, key))
+        text.multimodal = config.model_type               # its tensors' names: text_weight_name
+        config = text
     from engine.quant import hf_quant_method
     try:                                                   # what does not load packed is refused here, named
         hf_quant_method(getattr(config, "quantization_config", None))

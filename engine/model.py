@@ -33,6 +33,7 @@ from engine import cpu_attention
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import LayerKV
+from engine.loader import text_weight_name
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
@@ -629,6 +630,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = config.hidden_size ** 0.5 if gemma else None     # Gemma scales its embeddings
         self.norm_offset = 1.0 if gemma else 0.0        # Gemma's norms multiply by 1 + weight: added at load
         self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        self.multimodal = getattr(config, "multimodal", None)   # engine/loader.py: the text of a Gemma 3 4B+
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
         self._stack_lora = None                          # the LoRA adapters' step (engine/lora.py), where it has them
@@ -818,6 +820,10 @@ class LlamaForCausalLM(nn.Module):
         """(dim, start, stop): the part of checkpoint tensor `name` this rank holds; None: all of it."""
         if self.tp is None:
             return None
+        if self.multimodal:                               # a vision tensor: nothing read
+            name = text_weight_name(name)
+            if name is None:
+                return 0, 0, 0
         expert = _EXPERT.match(name)
         if expert is not None:                            # every expert's run of units, as the dense MLP's
             moe = self.model.layers[int(expert.group(1))].mlp
@@ -850,6 +856,10 @@ class LlamaForCausalLM(nn.Module):
         packed: dict[str, dict[int, tuple[QuantWeight, str, str]]] = {}
         packed_experts: dict[tuple[int, str], dict[int, QuantWeight]] = {}    # (layer, part) -> expert -> weight
         for name, tensor in weights:
+            if self.multimodal:                           # a multimodal checkpoint: its language model's tensors
+                name = text_weight_name(name)
+                if name is None:
+                    continue
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:

@@ -70,6 +70,7 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("gemma", {}),                                   # scaled embeddings, 1 + w norms, GELU, tied head
     ("gemma2", {}),                                  # + sandwich norms, alternating windows, two softcaps
     ("gemma3_text", {}),                             # + q/k norms, a RoPE per layer type
+    ("gemma3", {}),                                  # Gemma 3 4B+'s multimodal checkpoint, served as text
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM

@@ -32,7 +32,7 @@ TINY = dict(num_kv_blocks=48, max_model_len=256, max_num_batched_tokens=32)   # 
 # splits; Qwen2 with q/k/v biases and tied embeddings (the LM head shares the embedding's vocab shard); Qwen3's
 # q/k norms (replicated: one of head_dim for every head) with a head_dim apart from hidden / heads; two
 # mixtures of experts; Gemma 2 and 3 (bench/models.py GEMMA_TINY: sliding windows of 8, softcaps, sandwich norms,
-# scaled embeddings under a vocabulary split)
+# scaled embeddings under a vocabulary split), and Gemma 3 as its 4B+ models ship, multimodal
 TINY_MODELS = {
     "llama-mqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, intermediate_size=161, vocab_size=301)),
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),
@@ -43,6 +43,7 @@ TINY_MODELS = {
     "qwen2-moe": ("qwen2_moe", dict(shared_expert_intermediate_size=97)),   # the shared expert's term, split unevenly
     "gemma2": ("gemma2", dict(vocab_size=301)),
     "gemma3": ("gemma3_text", {}),
+    "gemma3-multimodal": ("gemma3", {}),                          # its language model's tensors, the vision unread
 }
 
 
