@@ -43,7 +43,10 @@ log = logging.getLogger(__name__)
 TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0)}
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+# Phi-3's adapters target its fused modules: one A for all parts and one B over their rows, which are each part's
+# adapter with that A and its rows of B (the same products)
+_FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 _WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -177,6 +180,7 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
     dims = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    fused_of: dict[tuple[int, str], str] = {}                 # a part that came in a fused module's tensors: its name
     for name, t in tensors.items():
         m = _WEIGHT.search(name)
         if m is None and ".experts." in name:
@@ -186,6 +190,17 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} is not a LoRA weight of a "
                             f"supported module ({', '.join(TARGETS)})")
         layer, module, which = int(m.group(1)), m.group(3), m.group(4)
+        if module in _FUSED_TARGETS and layer < layers and t.dim() == 2:
+            parts = _FUSED_TARGETS[module]
+            sizes = [dims[p][1] for p in parts]
+            if which == "B" and t.shape[0] != sum(sizes):
+                raise LoRAError(f"LoRA adapter {request.lora_name!r}: layer {layer} {module} has B "
+                                f"{tuple(t.shape)}; this model needs B [{sum(sizes)}, r] (was it trained for another "
+                                f"base model?)")
+            for piece, rows in zip(parts, t.split(sizes) if which == "B" else [t] * len(parts)):
+                pairs.setdefault((layer, piece), {})[which] = rows
+                fused_of[(layer, piece)] = module
+            continue
         if module not in TARGETS or layer >= layers:
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} has no place in this model "
                             f"({layers} layers; modules {', '.join(TARGETS)})")
@@ -211,7 +226,8 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
                             f"(was it trained for another base model?)")
         if r > max_rank:
             raise LoRAError(f"LoRA adapter {request.lora_name!r} has rank {r}, above max_lora_rank {max_rank}")
-        alpha = module_alpha(cfg, f"model.layers.{layer}.{'self_attn' if module in _ATTENTION else 'mlp'}.{module}")
+        named = fused_of.get((layer, module), module)        # PEFT's patterns name the module the adapter targets
+        alpha = module_alpha(cfg, f"model.layers.{layer}.{'self_attn' if named in _ATTENTION else 'mlp'}.{named}")
         scaling = alpha / (r ** 0.5 if rslora else r)
         fused, part = TARGETS[module]
         weights.setdefault((layer, fused), {})[part] = (a.to(dtype).contiguous(), (b.float() * scaling).to(dtype))

@@ -41,8 +41,10 @@ from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_m
 MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe"}
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
+FUSED_NAME_MODEL_TYPES = {"phi3"}                  # checkpoints that hold qkv_proj and gate_up_proj already fused
 SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text"}      # a norm after attention and after the MLP as well
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES | GEMMA_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | \
+    FUSED_NAME_MODEL_TYPES
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}   # an RMSNorm over each head's q and k before the rotation
 
 
@@ -108,11 +110,13 @@ def _cpu_kernel(t: torch.Tensor) -> bool:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with the config's theta and scaling (default, linear, llama3, yarn, ... via HF's table)."""
+    """RoPE with the config's theta and scaling (default, linear, llama3, yarn, longrope, ... via HF's table), over the
+    first rotary_dim of each head (Phi-3's partial_rotary_factor; all of it elsewhere)."""
 
     def __init__(self, config, head_dim: int, max_positions: int, kind: str | None = None):
         super().__init__()
-        inv_freq, self.attention_scaling = _rope_inv_freq(config, head_dim, kind)
+        inv_freq, self.attention_scaling = _rope_inv_freq(config, head_dim, kind, max_positions)
+        self.rotary_dim = 2 * inv_freq.numel()
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", (freqs.cos() * self.attention_scaling), persistent=False)
@@ -124,28 +128,48 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, D] (HF's rotate_half convention: the two halves of D form the pairs)."""
-    dtype = x.dtype
+    """Rotate [T, heads, D] (HF's rotate_half convention: the two halves of D form the pairs); with tables of fewer
+    than D/2 (a partial rotary dim), the first 2 x that many of D, the rest passed as they are."""
+    dtype, rd = x.dtype, 2 * cos.shape[-1]
     x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+    x1, x2 = x[..., :rd].chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return (out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)).to(dtype)
 
 
-def _rope_inv_freq(config, head_dim: int, kind: str | None = None) -> tuple[torch.Tensor, float]:
+def rotary_dim(config, head_dim: int) -> int:
+    """How much of each head RoPE rotates: head_dim times partial_rotary_factor (Phi-3's, in its config or its
+    rope_parameters), all of it elsewhere."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params.get("partial_rotary_factor"), (int, float)) \
+        else getattr(config, "partial_rotary_factor", None)
+    return int(head_dim * (factor or 1.0))
+
+
+def _rope_inv_freq(config, head_dim: int, kind: str | None = None,
+                   max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, attention scaling). longrope (Phi-3's 128k models) has two sets of factors: the long
+    ones where the engine's max_model_len passes original_max_position_embeddings, the short ones otherwise, for
+    every position alike (llama.cpp's choice by context size; transformers switches per forward by its length,
+    which would leave a cache of keys rotated the other way)."""
     params = getattr(config, "rope_parameters", None) or {}
     params = params[kind] if kind is not None else params
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if rope_type == "default":
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        dim = rotary_dim(config, head_dim)
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         return inv, 1.0
     if rope_type == "dynamic":
         raise ModelLoadError("dynamic NTK RoPE scaling is not supported (its frequencies depend on length)")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r}")
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **({"layer_type": kind} if kind else {}))
+    kw = {"layer_type": kind} if kind else {}
+    if rope_type == "longrope":
+        kw["seq_len"] = max_positions
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
     return inv.float(), float(scale)
 
 
@@ -237,6 +261,7 @@ class Attention(nn.Module):
         self.window = layer_window(config, layer_idx)                    # engine/attention.py; 0: none
         self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.rope_kind = rope_kind(config, layer_idx)
+        self.rotary_dim = rotary_dim(config, self.head_dim)
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
 
     def forward(self, x, ropes: dict, kv_cache: list[LayerKV], md: AttentionMetadata):
@@ -247,7 +272,7 @@ class Attention(nn.Module):
             qkv = self._qk_norm(qkv)
         k_cache, v_cache, k_scale, v_scale = kv_cache[self.layer_idx]
         # rotate and store in one op: fp32 caches, and int8 ones (fp8 codes are written by write_kv)
-        fused = _cpu_kernel(qkv) and k_cache.dtype in (torch.float32, torch.int8)
+        fused = _cpu_kernel(qkv) and k_cache.dtype in (torch.float32, torch.int8) and self.rotary_dim == self.head_dim
         if fused:
             t = qkv.shape[0]
             cpu_attention.rope_write_kv(qkv, rope[0].view(t, -1), rope[1].view(t, -1), k_cache, v_cache,
@@ -728,6 +753,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         # the C++ stack runs the Llama layer: dense SiLU MLPs, one RoPE, no softcap, no sandwich norms
         if self.has_moe or self.rope is None or any(la.sandwich or la.self_attn.softcap or la.mlp.act is not F.silu
+                                                    or la.self_attn.rotary_dim != la.self_attn.head_dim
                                                     for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
@@ -865,6 +891,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")     # Mixtral's router and experts
+            if self.config.model_type in FUSED_NAME_MODEL_TYPES and (".qkv_proj." in name or ".gate_up_proj." in name):
+                filled.update(self._load_fused(name, tensor, params))
+                continue
             if _EXPERT.match(name):
                 filled.add(self._load_expert(name, tensor, packed_experts))
                 continue
@@ -893,6 +922,29 @@ class LlamaForCausalLM(nn.Module):
         missing = self._expected_names() - filled
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _load_fused(self, name: str, tensor, params) -> list[str]:
+        """Phi-3's qkv_proj [q; k; v] or gate_up_proj [gate; up], read whole: each part (this rank's slice of it, under
+        TP) goes where a checkpoint's separate q/k/v or gate/up tensor would. Returns those parts' names."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ModelLoadError(f"{name}: quantized fused weights do not load yet")
+        cfg, d = self.config, self.model.layers[0].self_attn.head_dim
+        if ".qkv_proj." in name:
+            kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            fused, pieces, sizes = "qkv_proj", ("q_proj", "k_proj", "v_proj"), [cfg.num_attention_heads * d, kv * d, kv * d]
+        else:
+            fused, pieces, sizes = "gate_up_proj", ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2
+        if tensor.shape[0] != sum(sizes):
+            raise ModelLoadError(f"tensor {name!r} has {tensor.shape[0]} rows, model expects {sum(sizes)}")
+        names = []
+        for (piece, idx), part in zip(((p, self._FUSED[p][1]) for p in pieces), tensor.split(sizes)):
+            part_name = name.replace(fused, piece)
+            cut = self.weight_shard(part_name)
+            if cut is not None:
+                part = part.narrow(cut[0], cut[1], cut[2] - cut[1])
+            self._copy_in(params[name], part, name, idx, part_name)
+            names.append(part_name)
+        return names
 
     def _install_packed(self, packed: dict[str, dict[int, tuple[QuantWeight, str, str]]], params) -> None:
         """Each module whose weight came packed becomes a QuantLinear / QuantEmbedding (a tied head shares

@@ -71,6 +71,8 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("gemma2", {}),                                  # + sandwich norms, alternating windows, two softcaps
     ("gemma3_text", {}),                             # + q/k norms, a RoPE per layer type
     ("gemma3", {}),                                  # Gemma 3 4B+'s multimodal checkpoint, served as text
+    ("phi3", {"sliding_window": 12}),                # fused qkv/gate_up in the checkpoint; Phi-3-mini-4k's window
+    ("phi3", {"partial_rotary_factor": 0.5, "num_key_value_heads": 4}),      # RoPE over half of each head (Phi-4-mini)
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM
@@ -87,3 +89,29 @@ def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     batched = LLM(path, block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
     outs = batched.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone_outs]     # Baton against itself: exact
+
+
+LONGROPE = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.4, 2.9, 3.5],
+                             "long_factor": [1.0, 1.5, 2.2, 3.0, 4.1, 5.3, 6.6, 8.0]},
+            "original_max_position_embeddings": 128, "max_position_embeddings": 512}
+
+
+def test_phi3_longrope_takes_its_factors_by_max_model_len(tmp_path):
+    """Phi-3.5's long RoPE has short factors for contexts up to original_max_position_embeddings and long ones past
+    it. transformers picks per forward by its length; the engine picks once, by max_model_len (llama.cpp's rule), so
+    that a cache never holds keys rotated both ways: up to 128 it equals transformers on sequences that stay short,
+    past 128 on sequences that start long."""
+    from transformers import AutoModelForCausalLM
+    path = make_tiny_checkpoint(tmp_path, "phi3", **LONGROPE)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=TOP_K)
+    for max_model_len, lengths in ((128, (5, 40, 100)), (512, (130, 200))):
+        prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+        llm = LLM(path, block_size=8, num_kv_blocks=96, max_model_len=max_model_len)
+        for out, ref in zip(llm.generate(prompts, params), hf_greedy(hf, prompts, 24)):
+            check_greedy_close(baton_greedy(out), ref)
+    prompt = prompts[0][:40]                             # the factors alone part the two engines
+    short = LLM(path, block_size=8, num_kv_blocks=96, max_model_len=128).generate([prompt], params)
+    long = LLM(path, block_size=8, num_kv_blocks=96, max_model_len=512).generate([prompt], params)
+    assert short[0].token_ids != long[0].token_ids or short[0].logprobs != long[0].logprobs

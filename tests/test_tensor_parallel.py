@@ -44,6 +44,7 @@ TINY_MODELS = {
     "gemma2": ("gemma2", dict(vocab_size=301)),
     "gemma3": ("gemma3_text", {}),
     "gemma3-multimodal": ("gemma3", {}),                          # its language model's tensors, the vision unread
+    "phi3": ("phi3", dict(partial_rotary_factor=0.5)),            # fused qkv/gate_up in the file: each rank cuts its own
 }
 
 
