@@ -131,7 +131,8 @@ def convert_gguf(gguf: Path) -> Path:
 def gguf_config_overrides(gguf: Path) -> dict:
     """Config fields transformers' GGUF reader leaves out: head_dim, where the file's attention.key_length is not
     hidden / heads (Qwen3-0.6B: 128 over 1,024 / 16); a Qwen MoE's expert width (expert_feed_forward_length) and
-    Qwen2-MoE's shared expert's (expert_shared_feed_forward_length)."""
+    Qwen2-MoE's shared expert's (expert_shared_feed_forward_length); Gemma 2/3's query scale, softcaps and Gemma 3's
+    RoPE scaling."""
     try:
         meta = gguf_metadata(gguf)
     except ValueError:                                     # not little-endian v2/v3: transformers reads it as it can
@@ -146,6 +147,16 @@ def gguf_config_overrides(gguf: Path) -> dict:
         out["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
     if meta.get(f"{arch}.expert_shared_feed_forward_length"):
         out["shared_expert_intermediate_size"] = meta[f"{arch}.expert_shared_feed_forward_length"]
+    if arch in GGUF_GEMMA_ARCHS and hidden and heads:
+        # llama.cpp's query scale: the 27B models' (46 and 62 layers) by hidden / heads, the others' by head_dim
+        big = meta.get(f"{arch}.block_count") == {"gemma2": 46, "gemma3": 62}[arch]
+        out["query_pre_attn_scalar"] = hidden // heads if big else key_length or hidden // heads
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):     # Gemma 2's, as the file has them
+            if meta.get(f"{arch}.{key}"):
+                out[key] = float(meta[f"{arch}.{key}"])
+        if meta.get(f"{arch}.rope.scaling.factor"):       # Gemma 3 4B+: its full layers' linear RoPE scaling
+            out["rope_scaling"] = {"rope_type": str(meta.get(f"{arch}.rope.scaling.type") or "linear"),
+                                   "factor": float(meta[f"{arch}.rope.scaling.factor"])}
     return out
 
 
@@ -279,6 +290,10 @@ _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
                "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                "ffn_down_shexp": "mlp.shared_expert.down_proj",                # Qwen2-MoE's shared expert
                "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}                 # ... and its gate, [H] in the file
+# Gemma 2/3's layer: ffn_norm comes before the MLP, and two more norms follow attention and the MLP
+_GGUF_GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+GGUF_GEMMA_ARCHS = ("gemma2", "gemma3")
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}   # stacked
 _GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
 
@@ -411,6 +426,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     unpacked: set[str] = set()
+    gemma = arch in GGUF_GEMMA_ARCHS
+    layer_names = {**_GGUF_LAYER, **_GGUF_GEMMA_LAYER} if gemma else _GGUF_LAYER
 
     def floats(t, shape: tuple[int, ...]) -> "np.ndarray":
         """A tensor the kernels do not read packed, as fp32 (a copy: the reader maps the file); its type noted."""
@@ -435,8 +452,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
             for e, w in enumerate(floats(t, (n, rows, cols))):
                 yield f"{prefix}.{e}.{_GGUF_EXPERTS[parts[2]]}.{suffix}", torch.from_numpy(w)
             continue
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER:
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}.{suffix}"
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+            name = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
         elif len(parts) == 1 and parts[0] in _GGUF_TOP:
             name = f"{_GGUF_TOP[parts[0]]}.{suffix}"
         else:
@@ -447,6 +464,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
             torch.from_numpy(floats(t, shape))
         if parts[-1] == "ffn_gate_inp_shexp" and w.dim() == 1:
             w = w[None, :]                                # one output: the shared expert's gate, [1, H]
+        if gemma and name.endswith("norm.weight"):      # llama.cpp stores Gemma's norms as 1 + weight (HF's weight)
+            w = w - 1
         if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
             n = heads if parts[-1] == "attn_q" else kv_heads
             w = w.rows(_unrotate(shape[0], n)) if not isinstance(w, torch.Tensor) else w[_unrotate(shape[0], n)]

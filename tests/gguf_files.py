@@ -52,13 +52,17 @@ def _raw_kquant(rng, rows: int, cols: int, type_name: str) -> np.ndarray:
 
 def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden: int = 256,
                intermediate: int = 512, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-               head_dim: int | None = None, experts: int = 4, top_k: int = 2, expert_intermediate: int = 128) -> Path:
+               head_dim: int | None = None, experts: int = 4, top_k: int = 2, expert_intermediate: int = 128,
+               window: int = 8) -> Path:
     """`types` maps a GGUF tensor role ("token_embd", "attn_q", ..., "ffn_down", "output") to a type name
     (F32, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, or any other the gguf package can quantize to); roles not named
     are F32. K-quants need widths that are multiples of 256. An "output" entry writes an untied head.
     arch "qwen3moe": every layer's MLP is `experts` stacked experts of `expert_intermediate` units (roles
     "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), `top_k` a token, with the router "ffn_gate_inp" (F32);
-    "qwen2moe" adds q/k/v biases and a shared expert of `intermediate` units ("ffn_*_shexp") with its gate."""
+    "qwen2moe" adds q/k/v biases and a shared expert of `intermediate` units ("ffn_*_shexp") with its gate.
+    arch "gemma2" / "gemma3": a sliding window of `window` tokens (every other layer, Gemma 2; five of six, Gemma 3),
+    norms after attention and the MLP (stored as llama.cpp stores Gemma's: 1 + weight), Gemma 2's softcaps (5 on
+    scores, 10 on logits: low enough to bite), Gemma 3's q/k norms."""
     import gguf
     from gguf.quants import quantize
 
@@ -82,9 +86,15 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(intermediate)
     w.add_rope_dimension_count(head_dim)
-    if head_dim != hidden // heads:
+    gemma = arch in ("gemma2", "gemma3")
+    if head_dim != hidden // heads or gemma:              # transformers reads Gemma's head_dim from key_length
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if gemma:
+        w.add_sliding_window(window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(5.0)
+        w.add_final_logit_softcapping(10.0)
     for key, value, kind, sub in _tokenizer_fields():
         w.add_key_value(key, value, kind, sub)
 
@@ -108,7 +118,10 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
         add(p + "attn_q.weight", "attn_q", heads * head_dim, hidden)
         add(p + "attn_k.weight", "attn_k", kv_heads * head_dim, hidden)
         add(p + "attn_v.weight", "attn_v", kv_heads * head_dim, hidden)
-        if arch in ("qwen3", "qwen3moe"):                 # q/k norms of head_dim
+        if gemma:
+            for role in ("post_attention_norm", "post_ffw_norm"):
+                w.add_tensor(p + role + ".weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        if arch in ("qwen3", "qwen3moe", "gemma3"):       # q/k norms of head_dim
             for role in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(p + role + ".weight", (1 + 0.1 * rng.standard_normal(head_dim)).astype(np.float32))
         if arch in ("qwen2", "qwen2moe"):

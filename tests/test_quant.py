@@ -441,3 +441,39 @@ def test_our_gguf_index_reads_what_ggufs_reader_reads(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF\x01\x00\x00\x00" + bytes(16))       # version 1: not ours
     with pytest.raises(ValueError, match="v2/v3"):
         read_gguf(tmp_path / "bad.gguf")
+
+
+@pytest.mark.slow                        # transformers converts the file for the reference
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_runs_packed_close_to_transformers_conversion_of_it(tmp_path, arch):
+    """llama.cpp's Gemma 2/3 layout: ffn_norm before the MLP, post_attention_norm and post_ffw_norm after attention
+    and the MLP, every norm stored as 1 + weight (read back as HF's weight; the model adds the 1), q/k not permuted.
+    The config takes what transformers' reader leaves out (Gemma 2's softcaps, the query scale of head_dim). The
+    reference is transformers' own reading of the file; with the norms read as stored, the model is far off."""
+    path = str(write_gguf(tmp_path / f"{arch}.gguf", {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q8_0",
+                                                       "attn_v": "Q8_0", "attn_output": "Q8_0", "ffn_gate": "Q4_0",
+                                                       "ffn_up": "Q4_0", "ffn_down": "Q8_0"},
+                          arch=arch, head_dim=32))
+    ref = LLM(path, quantization="none", num_kv_blocks=64, max_model_len=512)
+    config = ref.engine.runner.hf_config
+    assert config.sliding_window == 8 and config.query_pre_attn_scalar == 32
+    if arch == "gemma2":
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (5.0, 10.0)
+    q = LLM(path, num_kv_blocks=64, max_model_len=512)
+    layer = q.engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert layer.self_attn.window == 8 and q.engine.runner.model.model.layers[-1].self_attn.window == (
+        0 if arch == "gemma2" else 8)                     # Gemma 2: every other layer; Gemma 3: five of six
+    seqs = _prompts()
+    ours, want = engine_logprobs(q, seqs), engine_logprobs(ref, seqs)
+    for o, w in zip(ours, want):
+        assert (o - w).abs().max() < 0.05 * w.abs().max()
+    stored = LLM(path, num_kv_blocks=64, max_model_len=512)      # the norms as the file stores them (1 + weight)
+    with torch.no_grad():
+        for name, p in stored.engine.runner.model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    off = max((s - w).abs().max() for s, w in zip(engine_logprobs(stored, seqs), want))
+    assert off > 4 * max((o - w).abs().max() for o, w in zip(ours, want))
+    alone = [q.generate([p], GREEDY)[0].token_ids for p in seqs]
+    assert [o.token_ids for o in q.generate(seqs, GREEDY)] == alone       # batched equals alone, exactly
