@@ -1,8 +1,8 @@
 """Part 2 of `baton check gpu`: the engine against transformers on random-weight models built from config.
 
 Each model (a Llama-3 shape of about 1B with llama3 RoPE scaling, a Qwen2 shape with its q/k/v bias, Qwen3's,
-four layers of Qwen3-30B-A3B's mixture of experts, and four of Gemma-2-2B's with a sliding window short enough to
-matter and its softcaps) is built
+four layers of Qwen3-30B-A3B's mixture of experts, four of Gemma-2-2B's with a sliding window short enough to
+matter and its softcaps, and four of Phi-4-mini's: fused weights, partial and long RoPE) is built
 by transformers with random weights and saved with `save_pretrained` (safetensors), then loaded by both, as a
 real checkpoint is. transformers in fp32 gives the reference: greedy continuations with their top logprobs,
 and the teacher-forced log-probabilities of every position of prompt + continuation.
@@ -69,6 +69,16 @@ GPU_MODELS = {
                                           query_pre_attn_scalar=256, sliding_window=128, vocab_size=256000,
                                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                           max_position_embeddings=8192)),
+    # Phi-4-mini's layer in 4 layers: q/k/v and gate/up fused in the checkpoint, RoPE over 3/4 of each head with
+    # longrope's factors (synthetic ones, 48 = the rotated dims / 2; the check's max_model_len keeps the short set)
+    "Phi-4-mini-4L": ("phi3", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=4,
+                                   num_attention_heads=24, num_key_value_heads=8, vocab_size=200064,
+                                   tie_word_embeddings=True, partial_rotary_factor=0.75, max_position_embeddings=131072,
+                                   original_max_position_embeddings=4096, rope_theta=10000.0,
+                                   pad_token_id=199999, bos_token_id=199999, eos_token_id=199999,
+                                   rope_scaling={"rope_type": "longrope",
+                                                 "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                                                 "long_factor": [1.0 + 0.5 * i for i in range(48)]})),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -88,6 +98,9 @@ CPU_MODELS = {
                                    num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
                                    vocab_size=512, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
                                    max_position_embeddings=512)),
+    "phi3-tiny": ("phi3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=512, partial_rotary_factor=0.5, sliding_window=12,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)),
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
 CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12

@@ -113,13 +113,14 @@ class LLMEngine:
         return out
 
     def compat_key(self) -> str:
-        """Model, dtype, KV cache dtype, block size, layer/head shapes, layout version: equal keys share KV blocks.
+        """Model, dtype, KV cache dtype, block size, layer/head shapes, layout version (and longrope's factor set): equal
+        keys share KV blocks.
         The model's KV heads, not this rank's: engines of any tensor_parallel_size can share blocks. Weight
         quantization is not in it (the KV layout is the same), beyond the weights' fingerprint."""
         m, kv = self.runner.model, self.config.kv_cache_dtype
         return (f"{self.hf_config.model_type}:{self.hf_config.vocab_size}:{self.hf_config.hidden_size}:"
                 f"{self.runner.dtype}{'' if kv == 'auto' else ':kv-' + kv}:bs{self.block_size}:L{m.num_layers}:"
-                f"kv{m.total_kv_heads}x{m.head_dim}:v{KV_LAYOUT_VERSION}:{self.runner.weight_fingerprint()}")
+                f"kv{m.total_kv_heads}x{m.head_dim}:v{KV_LAYOUT_VERSION}:{self.runner.weight_fingerprint()}{m.rope_tag}")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP 1)."""

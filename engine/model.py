@@ -137,6 +137,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (out if rd == x.shape[-1] else torch.cat((out, x[..., rd:]), dim=-1)).to(dtype)
 
 
+def longrope_factors(config, max_positions: int) -> str | None:
+    """Which of longrope's factor sets an engine of max_positions uses (_rope_inv_freq): "long" or "short"; None for
+    any other RoPE."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    original = params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                          None) or config.max_position_embeddings
+    return "long" if max_positions > original else "short"
+
+
 def rotary_dim(config, head_dim: int) -> int:
     """How much of each head RoPE rotates: head_dim times partial_rotary_factor (Phi-3's, in its config or its
     rope_parameters), all of it elsewhere."""
@@ -687,6 +698,13 @@ class LlamaForCausalLM(nn.Module):
         self.ropes = {kind: RotaryEmbedding(self.config, self.head_dim, self.max_positions, kind).to(device)
                       for kind in kinds}
         self.rope = next(iter(self.ropes.values())) if len(self.ropes) == 1 else None    # the C++ stack's
+
+    @property
+    def rope_tag(self) -> str:
+        """What the KV's rotation depends on beyond the config: longrope's factor set (engines with others cannot
+        share blocks), else nothing."""
+        factors = longrope_factors(self.config, self.max_positions)
+        return f":rope-{factors}" if factors else ""
 
     def cover_positions(self, max_positions: int) -> None:
         """Rotary tables for this many positions (an engine sharing weights loaded for another max_model_len)."""

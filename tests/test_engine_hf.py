@@ -115,3 +115,6 @@ def test_phi3_longrope_takes_its_factors_by_max_model_len(tmp_path):
     short = LLM(path, block_size=8, num_kv_blocks=96, max_model_len=128).generate([prompt], params)
     long = LLM(path, block_size=8, num_kv_blocks=96, max_model_len=512).generate([prompt], params)
     assert short[0].token_ids != long[0].token_ids or short[0].logprobs != long[0].logprobs
+    # their KV differs for the same tokens: the two cannot share blocks (a hand-off between them is refused)
+    tags = [LLM(path, num_kv_blocks=32, max_model_len=n).engine.compat_key() for n in (128, 512)]
+    assert tags[0].endswith(":rope-short") and tags[1].endswith(":rope-long")
