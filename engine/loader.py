@@ -100,19 +100,25 @@ def convert_gguf(gguf: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tok.save_pretrained(tmp)
     steps.update()
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                              **gguf_config_overrides(gguf))
+    if _llama_experts(gguf):                               # Mixtral: transformers reads its GGUF as a dense Llama
+        config, generation = _mixtral_config(gguf)
+        state = {k: (v.dequantize() if not isinstance(v, torch.Tensor) else v).contiguous()
+                 for k, v in iter_gguf_weights(gguf, config)}
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                  **gguf_config_overrides(gguf))
+        config, generation = hf.config, hf.generation_config
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()
+                 if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
     steps.update()
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()
-             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt", "source": gguf.name})
     steps.update()
-    cfg = hf.config.to_dict()
+    cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}))
-    if hf.generation_config is not None:
-        hf.generation_config.save_pretrained(tmp)
+    if generation is not None:
+        generation.save_pretrained(tmp)
     if out.exists() and not (out / "model.safetensors").is_file():
         shutil.rmtree(out, ignore_errors=True)            # a broken copy (an older layout)
     try:
@@ -126,6 +132,29 @@ def convert_gguf(gguf: Path) -> Path:
     steps.close()
     log.info("converted %s to %s in %.1f s", gguf, out, time.time() - t0)
     return out
+
+
+def _llama_experts(gguf: Path) -> int:
+    """The experts of a llama-architecture GGUF (llama.cpp writes Mixtral so), 0 for a dense one."""
+    try:
+        meta = gguf_metadata(gguf)
+    except ValueError:
+        return 0
+    return int(meta.get("llama.expert_count") or 0) if meta.get("general.architecture") == "llama" else 0
+
+
+def _mixtral_config(gguf: Path):
+    """A Mixtral GGUF's config and generation config: transformers' reading of its llama fields, made a Mixtral's with
+    the file's expert counts (each expert as wide as feed_forward_length)."""
+    from transformers import GenerationConfig, MixtralConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    meta = gguf_metadata(gguf)
+    cfg = {k: v for k, v in load_gguf_checkpoint(str(gguf))["config"].items() if k not in ("model_type", "architectures")}
+    cfg.update(gguf_config_overrides(gguf), num_local_experts=int(meta["llama.expert_count"]),
+               num_experts_per_tok=int(meta.get("llama.expert_used_count") or 2))
+    config = MixtralConfig(**cfg)
+    config.architectures = ["MixtralForCausalLM"]
+    return config, GenerationConfig.from_model_config(config)
 
 
 def gguf_config_overrides(gguf: Path) -> dict:

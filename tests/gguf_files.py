@@ -151,3 +151,70 @@ def write_gguf(path: Path, types: dict[str, str], *, arch: str = "llama", hidden
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (convert_hf_to_gguf's LlamaModel.permute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf(hf_dir: str, path: Path, types: dict[str, str]) -> Path:
+    """A tiny HF Mixtral checkpoint written as llama.cpp writes Mixtral: architecture llama with expert_count and
+    expert_used_count, q/k rows permuted, each layer's router ffn_gate_inp and experts stacked (ffn_*_exps), in the
+    types `types` names per role (F32 where not named); the cut SmolLM2 tokenizer (the model's vocabulary must be
+    VOCAB). The same weights the checkpoint holds, so transformers' run of the checkpoint is the reference."""
+    import gguf
+    import torch
+    from gguf.quants import quantize
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    assert cfg.vocab_size == VOCAB, "the tokenizer written has VOCAB tokens"
+    heads, kv_heads, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
+                               else cfg.rope_theta))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    for key, value, kind, sub in _tokenizer_fields():
+        w.add_key_value(key, value, kind, sub)
+
+    def add(name: str, role: str, x: np.ndarray) -> None:
+        kind = types.get(role, "F32")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if kind == "F32" or x.ndim == 1:
+            w.add_tensor(name, x)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", "token_embd", sd["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, hf = f"blk.{i}.", f"model.layers.{i}."
+        add(p + "attn_norm.weight", "", sd[hf + "input_layernorm.weight"])
+        add(p + "ffn_norm.weight", "", sd[hf + "post_attention_layernorm.weight"])
+        add(p + "attn_q.weight", "attn_q", _permute(sd[hf + "self_attn.q_proj.weight"], heads))
+        add(p + "attn_k.weight", "attn_k", _permute(sd[hf + "self_attn.k_proj.weight"], kv_heads))
+        add(p + "attn_v.weight", "attn_v", sd[hf + "self_attn.v_proj.weight"])
+        add(p + "attn_output.weight", "attn_output", sd[hf + "self_attn.o_proj.weight"])
+        add(p + "ffn_gate_inp.weight", "", sd[hf + "mlp.gate.weight"])
+        gate, up = np.split(sd[hf + "mlp.experts.gate_up_proj"], 2, axis=1)       # transformers 5: [E, 2I, H]
+        add(p + "ffn_gate_exps.weight", "ffn_gate_exps", gate)
+        add(p + "ffn_up_exps.weight", "ffn_up_exps", up)
+        add(p + "ffn_down_exps.weight", "ffn_down_exps", sd[hf + "mlp.experts.down_proj"])
+    add("output_norm.weight", "", sd["model.norm.weight"])
+    add("output.weight", "output", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
