@@ -7,7 +7,8 @@
 // same bits.
 //
 // DecoderStack: the layers of a Llama-family model whose linears are packed for the matmul kernel, run in one
-// call. The Python forward (engine/model.py) spends about as long dispatching a layer's dozen small ops as the
+// call (Gemma's too: its norms after attention and the MLP, its GELU gate, a rope table per layer type, a sliding
+// window and a score softcap per layer). The Python forward (engine/model.py) spends about as long dispatching a layer's dozen small ops as the
 // ops take at decode batch sizes, and holds the GIL while it does, which a server's event loop in the same
 // process needs for every token it streams. Here a layer is rms_norm -> qkv matmul -> rope + KV store ->
 // paged attention -> o matmul -> rms_norm (residual added) -> gate_up matmul -> silu(gate) * up (ATen's own
@@ -86,10 +87,14 @@ struct LoRARows {
 };
 
 struct Layer {
-  torch::Tensor in_norm, post_norm;
+  torch::Tensor in_norm, post_norm;                // post_norm: the norm before the MLP (its residual add fused)
   Linear qkv, o, gate_up, down;
-  c10::optional<torch::Tensor> q_norm, k_norm;     // Qwen3's: one RMSNorm over head_dim for every head's q and k
-  int64_t window = 0;                              // a sliding window's tokens (Mistral), 0: none
+  c10::optional<torch::Tensor> q_norm, k_norm;     // Qwen3's and Gemma 3's: one RMSNorm over head_dim for q and k
+  int64_t window = 0;                              // a sliding window's tokens (Mistral, Gemma 2/3), 0: none
+  double softcap = 0.0;                            // Gemma 2's score softcap, 0: none
+  c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;   // Gemma 2/3's norms of attention's and the MLP's output
+  bool gelu = false;                               // Gemma's gate: GELU (tanh), else SiLU
+  int64_t rope = 0;                                // which of forward's cos/sin tables (Gemma 3: sliding, full)
   std::vector<c10::optional<LoRA>> lora = std::vector<c10::optional<LoRA>>(4);   // qkv, o, gate_up, down
 };
 
@@ -103,12 +108,18 @@ class DecoderStack {
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, const Parts& qkv, c10::optional<torch::Tensor> qkv_bias,
                  const Parts& o, c10::optional<torch::Tensor> o_bias, const Parts& gate_up,
                  c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, int64_t window) {
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, int64_t window,
+                 double softcap, c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
+                 bool gelu, int64_t rope) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "add_layer: q_norm and k_norm come together");
+    TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(), "add_layer: output norms come together");
+    TORCH_CHECK(rope >= 0, "add_layer: a rope table index");
     layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), make_linear(qkv, qkv_bias),
                             make_linear(o, o_bias), make_linear(gate_up, gate_up_bias), make_linear(down, down_bias),
                             q_norm, k_norm});
-    layers_.back().window = window;
+    Layer& l = layers_.back();
+    l.window = window, l.softcap = softcap, l.attn_out_norm = attn_out_norm, l.mlp_out_norm = mlp_out_norm;
+    l.gelu = gelu, l.rope = rope;
   }
 
   // The adapter slots of one of layer i's linears (which: 0 qkv, 1 o, 2 gate_up, 3 down).
@@ -132,7 +143,8 @@ class DecoderStack {
 
   // x [T, hidden]: the embeddings. Runs the first `num_layers` layers (all: -1) and returns (the last layer's
   // output, the residual stream), which the caller adds before the final norm, as engine/model.py does.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, const std::vector<torch::Tensor>& cos,
+                                                   const std::vector<torch::Tensor>& sin,
                                                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                                                    int64_t num_layers, const c10::optional<torch::Tensor>& lora_rows,
@@ -140,6 +152,10 @@ class DecoderStack {
     const int64_t L = num_layers < 0 ? this->num_layers() : std::min(num_layers, this->num_layers());
     TORCH_CHECK(static_cast<int64_t>(k_.size()) == this->num_layers(), "set_kv before forward");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x: fp32 [T, hidden]");
+    TORCH_CHECK(cos.size() == sin.size(), "one sin table per cos table");
+    for (int64_t i = 0; i < L; ++i)
+      TORCH_CHECK(layers_[i].rope < static_cast<int64_t>(cos.size()), "layer ", i, ": no rope table ",
+                  layers_[i].rope);
     const int64_t T = x.size(0);
     x = x.contiguous();
     // rows under an adapter in this step (none: every row on the base model)
@@ -173,14 +189,18 @@ class DecoderStack {
                                          c10::nullopt);
         qkv = at::cat({q.view({T, H_ * D_}), k.view({T, G_ * D_}), qkv.narrow(1, (H_ + G_) * D_, G_ * D_)}, 1);
       }
-      attn::rope_write_kv(qkv, cos, sin, k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
+      attn::rope_write_kv(qkv, cos[l.rope], sin[l.rope], k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
       torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor o = attn::paged_attention_varlen(q, k_[i], v_[i], block_tables, seq_lens, query_start_loc,
-                                                     scale_, ks_[i], vs_[i], l.window, 0.0);
-      h = attn::rms_norm(linear(l, 1, l.o, o.reshape({T, H_ * D_})), l.post_norm, eps_, residual);
+                                                     scale_, ks_[i], vs_[i], l.window, l.softcap);
+      o = linear(l, 1, l.o, o.reshape({T, H_ * D_}));
+      if (l.attn_out_norm.has_value()) o = attn::rms_norm(o, *l.attn_out_norm, eps_, c10::nullopt);
+      h = attn::rms_norm(o, l.post_norm, eps_, residual);
       torch::Tensor gu = linear(l, 2, l.gate_up, h);
-      torch::Tensor act = at::silu(gu.narrow(1, 0, I_)) * gu.narrow(1, I_, I_);
+      torch::Tensor gate = gu.narrow(1, 0, I_);
+      torch::Tensor act = (l.gelu ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, I_, I_);
       x = linear(l, 3, l.down, act);
+      if (l.mlp_out_norm.has_value()) x = attn::rms_norm(x, *l.mlp_out_norm, eps_, c10::nullopt);
     }
     return {x, residual.defined() ? residual : x};
   }

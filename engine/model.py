@@ -22,6 +22,7 @@ on the logits, Gemma 3 Qwen3's q/k norms.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterable
 
@@ -69,15 +70,19 @@ def rope_kind(config, layer_idx: int) -> str | None:
     return types[layer_idx] if types is not None and isinstance(params.get(types[layer_idx]), dict) else None
 
 
-def activation(config):
-    """The MLP's gate activation, as transformers names it: SiLU (Llama, Qwen, Mistral) or Gemma's GELU."""
+def activation(config) -> tuple[str, object]:
+    """The MLP's gate activation as transformers names it and computes it: SiLU (Llama, Qwen, Mistral, Phi-3) or
+    Gemma's GELU (tanh; the op the C++ decoder stack calls too), any other through transformers' table."""
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
-    if name == "silu":
-        return F.silu
+    if name in STACK_ACTIVATIONS:
+        return name, STACK_ACTIVATIONS[name]
     from transformers.activations import ACT2FN
     if name not in ACT2FN:
         raise ModelLoadError(f"unsupported activation {name!r}")
-    return ACT2FN[name]
+    return name, ACT2FN[name]
+
+
+STACK_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
@@ -318,7 +323,7 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, tp)
-        self.act = activation(config)
+        self.act_name, self.act = activation(config)
 
     def forward(self, x):
         return self.down_proj(self._gated(x))
@@ -660,8 +665,8 @@ class LlamaForCausalLM(nn.Module):
         self.total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.num_layers = config.num_hidden_layers
         self.max_positions = max_positions
-        self.rope: RotaryEmbedding | None = None       # built by materialize(), on the real device
-        self.ropes: dict[str | None, RotaryEmbedding] = {}   # by rope_kind: Gemma 3's two; else {None: self.rope}
+        # RoPE tables by rope_kind (Gemma 3's two; else one, under None), built by materialize() on the real device
+        self.ropes: dict[str | None, RotaryEmbedding] = {}
         gemma = config.model_type in GEMMA_MODEL_TYPES
         self.embed_scale = config.hidden_size ** 0.5 if gemma else None     # Gemma scales its embeddings
         self.norm_offset = 1.0 if gemma else 0.0        # Gemma's norms multiply by 1 + weight: added at load
@@ -697,7 +702,6 @@ class LlamaForCausalLM(nn.Module):
         kinds = {layer.self_attn.rope_kind for layer in self.model.layers}
         self.ropes = {kind: RotaryEmbedding(self.config, self.head_dim, self.max_positions, kind).to(device)
                       for kind in kinds}
-        self.rope = next(iter(self.ropes.values())) if len(self.ropes) == 1 else None    # the C++ stack's
 
     @property
     def rope_tag(self) -> str:
@@ -722,7 +726,8 @@ class LlamaForCausalLM(nn.Module):
         stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
             plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
-            h, residual = stack.forward(h, self.rope.cos[positions], self.rope.sin[positions], md.slot_mapping,
+            h, residual = stack.forward(h, [r.cos[positions] for r in self.ropes.values()],
+                                        [r.sin[positions] for r in self.ropes.values()], md.slot_mapping,
                                         md.block_tables, md.seq_lens, md.query_start_loc,
                                         -1 if num_layers is None else num_layers,
                                         plan.rows if plan else None, plan.row_slots if plan else None)
@@ -769,10 +774,9 @@ class LlamaForCausalLM(nn.Module):
         from engine.lora import LoRALinear
         from engine.quant_kernels import KINDS
         layers = self.model.layers
-        # the C++ stack runs the Llama layer: dense SiLU MLPs, one RoPE, no softcap, no sandwich norms
-        if self.has_moe or self.rope is None or any(la.sandwich or la.self_attn.softcap or la.mlp.act is not F.silu
-                                                    or la.self_attn.rotary_dim != la.self_attn.head_dim
-                                                    for la in layers):
+        # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads
+        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.self_attn.rotary_dim != la.self_attn.head_dim
+                               for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
@@ -790,8 +794,14 @@ class LlamaForCausalLM(nn.Module):
             parts = [([(p, KINDS[kind], group, n) for (kind, group, n, _k), (p,) in zip(m.calls, m.packed)], m.bias)
                      for m in ms]
             norms = [None if n is None else n.weight.detach() for n in (la.self_attn.q_norm, la.self_attn.k_norm)]
-            stack.add_layer(la.input_layernorm.weight.detach(), la.post_attention_layernorm.weight.detach(),
-                            *[a for part in parts for a in part], *norms, la.self_attn.window)
+            # Gemma 2/3: the norm before the MLP is pre_feedforward_layernorm; post_attention_layernorm and
+            # post_feedforward_layernorm normalise attention's and the MLP's outputs
+            pre_mlp, outs = (la.pre_feedforward_layernorm, (la.post_attention_layernorm, la.post_feedforward_layernorm)) \
+                if la.sandwich else (la.post_attention_layernorm, (None, None))
+            stack.add_layer(la.input_layernorm.weight.detach(), pre_mlp.weight.detach(),
+                            *[a for part in parts for a in part], *norms, la.self_attn.window, la.self_attn.softcap,
+                            *[None if n is None else n.weight.detach() for n in outs],
+                            la.mlp.act_name != "silu", list(self.ropes).index(la.self_attn.rope_kind))
         for i, ad in enumerate(adapters):               # LoRA's slots, shared: an adapter loaded later is seen there
             for which, a in enumerate(ad):
                 if a is not None:
