@@ -113,10 +113,21 @@ class LinearCost:
                        c_ctx=self.c_ctx * factor, c_seq=self.c_seq * factor,
                        overheads=self.overheads.at_speed(factor))
 
-    def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
-        """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first."""
-        ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)        # each step reads its new token too
+    def decode_steps_s(self, batch: int, context: int, k: int, growth: float | None = None) -> np.ndarray:
+        """Durations of k decode steps of `batch` sequences holding `context` tokens in all at the first (`growth`:
+        what each step adds to the context read, `batch` without a window)."""
+        ctx = context + (batch if growth is None else growth) * np.arange(1, k + 1, dtype=np.float64)
         return self.c0 + (self.c_tok + self.c_seq) * batch + (self.c_attn + self.c_ctx) * ctx
+
+    @staticmethod
+    def pairs(new: int, cached: int) -> float:
+        """A chunk's attention pairs (a calibrated engine's model has no window)."""
+        return attention_pairs(new, cached)
+
+    @staticmethod
+    def kv_read(context: int | np.ndarray) -> int | np.ndarray:
+        """KV tokens a sequence's step reads, a layer's on average, at this context: all of them."""
+        return context
 
     def kv_tokens(self, kv_cache_memory: int | float | None, num_kv_blocks: int | None, block_size: int) -> int:
         """Tokens one replica's KV cache holds (the engine's own rule: blocks, else bytes; a fraction needs a GPU)."""
@@ -174,6 +185,15 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
                       "moe_intermediate_size": 768, "vocab_size": 151936, "num_experts": 128,
                       "num_experts_per_tok": 8},
+    # sliding windows: attention in those layers reads at most the window's tokens (the cache still holds all)
+    "gemma-2-9b": {"model_type": "gemma2", "hidden_size": 3584, "num_hidden_layers": 42, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 256, "intermediate_size": 14336, "vocab_size": 256000,
+                   "sliding_window": 4096, "query_pre_attn_scalar": 256},
+    "gemma-3-27b": {"model_type": "gemma3_text", "hidden_size": 5376, "num_hidden_layers": 62,
+                    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128, "intermediate_size": 21504,
+                    "vocab_size": 262208, "sliding_window": 1024, "query_pre_attn_scalar": 168},
+    "phi-4": {"model_type": "phi3", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
+              "num_key_value_heads": 10, "intermediate_size": 17920, "vocab_size": 100352},
 }
 
 
@@ -189,8 +209,33 @@ def moe_shape(m: dict[str, Any]) -> tuple[int, int, int, int]:
     return experts, int(m["num_experts_per_tok"]), 3 * m["hidden_size"] * moe_intermediate_size(config), sparse
 
 
+def model_windows(m: dict[str, Any]) -> tuple[int, int]:
+    """(sliding window, layers that use it) of a config: the engine's rule (engine/model.py layer_window) on the
+    config transformers builds from these fields (its defaults: Gemma 2's every other layer, Gemma 3's five of
+    six); (0, 0) for a model without one."""
+    if not m.get("sliding_window") or not m.get("model_type"):
+        return 0, 0
+    from transformers import AutoConfig
+
+    from engine.model import layer_window
+    config = AutoConfig.for_model(m["model_type"], **{k: v for k, v in m.items()
+                                                      if k not in ("model_type", "name", "architectures")})
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    return max(windows), sum(1 for w in windows if w)
+
+
+def windowed_pairs(new: int, cached: int, window: int) -> float:
+    """attention_pairs under a sliding window: the query at position p (from 0) sees min(p + 1, window) keys."""
+    lo, hi = cached + 1, cached + new                 # the queries' counts of visible keys without the window
+    below = max(0, min(hi, window) - lo + 1)          # those at most the window: themselves
+    first = lo
+    total = below * (first + first + below - 1) / 2 if below else 0.0
+    return total + window * (new - below)
+
+
 def model_shape(model: str | dict) -> dict[str, Any]:
-    """A preset name, a config.json path, a model directory holding one, or the config as a dict."""
+    """A preset name, a config.json path, a model directory holding one, or the config as a dict (a multimodal
+    model's, Gemma 3 4B+'s: its text model's, as the engine serves it)."""
     if isinstance(model, dict):
         return model
     if model in MODELS:
@@ -199,7 +244,10 @@ def model_shape(model: str | dict) -> dict[str, Any]:
     path = path / "config.json" if path.is_dir() else path
     if not path.exists():
         raise ValueError(f"unknown model {model!r}: a preset ({', '.join(MODELS)}), or a config.json or its directory")
-    return {**json.loads(path.read_text()), "name": str(model)}
+    config = json.loads(path.read_text())
+    if isinstance(config.get("text_config"), dict):
+        config = {"model_type": config["model_type"] + "_text", **config["text_config"]}
+    return {**config, "name": str(model)}
 
 
 def kv_value_bytes(kv_cache_dtype: str, model: dict[str, Any], dtype_bytes: float = 2.0) -> float:
@@ -251,6 +299,8 @@ class RooflineCost:
         self.experts, self.top_k, self.expert_params, self.sparse_layers = experts, top_k, expert, sparse
         self.flops_per_pair = 4 * layers * heads * d
         self.kv_bytes_per_token = int(2 * layers * kv_heads * d * self.kv_bytes_per_value)
+        self.window, windowed = model_windows(m)
+        self.window_share = windowed / layers              # of the layers, those that read at most the window
         g = GPUS[self.gpu]
         self.peak, self.bandwidth, self.memory = g["flops"] * self.tp, g["bandwidth"] * self.tp, g["memory"] * self.tp
         self.link = g["link"]
@@ -295,8 +345,22 @@ class RooflineCost:
             return self.prefill_overhead_s
         return self.step_overhead_s
 
-    def decode_steps_s(self, batch: int, context: int, k: int) -> np.ndarray:
-        ctx = context + batch * np.arange(1, k + 1, dtype=np.float64)
+    def pairs(self, new: int, cached: int) -> float:
+        """A chunk's attention pairs, a layer's on average: its windowed layers' (windowed_pairs) with the rest's."""
+        full = attention_pairs(new, cached)
+        if not self.window:
+            return full
+        return (1 - self.window_share) * full + self.window_share * windowed_pairs(new, cached, self.window)
+
+    def kv_read(self, context: int | np.ndarray) -> float | np.ndarray:
+        """KV tokens a sequence's decode step reads at this context, a layer's on average: a windowed layer's at most
+        the window (Gemma 3-27B at 32k: 52 of 62 layers read 1,024)."""
+        if not self.window:
+            return context
+        return (1 - self.window_share) * context + self.window_share * np.minimum(context, self.window)
+
+    def decode_steps_s(self, batch: int, context: int, k: int, growth: float | None = None) -> np.ndarray:
+        ctx = context + (batch if growth is None else growth) * np.arange(1, k + 1, dtype=np.float64)
         flops = self.flops_per_token * batch + self.flops_per_pair * ctx
         return np.maximum(flops / (self.peak * self.mfu), self.read_s(ctx, batch)) + self.step_overhead_s + \
             self.comm_s(batch)

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cluster.config import ClusterConfig
-from plan.cost import Batch, Cost, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape
+from plan.cost import Batch, Cost, RooflineCost, kv_value_bytes, load_cost, model_shape
 from plan.cells import fleet_summary, simulate_fleet, split
 from plan.sim import Tally, run_tally
 from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake, iter_day
@@ -230,11 +230,12 @@ class Planner:
         span = (max(r.at for r in reqs) - min(r.at for r in reqs) or 1.0) * self.cells
         prompt_rate = sum(r.prompt for r in reqs) / span
         budget = self.engine.get("max_num_batched_tokens", 2048)
-        per_prefill = budget / self.cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget))
+        per_prefill = budget / self.cost.step_s(Batch(budget, self.cost.pairs(budget, 0), 1, budget))
         mean_ctx = float(np.mean([r.prompt + r.output / 2 for r in reqs]))
         kv = self.cost.kv_tokens(self.engine.get("kv_cache_memory"), None, self.engine.get("block_size", 16))
         seqs = max(1, min(int(kv / mean_ctx), self.engine.get("max_num_seqs", 256)))
-        step = self.cost.decode_steps_s(seqs, int(seqs * mean_ctx), 1)[0]
+        step = self.cost.decode_steps_s(seqs, int(seqs * self.cost.kv_read(mean_ctx)), 1,
+                                        seqs * (self.cost.kv_read(mean_ctx + 1) - self.cost.kv_read(mean_ctx)))[0]
         decode_rate = seqs / step / float(np.mean([r.output for r in reqs]))          # requests/s one replica ends
         return max(1, math.ceil(prompt_rate / per_prefill)), max(1, math.ceil(len(reqs) / span / decode_rate))
 
@@ -292,7 +293,7 @@ def day_run(rows: list[dict], cost: Cost, engine: dict[str, Any], peak_rps: floa
     scale = {"min_replicas": 1, "upscale_delay_s": 30, "downscale_delay_s": 600, "cooldown_s": startup_s + 30,
              "look_back_period_s": 60, "metrics_interval_s": 10}
     budget = engine.get("max_num_batched_tokens", 2048)
-    queued = int(queued_s * budget / cost.step_s(Batch(budget, attention_pairs(budget, 0), 1, budget)))
+    queued = int(queued_s * budget / cost.step_s(Batch(budget, cost.pairs(budget, 0), 1, budget)))
     # the pools scale on their load signals (utilisation, queued prompt tokens, KV, running sequences), not on
     # p90 latency: at a plan sized for 90% attainment the p90 TTFT sits at the SLO, which would hold the pools
     # at their maximum all day (the first day run showed it)

@@ -51,7 +51,7 @@ from engine.config import EngineConfig
 from engine.kv_events import BlockRemoved, BlockStored
 from engine.sampling_params import SamplingParams
 from kvtransfer.config import PREFIX_PULL_OVERHEAD_S, prefix_export_timeout_s, prefix_pull_pays
-from plan.cost import Batch, Cost, attention_pairs
+from plan.cost import Batch, Cost
 from replica.messages import PoolRequest
 from replica.names import DECODE, POOLS, PREFILL
 from router.admission import Admission
@@ -402,11 +402,11 @@ class Engine:
             return
         self.computed_tokens += sum(n for _, n in sched)
         b = Batch(0, 0.0, len(sched), 0)
-        now = self.sim.now
+        now, cost = self.sim.now, self.sim.cost
         for seq, n in sched:
             b.tokens += n
-            b.pairs += attention_pairs(n, seq.tokens)
-            b.context += seq.tokens + n
+            b.pairs += cost.pairs(n, seq.tokens)
+            b.context += cost.kv_read(seq.tokens + n)
             if seq.scheduled is None:               # its first step (a decode-only batch holds none)
                 seq.scheduled = now
                 self.sim.phase(self.pool, 0, now - seq.added, seq.req)
@@ -459,7 +459,9 @@ class Engine:
             self.kv.allocate(seqs[i], int(more[i]))
         self._flush_events()
         ov = self.sim.cost.overheads
-        alone = self.sim.cost.decode_steps_s(len(seqs), int(tokens.sum()), k)
+        cost = self.sim.cost                        # a window: its layers' reads stop growing past it
+        alone = cost.decode_steps_s(len(seqs), float(np.sum(cost.kv_read(tokens))), k,
+                                    float(np.sum(cost.kv_read(tokens + 1) - cost.kv_read(tokens))))
         ends = np.cumsum(self.sim.jittered(alone * slow + (ov.step_s + ov.token_s * len(seqs)) * serving))
         self.version += 1
         v, start = self.version, self.sim.now

@@ -1153,3 +1153,43 @@ def test_a_shared_expert_counts_as_active_in_every_sparse_layer():
     head = m["vocab_size"] * m["hidden_size"]
     assert cost.params + head == pytest.approx(14.3e9, rel=0.02)
     assert cost.active_params + head == pytest.approx(2.7e9, rel=0.02)
+
+
+@pytest.mark.parametrize("preset, published", [("gemma-2-9b", 9.24e9), ("gemma-3-27b", 27.0e9), ("phi-4", 14.7e9)])
+def test_the_roofline_counts_tied_and_windowed_presets_as_published(preset, published):
+    """Gemma ties its head to the embedding (read once: the published count), Phi-4 does not; Gemma's head_dim
+    is apart from hidden / heads (256 for 3,584 / 16)."""
+    cost = RooflineCost(gpu="h100", model=model_shape(preset))
+    m = cost.model
+    untied = m["vocab_size"] * m["hidden_size"] if preset == "phi-4" else 0
+    assert cost.params + untied == pytest.approx(published, rel=0.02)
+
+
+def test_windowed_pairs_count_what_each_query_sees():
+    from plan.cost import windowed_pairs
+    for new, cached, window in [(1, 0, 4), (5, 0, 8), (10, 0, 4), (3, 20, 8), (7, 5, 8), (1, 4095, 4096), (40, 0, 1)]:
+        want = sum(min(p + 1, window) for p in range(cached, cached + new))
+        assert windowed_pairs(new, cached, window) == want
+        assert windowed_pairs(new, cached, 10 ** 9) == attention_pairs(new, cached)
+
+
+def test_sliding_layers_read_at_most_their_window():
+    """Gemma 3-27B: 52 of its 62 layers (five of six, the engine's rule on transformers' config) see the last
+    1,024 tokens. A decode step at 32k reads far less KV than the same shape without windows; up to the window the
+    two are the same; a long prompt's attention is cheaper too. Gemma 2-9B alternates: 21 of 42."""
+    m = model_shape("gemma-3-27b")
+    windowed = RooflineCost(gpu="h200", model=m)
+    full = RooflineCost(gpu="h200", model={k: v for k, v in m.items() if k != "sliding_window"})
+    assert (windowed.window, windowed.window_share) == (1024, 52 / 62) and full.window == 0
+    assert RooflineCost(gpu="h200", model=model_shape("gemma-2-9b")).window_share == 0.5
+    for ctx, batch in ((1000, 1), (32000, 8)):
+        a = windowed.decode_steps_s(batch, batch * windowed.kv_read(ctx), 4,
+                                    batch * (windowed.kv_read(ctx + 1) - windowed.kv_read(ctx)))
+        b = full.decode_steps_s(batch, batch * ctx, 4)
+        if ctx < 1024 - 4:
+            assert np.allclose(a, b)
+        else:
+            kv_only = b - full.read_s(0, batch) - full.step_overhead_s
+            assert (a < b).all() and (b - a > 0.7 * kv_only).all()      # most of the KV read is gone
+    prompt = Batch(8192, windowed.pairs(8192, 0), 1, windowed.kv_read(8192))
+    assert windowed.step_s(prompt) < full.step_s(Batch(8192, attention_pairs(8192, 0), 1, 8192))
