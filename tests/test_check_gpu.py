@@ -56,16 +56,18 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
 
     attention = rows["attention"]
     models = ("SmolLM2-135M", "Llama-3-8B")
-    assert {(r["data"]["model"], r["data"]["dtype"], r["data"]["block_size"], r["data"]["kv_cache_dtype"])
-            for r in attention} == {(m, d, b, "auto") for m in models for d in ("float32", "float16") for b in (16, 32)} \
-        | {(m, "float32", 16, kv) for m in models for kv in ("int8", "fp8")}           # a quantized cache
+    assert {(r["data"]["model"], r["data"]["dtype"], r["data"]["block_size"], r["data"]["kv_cache_dtype"],
+             r["data"]["window"], r["data"]["softcap"]) for r in attention} == \
+        {(m, d, b, "auto", 0, 0.0) for m in models for d in ("float32", "float16") for b in (16, 32)} \
+        | {(m, "float32", 16, kv, 0, 0.0) for m in models for kv in ("int8", "fp8")} \
+        | {("Gemma-2-2B", d, 16, "auto", 24, cap) for d in ("float32", "float16") for cap in (0.0, 50.0)}   # Gemma 2's
     assert all(r["data"]["kernel"] == "triton" and r["data"]["max_abs_err"] < 1e-2 for r in attention)
 
     models = {r["case"]: r["data"] for r in rows["models"]}
     for kv in ("int8", "fp8"):                                       # the first model with a quantized cache
         quant = models[f"llama-tiny kv {kv}"]
         assert quant["greedy_complete"] and 0 < quant["rounding"]["mean_abs_err"] <= quant["tol_mean"], quant
-    for name in ("llama-tiny", "qwen2-tiny"):
+    for name in ("llama-tiny", "qwen2-tiny", "gemma2-tiny", "phi3-tiny"):
         assert models[f"{name} teacher-forced"]["max_abs_err"] <= models[f"{name} teacher-forced"]["tol_max"]
         for eager in (False, True):
             greedy = models[f"{name} greedy, enforce_eager={eager}"]
