@@ -186,6 +186,35 @@ def gguf_config_overrides(gguf: Path) -> dict:
         if meta.get(f"{arch}.rope.scaling.factor"):       # Gemma 3 4B+: its full layers' linear RoPE scaling
             out["rope_scaling"] = {"rope_type": str(meta.get(f"{arch}.rope.scaling.type") or "linear"),
                                    "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    if arch == "phi3":
+        out.update(_phi3_overrides(gguf, meta, hidden // heads if hidden and heads else None))
+    return out
+
+
+def _phi3_overrides(gguf: Path, meta: dict, head_dim: int | None) -> dict:
+    """What transformers' GGUF reader leaves out of a Phi-3 config: the rotated share of each head (Phi-4-mini's
+    rope.dimension_count of 96 of 128), the sliding window (Phi-3-mini-4k's), and longrope, whose factors llama.cpp
+    stores as the tensors rope_factors_long and rope_factors_short. The RoPE fields go in rope_scaling, where
+    Phi3Config reads them."""
+    import numpy as np
+    out: dict = {}
+    rope: dict = {}
+    dims = meta.get("phi3.rope.dimension_count")
+    if dims and head_dim and dims != head_dim:
+        rope["partial_rotary_factor"] = dims / head_dim
+    if meta.get("phi3.attention.sliding_window"):
+        out["sliding_window"] = int(meta["phi3.attention.sliding_window"])
+    factors = {t.name.split(".")[0]: t for t in read_gguf(gguf)[1] if t.name.startswith("rope_factors_")}
+    if {"rope_factors_long", "rope_factors_short"} <= set(factors):
+        read = (lambda t: [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)])
+        rope.update(rope_type="longrope", long_factor=read(factors["rope_factors_long"]),
+                    short_factor=read(factors["rope_factors_short"]))
+        if meta.get("phi3.rope.scaling.original_context_length"):      # Phi3Config reads it from both places
+            out["original_max_position_embeddings"] = rope["original_max_position_embeddings"] = \
+                int(meta["phi3.rope.scaling.original_context_length"])
+    if rope:
+        out["rope_scaling"] = {"rope_type": "default", "rope_theta": float(meta.get("phi3.rope.freq_base") or 10000.0),
+                               **rope}
     return out
 
 
@@ -323,8 +352,10 @@ _GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layer
 _GGUF_GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
 GGUF_GEMMA_ARCHS = ("gemma2", "gemma3")
+# Phi-3's fused q/k/v and gate/up, as its HF checkpoints hold them (split at load: LlamaForCausalLM._unfused)
+_GGUF_PHI3_LAYER = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}   # stacked
-_GGUF_SKIP = ("rope_freqs",)           # rope scaling comes from the config
+_GGUF_SKIP = ("rope_freqs", "rope_factors_long", "rope_factors_short")   # RoPE scaling comes from the config
 
 
 @dataclass
@@ -456,7 +487,8 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     unpacked: set[str] = set()
     gemma = arch in GGUF_GEMMA_ARCHS
-    layer_names = {**_GGUF_LAYER, **_GGUF_GEMMA_LAYER} if gemma else _GGUF_LAYER
+    layer_names = {**_GGUF_LAYER, **_GGUF_GEMMA_LAYER} if gemma else \
+        {**_GGUF_LAYER, **_GGUF_PHI3_LAYER} if arch == "phi3" else _GGUF_LAYER
 
     def floats(t, shape: tuple[int, ...]) -> "np.ndarray":
         """A tensor the kernels do not read packed, as fp32 (a copy: the reader maps the file); its type noted."""

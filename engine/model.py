@@ -909,19 +909,12 @@ class LlamaForCausalLM(nn.Module):
         filled: set[str] = set()
         packed: dict[str, dict[int, tuple[QuantWeight, str, str]]] = {}
         packed_experts: dict[tuple[int, str], dict[int, QuantWeight]] = {}    # (layer, part) -> expert -> weight
-        for name, tensor in weights:
-            if self.multimodal:                           # a multimodal checkpoint: its language model's tensors
-                name = text_weight_name(name)
-                if name is None:
-                    continue
+        for name, tensor in self._unfused(weights):
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")     # Mixtral's router and experts
-            if self.config.model_type in FUSED_NAME_MODEL_TYPES and (".qkv_proj." in name or ".gate_up_proj." in name):
-                filled.update(self._load_fused(name, tensor, params))
-                continue
             if _EXPERT.match(name):
                 filled.add(self._load_expert(name, tensor, packed_experts))
                 continue
@@ -951,28 +944,38 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    def _load_fused(self, name: str, tensor, params) -> list[str]:
-        """Phi-3's qkv_proj [q; k; v] or gate_up_proj [gate; up], read whole: each part (this rank's slice of it, under
-        TP) goes where a checkpoint's separate q/k/v or gate/up tensor would. Returns those parts' names."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ModelLoadError(f"{name}: quantized fused weights do not load yet")
-        cfg, d = self.config, self.model.layers[0].self_attn.head_dim
-        if ".qkv_proj." in name:
-            kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            fused, pieces, sizes = "qkv_proj", ("q_proj", "k_proj", "v_proj"), [cfg.num_attention_heads * d, kv * d, kv * d]
-        else:
-            fused, pieces, sizes = "gate_up_proj", ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2
-        if tensor.shape[0] != sum(sizes):
-            raise ModelLoadError(f"tensor {name!r} has {tensor.shape[0]} rows, model expects {sum(sizes)}")
-        names = []
-        for (piece, idx), part in zip(((p, self._FUSED[p][1]) for p in pieces), tensor.split(sizes)):
-            part_name = name.replace(fused, piece)
-            cut = self.weight_shard(part_name)
-            if cut is not None:
-                part = part.narrow(cut[0], cut[1], cut[2] - cut[1])
-            self._copy_in(params[name], part, name, idx, part_name)
-            names.append(part_name)
-        return names
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]):
+        """The checkpoint's tensors as load_weights takes them: a multimodal checkpoint's language model's under their
+        text names (its vision tower's dropped); Phi-3's qkv_proj [q; k; v] and gate_up_proj [gate; up], floats or
+        packed (a GGUF's attn_qkv and ffn_up), read whole, as the separate q/k/v or gate/up tensors of other
+        checkpoints (each this rank's rows under TP)."""
+        fuse = self.config.model_type in FUSED_NAME_MODEL_TYPES
+        for name, tensor in weights:
+            if self.multimodal:
+                name = text_weight_name(name)
+                if name is None:
+                    continue
+            if not (fuse and (".qkv_proj." in name or ".gate_up_proj." in name)):
+                yield name, tensor
+                continue
+            cfg, d = self.config, self.model.layers[0].self_attn.head_dim
+            if ".qkv_proj." in name:
+                kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+                fused, pieces, sizes = "qkv_proj", ("q_proj", "k_proj", "v_proj"), \
+                    [cfg.num_attention_heads * d, kv * d, kv * d]
+            else:
+                fused, pieces, sizes = "gate_up_proj", ("gate_proj", "up_proj"), [cfg.intermediate_size] * 2
+            if tensor.shape[0] != sum(sizes):
+                raise ModelLoadError(f"tensor {name!r} has {tensor.shape[0]} rows, model expects {sum(sizes)}")
+            start = 0
+            for piece, size in zip(pieces, sizes):
+                part_name = name.replace(fused, piece)
+                lo, hi = start, start + size
+                cut = self.weight_shard(part_name)        # rows only: q/k/v and gate/up are cut by rows
+                if cut is not None:
+                    lo, hi = start + cut[1], start + cut[2]
+                start += size
+                yield part_name, tensor[lo:hi] if isinstance(tensor, torch.Tensor) else tensor.rows(slice(lo, hi))
 
     def _install_packed(self, packed: dict[str, dict[int, tuple[QuantWeight, str, str]]], params) -> None:
         """Each module whose weight came packed becomes a QuantLinear / QuantEmbedding (a tied head shares

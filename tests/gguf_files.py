@@ -159,10 +159,14 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(hf_dir: str, path: Path, types: dict[str, str]) -> Path:
-    """A tiny HF Mixtral checkpoint written as llama.cpp writes Mixtral: architecture llama with expert_count and
-    expert_used_count, q/k rows permuted, each layer's router ffn_gate_inp and experts stacked (ffn_*_exps), in the
-    types `types` names per role (F32 where not named); the cut SmolLM2 tokenizer (the model's vocabulary must be
-    VOCAB). The same weights the checkpoint holds, so transformers' run of the checkpoint is the reference."""
+    """A tiny HF checkpoint written as llama.cpp writes it, in the types `types` names per role (F32 where not named),
+    with the cut SmolLM2 tokenizer (the model's vocabulary must be VOCAB). The same weights the checkpoint holds, so
+    transformers' run of the checkpoint is the reference.
+    - Mixtral: architecture llama with expert_count and expert_used_count, q/k rows permuted, each layer's router
+      ffn_gate_inp and experts stacked (ffn_*_exps).
+    - Phi-3: architecture phi3, q/k/v fused (attn_qkv) and gate/up fused (ffn_up) as the checkpoint holds them, the
+      rotated share of each head as rope.dimension_count, a sliding window, longrope's factors as the tensors
+      rope_factors_long and rope_factors_short with the original context length."""
     import gguf
     import torch
     from gguf.quants import quantize
@@ -172,7 +176,8 @@ def write_gguf_from_hf(hf_dir: str, path: Path, types: dict[str, str]) -> Path:
     cfg, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
     assert cfg.vocab_size == VOCAB, "the tokenizer written has VOCAB tokens"
     heads, kv_heads, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
-    w = gguf.GGUFWriter(str(path), "llama")
+    phi3 = cfg.model_type == "phi3"
+    w = gguf.GGUFWriter(str(path), "phi3" if phi3 else "llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(hidden)
@@ -182,9 +187,17 @@ def write_gguf_from_hf(hf_dir: str, path: Path, types: dict[str, str]) -> Path:
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
                                else cfg.rope_theta))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(hidden // heads)
-    w.add_expert_count(cfg.num_local_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_dimension_count(int(hidden // heads * rope.get("partial_rotary_factor", 1.0)))
+    if phi3:
+        if cfg.sliding_window:
+            w.add_sliding_window(cfg.sliding_window)
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings")
+                                            or cfg.original_max_position_embeddings)
+    else:
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     for key, value, kind, sub in _tokenizer_fields():
         w.add_key_value(key, value, kind, sub)
 
@@ -198,10 +211,19 @@ def write_gguf_from_hf(hf_dir: str, path: Path, types: dict[str, str]) -> Path:
             w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", "token_embd", sd["model.embed_tokens.weight"])
+    if phi3 and rope.get("rope_type") == "longrope":
+        add("rope_factors_long.weight", "", np.array(rope["long_factor"], dtype=np.float32))
+        add("rope_factors_short.weight", "", np.array(rope["short_factor"], dtype=np.float32))
     for i in range(cfg.num_hidden_layers):
         p, hf = f"blk.{i}.", f"model.layers.{i}."
         add(p + "attn_norm.weight", "", sd[hf + "input_layernorm.weight"])
         add(p + "ffn_norm.weight", "", sd[hf + "post_attention_layernorm.weight"])
+        if phi3:
+            add(p + "attn_qkv.weight", "attn_qkv", sd[hf + "self_attn.qkv_proj.weight"])
+            add(p + "attn_output.weight", "attn_output", sd[hf + "self_attn.o_proj.weight"])
+            add(p + "ffn_up.weight", "ffn_up", sd[hf + "mlp.gate_up_proj.weight"])
+            add(p + "ffn_down.weight", "ffn_down", sd[hf + "mlp.down_proj.weight"])
+            continue
         add(p + "attn_q.weight", "attn_q", _permute(sd[hf + "self_attn.q_proj.weight"], heads))
         add(p + "attn_k.weight", "attn_k", _permute(sd[hf + "self_attn.k_proj.weight"], kv_heads))
         add(p + "attn_v.weight", "attn_v", sd[hf + "self_attn.v_proj.weight"])
