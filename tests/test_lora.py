@@ -311,3 +311,17 @@ def test_phi3_adapters_of_its_fused_modules_match_peft(tmp_path):
     got = llm.generate(PROMPTS[:2] * 2, GREEDY, lora_request=[LoRARequest("a", 1, path)] * 2 + [None] * 2)
     assert [o.token_ids for o in got] == want + plain
     assert_no_leak(llm)
+
+
+def test_gemma2_adapters_match_peft(tmp_path):
+    """Gemma 2's layers (sliding windows, softcaps, its norms and GELU gate) under an adapter of every linear: PEFT's
+    tokens, beside the base model's rows in one batch."""
+    base = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")
+    path = make_lora_adapter(base, tmp_path / "a", rank=4, seed=5)
+    want = [peft_greedy(base, path, p) for p in PROMPTS[:2]]
+    plain = [peft_greedy(base, None, p) for p in PROMPTS[:2]]
+    assert want != plain
+    llm = LLM(base, num_kv_blocks=96, max_model_len=256, enable_lora=True, max_loras=2)
+    got = llm.generate(PROMPTS[:2] * 2, GREEDY, lora_request=[LoRARequest("a", 1, path)] * 2 + [None] * 2)
+    assert [o.token_ids for o in got] == want + plain
+    assert_no_leak(llm)
