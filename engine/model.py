@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 1/2/3; Mixtral, Qwen2/3-MoE) over a flat,
-paged batch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Gemma 1/2/3, Phi-3/4, Granite; Mixtral, Qwen2/3-MoE)
+over a flat, paged batch.
 
 Tokens of all sequences in a step are packed into one [num_tokens] row; attention finds each
 sequence's context through the paged KV cache (engine/attention.py). Weight names follow Hugging
@@ -18,7 +18,8 @@ as the dense MLP does.
 Gemma's differences are options of the same modules: embeddings scaled by sqrt(hidden), norms of (1 + weight) (the 1
 added at load), a GELU-gated MLP; Gemma 2/3 add a norm after attention and after the MLP, layers that alternate a
 sliding window with full attention (Gemma 3's with a RoPE of their own), Gemma 2 a softcap on attention scores and
-on the logits, Gemma 3 Qwen3's q/k norms.
+on the logits, Gemma 3 Qwen3's q/k norms. Phi-3's fused checkpoint tensors are split at load (`_unfused`); Granite
+scales its embeddings, each sublayer's output, its attention scores and its logits by multipliers of its config.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tes
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
 FUSED_NAME_MODEL_TYPES = {"phi3"}                  # checkpoints that hold qkv_proj and gate_up_proj already fused
 SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text"}      # a norm after attention and after the MLP as well
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"} | MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | \
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "granite"} | MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | \
     FUSED_NAME_MODEL_TYPES
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}   # an RMSNorm over each head's q and k before the rotation
 
@@ -274,6 +275,8 @@ class Attention(nn.Module):
         pre_scalar = getattr(config, "query_pre_attn_scalar", None) if config.model_type in SANDWICH_NORM_MODEL_TYPES \
             else None
         self.scale = (pre_scalar or self.head_dim) ** -0.5              # Gemma 2/3: query_pre_attn_scalar's
+        if config.model_type == "granite":                                # Granite: its own attention_multiplier
+            self.scale = float(config.attention_multiplier)
         self.window = layer_window(config, layer_idx)                    # engine/attention.py; 0: none
         self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.rope_kind = rope_kind(config, layer_idx)
@@ -480,6 +483,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Gemma 2/3: post_attention_layernorm normalises attention's output, and two more norms frame the MLP
         self.sandwich = config.model_type in SANDWICH_NORM_MODEL_TYPES
+        # Granite scales attention's and the MLP's outputs before each joins the residual stream
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0)) \
+            if config.model_type == "granite" else 1.0
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -495,6 +501,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             h = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(a), residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
+        if self.residual_multiplier != 1.0:
+            h = self.post_attention_layernorm.add(a * self.residual_multiplier, residual)
+            return self.mlp(h) * self.residual_multiplier, residual
         h = self.post_attention_layernorm.add(a, residual)
         return self.mlp(h), residual
 
@@ -668,9 +677,12 @@ class LlamaForCausalLM(nn.Module):
         # RoPE tables by rope_kind (Gemma 3's two; else one, under None), built by materialize() on the real device
         self.ropes: dict[str | None, RotaryEmbedding] = {}
         gemma = config.model_type in GEMMA_MODEL_TYPES
-        self.embed_scale = config.hidden_size ** 0.5 if gemma else None     # Gemma scales its embeddings
+        # Gemma scales its embeddings by sqrt(hidden), Granite by its embedding_multiplier
+        self.embed_scale = config.hidden_size ** 0.5 if gemma else float(config.embedding_multiplier) \
+            if config.model_type == "granite" and config.embedding_multiplier != 1.0 else None
         self.norm_offset = 1.0 if gemma else 0.0        # Gemma's norms multiply by 1 + weight: added at load
         self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0)) if config.model_type == "granite" else 1.0
         self.multimodal = getattr(config, "multimodal", None)   # engine/loader.py: the text of a Gemma 3 4B+
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
@@ -744,7 +756,9 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's final softcap: C * tanh(logits / C), in place (fp32)."""
+        """Gemma 2's final softcap: C * tanh(logits / C); Granite's logits over its logits_scaling; in place (fp32)."""
+        if self.logits_scaling != 1.0:
+            logits.div_(self.logits_scaling)
         if self.final_softcap:
             logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
@@ -776,7 +790,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads
         if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.self_attn.rotary_dim != la.self_attn.head_dim
-                               for la in layers):
+                               or la.residual_multiplier != 1.0 for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]

@@ -73,6 +73,8 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("gemma3", {}),                                  # Gemma 3 4B+'s multimodal checkpoint, served as text
     ("phi3", {"sliding_window": 12}),                # fused qkv/gate_up in the checkpoint; Phi-3-mini-4k's window
     ("phi3", {"partial_rotary_factor": 0.5, "num_key_value_heads": 4}),      # RoPE over half of each head (Phi-4-mini)
+    ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                 "logits_scaling": 8.0}),                            # Granite 3's multipliers (its 8B's)
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM

@@ -45,6 +45,8 @@ TINY_MODELS = {
     "gemma3": ("gemma3_text", {}),
     "gemma3-multimodal": ("gemma3", {}),                          # its language model's tensors, the vision unread
     "phi3": ("phi3", dict(partial_rotary_factor=0.5)),            # fused qkv/gate_up in the file: each rank cuts its own
+    "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                logits_scaling=8.0)),             # its multipliers, with the vocabulary split
 }
 
 
