@@ -296,28 +296,18 @@ def test_without_a_compiler_the_float64_torch_path_gives_the_same_tokens(tiny, r
         assert o.token_ids == reference[n, i % 4], (n, i)
 
 
-def test_phi3_adapters_of_its_fused_modules_match_peft(tmp_path):
-    """Phi-3 holds q/k/v and gate/up fused, and PEFT's adapters of it target qkv_proj and gate_up_proj: one A for the
-    parts and one B over their rows. Each runs as its parts' adapters (that A, its rows of B), with the fused module's
-    alpha from alpha_pattern; an engine serving it beside the base model gives PEFT's tokens for both."""
-    base = make_tiny_checkpoint(tmp_path / "phi3", "phi3", partial_rotary_factor=0.5)
-    path = make_lora_adapter(base, tmp_path / "a", rank=4, seed=3, targets=("qkv_proj", "o_proj", "gate_up_proj",
-                                                                             "down_proj"),
-                             alpha_pattern={"gate_up_proj": 2})
-    want = [peft_greedy(base, path, p) for p in PROMPTS[:2]]
-    plain = [peft_greedy(base, None, p) for p in PROMPTS[:2]]
-    assert want != plain
-    llm = LLM(base, num_kv_blocks=96, max_model_len=256, enable_lora=True, max_loras=2)
-    got = llm.generate(PROMPTS[:2] * 2, GREEDY, lora_request=[LoRARequest("a", 1, path)] * 2 + [None] * 2)
-    assert [o.token_ids for o in got] == want + plain
-    assert_no_leak(llm)
-
-
-def test_gemma2_adapters_match_peft(tmp_path):
-    """Gemma 2's layers (sliding windows, softcaps, its norms and GELU gate) under an adapter of every linear: PEFT's
-    tokens, beside the base model's rows in one batch."""
-    base = make_tiny_checkpoint(tmp_path / "gemma2", "gemma2")
-    path = make_lora_adapter(base, tmp_path / "a", rank=4, seed=5)
+@pytest.mark.parametrize("kind, extra, kw", [
+    ("phi3", {"partial_rotary_factor": 0.5},
+     {"targets": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), "alpha_pattern": {"gate_up_proj": 2}}),
+    ("gemma2", {}, {})])
+def test_adapters_of_other_families_match_peft(tmp_path, kind, extra, kw):
+    """An adapter PEFT saved, beside the base model's rows in one batch, gives PEFT's tokens for both.
+    - Phi-3 holds q/k/v and gate/up fused, and PEFT's adapters of it target qkv_proj and gate_up_proj: one A for the
+      parts and one B over their rows. Each runs as its parts' adapters (that A, its rows of B), with the fused
+      module's alpha from alpha_pattern (looked up under the part's name, the test fails).
+    - Gemma 2's layers (sliding windows, softcaps, its norms and GELU gate) under an adapter of every linear."""
+    base = make_tiny_checkpoint(tmp_path / kind, kind, **extra)
+    path = make_lora_adapter(base, tmp_path / "a", rank=4, seed=3, **kw)
     want = [peft_greedy(base, path, p) for p in PROMPTS[:2]]
     plain = [peft_greedy(base, None, p) for p in PROMPTS[:2]]
     assert want != plain
