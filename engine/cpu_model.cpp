@@ -8,7 +8,7 @@
 //
 // DecoderStack: the layers of a Llama-family model whose linears are packed for the matmul kernel, run in one
 // call (Gemma's too: its norms after attention and the MLP, its GELU gate, a rope table per layer type, a sliding
-// window and a score softcap per layer). The Python forward (engine/model.py) spends about as long dispatching a layer's dozen small ops as the
+// window and a score softcap per layer; Granite's residual multiplier). The Python forward (engine/model.py) spends about as long dispatching a layer's dozen small ops as the
 // ops take at decode batch sizes, and holds the GIL while it does, which a server's event loop in the same
 // process needs for every token it streams. Here a layer is rms_norm -> qkv matmul -> rope + KV store ->
 // paged attention -> o matmul -> rms_norm (residual added) -> gate_up matmul -> silu(gate) * up (ATen's own
@@ -95,6 +95,7 @@ struct Layer {
   c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;   // Gemma 2/3's norms of attention's and the MLP's output
   bool gelu = false;                               // Gemma's gate: GELU (tanh), else SiLU
   int64_t rope = 0;                                // which of forward's cos/sin tables (Gemma 3: sliding, full)
+  double residual_mult = 1.0;                      // Granite: attention's and the MLP's outputs scaled before the add
   std::vector<c10::optional<LoRA>> lora = std::vector<c10::optional<LoRA>>(4);   // qkv, o, gate_up, down
 };
 
@@ -110,7 +111,7 @@ class DecoderStack {
                  c10::optional<torch::Tensor> gate_up_bias, const Parts& down, c10::optional<torch::Tensor> down_bias,
                  c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, int64_t window,
                  double softcap, c10::optional<torch::Tensor> attn_out_norm, c10::optional<torch::Tensor> mlp_out_norm,
-                 bool gelu, int64_t rope) {
+                 bool gelu, int64_t rope, double residual_mult) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "add_layer: q_norm and k_norm come together");
     TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(), "add_layer: output norms come together");
     TORCH_CHECK(rope >= 0, "add_layer: a rope table index");
@@ -119,7 +120,7 @@ class DecoderStack {
                             q_norm, k_norm});
     Layer& l = layers_.back();
     l.window = window, l.softcap = softcap, l.attn_out_norm = attn_out_norm, l.mlp_out_norm = mlp_out_norm;
-    l.gelu = gelu, l.rope = rope;
+    l.gelu = gelu, l.rope = rope, l.residual_mult = residual_mult;
   }
 
   // The adapter slots of one of layer i's linears (which: 0 qkv, 1 o, 2 gate_up, 3 down).
@@ -195,12 +196,14 @@ class DecoderStack {
                                                      scale_, ks_[i], vs_[i], l.window, l.softcap);
       o = linear(l, 1, l.o, o.reshape({T, H_ * D_}));
       if (l.attn_out_norm.has_value()) o = attn::rms_norm(o, *l.attn_out_norm, eps_, c10::nullopt);
+      if (l.residual_mult != 1.0) o = o * l.residual_mult;
       h = attn::rms_norm(o, l.post_norm, eps_, residual);
       torch::Tensor gu = linear(l, 2, l.gate_up, h);
       torch::Tensor gate = gu.narrow(1, 0, I_);
       torch::Tensor act = (l.gelu ? at::gelu(gate, "tanh") : at::silu(gate)) * gu.narrow(1, I_, I_);
       x = linear(l, 3, l.down, act);
       if (l.mlp_out_norm.has_value()) x = attn::rms_norm(x, *l.mlp_out_norm, eps_, c10::nullopt);
+      if (l.residual_mult != 1.0) x = x * l.residual_mult;
     }
     return {x, residual.defined() ? residual : x};
   }

@@ -790,7 +790,7 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads
         if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.self_attn.rotary_dim != la.self_attn.head_dim
-                               or la.residual_multiplier != 1.0 for la in layers):
+                               for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
@@ -815,7 +815,8 @@ class LlamaForCausalLM(nn.Module):
             stack.add_layer(la.input_layernorm.weight.detach(), pre_mlp.weight.detach(),
                             *[a for part in parts for a in part], *norms, la.self_attn.window, la.self_attn.softcap,
                             *[None if n is None else n.weight.detach() for n in outs],
-                            la.mlp.act_name != "silu", list(self.ropes).index(la.self_attn.rope_kind))
+                            la.mlp.act_name != "silu", list(self.ropes).index(la.self_attn.rope_kind),
+                            la.residual_multiplier)
         for i, ad in enumerate(adapters):               # LoRA's slots, shared: an adapter loaded later is seen there
             for which, a in enumerate(ad):
                 if a is not None:
