@@ -37,7 +37,7 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         cfg.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg.update(overrides)
     torch.manual_seed(1234)
-    if model_type == "gemma3":       # Gemma 3 4B+'s multimodal checkpoint: Gemma 3's text model beside a tiny vision tower
+    if model_type == "gemma3":       # Gemma 3 4B+'s multimodal checkpoint: its text model beside a tiny vision tower
         text = {**cfg, **GEMMA_TINY["gemma3_text"], **overrides}
         config = AutoConfig.for_model("gemma3", text_config=text, tie_word_embeddings=text["tie_word_embeddings"],
                                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -47,7 +47,7 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     else:
         config = AutoConfig.for_model(model_type, **cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if model_type in GEMMA_TINY or model_type == "gemma3":                          # Gemma starts its norms at 0 (1 + 0): make them count
+    if model_type in GEMMA_TINY or model_type == "gemma3":    # Gemma starts its norms at 0 (1 + 0): make them count
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

@@ -6,16 +6,16 @@
 // build, one set of flags: the model's ops and its fused stack run the same machine code, so either gives the
 // same bits.
 //
-// DecoderStack: the layers of a Llama-family model whose linears are packed for the matmul kernel, run in one
-// call (Gemma's too: its norms after attention and the MLP, its GELU gate, a rope table per layer type, a sliding
-// window and a score softcap per layer; Granite's residual multiplier). The Python forward (engine/model.py)
-// spends about as long dispatching a layer's dozen small ops as the ops take at decode batch sizes, and holds the GIL while it does, which a server's event loop in the same
-// process needs for every token it streams. Here a layer is rms_norm -> qkv matmul -> rope + KV store ->
-// paged attention -> o matmul -> rms_norm (residual added) -> gate_up matmul -> silu(gate) * up (ATen's own
-// ops, the same ones the Python path calls) -> down matmul: exactly the Python path's ops in its order, so the
-// two give bitwise equal results (tests/test_cpu_model.py). With LoRA adapters (engine/lora.py) each linear adds
-// its rows' adapter products after it, with the same kernels (engine/lora_cpu.cpp) as the modules' LoRALinear.
-// The GIL is released for the whole stack.
+// DecoderStack: the layers of a Llama-family model whose linears are packed for the matmul kernel, run in one call
+// (Gemma's too: its norms after attention and the MLP, its GELU gate, a rope table per layer type, a sliding window and
+// a score softcap per layer; Granite's residual multiplier). The Python forward (engine/model.py) spends about as long
+// dispatching a layer's dozen small ops as the ops take at decode batch sizes, and holds the GIL while it does, which a
+// server's event loop in the same process needs for every token it streams. Here a layer is rms_norm -> qkv matmul ->
+// rope + KV store -> paged attention -> o matmul -> rms_norm (residual added) -> gate_up matmul -> silu(gate) * up
+// (ATen's own ops, the same ones the Python path calls) -> down matmul: exactly the Python path's ops in its order, so
+// the two give bitwise equal results (tests/test_cpu_model.py). With LoRA adapters (engine/lora.py) each linear adds
+// its rows' adapter products after it, with the same kernels (engine/lora_cpu.cpp) as the modules' LoRALinear. The GIL
+// is released for the whole stack.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>

@@ -149,7 +149,8 @@ def _mixtral_config(gguf: Path):
     from transformers import GenerationConfig, MixtralConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     meta = gguf_metadata(gguf)
-    cfg = {k: v for k, v in load_gguf_checkpoint(str(gguf))["config"].items() if k not in ("model_type", "architectures")}
+    cfg = {k: v for k, v in load_gguf_checkpoint(str(gguf))["config"].items()
+           if k not in ("model_type", "architectures")}
     cfg.update(gguf_config_overrides(gguf), num_local_experts=int(meta["llama.expert_count"]),
                num_experts_per_tok=int(meta.get("llama.expert_used_count") or 2))
     config = MixtralConfig(**cfg)

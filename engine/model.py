@@ -789,8 +789,8 @@ class LlamaForCausalLM(nn.Module):
         from engine.quant_kernels import KINDS
         layers = self.model.layers
         # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads
-        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.self_attn.rotary_dim != la.self_attn.head_dim
-                               for la in layers):
+        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS
+                               or la.self_attn.rotary_dim != la.self_attn.head_dim for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp
         wrapped = [(la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj) for la in layers]
@@ -810,7 +810,8 @@ class LlamaForCausalLM(nn.Module):
             norms = [None if n is None else n.weight.detach() for n in (la.self_attn.q_norm, la.self_attn.k_norm)]
             # Gemma 2/3: the norm before the MLP is pre_feedforward_layernorm; post_attention_layernorm and
             # post_feedforward_layernorm normalise attention's and the MLP's outputs
-            pre_mlp, outs = (la.pre_feedforward_layernorm, (la.post_attention_layernorm, la.post_feedforward_layernorm)) \
+            pre_mlp, outs = (la.pre_feedforward_layernorm,
+                             (la.post_attention_layernorm, la.post_feedforward_layernorm)) \
                 if la.sandwich else (la.post_attention_layernorm, (None, None))
             stack.add_layer(la.input_layernorm.weight.detach(), pre_mlp.weight.detach(),
                             *[a for part in parts for a in part], *norms, la.self_attn.window, la.self_attn.softcap,
