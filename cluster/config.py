@@ -131,6 +131,9 @@ class EngineKnobs(_Schema):
     override_generation_config: dict[str, Any] | None = _knob(
         "override_generation_config", "Sampling fields set over the generation config's, e.g. {temperature: 0.6, "
                                       "max_new_tokens: 512}")
+    pooling_type: Literal["last", "mean", "cls"] | None = _knob(
+        "pooling_type", "How /v1/embeddings pools a prompt's final hidden states: last (decoder embedding models), "
+                        "mean or cls. Unset: the model's sentence-transformers Pooling config, else last")
     max_loras: int | None = _knob("max_loras", "LoRA adapters one step can run (device slots); more wait their "
                                                "turn (with the cluster's `lora` section on)", ge=1)
     max_lora_rank: int | None = _knob("max_lora_rank", "Largest LoRA rank accepted", ge=1)

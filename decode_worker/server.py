@@ -162,7 +162,8 @@ class DecodeServer(EngineReplica):
                         self.draining = True
                         self._close_channels()
                 if self.draining:
-                    ids = self.llm.call(lambda eng: list(eng.requests))
+                    # an embedding request is a prompt at most: it finishes here, within the shutdown timeout
+                    ids = self.llm.call(lambda eng: [rid for rid, seq in eng.requests.items() if seq.pooling is None])
                     if ids:
                         self.llm.migrate_out(ids)
             except Exception:                           # noqa: BLE001 - keep watching, say why

@@ -17,6 +17,7 @@ _WHERE = {
     "ModelLoadError": "engine.errors", "PromptTooLongError": "engine.errors",
     "LoRARequest": "engine.lora", "LoRAError": "engine.lora",
     "BeamSearchParams": "engine.beam_search", "BeamSearchOutput": "engine.beam_search",
+    "PoolingParams": "engine.pooling", "EmbeddingRequestOutput": "engine.outputs",
 }
 __all__ = list(_WHERE)
 

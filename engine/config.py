@@ -48,6 +48,8 @@ class EngineConfig:
     override_generation_config: dict | None = None  # sampling fields over it: {"temperature": 0.6, ...}
     max_grammar_bytes: int = MAX_GRAMMAR_BYTES                   # structured output: the largest spec accepted
     grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S  # structured output: a slower compile is refused
+    pooling_type: str | None = None           # embeddings: last | mean | cls (None: the model's sentence-transformers
+                                              # config, else last): engine/pooling.py
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -87,6 +89,9 @@ class EngineConfig:
             raise ConfigError(f"generation_config must be auto, vllm or a directory, got {self.generation_config!r}")
         from engine.generation_config import check_overrides
         check_overrides(self.override_generation_config)
+        from engine.pooling import POOLING_TYPES
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
         from engine.spec.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 

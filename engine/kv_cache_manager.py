@@ -77,10 +77,10 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Reuse cached leading blocks of a sequence that holds none, from either tier (host blocks are
         copied back); the last prompt token is always computed (it gives logits), and a sequence that wants
-        prompt logprobs computes its whole prompt (vLLM's rule). Returns the blocks hit and how many of them
-        came from the host tier; undo_prefix() gives them back."""
+        prompt logprobs, or pools every prompt row or the first, computes its whole prompt (vLLM's rule). Returns
+        the blocks hit and how many of them came from the host tier; undo_prefix() gives them back."""
         bs = self.block_size
-        usable = 0 if seq.wants_prompt_logprobs else (seq.num_tokens - 1) // bs
+        usable = 0 if seq.computes_whole_prompt else (seq.num_tokens - 1) // bs
         self._hash_blocks(seq, usable)
         hit, from_host = self.pool.acquire(self.pool.find(seq.block_hashes[:usable], seq.token_ids))
         seq.block_table = hit

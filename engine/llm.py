@@ -8,7 +8,8 @@ from tqdm import tqdm
 from engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -46,19 +47,45 @@ class LLM:
         for t, sp in zip(token_ids, plist):
             sp.validate()
             self.engine.check_prompt(t)
+        return self._run(token_ids, loras, use_tqdm, "generate",
+                         lambda i, t: self.engine.add_request(t, plist[i], priority=priority[i] if priority else 0,
+                                                              lora_request=loras[i]))
+
+    def embed(self, prompts: str | list[int] | Seq[str | list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False, lora_request=None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: each prompt's embedding (`out.outputs.embedding`), its final hidden states pooled as
+        the model pools them (engine/pooling.py), batched with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams()
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        pooling.validate(self.engine.hf_config.hidden_size, self.engine.pooling.matryoshka)
+        token_ids = [self.engine.tokenize(p) for p in prompts]
+        for t in token_ids:
+            self.engine.check_prompt(t, pooled=True)
+        outs = self._run(token_ids, loras, use_tqdm, "embed",
+                         lambda i, t: self.engine.add_request(t, lora_request=loras[i], pooling=pooling))
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding.tolist()),
+                                       metrics=o.metrics) for o in outs]
+
+    def _run(self, token_ids: list[list[int]], loras: list, use_tqdm: bool, desc: str, add) -> list[RequestOutput]:
+        """Queue every prompt (add(i, ids) -> request id) and step the engine until all finish. Every prompt was
+        checked before, so bad input raises and leaves nothing behind; a failure while queueing or stepping
+        aborts them all."""
         for lora in {lr for lr in loras if lr is not None}:
             self.engine.load_lora(lora)                    # a bad adapter raises before anything is queued
         ids = []
         try:
-            for i, (t, sp) in enumerate(zip(token_ids, plist)):
-                ids.append(self.engine.add_request(t, sp, priority=priority[i] if priority else 0,
-                                                   lora_request=loras[i]))
+            for i, t in enumerate(token_ids):
+                ids.append(add(i, t))
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        bar = tqdm(total=len(ids), desc=desc, disable=not use_tqdm)
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():

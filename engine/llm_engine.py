@@ -30,6 +30,7 @@ from engine.kv_layout import KV_LAYOUT_VERSION
 from engine.loader import load_config, resolve_model, shared_tokenizer
 from engine.executor import Executor
 from engine.outputs import RequestMetrics, RequestOutput
+from engine.pooling import PoolingParams, finish, pooling_config
 from engine.sampler import Sampler, record_prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -86,6 +87,7 @@ class LLMEngine:
             from engine.spec.decoder import SpecDecoder
             self.spec = SpecDecoder(self)
         self.eos_ids = self._eos_ids() | set(self.generation.eos_token_ids)
+        self.pooling = pooling_config(self.model_path, hf, config.pooling_type)    # embedding requests' pooling
         self._grammars = None                       # engine.structured.GrammarCompiler, made on first use
         self._grammars_lock = threading.Lock()
         self.requests: dict[str, Sequence] = {}
@@ -153,7 +155,7 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, prefill_only: bool = False,
                     remote: RemotePrefill | None = None, block_hashes: list[int] | None = None,
-                    resume: Resume | None = None, lora_request=None) -> str:
+                    resume: Resume | None = None, lora_request=None, pooling: PoolingParams | None = None) -> str:
         """Queue a request. `remote`: its prompt's K/V (and first token) come from another engine
         through the attached KVConnector; if they cannot, it is prefilled here. `block_hashes`: the
         prompt's full-block hashes when the caller has them (a pool request carries them from the
@@ -161,11 +163,18 @@ class LLMEngine:
         `resume`: it was started elsewhere; it continues after resume.token_ids, streaming none of them
         (with `remote`, the import covers prompt + resume.token_ids[:-1], see engine/kv_connector.py).
         `lora_request` (engine.lora.LoRARequest): run under that adapter (enable_lora); its files are
-        loaded and checked here if they are not cached, and a bad adapter fails this request alone."""
+        loaded and checked here if they are not cached, and a bad adapter fails this request alone.
+        `pooling` (engine/pooling.py): an embedding request; it ends when its prompt is computed, its output's
+        `embedding` the pooled vector, and samples nothing (`params` are not read)."""
+        if pooling is not None:
+            pooling.validate(self.hf_config.hidden_size, self.pooling.matryoshka)
+            if remote is not None or prefill_only or resume is not None:
+                raise InvalidRequestError("an embedding request runs where it is computed: no hand-off, no resume")
+            params = SamplingParams(max_tokens=1, temperature=0.0)
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
-        self.check_prompt(ids)
+        self.check_prompt(ids, pooled=pooling is not None)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -175,6 +184,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt_logprobs need the prompt computed where the request decodes, "
                                       "not imported or handed off")
         seq = Sequence(request_id, ids, params, priority=priority, prefill_only=prefill_only, remote=remote)
+        if pooling is not None:
+            seq.pooling, seq.pool_kind = pooling, self.pooling.type
         self._token_rules(seq)
         if lora_request is not None:
             seq.lora, seq.lora_key = lora_request, self._loras(lora_request).register(lora_request).key
@@ -221,7 +232,7 @@ class LLMEngine:
     def _admit_new(self, seq: Sequence, params: SamplingParams, resume: Resume | None,
                    remote: RemotePrefill | None, block_hashes: list[int] | None) -> None:
         ids, request_id = seq.token_ids, seq.request_id
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and seq.pooling is None:
             seq.detok = Detokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens,
                                     params.include_stop_str_in_output)
         if params.structured is not None:
@@ -296,10 +307,13 @@ class LLMEngine:
         """Decode role: what fills the blocks of requests added with remote=."""
         self.scheduler.connector = connector
 
-    def check_prompt(self, ids: list[int]) -> None:
+    def check_prompt(self, ids: list[int], pooled: bool = False) -> None:
+        """`pooled`: an embedding's input, which may fill max_model_len (it generates nothing)."""
         if not ids:
             raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
+        if pooled and len(ids) > self.max_model_len:
+            raise PromptTooLongError(f"the input has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if not pooled and len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                                      f"(room is needed for at least one generated token)")
         vocab = self.hf_config.vocab_size
@@ -359,6 +373,7 @@ class LLMEngine:
         self.kv.flush_copies()                      # host-tier copies before the forward writes or reads them
         for seq in sched.preempted:
             self._leave_batch(seq)
+            seq.pool_sum, seq.pool_rows = None, 0          # it computes its prompt again
         if not sched.scheduled:
             return early
         shape = sched.shape()
@@ -368,19 +383,23 @@ class LLMEngine:
         t0 = device_clock(self.runner.device)
         masks = StepMasks.start([s for s, _ in sched.scheduled], self.hf_config.vocab_size) \
             if self._grammars is not None and self.runner.device.type == "cuda" else None   # fill during the forward
-        logits, samplers, prompt_rows = self.runner.execute(sched.scheduled)
+        logits, samplers, prompt_rows, pooled = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             if not seq.spec_tokens:                     # a verify step advances after acceptance
                 self.scheduler.on_computed(seq, n)
             self.num_computed_tokens_total += n
-        plain, verify = [], []
+        for seq, rows in pooled:
+            total = rows.float().sum(0)
+            seq.pool_sum = total if seq.pool_sum is None else seq.pool_sum.add_(total)
+            seq.pool_rows += len(rows)
+        plain, verify, embedded = [], [], []
         for seq, row in samplers:
-            (verify if seq.spec_tokens else plain).append((seq, row))
+            (embedded if seq.pooling is not None else verify if seq.spec_tokens else plain).append((seq, row))
         if prompt_rows:
             record_prompt_logprobs(logits, prompt_rows)
         result = None
         if plain:
-            rows = [r for _, r in plain] if verify or prompt_rows else slice(None)
+            rows = [r for _, r in plain] if verify or prompt_rows or embedded else slice(None)
             result = self.sampler(logits[rows], [s for s, _ in plain], masks)
         emitted = self.spec.verify(logits, verify) if verify else []
         seconds = device_clock(self.runner.device) - t0
@@ -397,6 +416,13 @@ class LLMEngine:
             outputs.append(self._output(seq))
         for (seq, _), (toks, lps) in zip(verify, emitted):
             self.num_generation_tokens_total += self._append(seq, toks, lps, now)
+            outputs.append(self._output(seq))
+        for seq, _ in embedded:
+            self.num_prompt_tokens_total += seq.num_prompt_tokens
+            seq.embedding = finish(seq.pool_sum, seq.pool_rows, seq.pool_kind, seq.pooling)
+            seq.pool_sum, seq.finish_reason = None, "stop"
+            seq.first_token_time = seq.last_token_time = now
+            self._finish(seq)
             outputs.append(self._output(seq))
         if self.spec is not None:
             self.spec.end_step(drafted, [s for s, _ in verify], sched.scheduled, seconds)
@@ -489,7 +515,7 @@ class LLMEngine:
             new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-            kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only or migrated else [])
+            embedding=seq.embedding, kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only or migrated else [])
 
     @staticmethod
     def _metrics(seq: Sequence) -> RequestMetrics:

@@ -730,8 +730,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices,
-                num_layers: int | None = None):
-        """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts)."""
+                num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
+        """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts).
+        `hidden_indices`: rows whose final hidden states (after the last norm) embedding requests pool; given, the
+        forward returns (logits, those hidden states)."""
         h, residual = self.model.embed_tokens(input_ids), None
         if self.embed_scale is not None:                 # in the embeddings' dtype, as transformers rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
@@ -749,11 +751,14 @@ class LlamaForCausalLM(nn.Module):
                 h, residual = layer(h, residual, ropes, kv_cache, md)
         if residual is not None:
             h = residual.add_(h)
+        pooled = None if hidden_indices is None else self.model.norm(h[hidden_indices])
         h = self.model.norm(h[logits_indices])       # only rows that are sampled need the head
         if self.tp is None:
-            return self._cap(self.lm_head(h).float())
-        logits = self.tp.gather_to_driver(self.lm_head(h))
-        return None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
+            logits = self._cap(self.lm_head(h).float())
+        else:
+            logits = self.tp.gather_to_driver(self.lm_head(h))
+            logits = None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
+        return logits if hidden_indices is None else (logits, pooled)
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma 2's final softcap: C * tanh(logits / C); Granite's logits over its logits_scaling; in place (fp32)."""

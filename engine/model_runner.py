@@ -21,6 +21,7 @@ from engine.loader import (DUMMY_SHAPES, gguf_source, init_dummy_weights, iter_g
                            iter_weights, names_gguf, shard_weights)
 from engine.model import LlamaForCausalLM, can_prepack
 from engine.parallel import TPGroup
+from engine.pooling import pool_positions
 from engine.quant import hf_quant_method, resolve_quantization
 from engine.sequence import Sequence
 
@@ -267,7 +268,8 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list, list]:
         """Run the model over the scheduled tokens; logits for sequences that now sample, and for prompt
         chunks that want prompt logprobs. Returns the logits, the samplers (sequence, first row) and the
-        prompt chunks (sequence, first row, first position, rows): SequenceRows.prepare.
+        prompt chunks (sequence, first row, first position, rows): SequenceRows.prepare; and the final hidden
+        states each embedding request pools this step: (sequence, rows) (engine/pooling.py).
 
         A sequence's tokens are its token_ids followed by its draft tokens (seq.spec_tokens). One that
         reaches its end samples: a plain one gets one logits row, a speculating one gets 1 + k rows
@@ -277,7 +279,11 @@ class ModelRunner:
         shape, ids, tables, samplers, prompt_rows = self.rows.prepare(scheduled)
         if self.lora is not None:                           # each token's adapter slot, loading what is missing
             self.lora.prepare_step([seq.lora_key for seq, _ in scheduled], shape.query_lens)
-        return self.forward_step(shape, ids, tables), samplers, prompt_rows
+        owners, flat = pooled_rows(scheduled)
+        if not owners:
+            return self.forward_step(shape, ids, tables), samplers, prompt_rows, []
+        logits, hidden = self.forward_step(shape, ids, tables, hidden=flat)
+        return logits, samplers, prompt_rows, [(seq, hidden[a:b]) for seq, a, b in owners]
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""
@@ -297,18 +303,21 @@ class ModelRunner:
         return self.forward_step(*items_shape(items, self.block_size), num_layers=num_layers)
 
     def forward_step(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
-                     num_layers: int | None = None) -> torch.Tensor | None:
+                     num_layers: int | None = None, hidden: list[int] | None = None):
         """A uniform step of the whole model replays a graph (padded); anything else runs eagerly.
-        Returns the logits rows (None on TP ranks other than 0)."""
+        Returns the logits rows (None on TP ranks other than 0); given `hidden` (token rows whose final hidden
+        states are pooled), (logits, those hidden states), from an eager forward. The TP workers' forwards need
+        no rows: the hidden states after the last norm are whole on every rank."""
         if self.on_step is None:
-            return self._forward(shape, ids, tables, num_layers)
+            return self._forward(shape, ids, tables, num_layers, hidden)
         with self.on_step(shape, ids, tables, num_layers):     # TP rank 0: the workers run this step too
-            return self._forward(shape, ids, tables, num_layers)
+            return self._forward(shape, ids, tables, num_layers, hidden)
 
     def _forward(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray,
-                 num_layers: int | None) -> torch.Tensor | None:
+                 num_layers: int | None, hidden: list[int] | None = None):
         lora = self.lora is not None and self.lora.step.slots is not None     # an adapter step runs eagerly
-        width = shape.uniform_width() if num_layers is None and self.graph_keys and not lora else None
+        eager = lora or hidden is not None
+        width = shape.uniform_width() if num_layers is None and self.graph_keys and not eager else None
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
         if size is not None and tables.shape[1] <= self.inputs.max_blocks:
             return self.forward_padded(shape, ids, tables, size)
@@ -318,7 +327,11 @@ class ModelRunner:
             batch = InputBatch(len(ids), len(shape.query_lens), tables.shape[1], self.block_size, self.device,
                                pin=False)
         batch.stage(shape, ids, tables)
-        return self._model(batch.to_device(shape), num_layers)
+        x = batch.to_device(shape)
+        if hidden is None:
+            return self._model(x, num_layers)
+        rows = torch.tensor(hidden, dtype=torch.long).to(self.device, non_blocking=True)
+        return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, hidden_indices=rows)
 
     def forward_padded(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, size: int) -> torch.Tensor:
         """A uniform step padded to `size` sequences: its graph replayed on CUDA, the padded batch run
@@ -335,6 +348,22 @@ class ModelRunner:
 
     def _model(self, x: StepInputs, num_layers: int | None = None) -> torch.Tensor:
         return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers)
+
+
+def pooled_rows(scheduled: list) -> tuple[list[tuple[Sequence, int, int]], list[int]]:
+    """The token rows of a step whose hidden states its embedding requests pool (engine.pooling.pool_positions
+    of each one's chunk): (sequence, its first and end index into those rows), and the rows in the step's flat
+    token order."""
+    owners, flat, at = [], [], 0
+    for seq, q in scheduled:
+        if seq.pooling is not None:
+            start = seq.num_computed_tokens
+            positions = pool_positions(seq.pool_kind, start, q, seq.num_prompt_tokens)
+            if len(positions):
+                owners.append((seq, len(flat), len(flat) + len(positions)))
+                flat.extend(at + p - start for p in positions)
+        at += q
+    return owners, flat
 
 
 def plan_kv_blocks(config: EngineConfig, budget: int, block_bytes: int,

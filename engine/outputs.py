@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -66,3 +70,19 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None   # per generated token: {token_id: logprob}
     prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (the first: None), vLLM's
     kv_blocks: list[int] = field(default_factory=list)   # prefill role: the pinned block ids
+    embedding: np.ndarray | None = None    # an embedding request's vector (float32), once finished (engine/pooling.py)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's answer for one prompt, in vLLM's shape (`out.outputs.embedding`)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None

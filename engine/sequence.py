@@ -50,6 +50,11 @@ class Sequence:
     lora_key: str | None = None           # that adapter's key (engine.block_hash.namespace_key of its blocks)
     lora_held: bool = False               # it holds its adapter in the runner's host cache (until it ends)
     guide: object = None                  # engine.structured.Guide: its grammar state (structured output)
+    pooling: object = None                # engine.pooling.PoolingParams: an embedding request (no token is sampled)
+    pool_kind: str | None = None          # its pooling type (engine/pooling.py)
+    pool_sum: torch.Tensor | None = None  # the sum of the hidden rows it pooled so far (fp32), and their count
+    pool_rows: int = 0
+    embedding: object = None              # np.ndarray: its embedding, once its prompt is computed
     min_stops: tuple[int, ...] = ()       # tokens kept from sampling while it has < params.min_tokens outputs
     allowed_ids: object = None            # np.ndarray of params.allowed_token_ids (the only tokens it samples)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # params.bad_words as token ids, with and without a space
@@ -75,6 +80,12 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """It asked for prompt logprobs and some prompt positions have none yet."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """None of its prompt may come from the prefix cache: it reads every prompt position's logits or hidden
+        state (prompt logprobs, mean or cls pooling)."""
+        return self.wants_prompt_logprobs or self.pool_kind in ("mean", "cls")
 
     @property
     def num_tokens(self) -> int:

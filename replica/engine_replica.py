@@ -27,7 +27,7 @@ from engine.outputs import RequestOutput
 from engine.parallel import TPWorkerError
 from kvtransfer import KVHandoff, KVLink
 from kvtransfer.config import TransferConfig, prefix_export_timeout_s, prefix_pull_pays
-from replica.messages import PoolRequest, PrefixExport
+from replica.messages import Embedding, PoolRequest, PrefixExport
 from replica.metrics import LatencyWindow, ReplicaMetrics
 from replica.names import get_state_actor
 
@@ -88,7 +88,9 @@ class EngineReplica:
         return {"model_key": e.model_key, "block_size": e.block_size, "max_model_len": e.max_model_len,
                 "vocab_size": e.hf_config.vocab_size, "kv_blocks_total": e.pool.num_blocks,
                 "eos_token_ids": sorted(e.eos_ids), "default_sampling": dict(e.generation.sampling),
-                "model_path": e.model_path, "served_model_name": self.served_model_name}
+                "model_path": e.model_path, "served_model_name": self.served_model_name,
+                "hidden_size": e.hf_config.hidden_size, "pooling_type": e.pooling.type,
+                "matryoshka": e.pooling.matryoshka}
 
     async def load_lora(self, lora) -> dict:
         """Load and check a LoRA adapter (engine.lora.LoRARequest) into this replica's host cache (in a thread:
@@ -96,6 +98,16 @@ class EngineReplica:
         Returns its key (the KV namespace)."""
         await run_blocking(self.engine.load_lora, lora)
         return {"key": lora.key}
+
+    async def embed(self, req: PoolRequest) -> Embedding:
+        """An embedding request (req.pooling): its prompt computed here, batched with this replica's other work,
+        and pooled (engine/pooling.py). Nothing is handed off; its blocks stay in the prefix cache."""
+        out = None
+        async for out in self.llm.generate(req.token_ids, None, req.request_id, block_hashes=req.block_hashes,
+                                           lora_request=req.lora, priority=req.priority, pooling=req.pooling):
+            pass
+        self.metrics.observe_finished(out.metrics, req.lora, len(req.token_ids), 0, prefilled=True)
+        return Embedding(self.replica, out.embedding, len(req.token_ids), out.metrics.num_cached_tokens)
 
     # -- prefix pulls: reuse of a prompt's prefix cached on another prefill replica --------------------------
     async def export_prefix(self, req: PrefixExport) -> KVHandoff | None:

@@ -9,6 +9,8 @@
         |-- PoolRequest(prefill=result) --> decode replica (DecodeServer.generate)
         |                                   (prefill=None: the decode replica prefills the prompt itself)
         |<- TokenDelta, TokenDelta, ... --  streamed; the last has finished=True and the usage
+        |-- PoolRequest(pooling=...) -----> a prefill replica, else a decode one (EngineReplica.embed): an
+        |<- Embedding --------------------  embedding request, its prompt computed and pooled there, no hand-off
         |-- DeltaChannel -----------------> decode replica (DecodeServer.deltas), once per replica it streams from
         |<- [(call key, TokenDelta)] -----  a batch per engine step: every delta after the first of this
         |                                   ingress's requests on that replica (PoolRequest.channel names it,
@@ -27,9 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.kv_connector import Resume
 from engine.lora import LoRARequest
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from kvtransfer.handoff import KVHandoff
 
@@ -68,6 +73,16 @@ class PoolRequest:
     channel_key: str | None = None              # this call's tag on the channel: unique per call, so a request
                                                 # continued elsewhere under its id never reads a late delta of
                                                 # the replica it left
+    pooling: PoolingParams | None = None        # an embedding request (EngineReplica.embed); `sampling` unread
+
+
+@dataclass(slots=True)
+class Embedding:
+    """A replica's answer to an embedding request: the pooled vector (float32, engine/pooling.py)."""
+    replica: str
+    embedding: np.ndarray
+    prompt_tokens: int
+    cached_tokens: int                          # prompt tokens its prefix cache held
 
 
 @dataclass(slots=True)

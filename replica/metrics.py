@@ -240,12 +240,14 @@ class ReplicaMetrics:
 
     def observe_finished(self, m, lora, prompt_tokens: int, generated_tokens: int, prefilled: bool) -> None:
         """A request that finished on this replica (m: its engine.outputs.RequestMetrics; `prefilled`: its
-        first token was sampled here): the time in each phase, and its tokens by adapter."""
+        first token was sampled here, or its prompt pooled): the time in each phase, and its tokens by adapter. One
+        that generated nothing here (an embedding) had no decode phase."""
         if m.first_scheduled_time is not None:
             self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
             if prefilled and m.first_token_time is not None:
                 self.prefill_time.observe(max(m.first_token_time - m.first_scheduled_time, 0.0))
-        if self.labels["pool"] != PREFILL and m.first_token_time is not None and m.last_token_time is not None:
+        if self.labels["pool"] != PREFILL and generated_tokens and m.first_token_time is not None \
+                and m.last_token_time is not None:
             self.decode_time.observe(max(m.last_token_time - m.first_token_time, 0.0))
         self.observe_lora(lora, prompt_tokens, generated_tokens)
 

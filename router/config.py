@@ -61,6 +61,8 @@ class LimitsConfig(_Section):
                                                                   "max_model_len less one token of output)")
     max_n: int = Field(8, ge=1, le=128, description="Most choices (`n`) per request: each is a sequence in "
                                                     "the decode pool")
+    max_embedding_inputs: int = Field(2048, ge=1, description="Most inputs one /v1/embeddings request may embed "
+                                                               "(OpenAI's limit: 2,048); each is a prompt in a pool")
     max_stop_sequences: int = Field(4, ge=0, le=64, description="Most stop strings per request (OpenAI allows 4; "
                                                                 "each is checked after every token)")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string in characters")

@@ -29,6 +29,7 @@ from engine.errors import InvalidRequestError
 from engine.llm import chat_token_ids
 from engine.lora import LoRARequest
 from engine.loader import load_tokenizer
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from replica.messages import TokenDelta
 from router import openai_protocol as oa, responses as rs
@@ -55,7 +56,7 @@ def _openapi() -> dict:
         doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (oa.ChatCompletionRequest, oa.CompletionRequest, rs.ResponsesRequest, oa.LoadLoRAAdapterRequest,
-                      oa.UnloadLoRAAdapterRequest, oa.TokenizeRequest, oa.DetokenizeRequest):
+                      oa.UnloadLoRAAdapterRequest, oa.TokenizeRequest, oa.DetokenizeRequest, oa.EmbeddingRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -343,6 +344,63 @@ class Ingress:
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, chat=False)
+
+    @app.post("/v1/embeddings", openapi_extra=_body("EmbeddingRequest"))
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's embeddings: each input's prompt computed in a pool and pooled as the model pools
+        (engine/pooling.py), all inputs at once; floats or base64."""
+        try:
+            self.keys.check(request.headers.get("authorization"))
+            body = await _json(request, self.limits.max_body_bytes)
+            orchestrator = await self._setup()
+            req = oa.parse_body(body, oa.EmbeddingRequest)
+            lora = await self._resolve_model(req.model)
+            inputs = oa.completion_prompts(req)
+            if not inputs:
+                raise oa.OpenAIError(400, "input must not be empty", param="input")
+            if len(inputs) > self.limits.max_embedding_inputs:
+                raise oa.OpenAIError(400, f"input has {len(inputs)} entries; this server embeds at most "
+                                          f"{self.limits.max_embedding_inputs} a request", param="input")
+            prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                       for p in inputs]
+            k = req.truncate_prompt_tokens
+            prompts = [ids[-k:] for ids in prompts] if k else prompts
+            limit = min(self.info["max_model_len"], self.limits.max_prompt_tokens or self.info["max_model_len"])
+            for ids in prompts:
+                oa.check_token_ids(ids, self.info["vocab_size"], param="input")
+                if len(ids) > limit:
+                    raise oa.OpenAIError(400, f"an input has {len(ids)} tokens; this server embeds at most {limit}",
+                                         param="input", code="context_length_exceeded")
+            pooling = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
+            try:
+                pooling.validate(self.info["hidden_size"], self.info["matryoshka"])
+            except InvalidRequestError as e:
+                raise oa.OpenAIError(400, str(e), param="dimensions") from e
+            hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
+            whole = self.info["pooling_type"] != "last"          # its prompt is computed whole, cached or not
+            ticket = self.admission.admit([len(ids) - (0 if whole else orchestrator.cached_tokens(h))
+                                           for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], 1)
+        except oa.OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        rid, created = "embd-" + uuid.uuid4().hex, int(time.time())
+
+        async def one(i: int, ids: list[int], h: list[int]):
+            try:
+                out = await orchestrator.embed(ids, pooling, h, lora, req.priority)
+                ticket.progress(i, 0)
+                return out
+            finally:
+                ticket.release(i)
+        try:
+            outs = await asyncio.gather(*(one(i, ids, h) for i, (ids, h) in enumerate(zip(prompts, hashes))))
+        except Exception as e:                      # noqa: BLE001 - one request fails, the server goes on
+            err = as_openai_error(e, rid)
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        finally:
+            ticket.release_all()
+        return JSONResponse(oa.embedding_body(rid, created, self.served_name if lora is None else lora.lora_name,
+                                              [o.embedding for o in outs], req.encoding_format,
+                                              sum(len(ids) for ids in prompts)))
 
     @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
     async def responses(self, request: Request) -> Response:

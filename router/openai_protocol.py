@@ -11,6 +11,7 @@ presence_penalty and frequency_penalty take OpenAI's range [-2, 2]; repetition_p
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -219,6 +220,21 @@ class CompletionRequest(_Request):
     suffix: Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "null"}, {"const": ""}]})] = None
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's add_special_tokens, truncate_prompt_tokens, normalize and
+    priority."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)    # Matryoshka models only (engine/pooling.py)
+    user: str | None = None
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    normalize: bool = True
+    priority: int = 0
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize with a prompt (vLLM's; `model` may be left out: the served model); the chat form
     ({"model", "messages", "tools"}) is read as a chat completion request, so its count is the prompt tokens that
@@ -417,11 +433,11 @@ def check_prompt_length(num_tokens: int, limits: LimitsConfig) -> None:
                           param="messages", code="context_length_exceeded")
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
+def check_token_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
     if not ids:
-        raise OpenAIError(400, "a prompt must not be empty", param="prompt")
+        raise OpenAIError(400, f"{'an' if param[0] in 'aeiou' else 'a'} {param} must not be empty", param=param)
     if min(ids) < 0 or max(ids) >= vocab_size:
-        raise OpenAIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        raise OpenAIError(400, f"{param} token ids must be in [0, {vocab_size})", param=param)
 
 
 class ApiKeys:
@@ -491,8 +507,9 @@ def _text(content: str | list[ContentPart] | None) -> str:
     return "" if content is None else content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    p = req.prompt
+def completion_prompts(req: CompletionRequest | EmbeddingRequest) -> list[str | list[int]]:
+    """A completion's prompts, or an embedding request's inputs: one text or token list, or a list of them."""
+    p = req.input if isinstance(req, EmbeddingRequest) else req.prompt
     if isinstance(p, str):
         return [p]
     if p and all(isinstance(x, int) for x in p):
@@ -592,6 +609,17 @@ def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
 def tokenize_body(ids: list[int], max_model_len: int, token_strs: list[str] | None = None) -> dict:
     """/tokenize's answer, vLLM's fields."""
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": token_strs}
+
+
+def embedding_body(rid: str, created: int, model: str, vectors: list, encoding_format: str,
+                   prompt_tokens: int) -> dict:
+    """/v1/embeddings' answer: each input's vector in order, as floats or as OpenAI's base64 (the float32
+    values' little-endian bytes, which the openai client asks for by default and decodes)."""
+    def encode(v):
+        return v.tolist() if encoding_format == "float" else base64.b64encode(v.astype("<f4").tobytes()).decode()
+    return {"id": rid, "object": "list", "created": created, "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 def models_body(names: list[str], max_model_len: int, adapters: dict[str, str] | None = None) -> dict:

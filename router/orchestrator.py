@@ -28,10 +28,10 @@ from typing import Any, AsyncIterator
 
 from prometheus_client import Counter, Histogram
 
-from engine import Resume, SamplingParams
+from engine import PoolingParams, Resume, SamplingParams
 from engine.block_hash import block_hashes, namespace_key
 from engine.lora import LoRARequest
-from replica.messages import DeltaChannel, PoolRequest, PrefillResult, TokenDelta
+from replica.messages import DeltaChannel, Embedding, PoolRequest, PrefillResult, TokenDelta
 from replica.names import DECODE, PREFILL
 from router.cluster_state import IndexMirror
 from router.request_routers import observe_found, prefill_finished
@@ -186,6 +186,7 @@ class Orchestrator:
                  min_remote_prefill_tokens: int, sync_interval_s: float, max_moves: int = 3,
                  channels: bool = False):
         self.prefill, self.decode = prefill_handle, decode_handle.options(stream=True)
+        self.decode_calls = decode_handle         # its unary methods (embed)
         self.channels = Channels(self.decode) if channels else None     # the decode section's stream_channels
         self.model = model                        # DecodeServer.model_info(): key, block size, limits
         self.mirror = IndexMirror.shared(state_actor, sync_interval_s) if state_actor else None
@@ -288,6 +289,51 @@ class Orchestrator:
                 E2E.labels(pool, replica).observe(time.perf_counter() - t0)
                 PROMPT_TOKENS.observe(len(token_ids))
                 GENERATION_TOKENS.observe(n)
+
+    async def embed(self, token_ids: list[int], pooling: PoolingParams, hashes: list[int],
+                    lora: LoRARequest | None = None, priority: int = 0) -> Embedding:
+        """One input's embedding (EngineReplica.embed). Its prompt is computed on the prefill pool where there is
+        one: prompt work, where the prefix-aware router finds the replica caching most of it and the decode
+        pool's steps stay short; else on the decode pool. A replica that dies under it (nothing was sent yet)
+        costs one retry on the decode pool, which Serve routes around the dead replica."""
+        rid = uuid.uuid4().hex
+        _own_serve_request_ids(rid)
+        t0 = time.perf_counter()
+        req = PoolRequest(rid, token_ids, hashes, SamplingParams(max_tokens=1), priority=priority, lora=lora,
+                          pooling=pooling)
+        # a pooling of every prompt row computes the whole prompt: the router's predicted hits do not apply
+        last = self.model.get("pooling_type", "last") == "last"
+        status, pool, out = "error", PREFILL if self.prefill is not None else DECODE, None
+        try:
+            for attempt in range(2):
+                try:
+                    if pool == PREFILL:
+                        try:
+                            out = await self.prefill.embed.remote(req)
+                        finally:
+                            prefill_finished(rid)
+                    else:
+                        out = await self.decode_calls.embed.remote(req)
+                    break
+                except Exception as e:
+                    if not _replica_died(e) or attempt:
+                        raise
+                    log.warning("request %s: a %s replica failed under its embedding (%s); retrying on the decode "
+                                "pool", rid, pool, _short(e))
+                    pool = DECODE
+            observe_found(pool, rid, out.cached_tokens if last else None)
+            status = "ok"
+            return out
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "aborted"
+            raise
+        except Exception as e:
+            raise as_openai_error(e, rid) from e
+        finally:
+            REQUESTS.labels(status, "stop" if status == "ok" else "abort" if status == "aborted" else "error").inc()
+            if out is not None:
+                E2E.labels(pool, out.replica).observe(time.perf_counter() - t0)
+                PROMPT_TOKENS.observe(len(token_ids))
 
     async def _decode(self, req: PoolRequest) -> AsyncIterator[TokenDelta]:
         """The decode pool's deltas, as one stream however often the request moves. A replica that dies

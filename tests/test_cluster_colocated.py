@@ -45,6 +45,20 @@ def client(shared_cluster):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def test_colocated_embeds_in_its_one_pool(client):
+    """Without a prefill pool an embedding's prompt is computed in the decode pool: the vectors equal the offline
+    engine's, and that pool's prompt-token counter grew by the inputs' tokens."""
+    import numpy as np
+    texts = ["Four runners, one baton.", "The anchor leg runs last."]
+    want = [np.asarray(o.outputs.embedding) for o in LLM(None, **ENGINE).embed(texts)]
+    base = f"http://127.0.0.1:{PORT}"
+    before = pool_total(scrape(base, True), "baton_prompt_tokens_total", "decode")
+    r = client.embeddings.create(model=MODEL, input=texts)
+    for d, w in zip(r.data, want):
+        assert np.abs(np.asarray(d.embedding) - w).max() < 1e-4
+    assert pool_total(scrape(base, True), "baton_prompt_tokens_total", "decode") - before == r.usage.prompt_tokens
+
+
 def test_colocated_serves_greedy_n_and_logprobs(client):
     messages = [{"role": "user", "content": "Why do relay runners practise the baton exchange?"}]
     # the default model as the cluster runs it (its GGUF, packed)

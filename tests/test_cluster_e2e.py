@@ -323,6 +323,50 @@ def test_bad_input_gets_openai_errors_and_the_cluster_goes_on(client):
     assert r.usage.completion_tokens >= 1
 
 
+def test_embeddings_are_computed_in_the_prefill_pool_and_equal_the_offline_engines(client, offline):
+    """/v1/embeddings through the openai client (base64 on the wire, its default): each input's prompt is computed
+    in the prefill pool and pooled there, never handed to the decode pool; the vectors equal LLM.embed's on the
+    same engine; floats and token-id inputs too; usage counts every input's tokens."""
+    import numpy as np
+    texts = ["The baton passes in a twenty-metre exchange zone.", "Paged attention keeps the KV cache in blocks.",
+             "Relay"]
+    want = [np.asarray(o.outputs.embedding) for o in offline.embed(texts)]
+    m0 = _metrics(fresh=True)
+    r = client.embeddings.create(model=MODEL, input=texts)
+    assert r.model == MODEL and [d.index for d in r.data] == [0, 1, 2]
+    for d, w in zip(r.data, want):
+        assert np.abs(np.asarray(d.embedding) - w).max() < 1e-4
+    ids = [offline.engine.tokenizer.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    m = _metrics(fresh=True)
+    grew = {p: _pool_sum(m, "baton_prompt_tokens_total", p) - _pool_sum(m0, "baton_prompt_tokens_total", p)
+            for p in ("prefill", "decode")}
+    assert grew == {"prefill": r.usage.prompt_tokens, "decode": 0}
+    assert _pool_sum(m, "baton_kv_transfer_bytes_total", "decode") == _pool_sum(m0, "baton_kv_transfer_bytes_total",
+                                                                                "decode")
+    code, out = _post("/v1/embeddings", {"model": MODEL, "input": ids[1], "encoding_format": "float"})
+    assert code == 200 and out["object"] == "list" and out["data"][0]["object"] == "embedding"
+    assert np.abs(np.asarray(out["data"][0]["embedding"]) - want[1]).max() < 1e-4
+    assert out["usage"]["prompt_tokens"] == len(ids[1])
+
+
+def test_bad_embedding_requests_get_openai_errors_and_the_cluster_goes_on(client):
+    for body, status, param in [
+            ({"model": MODEL, "input": []}, 400, "input"),
+            ({"model": MODEL, "input": ""}, 400, "input"),
+            ({"model": MODEL, "input": [[]]}, 400, "input"),
+            ({"model": MODEL, "input": [[5, 10 ** 6]]}, 400, "input"),
+            ({"model": MODEL, "input": "hi " * 1100}, 400, "input"),            # past max_model_len 1024
+            ({"model": MODEL, "input": "hi", "dimensions": 64}, 400, "dimensions"),    # not a Matryoshka model
+            ({"model": MODEL, "input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+            ({"model": "gpt-17", "input": "hi"}, 404, "model")]:
+        code, err = _post("/v1/embeddings", body)
+        assert code == status and err["error"]["param"] == param, (body, err)
+    with pytest.raises(openai.BadRequestError, match="1100|tokens"):
+        client.embeddings.create(model=MODEL, input="hi " * 1100)
+    assert len(client.embeddings.create(model=MODEL, input="Still there?").data[0].embedding) == 576
+
+
 def test_metrics_show_both_pools_and_the_transfer(client):
     m0 = _metrics(fresh=True)
     r = client.completions.create(model=MODEL, prompt="Relay teams win or lose in the exchange zone because " * 3,

@@ -486,3 +486,26 @@ def test_bodies_valid_under_the_openapi_document_pass_the_checks():
                 refused[why[:150]] = refused.get(why[:150], 0) + 1
         run()
     assert total >= 120 and not refused, "\n".join(f"{n} x {why}" for why, n in refused.items())
+
+
+def test_embedding_bodies_carry_floats_or_openais_base64():
+    """OpenAI's base64 is the float32 values' little-endian bytes (the openai client decodes it so); inputs come
+    as a text, texts, token ids or lists of them."""
+    import base64
+
+    import numpy as np
+    v = [np.array([0.5, -1.25, 3e-8], dtype=np.float32), np.array([1.0, 0.0, -0.0], dtype=np.float32)]
+    floats = oa.embedding_body("embd-1", 7, "m", v, "float", 9)
+    assert floats["data"][1] == {"object": "embedding", "index": 1, "embedding": [1.0, 0.0, -0.0]}
+    assert floats["usage"] == {"prompt_tokens": 9, "total_tokens": 9} and floats["object"] == "list"
+    b64 = oa.embedding_body("embd-1", 7, "m", v, "base64", 9)
+    for d, want in zip(b64["data"], v):
+        assert np.array_equal(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4"), want)
+    for given, prompts in (("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])):
+        req = oa.parse_body({"model": "m", "input": given}, oa.EmbeddingRequest)
+        assert oa.completion_prompts(req) == prompts
+    for bad in ({"model": "m"}, {"model": "m", "input": "x", "encoding_format": "int8"},
+                {"model": "m", "input": "x", "dimensions": 0}, {"model": "m", "input": [1, "a"]}):
+        with pytest.raises(oa.OpenAIError) as e:
+            oa.parse_body(bad, oa.EmbeddingRequest)
+        assert e.value.status == 400

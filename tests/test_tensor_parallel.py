@@ -93,6 +93,20 @@ def test_tp2_greedy_tokens_equal_tp1(tiny_pair):
     assert tp1.compat_key() == tp2.compat_key()        # a TP 2 producer's KV fits a TP 1 consumer
 
 
+def test_tp2_embeddings_equal_tp1(tiny_pair):
+    """An embedding pools rank 0's final hidden states, whole on every rank after the last all-reduce."""
+    from engine.pooling import PoolingParams
+    vectors = []
+    for eng in tiny_pair[:2]:
+        ids = [eng.add_request(p, pooling=PoolingParams()) for p in PROMPTS]
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        vectors.append([done[i].embedding for i in ids])
+    for a, b in zip(*vectors):
+        assert a.shape == (tiny_pair[0].hf_config.hidden_size,) and float(abs(a - b).max()) < 1e-5
+
+
 def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
     tp1, tp2, ev1, ev2 = tiny_pair
     shared = list(range(3, 3 + 40))                    # two full blocks of 16, shared by both requests
