@@ -419,6 +419,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling", action="store_true",
                    help="sampled decoding against greedy, the CPU sampler kernel against torch's way, to "
                         "sampling.json (bench/sampling_bench.py)")
+    p.add_argument("--embed", action="store_true",
+                   help="embedding throughput, LLM.embed (fp32 and packed) against transformers batched as "
+                        "sentence-transformers runs it, to embed.json (bench/embed_bench.py)")
     p.add_argument("--step-only", action="store_true",
                    help="only the host time per decode step at batch 1 and 64 (phase 4), to engine_step.json")
 
@@ -448,6 +451,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.sampling:
         from bench.sampling_bench import run as run_sampling
         return run_sampling(args)
+    if args.embed:
+        from bench.embed_bench import run as run_embed
+        return run_embed(args)
     cfg = QUICK if args.quick else FULL
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

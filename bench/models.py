@@ -33,7 +33,7 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)
     elif model_type in GEMMA_TINY:
         cfg.update(GEMMA_TINY[model_type])
-    elif model_type == "phi3":                            # its default special ids (32,000) are past a tiny vocabulary
+    elif model_type in ("phi3", "olmo2", "olmo3", "smollm3"):      # their default special ids are past a tiny vocabulary
         cfg.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg.update(overrides)
     torch.manual_seed(1234)

@@ -45,19 +45,22 @@ FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tes
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
 FUSED_NAME_MODEL_TYPES = {"phi3"}                  # checkpoints that hold qkv_proj and gate_up_proj already fused
 SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text"}      # a norm after attention and after the MLP as well
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "granite"} | MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | \
-    FUSED_NAME_MODEL_TYPES
+POST_NORM_MODEL_TYPES = {"olmo2", "olmo3"}          # norms after attention and after the MLP only, none before
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "smollm3"} | MOE_MODEL_TYPES | \
+    GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}   # an RMSNorm over each head's q and k before the rotation
+FULL_QK_NORM_MODEL_TYPES = POST_NORM_MODEL_TYPES   # OLMo 2/3: an RMSNorm over the whole q and the whole k projection
+# models whose config's sliding_window applies only with use_sliding_window (off in their releases)
+OPT_IN_WINDOW_MODEL_TYPES = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"}
 
 
 def layer_window(config, layer_idx: int) -> int:
     """A layer's sliding window in tokens (engine/attention.py), 0 where it sees the whole context: every layer of a
     model with a sliding_window (Mistral-7B-v0.1: 4,096), or those its layer_types name "sliding_attention" (Gemma 2
     and 3 alternate them with full ones; Qwen2's from max_window_layers on). Qwen2 and Qwen3 configs carry a
-    sliding_window that applies only with use_sliding_window (off in their releases)."""
+    sliding_window that applies only with use_sliding_window (off in their releases), and SmolLM3's."""
     window = getattr(config, "sliding_window", None)
-    if not window or config.model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and \
-            not getattr(config, "use_sliding_window", False):
+    if not window or config.model_type in OPT_IN_WINDOW_MODEL_TYPES and not getattr(config, "use_sliding_window", False):
         return 0
     types = getattr(config, "layer_types", None)
     return int(window) if types is None or types[layer_idx] == "sliding_attention" else 0
@@ -65,7 +68,12 @@ def layer_window(config, layer_idx: int) -> int:
 
 def rope_kind(config, layer_idx: int) -> str | None:
     """Which RoPE a layer takes: None where the model has one; its layer type where rope_parameters holds one per
-    type (Gemma 3: theta 10,000 for sliding layers, 1,000,000 and maybe a scaling for full ones)."""
+    type (Gemma 3: theta 10,000 for sliding layers, 1,000,000 and maybe a scaling for full ones; OLMo 3); "nope" for
+    a layer without position encoding (SmolLM3's every fourth: its no_rope_layers entry 0), whose table rotates by
+    nothing (cos 1, sin 0: exact), so every attention path runs it as it runs the others."""
+    nope = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
+    if nope is not None and not nope[layer_idx]:
+        return "nope"
     params = getattr(config, "rope_parameters", None) or {}
     types = getattr(config, "layer_types", None)
     return types[layer_idx] if types is not None and isinstance(params.get(types[layer_idx]), dict) else None
@@ -168,7 +176,9 @@ def _rope_inv_freq(config, head_dim: int, kind: str | None = None,
     """(inverse frequencies, attention scaling). longrope (Phi-3's 128k models) has two sets of factors: the long
     ones where the engine's max_model_len passes original_max_position_embeddings, the short ones otherwise, for
     every position alike (llama.cpp's choice by context size; transformers switches per forward by its length,
-    which would leave a cache of keys rotated the other way)."""
+    which would leave a cache of keys rotated the other way). "nope": no rotation (zero frequencies)."""
+    if kind == "nope":
+        return torch.zeros(rotary_dim(config, head_dim) // 2), 1.0
     params = getattr(config, "rope_parameters", None) or {}
     params = params[kind] if kind is not None else params
     scaling = getattr(config, "rope_scaling", None) or {}
@@ -269,8 +279,13 @@ class Attention(nn.Module):
             config.model_type == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         qk_norm = config.model_type in QK_NORM_MODEL_TYPES        # Qwen3: one norm of head_dim, every head alike
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.full_qk_norm = config.model_type in FULL_QK_NORM_MODEL_TYPES     # OLMo: one over all heads at once
+        if self.full_qk_norm and tp is not None:
+            raise ModelLoadError(f"{config.model_type}'s q/k norms span every head: tensor parallelism is not supported "
+                                 f"for it")
+        q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
         self.o_proj = row_linear(self.q_size, config.hidden_size, bool(getattr(config, "attention_bias", False)), tp)
         pre_scalar = getattr(config, "query_pre_attn_scalar", None) if config.model_type in SANDWICH_NORM_MODEL_TYPES \
             else None
@@ -310,8 +325,11 @@ class Attention(nn.Module):
 
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3's: each head's q and k normalised over head_dim (before the rotation, as transformers does)."""
+        """Qwen3's: each head's q and k normalised over head_dim (before the rotation, as transformers does); OLMo's:
+        the whole q and the whole k projection, each normalised over all its heads."""
         t, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
+        if self.full_qk_norm:
+            return torch.cat([self.q_norm(qkv[:, :q_end]), self.k_norm(qkv[:, q_end:k_end]), qkv[:, k_end:]], dim=1)
         q = self.q_norm(qkv[:, :q_end].reshape(t * self.num_heads, self.head_dim))
         k = self.k_norm(qkv[:, q_end:k_end].reshape(t * self.num_kv_heads, self.head_dim))
         return torch.cat([q.view(t, -1), k.view(t, -1), qkv[:, k_end:]], dim=1)
@@ -479,7 +497,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, tp)
         self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else MLP(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # OLMo 2/3 normalise attention's and the MLP's outputs, not their inputs: no input_layernorm
+        self.post_norm = config.model_type in POST_NORM_MODEL_TYPES
+        self.input_layernorm = None if self.post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Gemma 2/3: post_attention_layernorm normalises attention's output, and two more norms frame the MLP
         self.sandwich = config.model_type in SANDWICH_NORM_MODEL_TYPES
@@ -488,11 +508,16 @@ class DecoderLayer(nn.Module):
             if config.model_type == "granite" else 1.0
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.sandwich or self.post_norm:
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, ropes, kv_cache, md):
         """x: the last layer's output (the embeddings, with residual None, for the first); residual: the stream
         so far. Returns (this layer's output, the stream): each norm adds the two first (vLLM's fused add)."""
+        if self.post_norm:                     # OLMo: stream + norm(attention(stream)), then + norm(MLP(that))
+            residual = x if residual is None else residual.add_(x)
+            residual = residual + self.post_attention_layernorm(self.self_attn(residual, ropes, kv_cache, md))
+            return self.post_feedforward_layernorm(self.mlp(residual)), residual
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -793,8 +818,9 @@ class LlamaForCausalLM(nn.Module):
         from engine.lora import LoRALinear
         from engine.quant_kernels import KINDS
         layers = self.model.layers
-        # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads
-        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS
+        # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads, norms before each sublayer
+        # and q/k norms per head
+        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.post_norm or la.self_attn.full_qk_norm
                                or la.self_attn.rotary_dim != la.self_attn.head_dim for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp

@@ -43,7 +43,8 @@ def stack_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["smollm2", "smollm2 kv-int8", "qwen2 gguf mixed", "qwen3 gguf mixed", "llama int8",
-                                  "llama fp8", "mistral int8", "gemma2 int8", "gemma3_text int8", "granite int8"])
+                                  "llama fp8", "mistral int8", "gemma2 int8", "gemma3_text int8", "granite int8",
+                                  "smollm3 int8"])
 def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
     if case.startswith("smollm2"):
         llm = LLM(None, kv_cache_memory=64 << 20, max_model_len=512,
@@ -60,6 +61,9 @@ def test_the_stack_gives_the_module_forwards_bits(case, tmp_path, stack_switch):
         llm = LLM(make_tiny_checkpoint(tmp_path, "granite", embedding_multiplier=12.0, residual_multiplier=0.22,
                                        attention_multiplier=0.0078125, logits_scaling=8.0),
                   quantization="int8", num_kv_blocks=64)
+    elif case.startswith("smollm3"):            # a NoPE layer: its RoPE table rotates by nothing
+        llm = LLM(make_tiny_checkpoint(tmp_path, "smollm3", no_rope_layers=[1, 0, 1]), quantization="int8",
+                  num_kv_blocks=64)
     else:
         llm = LLM(make_tiny_checkpoint(tmp_path, "llama"), quantization=case.split()[1], num_kv_blocks=64)
     g = torch.Generator().manual_seed(1)

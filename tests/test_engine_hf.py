@@ -75,6 +75,10 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("phi3", {"partial_rotary_factor": 0.5, "num_key_value_heads": 4}),      # RoPE over half of each head (Phi-4-mini)
     ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
                  "logits_scaling": 8.0}),                            # Granite 3's multipliers (its 8B's)
+    ("smollm3", {"no_rope_layers": [1, 0, 1]}),                      # SmolLM3: a layer without RoPE (NoPE)
+    ("ministral", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    ("olmo2", {}),                                   # norms after each sublayer only; q/k norms over all heads
+    ("olmo3", {"sliding_window": 8}),                # + windows on 3 of every 4 layers, a RoPE per layer type
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM

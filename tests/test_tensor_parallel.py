@@ -47,6 +47,9 @@ TINY_MODELS = {
     "phi3": ("phi3", dict(partial_rotary_factor=0.5)),            # fused qkv/gate_up in the file: each rank cuts its own
     "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                 logits_scaling=8.0)),             # its multipliers, with the vocabulary split
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0, 1])),      # a NoPE layer
+    "ministral": ("ministral", dict(head_dim=16, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 
@@ -481,6 +484,13 @@ def test_an_idle_worker_outwaits_the_collective_timeout():
     worker.join(timeout=10)
     got_shape, ids, tables, layers, lora = got[1]
     assert tables.tolist() == [[5, 6], [7, 8]] and layers is None and lora.tolist() == [1, -1]
+
+
+def test_olmo_refuses_tensor_parallelism_by_name(tmp_path):
+    """OLMo 2/3 normalise the whole q and k projections, over heads the ranks would split: refused, not wrong."""
+    path = make_tiny_checkpoint(tmp_path, "olmo2")
+    with pytest.raises(Exception, match="olmo2.*tensor parallelism is not supported"):
+        engine(path, 2)
 
 
 def test_tensor_parallel_size_is_validated(tmp_path):
