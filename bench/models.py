@@ -31,6 +31,11 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
     elif model_type == "qwen2_moe":                       # ... and a shared expert every token passes through
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96)
+    elif model_type == "gpt_oss":                         # 4 experts, 2 a token; windows of 8 on every other layer;
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,   # YaRN (x8 of 64)
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                   rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
     elif model_type in GEMMA_TINY:
         cfg.update(GEMMA_TINY[model_type])
     elif model_type in ("phi3", "olmo2", "olmo3", "smollm3"):      # their default special ids are past a tiny vocabulary
@@ -52,6 +57,11 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
+    if model_type == "gpt_oss":           # its sinks and biases start at 0: make them count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("sinks", "_bias", "router.bias")):
+                    p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.2)
     model.save_pretrained(tmp_dir)
     return str(tmp_dir)
 
@@ -79,3 +89,38 @@ def make_lora_adapter(base_dir: str, out_dir, rank: int = 8, seed: int = 0, alph
                 p.mul_(scale)
     model.save_pretrained(out_dir)
     return str(out_dir)
+
+
+# MXFP4's 16 values (e2m1), by their 4-bit code: transformers' FP4_VALUES
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_experts(checkpoint_dir) -> None:
+    """In place: a gpt-oss checkpoint's experts as the released gpt-oss holds them, MXFP4. Each run of 32 input
+    values of an expert's projection (stored [E, out, in], transposed from the module's [E, in, out]) keeps a power of
+    two (a uint8 scale, biased by 127) and 4-bit codes of the nearest e2m1 value, two a byte (the first in the low
+    nibble) in `_blocks` [E, out, in / 32, 16]; config.json gains quantization_config {quant_method: mxfp4}."""
+    import glob
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    values = torch.tensor(FP4_VALUES)
+    path = glob.glob(os.path.join(checkpoint_dir, "*.safetensors"))[0]
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).float().transpose(1, 2)
+        e, rows, cols = w.shape
+        runs = w.reshape(e, rows, cols // 32, 32)
+        exp = torch.ceil(torch.log2(runs.abs().amax(-1).clamp_min(2.0 ** -120) / 6.0)).clamp(-127, 127)
+        codes = ((runs / torch.exp2(exp)[..., None])[..., None] - values).abs().argmin(-1).to(torch.uint8)
+        tensors[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+        tensors[name + "_scales"] = (exp + 127).to(torch.uint8).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(checkpoint_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(checkpoint_dir, "config.json"), "w") as f:
+        json.dump(config, f)

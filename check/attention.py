@@ -26,7 +26,9 @@ HEAD_SHAPES = {              # (query heads, KV heads, head dim)
     "SmolLM2-135M": (9, 3, 64),
     "Llama-3-8B": (32, 8, 128),
     "Gemma-2-2B": (8, 4, 256),       # its layers' sliding window and score softcap (the cases below)
+    "gpt-oss-20b": (64, 8, 64),      # its attention sinks and sliding window (the cases below)
 }
+SPECIAL_SHAPES = ("Gemma-2-2B", "gpt-oss-20b")
 # (context length, query length) per sequence: the query is the context's last tokens.
 GPU_SEQS = [(2047, 1), (300, 1), (33, 1),      # decodes, one over 64+ pages
             (512, 512),                         # a fresh prefill
@@ -53,27 +55,33 @@ class Case:
     kv_cache_dtype: str = "auto"             # int8 / fp8: the kernel reads a quantized cache and its scales
     window: int = 0                          # a sliding window (engine/attention.py), 0: none
     softcap: float = 0.0                     # Gemma 2's score softcap, 0: none
+    sinks: bool = False                      # gpt-oss's sink logit per query head (random, seeded)
 
     @property
     def name(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
-        opts = (f" window {self.window}" if self.window else "") + (f" softcap {self.softcap:g}" if self.softcap else "")
+        opts = (f" window {self.window}" if self.window else "") + (f" softcap {self.softcap:g}" if self.softcap else "") \
+            + (" sinks" if self.sinks else "")
         return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{kv}{opts}{self.batch}"
 
 
 def cases(cpu: bool) -> list[Case]:
     dtypes = (torch.float32, torch.float16) if cpu else (torch.bfloat16, torch.float16)
     seqs = tuple(CPU_SEQS if cpu else GPU_SEQS)
-    dense = [m for m in HEAD_SHAPES if m != "Gemma-2-2B"]
+    dense = [m for m in HEAD_SHAPES if m not in SPECIAL_SHAPES]
     out = [Case(model, dtype, bs, seqs) for model in dense for dtype in dtypes for bs in (16, 32)]
     # Gemma 2's layers: a sliding window shorter than most contexts (a decode's keys start mid-block, a prefill's
     # rows each start elsewhere, whole tiles are skipped), with and without its softcap
     window = 24 if cpu else 1000
     out += [Case("Gemma-2-2B", dtype, 16, seqs, window=window, softcap=sc) for dtype in dtypes for sc in (0.0, 50.0)]
+    # gpt-oss's: sinks, on its sliding layers (a window of 128 on the GPU) and its full ones
+    oss_window = 24 if cpu else 128
+    out += [Case("gpt-oss-20b", dtype, 16, seqs, window=w, sinks=True) for dtype in dtypes for w in (0, oss_window)]
     if not cpu:
         out += [Case(model, dtype, 16, tuple(GPU_DECODE_SEQS), " decode") for model in dense for dtype in dtypes]
         out += [Case("Gemma-2-2B", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", window=window, softcap=50.0)
                 for dtype in dtypes]
+        out += [Case("gpt-oss-20b", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", sinks=True) for dtype in dtypes]
     # a quantized cache (kv_cache_dtype): codes and scales, against the values they stand for
     out += [Case(model, dtypes[0], 16, seqs, kv_cache_dtype=kv) for model in dense for kv in ("int8", "fp8")]
     return out
@@ -147,19 +155,19 @@ def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadat
 
 # -- kernels ----------------------------------------------------------------------------------------
 def triton_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                  window: int = 0, softcap: float = 0.0):
+                  window: int = 0, softcap: float = 0.0, sinks=None):
     from engine.triton_attention import triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                   md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale, window=window,
-                                  softcap=softcap)
+                                  softcap=softcap, sinks=sinks)
 
 
 def cpu_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-               window: int = 0, softcap: float = 0.0):
+               window: int = 0, softcap: float = 0.0, sinks=None):
     """The C++ CPU kernel (engine/cpu_attention.py); fp32 queries, fp32 or quantized caches."""
     from engine.cpu_attention import paged_attention_varlen
     return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                                  k_scale, v_scale, window, softcap)
+                                  k_scale, v_scale, window, softcap, sinks)
 
 
 KERNELS: dict[str, Kernel] = {"triton": triton_kernel, "cpu": cpu_kernel}
@@ -174,9 +182,12 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     scale = head_dim ** -0.5
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
     opts = {"window": case.window, "softcap": case.softcap} if case.window or case.softcap else {}
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2 if case.sinks else None
     if case.kv_cache_dtype == "auto":
-        ref = paged_attention_torch(q.float(), *layer_views(kv.float(), layer), md, scale, **opts)
-        out = fn(q.to(device), *layer_views(kv.to(device), layer), metadata_to(md, device), scale, **opts)
+        extra = {"sinks": sinks} if sinks is not None else {}
+        ref = paged_attention_torch(q.float(), *layer_views(kv.float(), layer), md, scale, **opts, **extra)
+        extra = {"sinks": sinks.to(device)} if sinks is not None else {}
+        out = fn(q.to(device), *layer_views(kv.to(device), layer), metadata_to(md, device), scale, **opts, **extra)
     else:
         spec, cache, deq = quantized_cache(kv, case.kv_cache_dtype)
         ref = paged_attention_torch(q.float(), *layer_views(deq, layer), md, scale)
@@ -187,7 +198,7 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     data = {"model": case.model, "heads": [heads, kv_heads, head_dim], "dtype": str(case.dtype).removeprefix("torch."),
             "block_size": case.block_size, "kv_cache_dtype": case.kv_cache_dtype,
             "seqs": [list(s) for s in case.seqs], "tokens": q.shape[0], "window": case.window,
-            "softcap": case.softcap,
+            "softcap": case.softcap, "sinks": case.sinks,
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "__name__", "custom"),
             "out_dtype_ok": out.dtype == case.dtype, "tolerance": {"atol": tol.atol, "rtol": tol.rtol},
             **stats.as_dict()}

@@ -2,7 +2,8 @@
 
 Each model (a Llama-3 shape of about 1B with llama3 RoPE scaling, a Qwen2 shape with its q/k/v bias, Qwen3's,
 four layers of Qwen3-30B-A3B's mixture of experts, four of Gemma-2-2B's with a sliding window short enough to
-matter and its softcaps, and four of Phi-4-mini's: fused weights, partial and long RoPE) is built
+matter and its softcaps, four of Phi-4-mini's: fused weights, partial and long RoPE, and four of gpt-oss-20b's:
+attention sinks, windows, experts with biases and a clamped SwiGLU) is built
 by transformers with random weights and saved with `save_pretrained` (safetensors), then loaded by both, as a
 real checkpoint is. transformers in fp32 gives the reference: greedy continuations with their top logprobs,
 and the teacher-forced log-probabilities of every position of prompt + continuation.
@@ -79,6 +80,13 @@ GPU_MODELS = {
                                    rope_scaling={"rope_type": "longrope",
                                                  "short_factor": [1.0 + 0.02 * i for i in range(48)],
                                                  "long_factor": [1.0 + 0.5 * i for i in range(48)]})),
+    # gpt-oss-20b's layer in 4 layers (32 experts of 2,880 units, 4 a token; attention sinks; a window of 128 on every
+    # other layer; YaRN): the experts' biases and clamped SwiGLU run in the expert loop, the sinks in the kernel
+    "gpt-oss-20b-4L": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                                       num_experts_per_tok=4, num_hidden_layers=4, num_attention_heads=64,
+                                       num_key_value_heads=8, head_dim=64, sliding_window=128, vocab_size=201088,
+                                       max_position_embeddings=131072, pad_token_id=199999, bos_token_id=199998,
+                                       eos_token_id=200002)),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -101,6 +109,14 @@ CPU_MODELS = {
     "phi3-tiny": ("phi3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, vocab_size=512, partial_rotary_factor=0.5, sliding_window=12,
                                pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)),
+    "gpt-oss-tiny": ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     sliding_window=8, vocab_size=512, max_position_embeddings=512,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 64,
+                                                      "rope_theta": 150000.0})),
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
 CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12
@@ -127,6 +143,10 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
     with torch.no_grad():       # Gemma's norms multiply by 1 + weight
         offset = 1.0 if model_type in GEMMA_MODEL_TYPES else 0.0
         model.model.norm.weight.fill_(LOGIT_STD / (cfg.initializer_range * cfg.hidden_size ** 0.5) - offset)
+        if model_type == "gpt_oss":                       # its sinks and biases start at 0: make them count
+            for name, p in model.named_parameters():
+                if name.endswith(("sinks", "_bias", "router.bias")):
+                    p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.02)
     model.to(dtype).save_pretrained(out_dir)
     del model
     free_memory(device)

@@ -11,7 +11,9 @@ The new tokens' K/V are written to the cache (write_kv) before attention reads i
 
 Two per-layer options (Mistral, Gemma 2/3, Qwen2 with use_sliding_window): `window` W > 0, a sliding window: the
 query at position p sees the keys at positions p - W + 1 .. p (transformers' `kv_idx > q_idx - W`); `softcap` C > 0
-(Gemma 2): each scaled score s becomes C * tanh(s / C) before the softmax. 0 turns either off.
+(Gemma 2): each scaled score s becomes C * tanh(s / C) before the softmax. 0 turns either off. And `sinks`
+[num_heads] (gpt-oss), a learned logit per query head that joins each row's softmax as one more score with no value:
+the row's weights sum to less than 1 (transformers' `s_aux`). None: none.
 
 A quantized cache (kv_cache_dtype int8 / fp8, engine/kv_layout.py) adds k_scale/v_scale [num_blocks, block_size,
 num_kv_heads] (fp32, strided views too): write_kv stores codes and scales, and every reader turns a row back into
@@ -116,30 +118,31 @@ def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, in
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
                     k_new=None, v_new=None, one_kernel: bool = False, k_scale=None, v_scale=None,
-                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. `one_kernel` (CPU): every query, long
     prefill chunks too, goes to the C++ kernel, whose rows do not depend on how a prompt was chunked or how
     much of it was cached. Models with quantized activations need that to stay equal to themselves: there a
     last-bit difference between SDPA and the kernel can move an int8 code, and the greedy path with it.
-    k_scale/v_scale: a quantized cache's scales; window, softcap: the layer's (module docstring)."""
+    k_scale/v_scale: a quantized cache's scales; window, softcap, sinks: the layer's (module docstring)."""
     if q.is_cuda:
         from engine.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                       md.query_start_loc, md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale,
-                                      window=window, softcap=softcap)
+                                      window=window, softcap=softcap, sinks=sinks)
     from engine import cpu_attention
     kernel = q.dtype == torch.float32 and (k_cache.dtype == torch.float32 or k_scale is not None) \
         and cpu_attention.available()
     if kernel and one_kernel:
         return cpu_attention.paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                    md.query_start_loc, scale, k_scale, v_scale, window, softcap)
+                                                    md.query_start_loc, scale, k_scale, v_scale, window, softcap, sinks)
     return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel,
-                                 k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
+                                 k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
                           k_new=None, v_new=None, decode_kernel: bool = False,
-                          k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                          k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: single-token queries batched in one SDPA call, longer queries one by one.
 
     `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather;
@@ -150,7 +153,7 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     qsl = [0]
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
-    scales, opts = (k_scale, v_scale), (window, softcap)
+    scales, opts = (k_scale, v_scale), (window, softcap, sinks)
     if decode_kernel:
         from engine.cpu_attention import paged_attention_varlen
         short = [i for i, n in enumerate(md.query_lens_list) if n <= SHORT_QUERY]
@@ -218,11 +221,11 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int, scal
     return out[:, :, :n_tokens]
 
 
-def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0):
+def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0, sinks=None):
     """q [n, H, D] are the last n positions of a context k/v [Hkv, ctx, D]."""
     n, ctx = q.shape[0], k.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]
-    if n == ctx and not window and not softcap:
+    if n == ctx and not window and not softcap and sinks is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos_q = torch.arange(ctx - n, ctx).unsqueeze(1)
@@ -230,12 +233,12 @@ def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0):
         mask = keys <= pos_q                                           # [n, ctx]
         if window:
             mask &= keys > pos_q - window
-        o = _attention(qh, kh, vh, mask, scale, softcap)
+        o = _attention(qh, kh, vh, mask, scale, softcap, sinks)
     return o[0].transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale, k_scale=None, v_scale=None,
-                      window: int = 0, softcap: float = 0.0):
+                      window: int = 0, softcap: float = 0.0, sinks=None):
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
     lens = seq_lens.tolist()
     max_len = max(lens)
@@ -245,18 +248,25 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor,
     mask = keys < ends
     if window:
         mask &= keys >= ends - window
-    o = _attention(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap)
+    o = _attention(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap, sinks)
     return o.squeeze(2)
 
 
-def _attention(q, k, v, mask, scale: float, softcap: float = 0.0):
-    """SDPA of q [B, H, n, D] over k/v [B, Hkv, ctx, D] under a boolean mask; with a softcap, the same written out
-    (SDPA has no place for one): scores scaled, capped (C * tanh(s / C)), masked, softmaxed."""
-    if not softcap:
+def _attention(q, k, v, mask, scale: float, softcap: float = 0.0, sinks=None):
+    """SDPA of q [B, H, n, D] over k/v [B, Hkv, ctx, D] under a boolean mask; with a softcap or sinks, the same
+    written out (SDPA has no place for either): scores scaled, capped (C * tanh(s / C)), masked, softmaxed with each
+    head's sink as one more column, which is then dropped."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:
+        sink = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(p, v.float()).to(q.dtype)

@@ -47,15 +47,18 @@ inline float exp_nonpos(float x) {
 }
 
 // s[0:n] (n a multiple of 16, padding = -inf) <- exp(s - max s); returns the sum
-inline float softmax_scalar(float* s, int64_t n) {
-  float m = -INFINITY;
+// In place: s[t] = exp(s[t] - m), m the row's max; returns their sum. A `sink` (gpt-oss's per-head learned logit,
+// -inf where there is none) joins the max and the sum as one more score whose value weighs nothing: the row's
+// weights then sum to less than 1. Without one the bits are those of the plain softmax.
+inline float softmax_scalar(float* s, int64_t n, float sink = -INFINITY) {
+  float m = sink;
   for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
   float sum = 0.f;
   for (int64_t t = 0; t < n; ++t) {
     s[t] = exp_nonpos(s[t] - m);
     sum += s[t];
   }
-  return sum;
+  return sink > -INFINITY ? sum + exp_nonpos(sink - m) : sum;
 }
 
 // ---- the two inner products over one tile: scalar reference versions (any D, any CPU) ------------
@@ -185,18 +188,19 @@ inline typename S::V exp_nonpos(typename S::V x) {
 }
 
 template <class S>
-inline float softmax(float* s, int64_t n) {
+inline float softmax(float* s, int64_t n, float sink) {
   using V = typename S::V;
   V m = S::set1(-INFINITY);
   for (int64_t t = 0; t < n; t += S::W) m = S::max(m, S::load(s + t));
-  m = S::set1(S::hmax(m));
+  const float mf = std::max(S::hmax(m), sink);
+  m = S::set1(mf);
   V sum = S::zero();
   for (int64_t t = 0; t < n; t += S::W) {
     const V e = exp_nonpos<S>(S::sub(S::load(s + t), m));
     S::store(s + t, e);
     sum = S::add(sum, e);
   }
-  return S::hsum(sum);
+  return sink > -INFINITY ? S::hsum(sum) + exp_nonpos(sink - mf) : S::hsum(sum);
 }
 
 template <class S>
@@ -255,12 +259,12 @@ inline void pv_tile(const float* p, const float* const* v, int64_t D, float* o) 
 }
 
 inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) { qk_tile<Simd>(q, k, D, s); }
-inline float softmax_simd(float* s, int64_t n) { return softmax<Simd>(s, n); }
+inline float softmax_simd(float* s, int64_t n, float sink) { return softmax<Simd>(s, n, sink); }
 inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) { pv_tile<Simd>(p, v, D, o); }
 #else
 constexpr int64_t VW = 0;                         // no SIMD path: the scalar loops (auto-vectorised)
 inline void qk_tile_simd(const float* q, const float* const* k, int64_t D, float* s) { qk_tile_scalar(q, k, D, s); }
-inline float softmax_simd(float* s, int64_t n) { return softmax_scalar(s, n); }
+inline float softmax_simd(float* s, int64_t n, float sink) { return softmax_scalar(s, n, sink); }
 inline void pv_tile_simd(const float* p, const float* const* v, int64_t D, float* o) { pv_tile_scalar(p, v, D, o); }
 #endif
 
@@ -340,6 +344,7 @@ struct Problem {
   float scale;
   int64_t window;                                 // > 0: a query at p sees keys p - window + 1 .. p only
   float softcap;                                  // > 0: scores s become softcap * tanh(s / softcap)
+  const float* sinks;                             // [Hq]: each query head's sink logit (gpt-oss); nullptr: none
 };
 
 struct Scratch {
@@ -448,7 +453,9 @@ void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int
     std::fill(s + begin(r), s + first(r), -INFINITY);
     std::fill(s + seen(r), s + end(r), -INFINITY);
     const int64_t n_r = end(r) - begin(r);
-    w.inv[r] = 1.f / (SIMD ? softmax_simd(s + begin(r), n_r) : softmax_scalar(s + begin(r), n_r));
+    // row r: query head (h0 + r / R) * G + (r % R) % G
+    const float sink = P.sinks ? P.sinks[(h0 + r / R) * G + (r % R) % G] : -INFINITY;
+    w.inv[r] = 1.f / (SIMD ? softmax_simd(s + begin(r), n_r, sink) : softmax_scalar(s + begin(r), n_r, sink));
   }
   for (int64_t t0 = t_begin; t0 < t_begin + PREFETCH * TILE; t0 += TILE) prefetch_tile(V, P.vs0, P.vs1, P.vs2, t0);
   for (int64_t t0 = t_begin; t0 < Lp; t0 += TILE) {
@@ -488,7 +495,7 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                   const c10::optional<torch::Tensor>& query_start_loc, double scale,
                   const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                  int64_t window, double softcap) {
+                  int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "q [T, H, D], caches [blocks, block_size, kv_heads, D]");
@@ -532,6 +539,11 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
     for (int64_t i = 0, nb = n ? (L + bs - 1) / bs : 0; i < nb; ++i)
       TORCH_CHECK(btp[b * maxb + i] >= 0 && btp[b * maxb + i] < nblocks, "sequence ", b, ": bad block id");
   }
+  torch::Tensor sk;
+  if (sinks.has_value()) {
+    sk = sinks->to(torch::kFloat).contiguous();
+    TORCH_CHECK(sk.dim() == 1 && sk.numel() == Hq, "sinks: one per query head [", Hq, "]");
+  }
   auto out = torch::empty_like(q);
   if (T == 0) return out;
   const float* ksc = quant ? k_scale->data_ptr<float>() : nullptr;
@@ -543,7 +555,8 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
             ksc, st(k_scale, 0), st(k_scale, 1), st(k_scale, 2),
             vsc, st(v_scale, 0), st(v_scale, 1), st(v_scale, 2),
             btp, maxb, slp, qslp, out.data_ptr<float>(), out.stride(0), out.stride(1),
-            Hkv, Hq / Hkv, D, bs, static_cast<float>(scale), window, static_cast<float>(softcap)};
+            Hkv, Hq / Hkv, D, bs, static_cast<float>(scale), window, static_cast<float>(softcap),
+            sinks.has_value() ? sk.data_ptr<float>() : nullptr};
   const bool simd = VW > 0 && D % VW == 0;
   // Tasks are (sequence, kv head) pairs, numbered sequence-major, so a single sequence still spreads
   // its kv heads over the threads. Where a token's heads are one row (stride(2) == D), a thread's
@@ -598,21 +611,24 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
 }  // namespace
 
 // q [T, H, D]: sequence i owns q[qsl[i]:qsl[i+1]], the last tokens of its seq_lens[i]-token
-// context, causal among themselves (and within `window` tokens, where > 0; scores soft-capped where softcap > 0).
+// context, causal among themselves (and within `window` tokens, where > 0; scores soft-capped where softcap > 0;
+// each query head's sink logit joining its softmax, where sinks are given).
 torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      torch::Tensor query_start_loc, double scale,
                                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                                     int64_t window, double softcap) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window, softcap);
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window, softcap,
+             sinks);
 }
 
 // One query token per sequence (the n = 1 case).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                           int64_t window, double softcap) {
-  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale, k_scale, v_scale, window, softcap);
+                           int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
+  return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale, k_scale, v_scale, window, softcap,
+             sinks);
 }
 
 // Structured output (engine/structured.py): logits[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is 0.

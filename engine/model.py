@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, v
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
 
-MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe"}
+MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"}
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
 FUSED_NAME_MODEL_TYPES = {"phi3"}                  # checkpoints that hold qkv_proj and gate_up_proj already fused
@@ -297,6 +297,8 @@ class Attention(nn.Module):
         self.rope_kind = rope_kind(config, layer_idx)
         self.rotary_dim = rotary_dim(config, self.head_dim)
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
+        # gpt-oss: a learned sink logit per query head, in every softmax (engine/attention.py); this rank's heads
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.model_type == "gpt_oss" else None
 
     def forward(self, x, ropes: dict, kv_cache: list[LayerKV], md: AttentionMetadata):
         """ropes: this step's cos/sin tables by rope_kind."""
@@ -320,7 +322,8 @@ class Attention(nn.Module):
         if not fused:
             write_kv(k_cache, v_cache, k, v, md.slot_mapping, k_scale, v_scale)
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel,
-                            k_scale=k_scale, v_scale=v_scale, window=self.window, softcap=self.softcap)
+                            k_scale=k_scale, v_scale=v_scale, window=self.window, softcap=self.softcap,
+                            sinks=self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -421,12 +424,22 @@ class SparseMoE(nn.Module):
             self.local = range(self.num_experts)
             self.run = split_range(moe_intermediate_size(config), rank, size)
         self.intermediate = len(self.run)
-        self.renormalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
-        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)      # the router: replicated
+        # gpt-oss: a softmax over the top k logits, which is the full softmax's top k renormalised
+        self.renormalize = config.model_type in ("mixtral", "gpt_oss") or bool(getattr(config, "norm_topk_prob", False))
+        # gpt-oss: its router has a bias, its experts' projections too, and its gate is a clamped SwiGLU
+        self.gpt_oss = config.model_type == "gpt_oss"
+        if self.gpt_oss and tp is not None:
+            raise ModelLoadError("gpt_oss under tensor parallelism is not supported yet: run it at "
+                                 "tensor_parallel_size 1")
+        self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=self.gpt_oss)     # the router: replicated
         self.experts = nn.Module()                        # this rank's experts: global e is row e - local.start
         self.experts.gate_up_proj = nn.Parameter(torch.empty(len(self.local), 2 * self.intermediate,
                                                              config.hidden_size))
         self.experts.down_proj = nn.Parameter(torch.empty(len(self.local), config.hidden_size, self.intermediate))
+        if self.gpt_oss:
+            self.experts.gate_up_proj_bias = nn.Parameter(torch.empty(len(self.local), 2 * self.intermediate))
+            self.experts.down_proj_bias = nn.Parameter(torch.empty(len(self.local), config.hidden_size))
+            self.swiglu_alpha, self.swiglu_limit = float(config.swiglu_alpha), float(config.swiglu_limit)
         self.tp = tp
         self.packed: dict[str, nn.ModuleList] = {}       # "gate_up_proj" / "down_proj" -> one QuantLinear an expert
         shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
@@ -453,7 +466,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed else None
+        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed \
+            and not self.gpt_oss else None
         if moe_ops is not None:
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
             out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
@@ -471,11 +485,22 @@ class SparseMoE(nn.Module):
             start += n
             if n == 0 or e not in self.local:             # expert parallel: another rank's expert adds its term
                 continue
-            rows = tokens[start - n:start]
-            gate, up = gate_up(e - self.local.start, x[rows]).split(self.intermediate, dim=-1)
-            y = down(e - self.local.start, F.silu(gate) * up) * pair_weights[start - n:start, None]
+            rows, i = tokens[start - n:start], e - self.local.start
+            if self.gpt_oss:
+                y = down(i, self._gpt_oss_gate(gate_up(i, x[rows]) + self.experts.gate_up_proj_bias[i]))
+                y = (y + self.experts.down_proj_bias[i]) * pair_weights[start - n:start, None]
+            else:
+                gate, up = gate_up(i, x[rows]).split(self.intermediate, dim=-1)
+                y = down(i, F.silu(gate) * up) * pair_weights[start - n:start, None]
             out.index_add_(0, rows, y)
         return self._finish(x, out)
+
+    def _gpt_oss_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's gate: the gate clamped above at `limit`, the up part within +-limit, (up + 1) * gate *
+        sigmoid(alpha * gate) (transformers' GptOssExperts, over our gate-then-up halves)."""
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
 
     def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The experts' sum, plus the shared expert's gated term where the model has one, summed over the ranks."""
@@ -675,6 +700,47 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+
+
+def _gpt_oss_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A gpt-oss checkpoint's tensors as the other mixtures' (stacked experts, transformers 5's in-memory layout):
+    its router is the MoE's `gate`; its experts' gate_up_proj [E, H, 2I], gate and up interleaved column by column,
+    becomes [E, 2I, H], gate's rows then up's (its bias likewise); down_proj [E, I, H] becomes [E, H, I]. An MXFP4
+    checkpoint's experts (the released gpt-oss: `_blocks` of 4-bit e2m1 pairs and `_scales`, a power of two per 32
+    values) are dequantized first, by transformers' own function, to that same [E, H, 2I] / [E, I, H] layout."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        name = name.replace(".mlp.router.", ".mlp.gate.")
+        m = _GPT_OSS_EXPERTS.match(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, which, suffix = m.groups()
+        if suffix in ("_blocks", "_scales"):
+            got = pending.setdefault(prefix + which, {})
+            got[suffix] = t
+            if len(got) < 2:
+                continue
+            from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+            t, suffix = convert_moe_packed_tensors(got["_blocks"], got["_scales"], dtype=torch.float32), None
+            del pending[prefix + which]
+        if suffix == "_bias":
+            yield name, _deinterleave(t, -1) if which == "gate_up_proj" else t
+        elif which == "gate_up_proj":
+            yield prefix + which, _deinterleave(t.transpose(1, 2), 1).contiguous()
+        else:
+            yield prefix + which, t.transpose(1, 2).contiguous()
+    if pending:
+        raise ModelLoadError(f"MXFP4 experts without both blocks and scales: {sorted(pending)[:3]}")
+
+
+def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """gpt-oss's gate/up pairs along `dim` (gate at even indices, up at odd) as gate's half, then up's."""
+    return torch.cat([t.index_select(dim, torch.arange(0, t.shape[dim], 2)),
+                      t.index_select(dim, torch.arange(1, t.shape[dim], 2))], dim=dim)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -956,6 +1022,8 @@ class LlamaForCausalLM(nn.Module):
         filled: set[str] = set()
         packed: dict[str, dict[int, tuple[QuantWeight, str, str]]] = {}
         packed_experts: dict[tuple[int, str], dict[int, QuantWeight]] = {}    # (layer, part) -> expert -> weight
+        if self.config.model_type == "gpt_oss":
+            weights = _gpt_oss_tensors(weights)
         for name, tensor in self._unfused(weights):
             if "rotary_emb" in name:
                 continue
@@ -1166,4 +1234,6 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoE):
                 names.update(f"model.layers.{i}.mlp.experts.{e}.{part}.weight" for e in range(layer.mlp.num_experts)
                              for part in ("gate_proj", "up_proj", "down_proj"))
+                if layer.mlp.gpt_oss:
+                    names.update(f"model.layers.{i}.mlp.experts.{b}" for b in ("gate_up_proj_bias", "down_proj_bias"))
         return names

@@ -237,11 +237,14 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)        # AutoAWQ's GEMM packing: nibble i 
 
 def hf_quant_method(quant_config) -> str | None:
     """The method of a checkpoint's quantization_config that loads packed ("gptq", "awq", "fp8"), None without
-    one; a ModelLoadError naming the method or the option we do not load."""
+    one (or for gpt-oss's MXFP4 experts, which load dequantized); a ModelLoadError naming the method or the option
+    we do not load."""
     if not quant_config:
         return None
     q = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
     method = q.get("quant_method")
+    if method == "mxfp4":                 # gpt-oss's experts: dequantized at load (LlamaForCausalLM._gpt_oss_tensors)
+        return None
     if method not in HF_METHODS:
         raise ModelLoadError(f"this checkpoint holds {method or 'quantized'} weights (quantization_config in its "
                              f"config.json), which this engine does not load: GPTQ and AWQ (4-bit), FP8 (e4m3, "

@@ -28,7 +28,7 @@ def _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr, sinks_ptr,
     scale_log2, num_seqs, num_heads, n_rows, window, softcap,
     s_qt, s_qh, s_qd,
     s_ot, s_oh, s_od,
@@ -40,7 +40,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,6 +133,13 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + prow, l_i, mask=row_ok)
         tl.store(part_acc_ptr + prow[:, None] * HEAD_P + d[None, :], acc, mask=row_ok[:, None])
     else:
+        if SINKS:      # the head's sink logit joins the softmax: one more term of the sum, with no value
+            sk = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sk)
+            m_fs = tl.where(m_f > float("-inf"), m_f, 0.0)
+            alpha = tl.math.exp2(m_i - m_fs)
+            l_i = l_i * alpha + tl.math.exp2(sk - m_fs)
+            acc = acc * alpha[:, None]
         # Padding rows saw no key (l = 0); they are not stored, but avoid 0/0 anyway.
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + d[None, :] * s_od,
@@ -140,20 +147,27 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, n_rows, s_ot, s_oh, s_od,
-                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr):
-    """One (token, head) row: the splits' partials rescaled to their common max and normalised once."""
+def _combine_splits(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, num_heads, n_rows, s_ot, s_oh, s_od,
+                    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr, SINKS: tl.constexpr):
+    """One (token, head) row: the splits' partials rescaled to their common max (the head's sink among them) and
+    normalised once."""
     row = tl.program_id(0)
+    tok, head = row // num_heads, row % num_heads
     sp = tl.arange(0, NUM_SPLITS)
     m = tl.load(part_m_ptr + sp * n_rows + row)
     l = tl.load(part_l_ptr + sp * n_rows + row)
     m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0))    # a split with no key: -inf -> 0
+    if SINKS:
+        sk = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sk)
+    m_safe = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.math.exp2(m - m_safe)                                         # a split with no key: -inf -> 0
     d = tl.arange(0, HEAD_P)
     acc = tl.load(part_acc_ptr + (sp[:, None] * n_rows + row) * HEAD_P + d[None, :])
     total = tl.sum(l * w, 0)
+    if SINKS:
+        total += tl.math.exp2(sk - m_safe)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tok, head = row // num_heads, row % num_heads
     tl.store(out_ptr + tok * s_ot + head * s_oh + d * s_od, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -184,11 +198,13 @@ def _sm_count(device: torch.device) -> int:
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            max_query_len: int, scale: float, num_splits: int | None = None,
-                           k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                           k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`.
     `num_splits`: key slices per program (None: num_kv_splits decides; the tests set it). A quantized cache
     (int8 or fp8 codes) comes with its scales [blocks, block_size, kv_heads] (k_scale, v_scale). window, softcap:
-    a sliding window and a score softcap (engine/attention.py; 0: none), constants of a layer.
+    a sliding window and a score softcap (engine/attention.py; 0: none), constants of a layer; sinks [H] fp32: each
+    head's sink logit (gpt-oss; None: none).
 
     CUDA-graph safe: the grid and constexprs follow from shapes (tokens, sequences) and the host int
     max_query_len (the query width of a captured decode/verify step); nothing reads device memory
@@ -200,6 +216,9 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     num_seqs = seq_lens.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        assert sinks.shape == (num_heads,), "sinks: one per query head"
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -234,14 +253,16 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         part_m = part_l = part_acc = out                  # not read
     _paged_attention_kernel[grid + (splits,)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        part_m, part_l, part_acc, ks, vs,
+        part_m, part_l, part_acc, ks, vs, sinks if sinks is not None else out,
         float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows, int(window), float(softcap),
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *scale_strides, QUANT=quant, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        DOT_PREC=dot_prec, NUM_SPLITS=splits, WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=num_warps,
+        DOT_PREC=dot_prec, NUM_SPLITS=splits, WINDOW=bool(window), SOFTCAP=bool(softcap), SINKS=sinks is not None,
+        num_warps=num_warps,
     )
     if splits > 1:
-        _combine_splits[(n_rows,)](out, part_m, part_l, part_acc, num_heads, n_rows, *out.stride(),
-                                   NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_P=head_p)
+        _combine_splits[(n_rows,)](out, part_m, part_l, part_acc, sinks if sinks is not None else out, num_heads,
+                                   n_rows, *out.stride(), NUM_SPLITS=splits, HEAD_DIM=head_dim, HEAD_P=head_p,
+                                   SINKS=sinks is not None)
     return out

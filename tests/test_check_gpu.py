@@ -60,7 +60,9 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
              r["data"]["window"], r["data"]["softcap"]) for r in attention} == \
         {(m, d, b, "auto", 0, 0.0) for m in models for d in ("float32", "float16") for b in (16, 32)} \
         | {(m, "float32", 16, kv, 0, 0.0) for m in models for kv in ("int8", "fp8")} \
-        | {("Gemma-2-2B", d, 16, "auto", 24, cap) for d in ("float32", "float16") for cap in (0.0, 50.0)}   # Gemma 2's
+        | {("Gemma-2-2B", d, 16, "auto", 24, cap) for d in ("float32", "float16") for cap in (0.0, 50.0)} \
+        | {("gpt-oss-20b", d, 16, "auto", w, 0.0) for d in ("float32", "float16") for w in (0, 24)}   # its sinks
+    assert all(r["data"]["sinks"] == (r["data"]["model"] == "gpt-oss-20b") for r in attention)
     assert all(r["data"]["kernel"] == "triton" and r["data"]["max_abs_err"] < 1e-2 for r in attention)
 
     models = {r["case"]: r["data"] for r in rows["models"]}

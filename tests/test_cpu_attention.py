@@ -243,9 +243,10 @@ def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_process():
         lock.unlink(missing_ok=True)
 
 
-def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0):
+def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0, sinks=None):
     """Attention written out token by token from the block tables: the query at position p weighs the keys at
-    max(0, p - window + 1) .. p (all of 0 .. p without a window), its scores capped as C * tanh(s / C)."""
+    max(0, p - window + 1) .. p (all of 0 .. p without a window), its scores capped as C * tanh(s / C), its head's
+    sink logit one more score of the softmax, with no value (gpt-oss)."""
     bs, heads = k_cache.shape[1], k_cache.shape[2]
     group, out, t = q.shape[1] // heads, torch.empty_like(q), 0
     for i, (ctx, n) in enumerate(zip(md.seq_lens_list, md.query_lens_list)):
@@ -258,6 +259,9 @@ def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0):
                 s = (k[lo:p + 1, h // group] @ q[t, h]) * scale
                 if softcap:
                     s = softcap * torch.tanh(s / softcap)
+                if sinks is not None:
+                    out[t, h] = torch.softmax(torch.cat([s, sinks[h:h + 1]]), 0)[:-1] @ v[lo:p + 1, h // group]
+                    continue
                 out[t, h] = torch.softmax(s, 0) @ v[lo:p + 1, h // group]
             t += 1
     return out
@@ -286,3 +290,27 @@ def test_sliding_window_and_softcap(window, softcap):
     one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
                                                window=window, softcap=softcap)
     torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_attention_sinks(window):
+    """gpt-oss's sinks (a logit per query head, with no value) in every CPU path against attention written out,
+    with and without its sliding window; the sinks are large enough to take much of each row's weight."""
+    q, k, v, md = _batch([5, 40, 61, 30, 45], 6, 2, 32, qlens=[1, 1, 4, 30, 20])
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0, -3.0, 1.0])
+    want = _naive(q, k, v, md, 0.125, window, sinks=sinks)
+    for name, got in [
+        ("torch", paged_attention_torch(q, k, v, md, 0.125, window=window, sinks=sinks)),
+        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, window=window,
+                                                           sinks=sinks)),
+        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
+                                                            md.query_start_loc, 0.125, window=window, sinks=sinks))]:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert not torch.allclose(_naive(q, k, v, md, 0.125, window), want, atol=1e-3)     # the sinks change it
+    dec = [0, 1, 2]
+    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
+                                               window=window, sinks=sinks)
+    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="sinks"):
+        cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc, 0.125,
+                                             sinks=sinks[:4])

@@ -79,6 +79,8 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("ministral", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     ("olmo2", {}),                                   # norms after each sublayer only; q/k norms over all heads
     ("olmo3", {"sliding_window": 8}),                # + windows on 3 of every 4 layers, a RoPE per layer type
+    ("gpt_oss", {}),                                 # attention sinks, windows, biases, YaRN; experts with biases
+                                                     # and a clamped SwiGLU, gate/up interleaved in the checkpoint
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM

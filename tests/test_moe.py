@@ -149,3 +149,33 @@ def test_no_cuda_graphs_are_planned_for_experts(moe, tmp_path):
     dense = make_tiny_checkpoint(tmp_path / "dense", "qwen3")
     assert engine(moe).engine.runner.graph_plan() == []
     assert engine(dense).engine.runner.graph_plan() != []
+
+
+def test_gpt_oss_mxfp4_checkpoints_load_as_transformers_loads_them(tmp_path):
+    """The released gpt-oss holds its experts in MXFP4 (4-bit e2m1 codes and a power of two per 32 values): they load
+    dequantized, to transformers' own greedy tokens on the same file (its dequantizing load on CPU), and those
+    differ from the float checkpoint's (the quantization was applied)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from bench.models import mxfp4_experts
+    path = make_tiny_checkpoint(tmp_path / "float", "gpt_oss")
+    floats = engine(path).generate(PROMPTS, GREEDY)
+    mx = shutil.copytree(path, tmp_path / "mxfp4")
+    mxfp4_experts(mx)
+    hf = AutoModelForCausalLM.from_pretrained(mx, dtype=torch.float32,
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    want = hf_greedy(hf, PROMPTS, 16)
+    got = engine(str(mx)).generate(PROMPTS, GREEDY)
+    for out, ref in zip(got, want):
+        check_greedy_close(baton_greedy(out), ref)
+    assert [o.token_ids for o in got] != [o.token_ids for o in floats]
+
+
+def test_gpt_oss_experts_quantized_at_load_keep_their_biases(tmp_path):
+    """quantization="int8" packs gpt-oss's experts; their biases and gate stay as they were: the median position's
+    log-probabilities within the MoE bound of the float model's."""
+    path = make_tiny_checkpoint(tmp_path, "gpt_oss")
+    ref, q = engine(path), engine(path, quantization="int8")
+    assert sorted(q.engine.runner.model.model.layers[0].mlp.packed) == ["down_proj", "gate_up_proj"]
+    median, scale = median_position_error(q, ref)
+    assert median < 0.1 * scale

@@ -113,3 +113,18 @@ def test_sliding_window_and_softcap(window, softcap, num_splits):
     ref = paged_attention_torch(q, k_cache, v_cache, md, 0.2, window=window, softcap=softcap)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(ref, paged_attention_torch(q, k_cache, v_cache, md, 0.2), atol=1e-3)
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+@pytest.mark.parametrize("window", [0, 12])
+def test_attention_sinks(window, num_splits):
+    """gpt-oss's sinks (a logit per query head, with no value) against the torch reference (checked token by token in
+    tests/test_cpu_attention.py), its sliding window too, split over the keys too (the sink joins the combine)."""
+    q, kv, md = random_batch([(37, 1), (70, 20), (40, 40), (9, 1)], 4, 2, 32, 16, seed=6)
+    sinks = torch.tensor([1.5, -2.0, 3.0, 0.0])
+    k_cache, v_cache = layer_views(kv, 1)
+    out = triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                 md.max_query_len, 0.2, num_splits=num_splits, window=window, sinks=sinks)
+    ref = paged_attention_torch(q, k_cache, v_cache, md, 0.2, window=window, sinks=sinks)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref, paged_attention_torch(q, k_cache, v_cache, md, 0.2, window=window), atol=1e-3)
