@@ -60,8 +60,7 @@ def check_tp(paths: dict[str, str], cpu: bool, log: Callable[[str], None] = lamb
         from check.quant import write_quantized
         gptq, _ = write_quantized(first_path, Path(tmp) / "gptq", "gptq", device=torch.device(device))
         # packed shards: each rank holds its rows or columns of the 4-bit codes (on CPU, int8 activations)
-        # gpt-oss does not run under TP yet (it refuses by name: tests/test_tensor_parallel.py)
-        cases = [(name, path, gap) for name, path in paths.items() if not name.startswith("gpt-oss")] + \
+        cases = [(name, path, gap) for name, path in paths.items()] + \
             [(f"{first} GPTQ", gptq, max(gap, 0.5) if cpu else gap)]
         for name, path, max_gap in cases:
             rows += _tp_case(name, path, device, dtype, lengths, n, max_gap, log)

@@ -428,9 +428,9 @@ class SparseMoE(nn.Module):
         self.renormalize = config.model_type in ("mixtral", "gpt_oss") or bool(getattr(config, "norm_topk_prob", False))
         # gpt-oss: its router has a bias, its experts' projections too, and its gate is a clamped SwiGLU
         self.gpt_oss = config.model_type == "gpt_oss"
-        if self.gpt_oss and tp is not None:
-            raise ModelLoadError("gpt_oss under tensor parallelism is not supported yet: run it at "
-                                 "tensor_parallel_size 1")
+        # its down projection's bias joins an expert's output once: on the rank holding the expert whole (expert
+        # parallel), or on rank 0 where each rank holds a run of every expert's units (the sum is all-reduced)
+        self.down_bias_here = tp is None or (expert_parallel and size > 1) or rank == 0
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=self.gpt_oss)     # the router: replicated
         self.experts = nn.Module()                        # this rank's experts: global e is row e - local.start
         self.experts.gate_up_proj = nn.Parameter(torch.empty(len(self.local), 2 * self.intermediate,
@@ -488,7 +488,9 @@ class SparseMoE(nn.Module):
             rows, i = tokens[start - n:start], e - self.local.start
             if self.gpt_oss:
                 y = down(i, self._gpt_oss_gate(gate_up(i, x[rows]) + self.experts.gate_up_proj_bias[i]))
-                y = (y + self.experts.down_proj_bias[i]) * pair_weights[start - n:start, None]
+                if self.down_bias_here:
+                    y = y + self.experts.down_proj_bias[i]
+                y = y * pair_weights[start - n:start, None]
             else:
                 gate, up = gate_up(i, x[rows]).split(self.intermediate, dim=-1)
                 y = down(i, F.silu(gate) * up) * pair_weights[start - n:start, None]
@@ -700,6 +702,7 @@ _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\
                      r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _STACKED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_BIASES = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj_bias|down_proj_bias)$")
 
 
 _GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
@@ -1008,6 +1011,8 @@ class LlamaForCausalLM(nn.Module):
                 "up_proj": units, "embed_tokens": self.model.embed_tokens.rows}
         rows["v_proj"], rows["lm_head"] = rows["k_proj"], rows["embed_tokens"]
         cols = {"o_proj": rows["q_proj"], "down_proj": units}
+        if name.endswith(".self_attn.sinks"):             # gpt-oss: one per query head
+            return 0, attn.q_heads.start, attn.q_heads.stop
         piece = name.split(".")[-2]
         if piece in rows:
             return 0, rows[piece].start, rows[piece].stop
@@ -1035,6 +1040,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if _STACKED_EXPERTS.match(name):
                 filled.update(self._load_stacked_experts(name, tensor))
+                continue
+            if _EXPERT_BIASES.match(name):
+                filled.add(self._load_expert_bias(name, tensor))
                 continue
             target, shard = name, None
             for piece, (fused, idx) in self._FUSED.items():
@@ -1200,6 +1208,26 @@ class LlamaForCausalLM(nn.Module):
             dst.copy_(mine)
         parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
         return [f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for e in range(moe.num_experts) for p in parts]
+
+    def _load_expert_bias(self, name: str, tensor: torch.Tensor) -> str:
+        """gpt-oss's stacked expert biases (gate_up's de-interleaved, gate's half then up's): this rank's experts, and
+        of gate_up's its run of each one's units."""
+        layer, which = _EXPERT_BIASES.match(name).groups()
+        moe = self.model.layers[int(layer)].mlp if int(layer) < len(self.model.layers) else None
+        if not isinstance(moe, SparseMoE) or not moe.gpt_oss:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+        mine = tensor[moe.local.start:moe.local.stop]
+        if which == "gate_up_proj_bias":
+            run = torch.tensor(list(moe.run), dtype=torch.long)
+            gate, up = mine.chunk(2, dim=1)
+            mine = torch.cat([gate.index_select(1, run), up.index_select(1, run)], dim=1)
+        dst = getattr(moe.experts, which)
+        if mine.shape != dst.shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(dst.shape)} "
+                                 f"(this rank's experts and units)")
+        with torch.no_grad():
+            dst.copy_(mine)
+        return name
 
     def _copy_in(self, param, tensor, target: str, shard: int | None, name: str) -> None:
         with torch.no_grad():

@@ -76,13 +76,14 @@ class LimitsConfig(_Section):
 
 class ToolsConfig(_Section):
     """Tool calling on chat completions (router/tools.py)."""
-    parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
+    parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic", "harmony"] = Field(
         "auto", description="How `auto` tool calls are read from the model's output, as vLLM's parsers of the same "
         "names: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, SmolLM2, Hermes), llama3_json (Llama 3.1's "
         "{\"name\", \"parameters\"} JSON), mistral ([TOOL_CALLS] and a JSON array, or name[ARGS]{...}: Mistral, "
-        "Magistral, Devstral), pythonic ([fn(arg=value), ...]: Llama 3.2 and 4 with pythonic templates, ToolACE); "
+        "Magistral, Devstral), pythonic ([fn(arg=value), ...]: Llama 3.2 and 4 with pythonic templates, ToolACE), "
+        "harmony (gpt-oss's commentary messages to functions.NAME; with reasoning.parser gpt_oss); "
         "auto: mistral for a chat template that writes [TOOL_CALLS], pythonic for one that teaches the pythonic "
-        "form, llama3_json for one in Llama 3's JSON tool format, else hermes")
+        "form, harmony for gpt-oss's, llama3_json for one in Llama 3's JSON tool format, else hermes")
 
 
 class ChatConfig(_Section):
@@ -114,12 +115,15 @@ def chat_template_text(v: str) -> str:
 
 class ReasoningConfig(_Section):
     """Reasoning models' thinking on chat completions (router/reasoning.py), as vLLM's --reasoning-parser."""
-    parser: Literal["none", "deepseek_r1", "qwen3"] = Field(
+    parser: Literal["none", "deepseek_r1", "qwen3", "gpt_oss"] = Field(
         "none", description="How a chat answer's thinking (between <think> and </think>) is split out into "
         "`reasoning_content`: deepseek_r1 (DeepSeek-R1 and its distills: everything before </think>), qwen3 (Qwen3, "
-        "QwQ: only between both tags); none keeps it in the content. Under a parser, structured output and forced "
+        "QwQ: only between both tags), gpt_oss (gpt-oss's harmony messages: the analysis channel is the reasoning, "
+        "the final channel the content, calls to functions tool calls; special tokens' text is kept for it); none "
+        "keeps it in the content. Under a parser, structured output and forced "
         "tool calls shape the answer alone: their grammar starts after the </think> token (or from the first token "
-        "when the prompt closed its thinking), which the tokenizer must have as one token, as vLLM's parsers do")
+        "when the prompt closed its thinking), which the tokenizer must have as one token, as vLLM's parsers do "
+        "(not yet under gpt_oss, which has no </think>: a 400 says so)")
 
 
 class AdmissionConfig(_Section):

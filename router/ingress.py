@@ -432,8 +432,8 @@ class Ingress:
             req = oa.parse_request(body, chat, self.limits)
             lora = await self._resolve_model(req.model)
             tools = oa.tool_plan(req, self.tool_format)
-            if tools is not None and tools.keeps_special_tokens:
-                req.skip_special_tokens = False          # Mistral's [TOOL_CALLS] is a special token (vLLM does so)
+            if tools is not None and tools.keeps_special_tokens or chat and self.reasoning == "gpt_oss":
+                req.skip_special_tokens = False          # Mistral's [TOOL_CALLS] and harmony's markers are special
             prompts = self._prompts(req, chat, tools)
             for ids in prompts:
                 oa.check_prompt_length(len(ids), self.limits)

@@ -13,8 +13,10 @@ calls, {"name": ..., "parameters": ...} (after an optional <|python_tag|>, sever
 reads what follows [TOOL_CALLS]: a JSON array of {"name", "arguments"} (Mistral 7B v0.3, Nemo, Small 3.1) or
 `name[ARGS]{...}` per call (Magistral, Small 3.2, Devstral), and gives calls the 9-character ids Mistral's templates
 require; `pythonic` reads a Python list of calls, [get_weather(city="Oslo"), ...] (Llama 3.2 and Llama 4 with
-their pythonic templates, ToolACE). `auto` picks mistral for a template that writes [TOOL_CALLS], pythonic for
-one that teaches the pythonic form, llama3_json for one that speaks Llama 3's JSON, and hermes for every other.
+their pythonic templates, ToolACE); `harmony` reads gpt-oss's calls, commentary messages to `functions.NAME`
+whose body is the arguments' JSON (router/reasoning.py's gpt_oss parser leaves them in the content, CALL_OPEN ...). `auto` picks mistral for a template that writes [TOOL_CALLS], pythonic for
+one that teaches the pythonic form, llama3_json for one that speaks Llama 3's JSON, harmony for gpt-oss's (its
+<|channel|> markers), and hermes for every other.
 [TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: under `mistral` an `auto` request keeps special
 tokens' text, as vLLM's parser makes it, or its calls could not be found.
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured import StructuredOutput
+from router.reasoning import CALL_END, CALL_OPEN, H_MESSAGE
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -43,8 +46,10 @@ _PYTHON_TAG = "<|python_tag|>"
 _TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"                     # Mistral's
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around a pythonic list
 _PYTHONIC_TEMPLATE = "[func_name1(params_name1=params_value1"      # what pythonic templates teach
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-_OPENERS = {"hermes": _OPEN, "mistral": _TOOL_CALLS}              # the tag that opens a call inside the text
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "harmony")
+_OPENERS = {"hermes": _OPEN, "mistral": _TOOL_CALLS, "harmony": CALL_OPEN}   # the tag opening a call in the text
+_HARMONY_CALL = re.compile(re.escape(CALL_OPEN) + r"([A-Za-z0-9_.-]+)" + re.escape(H_MESSAGE) + r"(.*?)(" +
+                           re.escape(CALL_END) + r"|$)", re.DOTALL)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 SYSTEM = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
           "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -80,6 +85,7 @@ def tool_format(tokenizer, parser: str = "auto") -> ToolFormat:
     if parser == "auto":
         llama = _PYTHON_TAG in template or '"parameters": ' in template
         parser = ("mistral" if _TOOL_CALLS in template else "pythonic" if _PYTHONIC_TEMPLATE in template else
+                  "harmony" if "<|channel|>" in template else
                   "llama3_json" if native and llama and _OPEN not in template else "hermes")
     if parser not in PARSERS:
         raise ValueError(f"tool parser must be auto or one of {', '.join(PARSERS)}, got {parser!r}")
@@ -152,7 +158,8 @@ class ToolPlan:
                 return text, []
             return None, [ToolCall(c["name"], json.dumps(c["arguments"]), self.call_id()) for c in calls]
         names = {t["name"] for t in self.tools}
-        parse = {"llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic}
+        parse = {"llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
+                 "harmony": parse_harmony}
         return parse.get(self.format.parser, parse_hermes)(text, names)
 
     def call_id(self) -> str:
@@ -161,8 +168,9 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's [TOOL_CALLS] is a special token: an auto request's text must keep special tokens' text."""
-        return self.mode == "auto" and self.format.parser == "mistral"
+        """Mistral's [TOOL_CALLS] is a special token, and so are harmony's markers: an auto request's text must keep
+        special tokens' text."""
+        return self.mode == "auto" and self.format.parser in ("mistral", "harmony")
 
     def holdback(self, text: str) -> int:
         """auto, streaming: how much of `text` (all the choice's text so far) may go out as content: up to a
@@ -222,6 +230,27 @@ def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]
         args = obj.get("arguments", obj.get("parameters", {}))
         calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
     content = text[:at].strip()
+    return content or None, calls
+
+
+def parse_harmony(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """gpt-oss's calls, as the gpt_oss reasoning parser writes them into the content (CALL_OPEN name <|message|>
+    arguments <|call|>; the last may lack its end: the model stopped there); the text around them is the content.
+    A call that is not of a known function, or whose arguments are not JSON, leaves the whole text as content."""
+    found = list(_HARMONY_CALL.finditer(text))
+    if not found:
+        return text, []
+    calls = []
+    for m in found:
+        name, args = m.group(1), m.group(2).strip()
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            return text, []
+        if name not in names:
+            return text, []
+        calls.append(ToolCall(name, json.dumps(obj)))
+    content = _HARMONY_CALL.sub("", text).strip()
     return content or None, calls
 
 

@@ -28,6 +28,18 @@ class Tok:
     ("qwen3", "The answer, no thinking.", (None, "The answer, no thinking.")),        # thinking off
     ("qwen3", "<think>cut short", (None, "<think>cut short")),                         # no </think>: content
     ("none", "<think>a</think>b", (None, "<think>a</think>b")),
+    # gpt-oss's harmony messages: the analysis channel is the reasoning, the final channel the content
+    ("gpt_oss", "<|channel|>analysis<|message|>Plan it.<|end|><|start|>assistant<|channel|>final<|message|>"
+                "The answer.<|return|>", ("Plan it.", "The answer.")),
+    ("gpt_oss", "<|channel|>analysis<|message|>Cut short", ("Cut short", None)),
+    ("gpt_oss", "<|channel|>final<|message|>Straight to it.<|return|>", (None, "Straight to it.")),
+    # a call to a function stays in the content, in one form (the recipient in the role's header or the channel's)
+    ("gpt_oss", "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant to=functions.get_weather"
+                "<|channel|>commentary json<|message|>{\"city\": \"Oslo\"}<|call|>",
+     ("Look it up.", '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Oslo"}<|call|>')),
+    ("gpt_oss", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>",
+     (None, "<|channel|>commentary to=functions.f<|message|>{}<|call|>")),
+    ("gpt_oss", "<|channel|>anal", (None, None)),                                      # a header, no message yet
 ])
 def test_a_whole_answer_splits_as_vllms_parsers_split_it(parser, text, want):
     assert split(parser, text) == want
@@ -39,6 +51,8 @@ def test_a_whole_answer_splits_as_vllms_parsers_split_it(parser, text, want):
     ("deepseek_r1", "Thinking < and > and </thought> but never closing"),
     ("qwen3", "<think>\nPlan: add 2 and 2.\n</think>\n\nThe answer is 4."),
     ("qwen3", "No thinking, just < and </ and the answer."),
+    ("gpt_oss", "<|channel|>analysis<|message|>Plan: a < b, so 2 + 2.<|end|><|start|>assistant<|channel|>final"
+                "<|message|>The answer is 4 (not < 3).<|return|>"),
 ])
 def test_a_stream_labels_each_piece_once_and_adds_up_to_the_whole_split(parser, text):
     """Cut anywhere, even inside a tag: no tag or part of one is ever sent, and the pieces add up to the split."""
@@ -51,6 +65,7 @@ def test_a_stream_labels_each_piece_once_and_adds_up_to_the_whole_split(parser, 
             seen += p
             r, c = s.step(seen, k == len(pieces) - 1)
             assert "<think" not in r + c and "</think" not in r + c or parser == "deepseek_r1" and "<think>" not in text
+            assert "<|" not in r + c and "|>" not in r + c               # no harmony marker, nor a part of one
             thought, content = thought + r, content + c
         want_r, want_c = split(parser, text)
         assert (thought, content) == (want_r or "", want_c or ""), pieces
@@ -145,3 +160,38 @@ def test_a_forced_tool_call_follows_the_thinking(choice):
         assert [t.function.name for t in calls if t.function.name] == ["add"]
         assert "".join(t.function.arguments or "" for t in calls) == args
         assert chunks[-1].choices[0].finish_reason == "tool_calls" and not any(d.content for d in deltas)
+
+
+def test_gpt_oss_tool_calls_and_reasoning_whole_or_streamed():
+    """gpt-oss (reasoning parser gpt_oss, tool parser harmony): the analysis channel streams as reasoning_content, a
+    commentary message to functions.get_weather is the tool call with its JSON arguments, no marker reaches the
+    client; a final answer without a call is the content."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    parts = ("<|channel|>analysis<|message|>Need the", " weather.<|end|><|start|>assistant<|channel|>comm",
+             "entary to=functions.get_weather <|constrain|>json<|message|>{\"city\":", " \"Oslo\"}<|call|>")
+    for stream in (False, True):
+        req = _chat(tools=tools, tool_choice="auto", stream=stream)
+        plan = oa.tool_plan(req, ToolFormat("harmony", True))
+        assert plan.keeps_special_tokens
+        b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, req, Tok(), plan, reasoning="gpt_oss")
+        if not stream:
+            for d in _deltas(*parts):
+                b.add(0, d)
+            msg = b.final()["choices"][0]["message"]
+            assert msg["reasoning_content"] == "Need the weather." and msg["content"] is None
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
+                [("get_weather", '{"city": "Oslo"}')]
+            continue
+        chunks = [ChatCompletionChunk.model_validate(c) for d in _deltas(*parts) for c in b.chunks(0, d)]
+        thought = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks
+                          if c.choices[0].delta.model_extra)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.function.name]
+        assert thought == "Need the weather." and content == "" and calls == ["get_weather"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    b = oa.ResponseBuilder("chatcmpl-1", 1, "m", True, _chat(), Tok(), reasoning="gpt_oss")
+    for d in _deltas("<|channel|>analysis<|message|>Easy.<|end|>", "<|start|>assistant<|channel|>final<|message|>",
+                     "Four.<|return|>"):
+        b.add(0, d)
+    assert b.final()["choices"][0]["message"] == {"role": "assistant", "content": "Four.",
+                                                  "reasoning_content": "Easy."}

@@ -48,6 +48,8 @@ TINY_MODELS = {
     "granite": ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
                                 logits_scaling=8.0)),             # its multipliers, with the vocabulary split
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 0, 1])),      # a NoPE layer
+    # sinks by query head; expert biases split with the experts' units (gate/up) or added once (down)
+    "gpt-oss": ("gpt_oss", dict(intermediate_size=49)),
     "ministral": ("ministral", dict(head_dim=16, sliding_window=8,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
@@ -124,16 +126,18 @@ def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "gpt-oss"])
 def test_expert_parallel_tp2_holds_whole_experts_and_gives_tp1s_tokens(tmp_path, name):
     """enable_expert_parallel: rank 0 holds experts 0-1 of 5, whole (every unit), rank 1 experts 2-4; each adds its
-    experts' terms and the block's one all-reduce sums them (a shared expert's term split by units, as before)."""
+    experts' terms (gpt-oss's down bias too) and the block's one all-reduce sums them (a shared expert's term split
+    by units, as before)."""
     kind, overrides = TINY_MODELS[name]
-    path = make_tiny_checkpoint(tmp_path, kind, **{**overrides, "num_experts": 5})
+    experts = {"num_local_experts": 5} if kind == "gpt_oss" else {"num_experts": 5}
+    path = make_tiny_checkpoint(tmp_path, kind, **{**overrides, **experts})
     tp1, ep = engine(path, 1), engine(path, 2, enable_expert_parallel=True)
     try:
         moe = ep.runner.model.model.layers[0].mlp
-        width = ep.hf_config.moe_intermediate_size
+        width = ep.hf_config.intermediate_size if kind == "gpt_oss" else ep.hf_config.moe_intermediate_size
         assert moe.local == range(0, 2) and moe.run == range(0, width) and moe.intermediate == width
         assert tuple(moe.experts.gate_up_proj.shape[:2]) == (2, 2 * moe.intermediate)
         assert_same_greedy(generate(tp1, PROMPTS), generate(ep, PROMPTS))
@@ -486,13 +490,10 @@ def test_an_idle_worker_outwaits_the_collective_timeout():
     assert tables.tolist() == [[5, 6], [7, 8]] and layers is None and lora.tolist() == [1, -1]
 
 
-def test_olmo_and_gpt_oss_refuse_tensor_parallelism_by_name(tmp_path):
-    """OLMo 2/3 normalise the whole q and k projections, over heads the ranks would split; gpt-oss's sinks and expert
-    biases have no TP split yet: each refused by name, not run wrong."""
+def test_olmo_refuses_tensor_parallelism_by_name(tmp_path):
+    """OLMo 2/3 normalise the whole q and k projections, over heads the ranks would split: refused, not run wrong."""
     with pytest.raises(Exception, match="olmo2.*tensor parallelism is not supported"):
-        engine(make_tiny_checkpoint(tmp_path / "olmo2", "olmo2"), 2)
-    with pytest.raises(Exception, match="gpt_oss under tensor parallelism is not supported"):
-        engine(make_tiny_checkpoint(tmp_path / "gpt_oss", "gpt_oss"), 2)
+        engine(make_tiny_checkpoint(tmp_path, "olmo2"), 2)
 
 
 def test_tensor_parallel_size_is_validated(tmp_path):

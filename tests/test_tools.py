@@ -193,6 +193,9 @@ class Templated:
     (LLAMA_LIKE, "hermes", ToolFormat("hermes", True)),      # the config wins
     (PLAIN, "llama3_json", ToolFormat("llama3_json", False)),
     ({"default": PLAIN, "tool_use": LLAMA_LIKE}, "auto", ToolFormat("llama3_json", True)),
+    # gpt-oss's: harmony's channels, its tools in a namespace of functions
+    ("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}"
+     "{% if tools %}namespace functions {% endif %}", "auto", ToolFormat("harmony", True)),
 ])
 def test_the_tool_format_follows_the_chat_template_and_the_config(template, configured, want):
     assert tool_format(Templated(template), configured) == want
