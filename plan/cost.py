@@ -194,6 +194,13 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
                     "vocab_size": 262208, "sliding_window": 1024, "query_pre_attn_scalar": 168},
     "phi-4": {"model_type": "phi3", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
               "num_key_value_heads": 10, "intermediate_size": 17920, "vocab_size": 100352},
+    # gpt-oss: experts with windows of 128 on every other layer (bf16 here: its MXFP4 experts load dequantized)
+    "gpt-oss-20b": {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+                    "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "vocab_size": 201088,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128},
+    "gpt-oss-120b": {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+                     "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "vocab_size": 201088,
+                     "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128},
 }
 
 

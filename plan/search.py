@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cluster.config import ClusterConfig
-from plan.cost import Batch, Cost, RooflineCost, kv_value_bytes, load_cost, model_shape
+from plan.cost import MODELS, Batch, Cost, RooflineCost, kv_value_bytes, load_cost, model_shape
 from plan.cells import fleet_summary, simulate_fleet, split
 from plan.sim import Tally, run_tally
 from plan.workload import MOONCAKE_BLOCK, day_of, from_mooncake, iter_day
@@ -395,8 +395,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rps", type=float, default=None, help="plan for this many requests/s (default: the trace's "
                                                            "own rate)")
     p.add_argument("--seconds", type=float, default=120.0, help="simulated load per candidate (default 120 s)")
-    p.add_argument("--model", default="llama-3.1-8b", help="a preset (llama-3.1-8b, llama-3.1-70b, qwen2.5-32b, "
-                                                           "qwen3-8b, qwen3-32b, mixtral-8x7b, qwen3-30b-a3b) or a config.json / "
+    p.add_argument("--model", default="llama-3.1-8b", help=f"a preset ({', '.join(MODELS)}) or a config.json / "
                                                            "model directory")
     p.add_argument("--gpu", default="h100", choices=["h100", "h200"])
     p.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallel)")

@@ -12,7 +12,7 @@ import pytest
 from cluster.config import ClusterConfig
 from engine.block_hash import block_hashes
 from plan.cost import (Batch, LinearCost, Overheads, RooflineCost, attention_pairs, kv_value_bytes, load_cost, model_shape,
-                       save_cost)
+                       model_windows, save_cost)
 from plan.search import held
 from plan.sim import ITL_BINS, Seq, SimRequest, Simulator, simulate
 from plan.workload import KEY, day_of, diurnal, from_mooncake
@@ -1153,6 +1153,17 @@ def test_a_shared_expert_counts_as_active_in_every_sparse_layer():
     head = m["vocab_size"] * m["hidden_size"]
     assert cost.params + head == pytest.approx(14.3e9, rel=0.02)
     assert cost.active_params + head == pytest.approx(2.7e9, rel=0.02)
+
+
+@pytest.mark.parametrize("preset, total, active", [("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)])
+def test_the_roofline_counts_gpt_oss_as_published(preset, total, active):
+    """OpenAI's counts: the total holds the embedding and the untied head, the active count the head alone (the
+    roofline's params and active_params hold one of the two); half its layers windowed at 128 tokens."""
+    m = model_shape(preset)
+    cost = RooflineCost("h100", m)
+    assert cost.params + m["vocab_size"] * m["hidden_size"] == pytest.approx(total, rel=0.01)
+    assert cost.active_params == pytest.approx(active, rel=0.01)
+    assert model_windows(m) == (128, m["num_hidden_layers"] // 2)
 
 
 @pytest.mark.parametrize("preset, published", [("gemma-2-9b", 9.24e9), ("gemma-3-27b", 27.0e9), ("phi-4", 14.7e9)])
