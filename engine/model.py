@@ -466,13 +466,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed \
-            and not self.gpt_oss else None
+        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed else None
         if moe_ops is not None:
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
+            extra = {} if not self.gpt_oss else {
+                "b13": self.experts.gate_up_proj_bias, "activation": self._gpt_oss_gate,
+                "b2": self.experts.down_proj_bias if self.down_bias_here else None}
             out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
                                     block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64,
-                                    expert_start=self.local.start)
+                                    expert_start=self.local.start, **extra)
             return self._finish(x, out)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)                    # pairs by expert; tokens in order within one

@@ -6,6 +6,7 @@ pads each expert's run to a multiple of BLOCK_M, so every block of BLOCK_M sorte
 multiplies them by its expert's weight tile with `tl.dot` and writes each pair's row of the output (times the
 pair's routing weight, for the down projection). Two launches make the block: gate/up ([E, 2I, H]) into
 [T x k, 2I], SiLU(gate) x up in torch, down ([E, H, I]) into [T x k, H] weighted; each token's k rows are summed.
+gpt-oss's experts add a bias to each projection (in torch, by each pair's expert) and gate with their own function.
 
 Nothing is read back to the host: the padded length has a bound from shapes alone (T x k + E x (BLOCK_M - 1)),
 programs past the step's real blocks return at once, and the sort, the counts and the offsets are device ops. The
@@ -95,17 +96,29 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, block_expert: tor
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              *, block_m: int = 16, block_n: int = 64, block_k: int = 32, expert_start: int = 0) -> torch.Tensor:
+              *, block_m: int = 16, block_n: int = 64, block_k: int = 32, expert_start: int = 0,
+              b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, activation=None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate's rows, then up's); w2 [E, H, I]; weights and experts [T, k] (the router's)
     -> [T, H]: each token's experts' SiLU-gated MLPs, weighted and summed. block_* are powers of two of at least
     16 (tl.dot's least; tests in the interpreter use the smallest). Expert parallel: w13 and w2 hold experts
-    expert_start.. only; the others' pairs add nothing here (their rank adds them)."""
+    expert_start.. only; the others' pairs add nothing here (their rank adds them).
+    gpt-oss's experts: b13 [E, 2I] and b2 [E, H] are each expert's biases (b2 added before the routing weight), and
+    `activation` ([pairs, 2I] -> [pairs, I]) replaces SiLU(gate) x up."""
     t, k = experts.shape
     num_pairs, inter = t * k, w13.shape[1] // 2
     if num_pairs == 0:
         return torch.zeros_like(x)
-    ids, block_expert = align_pairs(experts - expert_start, w13.shape[0], block_m)
+    local = experts.flatten().long() - expert_start
+    ids, block_expert = align_pairs(local.view(t, k), w13.shape[0], block_m)
     gate_up = _gemm(x, w13, ids, block_expert, num_pairs, k, None, block_m, block_n, block_k)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    down = _gemm(act, w2, ids, block_expert, num_pairs, 1, weights.flatten().contiguous(), block_m, block_n, block_k)
+    if b13 is not None or b2 is not None:          # each pair's expert's bias row; another rank's experts add none
+        mine = ((local >= 0) & (local < w13.shape[0]))[:, None]
+        row = local.clamp(0, w13.shape[0] - 1)
+    if b13 is not None:
+        gate_up = gate_up + torch.where(mine, b13[row], 0.0).to(gate_up.dtype)
+    act = activation(gate_up) if activation is not None else F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    flat_weights = weights.flatten().contiguous()
+    down = _gemm(act, w2, ids, block_expert, num_pairs, 1, flat_weights, block_m, block_n, block_k)
+    if b2 is not None:
+        down = down + torch.where(mine, flat_weights[:, None].to(b2.dtype) * b2[row], 0.0).to(down.dtype)
     return down.view(t, k, -1).sum(dim=1)

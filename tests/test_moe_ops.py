@@ -99,3 +99,47 @@ def test_an_engine_on_the_fused_kernel_gives_the_loops_tokens(tmp_path, monkeypa
     assert calls                                                       # the kernel ran, not the loop
     for f, want in zip(fused, loop):
         check_greedy_close(baton_greedy(f), baton_greedy(want))
+
+
+def test_gpt_oss_biases_and_gate_in_the_fused_kernel():
+    """gpt-oss's experts: a bias on gate/up and on down (added before the routing weight) and its clamped SwiGLU,
+    against the loop written out; expert-parallel ranks still sum to the whole (each adds its experts' biases)."""
+    x, w13, w2, weights, experts = _case(19, 2, seed=11)
+    g = torch.Generator().manual_seed(12)
+    b13, b2 = torch.randn(E, 2 * INTER, generator=g), torch.randn(E, H, generator=g)
+
+    def act(gate_up):
+        gate, up = gate_up.split(INTER, dim=-1)
+        gate, up = gate.clamp(max=1.5), up.clamp(-1.5, 1.5)        # a limit low enough to bite
+        return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            want[t] += weights[t, j] * (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e])
+    kw = dict(block_m=16, block_n=16, block_k=16, activation=act)
+    got = fused_moe(x, w13, w2, weights, experts, b13=b13, b2=b2, **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    halves = [fused_moe(x, w13[:3], w2[:3], weights, experts, b13=b13[:3], b2=b2[:3], **kw),
+              fused_moe(x, w13[3:], w2[3:], weights, experts, expert_start=3, b13=b13[3:], b2=b2[3:], **kw)]
+    torch.testing.assert_close(halves[0] + halves[1], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_gpt_oss_engine_on_the_fused_kernel_gives_the_loops_tokens(tmp_path, monkeypatch):
+    """SparseMoE's CUDA path for gpt-oss (its biases and gate through the fused kernel), in the interpreter."""
+    from bench.models import make_tiny_checkpoint
+    from engine import LLM, SamplingParams
+    from engine import model as model_module
+    from tests.greedy import TOP_K, baton_greedy, check_greedy_close
+    path = make_tiny_checkpoint(tmp_path, "gpt_oss")
+    prompts = [list(range(10, 40)), [7, 8, 9] * 5]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=TOP_K)
+    loop = LLM(path, num_kv_blocks=32, max_model_len=128).generate(prompts, params)
+    from engine import moe_ops
+    calls, real = [], moe_ops.fused_moe
+    monkeypatch.setattr(model_module, "FUSED_MOE", True)
+    monkeypatch.setattr(moe_ops, "fused_moe", lambda *a, **kw: calls.append(kw.get("b13") is not None) or real(*a, **kw))
+    fused = LLM(path, num_kv_blocks=32, max_model_len=128).generate(prompts, params)
+    assert calls and all(calls)                                        # the kernel ran, with the biases
+    for f, want in zip(fused, loop):
+        check_greedy_close(baton_greedy(f), baton_greedy(want))
