@@ -33,7 +33,9 @@ A reasoning model thinks before it answers (router/reasoning.py). With `after_th
 answer only: the thinking goes free until the sequence's </think>, as vLLM runs structured outputs under a
 reasoning parser. The gate opens on the </think> token; a prompt whose last <think> is already closed (Qwen3's
 template with thinking turned off writes `<think>\n\n</think>`) has it open from the first token. Like vLLM's
-parsers it needs both tags as single tokens of the tokenizer, and refuses a tokenizer that splits them.
+parsers it needs both tags as single tokens of the tokenizer, and refuses a tokenizer that splits them. gpt-oss
+(harmony) has no </think>: its gate is the token sequence that opens the final channel, `<|channel|>final<|message|>`
+(harmony_gate), and a prompt that ends with it has the gate open.
 """
 from __future__ import annotations
 
@@ -126,6 +128,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.think = think_ids(tokenizer)
+        self.harmony = harmony_gate(tokenizer) if self.think is None else None
         self.vocab_size, self.max_bytes, self.timeout_s, self.capacity = vocab_size, max_bytes, timeout_s, capacity
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._pending: dict[str, concurrent.futures.Future] = {}
@@ -136,10 +139,10 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutput):
         """The spec's compiled grammar; InvalidRequestError if it is too large, malformed or too slow, or waits for
         a thinking this tokenizer cannot mark."""
-        if spec.after_thinking and self.think is None:
+        if spec.after_thinking and self.think is None and self.harmony is None:
             raise InvalidRequestError(f"structured output after the thinking needs {THINK_START} and {THINK_END} as "
-                                      f"single tokens of the tokenizer, as vLLM's reasoning parsers do; this model's "
-                                      f"tokenizer splits them")
+                                      f"single tokens of the tokenizer, as vLLM's reasoning parsers do (or harmony's "
+                                      f"{HARMONY_FINAL}); this model's tokenizer splits them")
         try:
             src = spec.source()
         except RecursionError:
@@ -203,6 +206,9 @@ class GrammarCompiler:
         m = self._xgr.GrammarMatcher(self.compile(spec))
         if not spec.after_thinking:
             return Guide(m)
+        if self.think is None:                        # harmony: open where the prompt opened the final channel
+            gate = self.harmony
+            return Guide(m, gate, opened=tuple(prompt[len(prompt) - len(gate):]) == gate)
         start, end = self.think
         last = {t: i for i, t in enumerate(prompt) if t in (start, end)}
         return Guide(m, end, opened=last.get(end, -1) > last.get(start, -1))
@@ -292,6 +298,18 @@ def _enforceable(schema: dict | str) -> dict | None:
         raise InvalidRequestError("the JSON schema is nested too deeply") from None
 
 
+HARMONY_FINAL = "<|channel|>final<|message|>"
+
+
+def harmony_gate(tokenizer) -> tuple[int, ...] | None:
+    """The token ids of harmony's `<|channel|>final<|message|>` (gpt-oss), where <|channel|> and <|message|> are each
+    one token of the tokenizer; else None."""
+    marks = [tokenizer.encode(t, add_special_tokens=False) for t in ("<|channel|>", "<|message|>")]
+    if not all(len(m) == 1 for m in marks):
+        return None
+    return (marks[0][0], *tokenizer.encode("final", add_special_tokens=False), marks[1][0])
+
+
 def think_ids(tokenizer) -> tuple[int, int] | None:
     """The token ids of <think> and </think>, or None unless the tokenizer has each as one token."""
     ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (THINK_START, THINK_END)]
@@ -299,19 +317,23 @@ def think_ids(tokenizer) -> tuple[int, int] | None:
 
 
 class Guide:
-    """One sequence's position in its grammar. With a gate (`end`, the </think> token id) the grammar waits:
-    until the gate opens every token is allowed and none reaches the grammar; the token `end` opens it."""
+    """One sequence's position in its grammar. With a gate (`end`: the </think> token id, or harmony's sequence of
+    ids) the grammar waits: until the gate opens every token is allowed and none reaches the grammar; the token
+    `end` (the sequence's last, after the rest) opens it."""
 
-    def __init__(self, matcher, end: int | None = None, opened: bool = True):
-        self._m, self._end = matcher, end
+    def __init__(self, matcher, end: int | tuple[int, ...] | None = None, opened: bool = True):
+        self._m = matcher
+        self._end = (end,) if isinstance(end, int) else None if end is None else tuple(end)
         self._count = 0                                   # tokens accepted
         self._opened_at = 0 if end is None or opened else None   # tokens accepted when the gate opened
+        self._before: list[int] = []                      # the tokens accepted while it was closed
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (state unchanged) if the grammar forbids it."""
         if self._opened_at is None:
             self._count += 1
-            if token == self._end:
+            self._before.append(token)
+            if tuple(self._before[-len(self._end):]) == self._end:
                 self._opened_at = self._count
             return True
         if not self._m.accept_token(token):
@@ -341,6 +363,7 @@ class Guide:
             if count < self._opened_at:
                 self._opened_at = None
         self._count = count
+        del self._before[count:]
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (drafts) the grammar accepts in a row from here; the state is left as it was."""

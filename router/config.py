@@ -122,8 +122,8 @@ class ReasoningConfig(_Section):
         "the final channel the content, calls to functions tool calls; special tokens' text is kept for it); none "
         "keeps it in the content. Under a parser, structured output and forced "
         "tool calls shape the answer alone: their grammar starts after the </think> token (or from the first token "
-        "when the prompt closed its thinking), which the tokenizer must have as one token, as vLLM's parsers do "
-        "(not yet under gpt_oss, which has no </think>: a 400 says so)")
+        "when the prompt closed its thinking), which the tokenizer must have as one token, as vLLM's parsers do; "
+        "under gpt_oss after <|channel|>final<|message|>")
 
 
 class AdmissionConfig(_Section):

@@ -125,8 +125,13 @@ def thinking_model(directory: Path, smol_path: str) -> str:
     where the reasoning parsers read it), as Qwen3's and DeepSeek-R1's tokenizers have them. The weights and the
     other files are SmolLM2's own (symlinked): the model's text is SmolLM2's, and a logit_bias on 16 makes it
     close its thinking."""
+    return renamed_tokens_model(directory, smol_path, {15: "<think>", 16: "</think>"})
+
+
+def renamed_tokens_model(directory: Path, smol_path: str, names: dict[int, str]) -> str:
+    """SmolLM2 with some of its unused special tokens renamed (`names`: id -> text), as plain added tokens (see
+    thinking_model; gpt-oss's harmony markers the same way: tests/test_structured_reasoning.py)."""
     directory.mkdir(parents=True, exist_ok=True)
-    names = {15: "<think>", 16: "</think>"}
     for f in Path(smol_path).iterdir():
         if f.name not in ("tokenizer.json", "tokenizer_config.json"):
             (directory / f.name).symlink_to(f)
@@ -143,8 +148,9 @@ def thinking_model(directory: Path, smol_path: str) -> str:
     for i, t in cfg.get("added_tokens_decoder", {}).items():
         if int(i) in names:
             t.update(content=names[int(i)], special=False)
-    cfg["additional_special_tokens"] = [t for t in cfg.get("additional_special_tokens", [])
-                                        if t not in ("<jupyter_script>", "<empty_output>")]
+    old_names = {t["content"] for i, t in json.loads((Path(smol_path) / "tokenizer_config.json").read_text())
+                 .get("added_tokens_decoder", {}).items() if int(i) in names}
+    cfg["additional_special_tokens"] = [t for t in cfg.get("additional_special_tokens", []) if t not in old_names]
     (directory / "tokenizer_config.json").write_text(json.dumps(cfg))
     return str(directory)
 

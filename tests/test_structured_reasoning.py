@@ -153,3 +153,54 @@ def test_a_tokenizer_without_the_tags_as_tokens_is_refused_by_name(smol_llm):
     with pytest.raises(InvalidRequestError, match="</think>.*single tokens"):
         smol_llm.chat(MESSAGES, params(bias=None))
     assert not smol_llm.engine.has_unfinished_requests()
+
+
+class _Matcher:
+    """A grammar that takes anything and counts what reached it (Guide's gate is what is tested)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def accept_token(self, t):
+        self.seen.append(t)
+        return True
+
+    def rollback(self, n):
+        del self.seen[len(self.seen) - n:]
+
+    def is_terminated(self):
+        return False
+
+
+def test_harmonys_gate_opens_after_its_whole_final_channel_sequence_and_rolls_back():
+    """gpt-oss's gate is a sequence (<|channel|>, final, <|message|>): the grammar sees nothing of the analysis
+    channel, nor of another channel's <|message|>, and everything after the sequence; a rollback through it closes
+    the gate again (speculative decoding's drafts)."""
+    from engine.structured import Guide
+    gate = (200005, 17196, 200008)
+    m = _Matcher()
+    g = Guide(m, gate, opened=False)
+    for t in (200005, 35644, 200008, 11, 12, 200007, 200006, 200005, 17196, 200008, 5, 6):
+        assert g.accept(t)
+    assert m.seen == [5, 6]
+    g.rollback(3)                                       # back past <|message|>: closed again
+    assert m.seen == [] and g.accept(200008) and g.accept(7) and m.seen == [7]
+    assert Guide(_Matcher(), gate, opened=True).accept(1)
+
+
+def test_structured_output_under_harmony_starts_in_the_final_channel(smol_path, tmp_path):
+    """A tokenizer with harmony's markers as single tokens (SmolLM2's, two unused special tokens renamed): a prompt
+    that opens the final channel gets the grammar from its first token; one that does not leaves the output free
+    (SmolLM2 never writes the sequence by itself), where the same grammar without after_thinking holds."""
+    from tests.conftest import renamed_tokens_model
+    path = renamed_tokens_model(tmp_path / "harmony", smol_path, {13: "<|channel|>", 14: "<|message|>"})
+    llm = LLM(path, kv_cache_memory=64 << 20, max_model_len=512, grammar_compile_timeout_s=GRAMMAR_COMPILE_TIMEOUT_S)
+    assert llm.engine.grammars().harmony == (13, *llm.tokenizer.encode("final", add_special_tokens=False), 14)
+    prompt = llm.apply_chat_template(MESSAGES)
+    final = prompt + llm.tokenizer.encode("<|channel|>final<|message|>", add_special_tokens=False)
+    opened, free, whole = llm.generate([final, prompt, prompt], [params(bias=None), params(bias=None),
+                                                                 params(bias=None, after_thinking=False)])
+    jsonschema.validate(json.loads(opened.text), SCHEMA)
+    jsonschema.validate(json.loads(whole.text), SCHEMA)
+    with pytest.raises((ValueError, jsonschema.ValidationError)):      # not JSON, or not the schema's
+        jsonschema.validate(json.loads(free.text), SCHEMA)
