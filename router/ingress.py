@@ -56,7 +56,8 @@ def _openapi() -> dict:
         doc = get_openapi(title=app.title, version="1", description=app.description, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in (oa.ChatCompletionRequest, oa.CompletionRequest, rs.ResponsesRequest, oa.LoadLoRAAdapterRequest,
-                      oa.UnloadLoRAAdapterRequest, oa.TokenizeRequest, oa.DetokenizeRequest, oa.EmbeddingRequest):
+                      oa.UnloadLoRAAdapterRequest, oa.TokenizeRequest, oa.DetokenizeRequest, oa.EmbeddingRequest,
+                      oa.ScoreRequest, oa.RerankRequest):
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
@@ -349,58 +350,102 @@ class Ingress:
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's embeddings: each input's prompt computed in a pool and pooled as the model pools
         (engine/pooling.py), all inputs at once; floats or base64."""
-        try:
-            self.keys.check(request.headers.get("authorization"))
-            body = await _json(request, self.limits.max_body_bytes)
-            orchestrator = await self._setup()
-            req = oa.parse_body(body, oa.EmbeddingRequest)
-            lora = await self._resolve_model(req.model)
-            inputs = oa.completion_prompts(req)
-            if not inputs:
-                raise oa.OpenAIError(400, "input must not be empty", param="input")
-            if len(inputs) > self.limits.max_embedding_inputs:
-                raise oa.OpenAIError(400, f"input has {len(inputs)} entries; this server embeds at most "
-                                          f"{self.limits.max_embedding_inputs} a request", param="input")
-            prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
-                       for p in inputs]
-            k = req.truncate_prompt_tokens
-            prompts = [ids[-k:] for ids in prompts] if k else prompts
-            limit = min(self.info["max_model_len"], self.limits.max_prompt_tokens or self.info["max_model_len"])
-            for ids in prompts:
-                oa.check_token_ids(ids, self.info["vocab_size"], param="input")
-                if len(ids) > limit:
-                    raise oa.OpenAIError(400, f"an input has {len(ids)} tokens; this server embeds at most {limit}",
-                                         param="input", code="context_length_exceeded")
+        async def answer(req, lora, rid: str) -> dict:
             pooling = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
             try:
                 pooling.validate(self.info["hidden_size"], self.info["matryoshka"])
             except InvalidRequestError as e:
                 raise oa.OpenAIError(400, str(e), param="dimensions") from e
-            hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
-            whole = self.info["pooling_type"] != "last"          # its prompt is computed whole, cached or not
-            ticket = self.admission.admit([len(ids) - (0 if whole else orchestrator.cached_tokens(h))
-                                           for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], 1)
+            vectors, tokens = await self._embed(oa.completion_prompts(req), "input", req, lora, pooling)
+            return oa.embedding_body(rid, int(time.time()), self._name(lora), vectors, req.encoding_format, tokens)
+        return await self._pooled(request, oa.EmbeddingRequest, "embd-", answer)
+
+    @app.post("/score", openapi_extra=_body("ScoreRequest"))
+    @app.post("/v1/score", openapi_extra=_body("ScoreRequest"))
+    async def score(self, request: Request) -> Response:
+        """vLLM's score API for an embedding model: each pair's cosine similarity, text_1 against each text_2 (one
+        against many, or pairwise for two lists of one length)."""
+        async def answer(req, lora, rid: str) -> dict:
+            pairs = oa.score_pairs(req)
+            texts = list(dict.fromkeys([a for a, _ in pairs] + [b for _, b in pairs]))     # each text embedded once
+            vectors, tokens = await self._embed(texts, "text_1", req, lora, PoolingParams())
+            at = {t: v for t, v in zip(texts, vectors)}
+            return oa.score_body(rid, int(time.time()), self._name(lora),
+                                 [float(at[a] @ at[b]) for a, b in pairs], tokens)
+        return await self._pooled(request, oa.ScoreRequest, "score-", answer)
+
+    @app.post("/rerank", openapi_extra=_body("RerankRequest"))
+    @app.post("/v1/rerank", openapi_extra=_body("RerankRequest"))
+    @app.post("/v2/rerank", openapi_extra=_body("RerankRequest"))
+    async def rerank(self, request: Request) -> Response:
+        """vLLM's (Jina's and Cohere's) rerank API for an embedding model: the documents by their cosine similarity
+        to the query, best first, the top_n of them."""
+        async def answer(req, lora, rid: str) -> dict:
+            if not req.documents:
+                raise oa.OpenAIError(400, "documents must not be empty", param="documents")
+            vectors, tokens = await self._embed([req.query, *req.documents], "documents", req, lora, PoolingParams())
+            scores = [float(vectors[0] @ v) for v in vectors[1:]]
+            return oa.rerank_body(rid, self._name(lora), req, scores, tokens)
+        return await self._pooled(request, oa.RerankRequest, "rerank-", answer)
+
+    def _name(self, lora) -> str:
+        return self.served_name if lora is None else lora.lora_name
+
+    async def _pooled(self, request: Request, model, prefix: str, answer) -> Response:
+        """A pooling route (embeddings, score, rerank): the body checked, its model resolved, then answer(request,
+        adapter, id) -> the body; OpenAI's errors for bad input (400) and failures in the pools alike."""
+        rid = prefix + uuid.uuid4().hex
+        try:
+            self.keys.check(request.headers.get("authorization"))
+            body = await _json(request, self.limits.max_body_bytes)
+            await self._setup()
+            req = oa.parse_body(body, model)
+            lora = await self._resolve_model(req.model)
+            return JSONResponse(await answer(req, lora, rid))
         except oa.OpenAIError as e:
             return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-        rid, created = "embd-" + uuid.uuid4().hex, int(time.time())
-
-        async def one(i: int, ids: list[int], h: list[int]):
-            try:
-                out = await orchestrator.embed(ids, pooling, h, lora, req.priority)
-                ticket.progress(i, 0)
-                return out
-            finally:
-                ticket.release(i)
-        try:
-            outs = await asyncio.gather(*(one(i, ids, h) for i, (ids, h) in enumerate(zip(prompts, hashes))))
         except Exception as e:                      # noqa: BLE001 - one request fails, the server goes on
             err = as_openai_error(e, rid)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    async def _embed(self, inputs: list, param: str, req, lora, pooling: PoolingParams) -> tuple[list, int]:
+        """Each input's (a text or token ids) pooled vector, all at once through the pools (Orchestrator.embed),
+        admitted as one request; and their tokens in all. Inputs are checked first (400s naming `param`): their
+        count, each one's ids and length (an input may fill max_model_len: it generates nothing)."""
+        if not inputs:
+            raise oa.OpenAIError(400, f"{param} must not be empty", param=param)
+        if len(inputs) > self.limits.max_embedding_inputs:
+            raise oa.OpenAIError(400, f"{param} has {len(inputs)} entries; this server embeds at most "
+                                      f"{self.limits.max_embedding_inputs} a request", param=param)
+        special = getattr(req, "add_special_tokens", True)
+        prompts = [p if isinstance(p, list) else self.tokenizer.encode(p, add_special_tokens=special) for p in inputs]
+        k = getattr(req, "truncate_prompt_tokens", None)
+        prompts = [ids[-k:] for ids in prompts] if k else prompts
+        limit = min(self.info["max_model_len"], self.limits.max_prompt_tokens or self.info["max_model_len"])
+        for ids in prompts:
+            oa.check_token_ids(ids, self.info["vocab_size"], param=param)
+            if len(ids) > limit:
+                raise oa.OpenAIError(400, f"an input has {len(ids)} tokens; this server embeds at most {limit}",
+                                     param=param, code="context_length_exceeded")
+        orchestrator = self.orchestrator
+        hashes = [orchestrator.hashes(ids, lora) for ids in prompts]
+        whole = self.info["pooling_type"] != "last"          # its prompt is computed whole, cached or not
+        ticket = self.admission.admit([len(ids) - (0 if whole else orchestrator.cached_tokens(h))
+                                       for ids, h in zip(prompts, hashes)], [len(ids) for ids in prompts], 1)
+        priority = getattr(req, "priority", 0)
+
+        async def one(i: int, ids: list[int], h: list[int]):
+            try:
+                out = await orchestrator.embed(ids, pooling, h, lora, priority)
+                ticket.progress(i, 0)
+                return out.embedding
+            finally:
+                ticket.release(i)
+        try:
+            vectors = await asyncio.gather(*(one(i, ids, h) for i, (ids, h) in enumerate(zip(prompts, hashes))))
         finally:
             ticket.release_all()
-        return JSONResponse(oa.embedding_body(rid, created, self.served_name if lora is None else lora.lora_name,
-                                              [o.embedding for o in outs], req.encoding_format,
-                                              sum(len(ids) for ids in prompts)))
+        return vectors, sum(len(ids) for ids in prompts)
 
     @app.post("/v1/responses", openapi_extra=_body("ResponsesRequest"))
     async def responses(self, request: Request) -> Response:

@@ -235,6 +235,29 @@ class EmbeddingRequest(BaseModel):
     priority: int = 0
 
 
+class ScoreRequest(BaseModel):
+    """POST /score, /v1/score (vLLM's, for an embedding model): text_1 scored against text_2, one against many or
+    pairwise."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    priority: int = 0
+
+
+class RerankRequest(BaseModel):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, Jina's and Cohere's): documents ranked by relevance to the query."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=1)      # unset: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    priority: int = 0
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize with a prompt (vLLM's; `model` may be left out: the served model); the chat form
     ({"model", "messages", "tools"}) is read as a chat completion request, so its count is the prompt tokens that
@@ -620,6 +643,36 @@ def embedding_body(rid: str, created: int, model: str, vectors: list, encoding_f
     return {"id": rid, "object": "list", "created": created, "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def score_pairs(req: ScoreRequest) -> list[tuple[str, str]]:
+    """The (text_1, text_2) pairs a score request asks for, as vLLM pairs them: one text_1 against each text_2,
+    else the two lists item by item (of one length)."""
+    t1 = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    t2 = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    if not t1 or not t2:
+        raise OpenAIError(400, "text_1 and text_2 must not be empty", param="text_1" if not t1 else "text_2")
+    if len(t1) == 1:
+        return [(t1[0], b) for b in t2]
+    if len(t1) != len(t2):
+        raise OpenAIError(400, f"text_1 has {len(t1)} texts and text_2 {len(t2)}: give one text_1, or as many as "
+                               f"text_2", param="text_2")
+    return list(zip(t1, t2))
+
+
+def score_body(rid: str, created: int, model: str, scores: list[float], prompt_tokens: int) -> dict:
+    return {"id": rid, "object": "list", "created": created, "model": model,
+            "data": [{"index": i, "object": "score", "score": sc} for i, sc in enumerate(scores)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def rerank_body(rid: str, model: str, req: RerankRequest, scores: list[float], tokens: int) -> dict:
+    """The documents by score, best first, the request's top_n of them (each with its index in the request)."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n]
+    return {"id": rid, "model": model, "usage": {"total_tokens": tokens},
+            "results": [{"index": i, "relevance_score": scores[i],
+                         **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
+                        for i in order]}
 
 
 def models_body(names: list[str], max_model_len: int, adapters: dict[str, str] | None = None) -> dict:

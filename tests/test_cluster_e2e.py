@@ -350,6 +350,34 @@ def test_embeddings_are_computed_in_the_prefill_pool_and_equal_the_offline_engin
     assert out["usage"]["prompt_tokens"] == len(ids[1])
 
 
+def test_score_and_rerank_rank_by_the_embeddings_cosine(client, offline):
+    """vLLM's /v1/score and /rerank (Jina's, Cohere's) over an embedding model: cosine similarities of the offline
+    engine's embeddings; rerank orders the documents best first and keeps top_n."""
+    import numpy as np
+    query = "Who runs the last leg of a relay?"
+    docs = ["The anchor runs the last leg of a relay.", "Paged attention keeps the KV cache in blocks.",
+            "Bananas are yellow."]
+    vec = {t: np.asarray(o.outputs.embedding) for t, o in zip([query, *docs], offline.embed([query, *docs]))}
+    want = [float(vec[query] @ vec[d]) for d in docs]
+    code, out = _post("/v1/score", {"model": MODEL, "text_1": query, "text_2": docs})
+    assert code == 200 and [d["index"] for d in out["data"]] == [0, 1, 2], out
+    assert [d["score"] for d in out["data"]] == pytest.approx(want, abs=1e-4)
+    code, pairwise = _post("/score", {"model": MODEL, "text_1": docs[:2], "text_2": [query, docs[0]]})
+    assert code == 200 and [d["score"] for d in pairwise["data"]] == pytest.approx(
+        [want[0], float(vec[docs[1]] @ vec[docs[0]])], abs=1e-4)
+    code, ranked = _post("/v1/rerank", {"model": MODEL, "query": query, "documents": docs, "top_n": 2})
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert code == 200 and [r["index"] for r in ranked["results"]] == order
+    assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in order]
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-4)
+    for path, body, param in [("/v1/score", {"model": MODEL, "text_1": ["a", "b"], "text_2": ["c"] * 3}, "text_2"),
+                              ("/v1/score", {"model": MODEL, "text_1": [], "text_2": "c"}, "text_1"),
+                              ("/v1/rerank", {"model": MODEL, "query": "q", "documents": []}, "documents"),
+                              ("/rerank", {"model": MODEL, "query": "q", "documents": ["d"], "top_n": 0}, "top_n")]:
+        code, err = _post(path, body)
+        assert code == 400 and err["error"]["param"] == param, (path, body, err)
+
+
 def test_bad_embedding_requests_get_openai_errors_and_the_cluster_goes_on(client):
     for body, status, param in [
             ({"model": MODEL, "input": []}, 400, "input"),

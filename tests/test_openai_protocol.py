@@ -509,3 +509,21 @@ def test_embedding_bodies_carry_floats_or_openais_base64():
         with pytest.raises(oa.OpenAIError) as e:
             oa.parse_body(bad, oa.EmbeddingRequest)
         assert e.value.status == 400
+
+
+def test_score_pairs_and_rerank_bodies():
+    """vLLM's pairing of text_1 with text_2 (one against many, or item by item), and the rerank order with top_n."""
+    def pairs(t1, t2):
+        return oa.score_pairs(oa.parse_body({"model": "m", "text_1": t1, "text_2": t2}, oa.ScoreRequest))
+    assert pairs("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert pairs(["x", "y"], ["a", "b"]) == [("x", "a"), ("y", "b")]
+    assert pairs("q", "a") == [("q", "a")]
+    with pytest.raises(oa.OpenAIError, match="text_1 has 2"):
+        pairs(["x", "y"], ["a", "b", "c"])
+    req = oa.parse_body({"model": "m", "query": "q", "documents": ["a", "b", "c"], "top_n": 2}, oa.RerankRequest)
+    body = oa.rerank_body("rerank-1", "m", req, [0.1, 0.9, 0.5], 7)
+    assert [(r["index"], r["document"]["text"], r["relevance_score"]) for r in body["results"]] == \
+        [(1, "b", 0.9), (2, "c", 0.5)]
+    assert body["usage"] == {"total_tokens": 7}
+    bare = oa.parse_body({"model": "m", "query": "q", "documents": ["a"], "return_documents": False}, oa.RerankRequest)
+    assert oa.rerank_body("r", "m", bare, [0.3], 2)["results"] == [{"index": 0, "relevance_score": 0.3}]

@@ -236,7 +236,8 @@ def test_fuzzing_the_openapi_spec_gets_no_5xx_and_kills_no_replica(cluster):
         assert r.status_code < 500, (case.method, case.path, str(case.body)[:300], r.status_code, r.text[:300])
 
     ops = [("/v1/completions", "POST", 230), ("/v1/chat/completions", "POST", 230), ("/v1/responses", "POST", 60),
-           ("/tokenize", "POST", 40), ("/v1/embeddings", "POST", 40),
+           ("/tokenize", "POST", 40), ("/v1/embeddings", "POST", 40), ("/v1/score", "POST", 20),
+           ("/v1/rerank", "POST", 20),
            ("/detokenize", "POST", 30), ("/tokenizer_info", "GET", 10), ("/v1/models", "GET", 30),
            ("/v1/models/{name}", "GET", 15), ("/version", "GET", 5), ("/health", "GET", 15), ("/metrics", "GET", 15)]
     for path, method, n in ops:
