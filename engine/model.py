@@ -45,11 +45,12 @@ FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tes
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
 FUSED_NAME_MODEL_TYPES = {"phi3"}                  # checkpoints that hold qkv_proj and gate_up_proj already fused
 SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text"}      # a norm after attention and after the MLP as well
-POST_NORM_MODEL_TYPES = {"olmo2", "olmo3"}          # norms after attention and after the MLP only, none before
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "smollm3"} | MOE_MODEL_TYPES | \
-    GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES
-QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}   # an RMSNorm over each head's q and k before the rotation
-FULL_QK_NORM_MODEL_TYPES = POST_NORM_MODEL_TYPES   # OLMo 2/3: an RMSNorm over the whole q and the whole k projection
+POST_NORM_MODEL_TYPES = {"olmo2", "olmo3", "exaone4"}   # norms after attention and after the MLP only, none before
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "smollm3", "seed_oss"} | \
+    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES
+# an RMSNorm over each head's q and k before the rotation
+QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "exaone4"}
+FULL_QK_NORM_MODEL_TYPES = {"olmo2", "olmo3"}      # OLMo 2/3: an RMSNorm over the whole q and the whole k projection
 # models whose config's sliding_window applies only with use_sliding_window (off in their releases)
 OPT_IN_WINDOW_MODEL_TYPES = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"}
 
@@ -69,11 +70,14 @@ def layer_window(config, layer_idx: int) -> int:
 def rope_kind(config, layer_idx: int) -> str | None:
     """Which RoPE a layer takes: None where the model has one; its layer type where rope_parameters holds one per
     type (Gemma 3: theta 10,000 for sliding layers, 1,000,000 and maybe a scaling for full ones; OLMo 3); "nope" for
-    a layer without position encoding (SmolLM3's every fourth: its no_rope_layers entry 0), whose table rotates by
-    nothing (cos 1, sin 0: exact), so every attention path runs it as it runs the others."""
+    a layer without position encoding (SmolLM3's every fourth: its no_rope_layers entry 0; EXAONE 4's global layers),
+    whose table rotates by nothing (cos 1, sin 0: exact), so every attention path runs it as it runs the others."""
     nope = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
     if nope is not None and not nope[layer_idx]:
         return "nope"
+    if config.model_type == "exaone4" and getattr(config, "sliding_window", None) and \
+            config.layer_types[layer_idx] != "sliding_attention":
+        return "nope"                                   # EXAONE 4's global layers, where it has local ones
     params = getattr(config, "rope_parameters", None) or {}
     types = getattr(config, "layer_types", None)
     return types[layer_idx] if types is not None and isinstance(params.get(types[layer_idx]), dict) else None
@@ -286,7 +290,10 @@ class Attention(nn.Module):
         q_dim, k_dim = (self.q_size, self.kv_size) if self.full_qk_norm else (self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
-        self.o_proj = row_linear(self.q_size, config.hidden_size, bool(getattr(config, "attention_bias", False)), tp)
+        # Seed-OSS: biases on q/k/v (attention_bias), none on o (attention_out_bias)
+        out_bias = getattr(config, "attention_out_bias", None) if config.model_type == "seed_oss" else None
+        self.o_proj = row_linear(self.q_size, config.hidden_size,
+                                 bool(getattr(config, "attention_bias", False) if out_bias is None else out_bias), tp)
         pre_scalar = getattr(config, "query_pre_attn_scalar", None) if config.model_type in SANDWICH_NORM_MODEL_TYPES \
             else None
         self.scale = (pre_scalar or self.head_dim) ** -0.5              # Gemma 2/3: query_pre_attn_scalar's

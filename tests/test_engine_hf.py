@@ -79,6 +79,9 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("ministral", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     ("olmo2", {}),                                   # norms after each sublayer only; q/k norms over all heads
     ("olmo3", {"sliding_window": 8}),                # + windows on 3 of every 4 layers, a RoPE per layer type
+    ("exaone4", {"sliding_window": 8, "sliding_window_pattern": 3}),     # post norms, per-head q/k norms, windows;
+                                                     # its global layers without RoPE
+    ("seed_oss", {"head_dim": 16}),                  # biases on q/k/v, not on o
     ("gpt_oss", {}),                                 # attention sinks, windows, biases, YaRN; experts with biases
                                                      # and a clamped SwiGLU, gate/up interleaved in the checkpoint
 ])

@@ -50,6 +50,8 @@ TINY_MODELS = {
     "smollm3": ("smollm3", dict(no_rope_layers=[1, 0, 1])),      # a NoPE layer
     # sinks by query head; expert biases split with the experts' units (gate/up) or added once (down)
     "gpt-oss": ("gpt_oss", dict(intermediate_size=49)),
+    "exaone4": ("exaone4", dict(sliding_window=8, sliding_window_pattern=3)),   # post norms, NoPE global layers
+    "seed-oss": ("seed_oss", dict(head_dim=16)),                 # q/k/v biases split by heads, no o bias
     "ministral": ("ministral", dict(head_dim=16, sliding_window=8,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
