@@ -210,6 +210,11 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
         pairs.setdefault((layer, module), {})[which] = t
     if not pairs:
         raise LoRAError(f"LoRA adapter {request.lora_name!r} has no LoRA weights")
+    from engine.model import INTERLEAVED_ROPE_MODEL_TYPES
+    if config.model_type in INTERLEAVED_ROPE_MODEL_TYPES:     # q and k's rows as the model permuted them at load
+        for (_, module), pair in pairs.items():
+            if module in ("q_proj", "k_proj") and "B" in pair:
+                pair["B"] = model._halves_from_pairs(pair["B"])
     rslora = bool(cfg.get("use_rslora"))
     weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     rank = 0

@@ -43,11 +43,14 @@ from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_m
 MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"}
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
-FUSED_NAME_MODEL_TYPES = {"phi3"}                  # checkpoints that hold qkv_proj and gate_up_proj already fused
-SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text"}      # a norm after attention and after the MLP as well
+FUSED_NAME_MODEL_TYPES = {"phi3", "glm4"}          # checkpoints that hold qkv_proj or gate_up_proj already fused
+SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text", "glm4"}   # a norm after attention and after the MLP as well
+# RoPE over interleaved pairs (2i, 2i + 1) of each head's rotated dims (GPT-J's, GLM's, ERNIE's): q and k's rows are
+# permuted at load so that the pairs become the halves the rotation pairs (LlamaForCausalLM._unfused)
+INTERLEAVED_ROPE_MODEL_TYPES = {"glm4", "ernie4_5"}
 POST_NORM_MODEL_TYPES = {"olmo2", "olmo3", "exaone4"}   # norms after attention and after the MLP only, none before
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "smollm3", "seed_oss"} | \
-    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES
+    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES | INTERLEAVED_ROPE_MODEL_TYPES
 # an RMSNorm over each head's q and k before the rotation
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "exaone4"}
 FULL_QK_NORM_MODEL_TYPES = {"olmo2", "olmo3"}      # OLMo 2/3: an RMSNorm over the whole q and the whole k projection
@@ -280,7 +283,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = len(self.q_heads), len(self.kv_heads)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)) or \
-            config.model_type == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))
+            config.model_type == "qwen2_moe" and bool(getattr(config, "qkv_bias", True)) or \
+            config.model_type == "ernie4_5" and bool(getattr(config, "use_bias", False))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         qk_norm = config.model_type in QK_NORM_MODEL_TYPES        # Qwen3: one norm of head_dim, every head alike
         self.full_qk_norm = config.model_type in FULL_QK_NORM_MODEL_TYPES     # OLMo: one over all heads at once
@@ -291,7 +295,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.rms_norm_eps) if qk_norm or self.full_qk_norm else None
         # Seed-OSS: biases on q/k/v (attention_bias), none on o (attention_out_bias)
-        out_bias = getattr(config, "attention_out_bias", None) if config.model_type == "seed_oss" else None
+        out_bias = getattr(config, "attention_out_bias", None) if config.model_type == "seed_oss" else \
+            getattr(config, "use_bias", None) if config.model_type == "ernie4_5" else \
+            False if config.model_type == "glm4" else None             # GLM-4: biases on q/k/v only
         self.o_proj = row_linear(self.q_size, config.hidden_size,
                                  bool(getattr(config, "attention_bias", False) if out_bias is None else out_bias), tp)
         pre_scalar = getattr(config, "query_pre_attn_scalar", None) if config.model_type in SANDWICH_NORM_MODEL_TYPES \
@@ -351,7 +357,8 @@ class MLP(nn.Module):
         size, rank = (1, 0) if tp is None else (tp.size, tp.rank)
         self.run = split_range(intermediate_size or config.intermediate_size, rank, size)   # this rank's units
         self.intermediate = len(self.run)
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = bool(getattr(config, "mlp_bias", False) or config.model_type == "ernie4_5" and
+                    getattr(config, "use_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = row_linear(self.intermediate, config.hidden_size, bias, tp)
         self.act_name, self.act = activation(config)
@@ -1082,11 +1089,18 @@ class LlamaForCausalLM(nn.Module):
         packed (a GGUF's attn_qkv and ffn_up), read whole, as the separate q/k/v or gate/up tensors of other
         checkpoints (each this rank's rows under TP)."""
         fuse = self.config.model_type in FUSED_NAME_MODEL_TYPES
+        interleaved = self.config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
         for name, tensor in weights:
             if self.multimodal:
                 name = text_weight_name(name)
                 if name is None:
                     continue
+            if self.config.model_type == "glm4":        # its sandwich norms under Gemma 2's names
+                name = name.replace(".post_attention_layernorm.", ".pre_feedforward_layernorm.") \
+                    .replace(".post_self_attn_layernorm.", ".post_attention_layernorm.") \
+                    .replace(".post_mlp_layernorm.", ".post_feedforward_layernorm.")
+            if interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                tensor = self._halves_from_pairs(tensor)
             if not (fuse and (".qkv_proj." in name or ".gate_up_proj." in name)):
                 yield name, tensor
                 continue
@@ -1108,6 +1122,19 @@ class LlamaForCausalLM(nn.Module):
                     lo, hi = start + cut[1], start + cut[2]
                 start += size
                 yield part_name, tensor[lo:hi] if isinstance(tensor, torch.Tensor) else tensor.rows(slice(lo, hi))
+
+    def _halves_from_pairs(self, tensor):
+        """q or k's rows (weight or bias; this rank's whole heads), each head's rotated dims reordered from interleaved
+        pairs (0, 1), (2, 3), ... to the halves (0, 2, ... | 1, 3, ...) the rotation pairs: the same scores, since q
+        and k are permuted alike, under the rotation every other model takes."""
+        attn = self.model.layers[0].self_attn
+        d, rd = attn.head_dim, attn.rotary_dim
+        head = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, d)])
+        rows = tensor.shape[0]
+        if rows % d:
+            raise ModelLoadError(f"q/k rows {rows} are not whole heads of {d}")
+        index = (torch.arange(rows // d)[:, None] * d + head[None, :]).flatten()
+        return tensor.rows(index) if isinstance(tensor, QuantWeight) else tensor[index]
 
     def _install_packed(self, packed: dict[str, dict[int, tuple[QuantWeight, str, str]]], params) -> None:
         """Each module whose weight came packed becomes a QuantLinear / QuantEmbedding (a tied head shares

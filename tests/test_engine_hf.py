@@ -82,6 +82,9 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("exaone4", {"sliding_window": 8, "sliding_window_pattern": 3}),     # post norms, per-head q/k norms, windows;
                                                      # its global layers without RoPE
     ("seed_oss", {"head_dim": 16}),                  # biases on q/k/v, not on o
+    ("ernie4_5", {"head_dim": 16, "use_bias": True}),   # RoPE over interleaved pairs; biases everywhere
+    ("glm4", {"head_dim": 16}),                      # interleaved RoPE over half of each head, sandwich norms, gate/up
+                                                     # fused in the checkpoint
     ("gpt_oss", {}),                                 # attention sinks, windows, biases, YaRN; experts with biases
                                                      # and a clamped SwiGLU, gate/up interleaved in the checkpoint
 ])

@@ -300,14 +300,17 @@ def test_without_a_compiler_the_float64_torch_path_gives_the_same_tokens(tiny, r
     ("phi3", {"partial_rotary_factor": 0.5},
      {"targets": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), "alpha_pattern": {"gate_up_proj": 2}}),
     ("gemma2", {}, {}),
-    ("olmo2", {}, {})])
+    ("olmo2", {}, {}),
+    ("glm4", {"head_dim": 16}, {"targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")})])
 def test_adapters_of_other_families_match_peft(tmp_path, kind, extra, kw):
     """An adapter PEFT saved, beside the base model's rows in one batch, gives PEFT's tokens for both.
     - Phi-3 holds q/k/v and gate/up fused, and PEFT's adapters of it target qkv_proj and gate_up_proj: one A for the
       parts and one B over their rows. Each runs as its parts' adapters (that A, its rows of B), with the fused
       module's alpha from alpha_pattern (looked up under the part's name, the test fails).
     - Gemma 2's layers (sliding windows, softcaps, its norms and GELU gate) under an adapter of every linear.
-    - OLMo 2's (norms after each sublayer, q/k norms over all heads) likewise."""
+    - OLMo 2's (norms after each sublayer, q/k norms over all heads) likewise.
+    - GLM-4's q and k rows, which the engine permutes for its RoPE pairs: the adapter's B rows are permuted alike;
+      its fused gate_up_proj too."""
     base = make_tiny_checkpoint(tmp_path / kind, kind, **extra)
     path = make_lora_adapter(base, tmp_path / "a", rank=4, seed=3, **kw)
     want = [peft_greedy(base, path, p) for p in PROMPTS[:2]]

@@ -52,6 +52,7 @@ TINY_MODELS = {
     "gpt-oss": ("gpt_oss", dict(intermediate_size=49)),
     "exaone4": ("exaone4", dict(sliding_window=8, sliding_window_pattern=3)),   # post norms, NoPE global layers
     "seed-oss": ("seed_oss", dict(head_dim=16)),                 # q/k/v biases split by heads, no o bias
+    "glm4": ("glm4", dict(head_dim=16)),                         # each rank's heads' rows permuted for its RoPE pairs
     "ministral": ("ministral", dict(head_dim=16, sliding_window=8,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
