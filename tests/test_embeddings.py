@@ -165,6 +165,7 @@ def test_bad_inputs_are_refused_and_leave_nothing_behind(tiny):
     no_blocks_held(llm)
 
 
+@pytest.mark.slow
 def test_the_default_model_embeds_as_transformers_does(smol_path, hf_smol):
     """SmolLM2 (its GGUF packed, as `baton serve` runs it) against transformers on its fp32 conversion: the same
     direction, to the packed weights' error; the engine's fp32 copy, to fp32's."""

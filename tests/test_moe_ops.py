@@ -125,6 +125,7 @@ def test_gpt_oss_biases_and_gate_in_the_fused_kernel():
     torch.testing.assert_close(halves[0] + halves[1], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_gpt_oss_engine_on_the_fused_kernel_gives_the_loops_tokens(tmp_path, monkeypatch):
     """SparseMoE's CUDA path for gpt-oss (its biases and gate through the fused kernel), in the interpreter."""
     from bench.models import make_tiny_checkpoint

@@ -115,8 +115,7 @@ def test_sliding_window_and_softcap(window, softcap, num_splits):
     assert not torch.allclose(ref, paged_attention_torch(q, k_cache, v_cache, md, 0.2), atol=1e-3)
 
 
-@pytest.mark.parametrize("num_splits", [None, 4])
-@pytest.mark.parametrize("window", [0, 12])
+@pytest.mark.parametrize("window, num_splits", [(0, None), (12, 4)])
 def test_attention_sinks(window, num_splits):
     """gpt-oss's sinks (a logit per query head, with no value) against the torch reference (checked token by token in
     tests/test_cpu_attention.py), its sliding window too, split over the keys too (the sink joins the combine)."""
