@@ -356,7 +356,12 @@ class Ingress:
                 pooling.validate(self.info["hidden_size"], self.info["matryoshka"])
             except InvalidRequestError as e:
                 raise oa.OpenAIError(400, str(e), param="dimensions") from e
-            vectors, tokens = await self._embed(oa.completion_prompts(req), "input", req, lora, pooling)
+            if (req.input is None) == (req.messages is None):
+                raise oa.OpenAIError(400, "give input or messages (vLLM's chat embeddings), one of them",
+                                     param="input")
+            inputs = oa.completion_prompts(req) if req.messages is None else [self._chat_ids(req)]
+            vectors, tokens = await self._embed(inputs, "input" if req.messages is None else "messages", req, lora,
+                                                pooling)
             return oa.embedding_body(rid, int(time.time()), self._name(lora), vectors, req.encoding_format, tokens)
         return await self._pooled(request, oa.EmbeddingRequest, "embd-", answer)
 
@@ -387,6 +392,21 @@ class Ingress:
             scores = [float(vectors[0] @ v) for v in vectors[1:]]
             return oa.rerank_body(rid, self._name(lora), req, scores, tokens)
         return await self._pooled(request, oa.RerankRequest, "rerank-", answer)
+
+    def _chat_ids(self, req) -> list[int]:
+        """An embedding request's conversation under the chat template (the assistant's turn left out unless
+        add_generation_prompt), as vLLM's chat embeddings render it."""
+        if not req.messages:
+            raise oa.OpenAIError(400, "messages must not be empty", param="messages")
+        turns = [{"role": m.role, "content": oa.message_text(m)} for m in req.messages]
+        try:
+            return chat_token_ids(self.tokenizer, turns, add_generation_prompt=req.add_generation_prompt,
+                                  template_kwargs=req.chat_template_kwargs)
+        except InvalidRequestError as e:
+            raise oa.OpenAIError(400, str(e), param="messages") from e
+        except jinja2.TemplateError as e:
+            raise oa.OpenAIError(400, f"the model's chat template failed on these messages: {e}",
+                                 param="messages") from e
 
     def _name(self, lora) -> str:
         return self.served_name if lora is None else lora.lora_name

@@ -222,10 +222,14 @@ class CompletionRequest(_Request):
 
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings: OpenAI's fields, and vLLM's add_special_tokens, truncate_prompt_tokens, normalize and
-    priority."""
+    priority; or vLLM's chat form: `messages` (one conversation, rendered by the chat template, without the
+    assistant's turn unless add_generation_prompt) in place of `input`."""
     model_config = ConfigDict(extra="ignore")
     model: str
-    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
+    input: Annotated[str | list[str] | list[int] | list[list[int]] | None, WithJsonSchema(PROMPT_SCHEMA)] = None
+    messages: list[Message] | None = None
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)    # Matryoshka models only (engine/pooling.py)
     user: str | None = None
@@ -512,6 +516,11 @@ def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None,
     return _render_tools([{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content),
                            "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id} for m in req.messages],
                          tools, fmt)
+
+
+def message_text(m: Message) -> str:
+    """A message's text (its text parts joined)."""
+    return _text(m.content)
 
 
 def _chat_echo(req: ChatCompletionRequest) -> str:

@@ -348,6 +348,15 @@ def test_embeddings_are_computed_in_the_prefill_pool_and_equal_the_offline_engin
     assert code == 200 and out["object"] == "list" and out["data"][0]["object"] == "embedding"
     assert np.abs(np.asarray(out["data"][0]["embedding"]) - want[1]).max() < 1e-4
     assert out["usage"]["prompt_tokens"] == len(ids[1])
+    # vLLM's chat form: the conversation under the chat template, without the assistant's turn
+    messages = [{"role": "user", "content": texts[0]}]
+    chat = offline.apply_chat_template(messages)                 # with the assistant's header: one more turn
+    plain = offline.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    plain = list(plain["input_ids"] if isinstance(plain, dict) or hasattr(plain, "input_ids") else plain)
+    code, out = _post("/v1/embeddings", {"model": MODEL, "messages": messages, "encoding_format": "float"})
+    assert code == 200 and out["usage"]["prompt_tokens"] == len(plain) < len(chat), out
+    want_chat = np.asarray(offline.embed([plain])[0].outputs.embedding)
+    assert np.abs(np.asarray(out["data"][0]["embedding"]) - want_chat).max() < 1e-4
 
 
 def test_score_and_rerank_rank_by_the_embeddings_cosine(client, offline):
@@ -387,7 +396,10 @@ def test_bad_embedding_requests_get_openai_errors_and_the_cluster_goes_on(client
             ({"model": MODEL, "input": "hi " * 1100}, 400, "input"),            # past max_model_len 1024
             ({"model": MODEL, "input": "hi", "dimensions": 64}, 400, "dimensions"),    # not a Matryoshka model
             ({"model": MODEL, "input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
-            ({"model": "gpt-17", "input": "hi"}, 404, "model")]:
+            ({"model": "gpt-17", "input": "hi"}, 404, "model"),
+            ({"model": MODEL, "input": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "input"),
+            ({"model": MODEL}, 400, "input"),
+            ({"model": MODEL, "messages": []}, 400, "messages")]:
         code, err = _post("/v1/embeddings", body)
         assert code == status and err["error"]["param"] == param, (body, err)
     with pytest.raises(openai.BadRequestError, match="1100|tokens"):
