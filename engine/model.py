@@ -47,10 +47,13 @@ FUSED_NAME_MODEL_TYPES = {"phi3", "glm4"}          # checkpoints that hold qkv_p
 SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text", "glm4"}   # a norm after attention and after the MLP as well
 # RoPE over interleaved pairs (2i, 2i + 1) of each head's rotated dims (GPT-J's, GLM's, ERNIE's): q and k's rows are
 # permuted at load so that the pairs become the halves the rotation pairs (LlamaForCausalLM._unfused)
-INTERLEAVED_ROPE_MODEL_TYPES = {"glm4", "ernie4_5"}
+INTERLEAVED_ROPE_MODEL_TYPES = {"glm4", "ernie4_5", "cohere2"}
+# attention and the MLP side by side on one norm's output, their sum joining the residual (Cohere's); LayerNorms
+PARALLEL_BLOCK_MODEL_TYPES = {"cohere2"}
 POST_NORM_MODEL_TYPES = {"olmo2", "olmo3", "exaone4"}   # norms after attention and after the MLP only, none before
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "smollm3", "seed_oss"} | \
-    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES | INTERLEAVED_ROPE_MODEL_TYPES
+    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES | INTERLEAVED_ROPE_MODEL_TYPES | \
+    PARALLEL_BLOCK_MODEL_TYPES
 # an RMSNorm over each head's q and k before the rotation
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "exaone4"}
 FULL_QK_NORM_MODEL_TYPES = {"olmo2", "olmo3"}      # OLMo 2/3: an RMSNorm over the whole q and the whole k projection
@@ -78,9 +81,9 @@ def rope_kind(config, layer_idx: int) -> str | None:
     nope = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
     if nope is not None and not nope[layer_idx]:
         return "nope"
-    if config.model_type == "exaone4" and getattr(config, "sliding_window", None) and \
+    if config.model_type in ("exaone4", "cohere2") and getattr(config, "sliding_window", None) and \
             config.layer_types[layer_idx] != "sliding_attention":
-        return "nope"                                   # EXAONE 4's global layers, where it has local ones
+        return "nope"                       # EXAONE 4's and Command R7B's global layers, where it has local ones
     params = getattr(config, "rope_parameters", None) or {}
     types = getattr(config, "layer_types", None)
     return types[layer_idx] if types is not None and isinstance(params.get(types[layer_idx]), dict) else None
@@ -123,6 +126,29 @@ class RMSNorm(nn.Module):
             return cpu_attention.rms_norm(x, self.weight, self.eps, residual)
         residual.add_(x)
         return self(residual)
+
+
+class LayerNorm(nn.Module):
+    """Cohere's LayerNorm: the mean taken out, scaled by a weight, no bias (RMSNorm's interface)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        residual.add_(x)
+        return self(residual)
+
+
+def norm_class(config):
+    """The model's norm: RMSNorm, or Cohere's LayerNorm (its eps is layer_norm_eps)."""
+    if config.model_type in PARALLEL_BLOCK_MODEL_TYPES:
+        return lambda dim, _eps: LayerNorm(dim, float(config.layer_norm_eps))
+    return RMSNorm
 
 
 def _cpu_kernel(t: torch.Tensor) -> bool:
@@ -542,8 +568,10 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else MLP(config, tp)
         # OLMo 2/3 normalise attention's and the MLP's outputs, not their inputs: no input_layernorm
         self.post_norm = config.model_type in POST_NORM_MODEL_TYPES
-        self.input_layernorm = None if self.post_norm else RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.parallel = config.model_type in PARALLEL_BLOCK_MODEL_TYPES     # Cohere: one norm for both sublayers
+        norm, eps = norm_class(config), getattr(config, "rms_norm_eps", None)
+        self.input_layernorm = None if self.post_norm else norm(config.hidden_size, eps)
+        self.post_attention_layernorm = None if self.parallel else RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Gemma 2/3: post_attention_layernorm normalises attention's output, and two more norms frame the MLP
         self.sandwich = config.model_type in SANDWICH_NORM_MODEL_TYPES
         # Granite scales attention's and the MLP's outputs before each joins the residual stream
@@ -557,6 +585,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, ropes, kv_cache, md):
         """x: the last layer's output (the embeddings, with residual None, for the first); residual: the stream
         so far. Returns (this layer's output, the stream): each norm adds the two first (vLLM's fused add)."""
+        if self.parallel:                      # Cohere: attention and the MLP of the same normed stream, summed
+            if residual is None:
+                residual, h = x, self.input_layernorm(x)
+            else:
+                h = self.input_layernorm.add(x, residual)
+            return self.self_attn(h, ropes, kv_cache, md) + self.mlp(h), residual
         if self.post_norm:                     # OLMo: stream + norm(attention(stream)), then + norm(MLP(that))
             residual = x if residual is None else residual.add_(x)
             residual = residual + self.post_attention_layernorm(self.self_attn(residual, ropes, kv_cache, md))
@@ -583,7 +617,7 @@ class LlamaModel(nn.Module):
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp))
         self.layers = nn.ModuleList(DecoderLayer(config, i, tp, expert_parallel)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config)(config.hidden_size, getattr(config, "rms_norm_eps", None))
 
 
 class PackedLinear(nn.Module):
@@ -793,6 +827,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm_offset = 1.0 if gemma else 0.0        # Gemma's norms multiply by 1 + weight: added at load
         self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
         self.logits_scaling = float(getattr(config, "logits_scaling", 1.0)) if config.model_type == "granite" else 1.0
+        self.logit_scale = float(config.logit_scale) if config.model_type in PARALLEL_BLOCK_MODEL_TYPES else 1.0
         self.multimodal = getattr(config, "multimodal", None)   # engine/loader.py: the text of a Gemma 3 4B+
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
@@ -871,9 +906,12 @@ class LlamaForCausalLM(nn.Module):
         return logits if hidden_indices is None else (logits, pooled)
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's final softcap: C * tanh(logits / C); Granite's logits over its logits_scaling; in place (fp32)."""
+        """Gemma 2's final softcap: C * tanh(logits / C); Granite's logits over its logits_scaling, Cohere's times its
+        logit_scale; in place (fp32)."""
         if self.logits_scaling != 1.0:
             logits.div_(self.logits_scaling)
+        if self.logit_scale != 1.0:                        # Cohere's: logits times logit_scale
+            logits.mul_(self.logit_scale)
         if self.final_softcap:
             logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
@@ -905,7 +943,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads, norms before each sublayer
         # and q/k norms per head
-        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.post_norm or la.self_attn.full_qk_norm
+        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.post_norm or la.parallel
+                               or la.self_attn.full_qk_norm
                                or la.self_attn.rotary_dim != la.self_attn.head_dim for la in layers):
             return None
         attn, mlp = layers[0].self_attn, layers[0].mlp

@@ -83,6 +83,9 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
                                                      # its global layers without RoPE
     ("seed_oss", {"head_dim": 16}),                  # biases on q/k/v, not on o
     ("ernie4_5", {"head_dim": 16, "use_bias": True}),   # RoPE over interleaved pairs; biases everywhere
+    ("cohere2", {"sliding_window": 8, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                 "logit_scale": 0.25}),          # Command R7B: LayerNorms, attention and MLP side by side, interleaved
+                                                 # RoPE on the sliding layers only, logits scaled
     ("glm4", {"head_dim": 16}),                      # interleaved RoPE over half of each head, sandwich norms, gate/up
                                                      # fused in the checkpoint
     ("gpt_oss", {}),                                 # attention sinks, windows, biases, YaRN; experts with biases

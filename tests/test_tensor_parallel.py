@@ -53,6 +53,8 @@ TINY_MODELS = {
     "exaone4": ("exaone4", dict(sliding_window=8, sliding_window_pattern=3)),   # post norms, NoPE global layers
     "seed-oss": ("seed_oss", dict(head_dim=16)),                 # q/k/v biases split by heads, no o bias
     "glm4": ("glm4", dict(head_dim=16)),                         # each rank's heads' rows permuted for its RoPE pairs
+    "cohere2": ("cohere2", dict(sliding_window=8, logit_scale=0.25,  # LayerNorms, the parallel block, scaled logits
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     "ministral": ("ministral", dict(head_dim=16, sliding_window=8,
                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
@@ -91,7 +93,7 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
 
 
 # the families added after the first eleven run in the full suite only (`slow`): make test-fast keeps its 3 minutes
-SLOW_TINY = {"smollm3", "ministral", "gpt-oss", "exaone4", "seed-oss", "glm4"}
+SLOW_TINY = {"smollm3", "ministral", "gpt-oss", "exaone4", "seed-oss", "glm4", "cohere2"}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TINY else n
