@@ -128,13 +128,8 @@ class RMSNorm(nn.Module):
         return self(residual)
 
 
-class LayerNorm(nn.Module):
-    """Cohere's LayerNorm: the mean taken out, scaled by a weight, no bias (RMSNorm's interface)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+class LayerNorm(RMSNorm):
+    """Cohere's LayerNorm: the mean taken out, scaled by a weight, no bias (RMSNorm's weight and interface)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), self.weight.shape, self.weight.float(), None, self.eps).to(x.dtype)
