@@ -38,7 +38,7 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
                                     "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
     elif model_type in GEMMA_TINY:
         cfg.update(GEMMA_TINY[model_type])
-    elif model_type in ("phi3", "olmo2", "olmo3", "smollm3", "glm4"):  # their default special ids are past a tiny vocabulary
+    elif model_type in ("phi3", "olmo2", "olmo3", "smollm3", "glm4"):   # default special ids past a tiny vocabulary
         cfg.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cfg.update(overrides)
     torch.manual_seed(1234)

@@ -60,8 +60,8 @@ class Case:
     @property
     def name(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
-        opts = (f" window {self.window}" if self.window else "") + (f" softcap {self.softcap:g}" if self.softcap else "") \
-            + (" sinks" if self.sinks else "")
+        opts = (f" window {self.window}" if self.window else "") \
+            + (f" softcap {self.softcap:g}" if self.softcap else "") + (" sinks" if self.sinks else "")
         return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{kv}{opts}{self.batch}"
 
 

@@ -515,7 +515,8 @@ class LLMEngine:
             new_text=new_text, finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             metrics=self._metrics(seq), logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-            embedding=seq.embedding, kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only or migrated else [])
+            embedding=seq.embedding,
+            kv_blocks=self.kv.pinned.get(seq.request_id, []) if seq.prefill_only or migrated else [])
 
     @staticmethod
     def _metrics(seq: Sequence) -> RequestMetrics:

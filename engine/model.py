@@ -52,8 +52,8 @@ INTERLEAVED_ROPE_MODEL_TYPES = {"glm4", "ernie4_5", "cohere2"}
 PARALLEL_BLOCK_MODEL_TYPES = {"cohere2"}
 POST_NORM_MODEL_TYPES = {"olmo2", "olmo3", "exaone4"}   # norms after attention and after the MLP only, none before
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "smollm3", "seed_oss"} | \
-    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES | INTERLEAVED_ROPE_MODEL_TYPES | \
-    PARALLEL_BLOCK_MODEL_TYPES
+    MOE_MODEL_TYPES | GEMMA_MODEL_TYPES | FUSED_NAME_MODEL_TYPES | POST_NORM_MODEL_TYPES | \
+    INTERLEAVED_ROPE_MODEL_TYPES | PARALLEL_BLOCK_MODEL_TYPES
 # an RMSNorm over each head's q and k before the rotation
 QK_NORM_MODEL_TYPES = {"qwen3", "qwen3_moe", "gemma3_text", "exaone4"}
 FULL_QK_NORM_MODEL_TYPES = {"olmo2", "olmo3"}      # OLMo 2/3: an RMSNorm over the whole q and the whole k projection

@@ -265,7 +265,7 @@ class ModelRunner:
         log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
     # -- one forward ------------------------------------------------------------------------------
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list, list]:
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list, list, list]:
         """Run the model over the scheduled tokens; logits for sequences that now sample, and for prompt
         chunks that want prompt logprobs. Returns the logits, the samplers (sequence, first row) and the
         prompt chunks (sequence, first row, first position, rows): SequenceRows.prepare; and the final hidden

@@ -14,7 +14,8 @@ reads what follows [TOOL_CALLS]: a JSON array of {"name", "arguments"} (Mistral 
 `name[ARGS]{...}` per call (Magistral, Small 3.2, Devstral), and gives calls the 9-character ids Mistral's templates
 require; `pythonic` reads a Python list of calls, [get_weather(city="Oslo"), ...] (Llama 3.2 and Llama 4 with
 their pythonic templates, ToolACE); `harmony` reads gpt-oss's calls, commentary messages to `functions.NAME`
-whose body is the arguments' JSON (router/reasoning.py's gpt_oss parser leaves them in the content, CALL_OPEN ...). `auto` picks mistral for a template that writes [TOOL_CALLS], pythonic for
+whose body is the arguments' JSON (router/reasoning.py's gpt_oss parser leaves them in the content, CALL_OPEN
+...). `auto` picks mistral for a template that writes [TOOL_CALLS], pythonic for
 one that teaches the pythonic form, llama3_json for one that speaks Llama 3's JSON, harmony for gpt-oss's (its
 <|channel|> markers), and hermes for every other.
 [TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: under `mistral` an `auto` request keeps special

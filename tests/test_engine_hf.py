@@ -76,7 +76,8 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
     ("granite", {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
                  "logits_scaling": 8.0}),                            # Granite 3's multipliers (its 8B's)
     ("smollm3", {"no_rope_layers": [1, 0, 1]}),                      # SmolLM3: a layer without RoPE (NoPE)
-    ("ministral", {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    ("ministral", {"head_dim": 16, "sliding_window": 8,
+                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     ("olmo2", {}),                                   # norms after each sublayer only; q/k norms over all heads
     ("olmo3", {"sliding_window": 8}),                # + windows on 3 of every 4 layers, a RoPE per layer type
     ("exaone4", {"sliding_window": 8, "sliding_window_pattern": 3}),     # post norms, per-head q/k norms, windows;
