@@ -490,7 +490,8 @@ def test_bodies_valid_under_the_openapi_document_pass_the_checks():
 
 def test_embedding_bodies_carry_floats_or_openais_base64():
     """OpenAI's base64 is the float32 values' little-endian bytes (the openai client decodes it so); inputs come
-    as a text, texts, token ids or lists of them."""
+    as a text, texts, token ids or lists of them (or vLLM's messages: a body with neither is the route's 400,
+    tests/test_cluster_e2e.py)."""
     import base64
 
     import numpy as np
@@ -504,7 +505,7 @@ def test_embedding_bodies_carry_floats_or_openais_base64():
     for given, prompts in (("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])):
         req = oa.parse_body({"model": "m", "input": given}, oa.EmbeddingRequest)
         assert oa.completion_prompts(req) == prompts
-    for bad in ({"model": "m"}, {"model": "m", "input": "x", "encoding_format": "int8"},
+    for bad in ({"model": "m", "input": "x", "encoding_format": "int8"},
                 {"model": "m", "input": "x", "dimensions": 0}, {"model": "m", "input": [1, "a"]}):
         with pytest.raises(oa.OpenAIError) as e:
             oa.parse_body(bad, oa.EmbeddingRequest)
