@@ -529,18 +529,24 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
         if gemma and name.endswith("norm.weight"):      # llama.cpp stores Gemma's norms as 1 + weight (HF's weight)
             w = w - 1
         if arch == "llama" and parts[-1] in ("attn_q", "attn_k"):
-            n = heads if parts[-1] == "attn_q" else kv_heads
-            w = w.rows(_unrotate(shape[0], n)) if not isinstance(w, torch.Tensor) else w[_unrotate(shape[0], n)]
+            order = halves_from_pairs(shape[0], shape[0] // (heads if parts[-1] == "attn_q" else kv_heads))
+            w = w.rows(order) if not isinstance(w, torch.Tensor) else w[order]
         yield name, w
     if unpacked:
         log.warning("GGUF %s: tensors of type %s are not kept packed; they run dequantized to fp32",
                     path.name, ", ".join(sorted(unpacked)))
 
 
-def _unrotate(rows: int, n_head: int) -> "torch.Tensor":
-    """The row order that undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
+def halves_from_pairs(rows: int, head_dim: int, rotary_dim: int | None = None) -> "torch.Tensor":
+    """The row order that turns each head's first `rotary_dim` rows (all of them by default) from interleaved pairs
+    (0, 1), (2, 3), ... into the halves (0, 2, ... | 1, 3, ...) that RoPE's rotate_half pairs, the rest of the head as
+    it is. It undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights), reads GLM's and ERNIE's
+    interleaved RoPE as every other model's, and gpt-oss's interleaved gate/up as gate's half then up's (all the rows
+    one head)."""
     import torch
-    return torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(rows)
+    rd = head_dim if rotary_dim is None else rotary_dim
+    head = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, head_dim)])
+    return (torch.arange(rows // head_dim)[:, None] * head_dim + head).flatten()
 
 
 def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:

@@ -35,7 +35,7 @@ from engine import cpu_attention
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.errors import ModelLoadError
 from engine.kv_layout import LayerKV
-from engine.loader import text_weight_name
+from engine.loader import halves_from_pairs, text_weight_name
 from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, vocab_range
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
@@ -776,7 +776,7 @@ def _gpt_oss_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
             t, suffix = convert_moe_packed_tensors(got["_blocks"], got["_scales"], dtype=torch.float32), None
             del pending[prefix + which]
         if suffix == "_bias":
-            yield name, _deinterleave(t, -1) if which == "gate_up_proj" else t
+            yield name, _deinterleave(t, 1) if which == "gate_up_proj" else t
         elif which == "gate_up_proj":
             yield prefix + which, _deinterleave(t.transpose(1, 2), 1).contiguous()
         else:
@@ -787,8 +787,7 @@ def _gpt_oss_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     """gpt-oss's gate/up pairs along `dim` (gate at even indices, up at odd) as gate's half, then up's."""
-    return torch.cat([t.index_select(dim, torch.arange(0, t.shape[dim], 2)),
-                      t.index_select(dim, torch.arange(1, t.shape[dim], 2))], dim=dim)
+    return t.index_select(dim, halves_from_pairs(t.shape[dim], t.shape[dim]))
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -1162,12 +1161,10 @@ class LlamaForCausalLM(nn.Module):
         pairs (0, 1), (2, 3), ... to the halves (0, 2, ... | 1, 3, ...) the rotation pairs: the same scores, since q
         and k are permuted alike, under the rotation every other model takes."""
         attn = self.model.layers[0].self_attn
-        d, rd = attn.head_dim, attn.rotary_dim
-        head = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, d)])
         rows = tensor.shape[0]
-        if rows % d:
-            raise ModelLoadError(f"q/k rows {rows} are not whole heads of {d}")
-        index = (torch.arange(rows // d)[:, None] * d + head[None, :]).flatten()
+        if rows % attn.head_dim:
+            raise ModelLoadError(f"q/k rows {rows} are not whole heads of {attn.head_dim}")
+        index = halves_from_pairs(rows, attn.head_dim, attn.rotary_dim)
         return tensor.rows(index) if isinstance(tensor, QuantWeight) else tensor[index]
 
     def _install_packed(self, packed: dict[str, dict[int, tuple[QuantWeight, str, str]]], params) -> None:

@@ -327,11 +327,8 @@ class ModelRunner:
             batch = InputBatch(len(ids), len(shape.query_lens), tables.shape[1], self.block_size, self.device,
                                pin=False)
         batch.stage(shape, ids, tables)
-        x = batch.to_device(shape)
-        if hidden is None:
-            return self._model(x, num_layers)
-        rows = torch.tensor(hidden, dtype=torch.long).to(self.device, non_blocking=True)
-        return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, hidden_indices=rows)
+        rows = None if hidden is None else torch.tensor(hidden, dtype=torch.long).to(self.device, non_blocking=True)
+        return self._model(batch.to_device(shape), num_layers, rows)
 
     def forward_padded(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, size: int) -> torch.Tensor:
         """A uniform step padded to `size` sequences: its graph replayed on CUDA, the padded batch run
@@ -346,8 +343,9 @@ class ModelRunner:
         graph.graph.replay()
         return graph.logits[:shape.num_tokens]
 
-    def _model(self, x: StepInputs, num_layers: int | None = None) -> torch.Tensor:
-        return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers)
+    def _model(self, x: StepInputs, num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
+        return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers,
+                          hidden_indices=hidden_indices)
 
 
 def pooled_rows(scheduled: list) -> tuple[list[tuple[Sequence, int, int]], list[int]]:
