@@ -18,6 +18,22 @@ GEMMA_TINY = {
 }
 
 
+# DeepSeek's tiny configs: q/k heads of 24 + 16 rotated dims, values of 20, a latent of 32 (V3: queries through a
+# rank-48 projection too); V3's YaRN with both mscales (the softmax scale's); experts in groups
+_DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=4, topk_group=2)
+DEEPSEEK_TINY = {
+    "deepseek_v3": dict(_DEEPSEEK, q_lora_rank=48, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "rope_theta": 10000.0}),
+    # V2's groups ranked by their best expert: with 2 of 4 kept, a top 2 is never cut; with 1 it is
+    "deepseek_v2": dict(_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy", topk_group=1,
+                        routed_scaling_factor=1.5),
+}
+
+
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
     import torch
@@ -36,6 +52,8 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
                    pad_token_id=0, bos_token_id=1, eos_token_id=2,
                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    elif model_type in DEEPSEEK_TINY:                      # MLA; 8 experts in 4 groups, 2 a token; a dense layer
+        cfg.update(DEEPSEEK_TINY[model_type])
     elif model_type in GEMMA_TINY:
         cfg.update(GEMMA_TINY[model_type])
     elif model_type in ("phi3", "olmo2", "olmo3", "smollm3", "glm4"):   # default special ids past a tiny vocabulary
@@ -56,6 +74,11 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+    if model_type == "deepseek_v3":       # its experts' correction biases start at 0: make them move the choice
+        with torch.no_grad():
+            for name, p in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
                     p.normal_(0.0, 0.3)
     if model_type == "gpt_oss":           # its sinks and biases start at 0: make them count
         with torch.no_grad():

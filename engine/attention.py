@@ -56,12 +56,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Store the new tokens' K/V [num_tokens, kv_heads, head_dim] at their cache slots (quantized, with a scale per
-    token and head, where the cache has scales)."""
+    token and head, where the cache has scales). v None: a latent cache's (engine/kv_layout.py), K alone."""
     bs, heads, d = k_cache.shape[1:]
-    if v_cache.stride() != k_cache.stride():
+    if v is not None and v_cache.stride() != k_cache.stride():
         raise ValueError("the K and V caches must have the same strides")
     idx = None
-    for cache, x, sc in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+    for cache, x, sc in ((k_cache, k, k_scale),) + (() if v is None else ((v_cache, v, v_scale),)):
         rows, base, block_stride, head_stride = _row_view(_bytes(cache), d)
         if idx is None:                   # each (token, head)'s row, relative to base: one index for K and V
             slot_stride = cache.stride(1) // d                             # whole rows in any layout

@@ -26,6 +26,10 @@ scale per (token, head, layer, K/V). The scales live inside the head's span of t
 
 so everything that moves blocks or runs of heads as bytes (the transports, the host tier, cross-TP pulls)
 moves a block's scales with it, unchanged.
+
+A latent cache (`kv_parts` 1: multi-head latent attention, DeepSeek's MLA) keeps one vector per token, head and layer
+where others keep two: the key, whose leading dims are also the value (the compressed KV, then the rotated key
+part). Its shape has 1 where the others have 2; both views of a layer are the same tensor.
 """
 from __future__ import annotations
 
@@ -66,8 +70,11 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype          # the model's (the cache's when kv_cache_dtype is "auto")
     kv_cache_dtype: str = "auto"
+    kv_parts: int = 2           # 2: a key and a value; 1: a latent cache (the value is the key's leading dims)
 
     def __post_init__(self) -> None:
+        if self.kv_parts not in (1, 2):
+            raise ConfigError(f"kv_parts must be 1 or 2, got {self.kv_parts}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
@@ -82,15 +89,15 @@ class KVCacheSpec:
 
     @property
     def _values(self) -> int:
-        """Values per head span: K and V of every layer of a block."""
-        return self.num_layers * 2 * self.block_size * self.head_dim
+        """Values per head span: K and V (or the latent) of every layer of a block."""
+        return self.num_layers * self.kv_parts * self.block_size * self.head_dim
 
     @property
     def _scale_bytes(self) -> int:
         """The scales' share of a head span, padded so a span stays whole rows of block_size x head_dim
         (engine/attention.py reads the cache in such rows)."""
         row = self.block_size * self.head_dim
-        return -(-self.num_layers * 2 * self.block_size * 4 // row) * row
+        return -(-self.num_layers * self.kv_parts * self.block_size * 4 // row) * row
 
     @property
     def head_bytes(self) -> int:
@@ -105,7 +112,8 @@ class KVCacheSpec:
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
         if not self.quantized:
-            return kv_cache_shape(num_blocks, self.num_kv_heads, self.num_layers, self.block_size, self.head_dim)
+            return kv_cache_shape(num_blocks, self.num_kv_heads, self.num_layers, self.block_size, self.head_dim,
+                                  self.kv_parts)
         return (num_blocks, self.num_kv_heads, self.head_bytes)
 
     def allocate(self, num_blocks: int, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
@@ -120,10 +128,11 @@ class KVCacheSpec:
         if not self.quantized:
             return [LayerKV(*layer_views(kv_cache, layer)) for layer in range(self.num_layers)]
         nb, h, L, bs, d = kv_cache.shape[0], self.num_kv_heads, self.num_layers, self.block_size, self.head_dim
-        values = kv_cache[:, :, :self._values].view(self.storage_dtype).view(nb, h, L, 2, bs, d)
-        scales = kv_cache[:, :, self._values:self._values + L * 2 * bs * 4].view(torch.float32).view(nb, h, L, 2, bs)
-        return [LayerKV(values[:, :, layer, 0].transpose(1, 2), values[:, :, layer, 1].transpose(1, 2),
-                        scales[:, :, layer, 0].transpose(1, 2), scales[:, :, layer, 1].transpose(1, 2))
+        p, v = self.kv_parts, self.kv_parts - 1          # v: the value's part (the key's own in a latent cache)
+        values = kv_cache[:, :, :self._values].view(self.storage_dtype).view(nb, h, L, p, bs, d)
+        scales = kv_cache[:, :, self._values:self._values + L * p * bs * 4].view(torch.float32).view(nb, h, L, p, bs)
+        return [LayerKV(values[:, :, layer, 0].transpose(1, 2), values[:, :, layer, v].transpose(1, 2),
+                        scales[:, :, layer, 0].transpose(1, 2), scales[:, :, layer, v].transpose(1, 2))
                 for layer in range(L)]
 
 
@@ -144,9 +153,9 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 
 def kv_cache_shape(num_blocks: int, num_kv_heads: int, num_layers: int, block_size: int,
-                   head_dim: int) -> tuple[int, ...]:
+                   head_dim: int, kv_parts: int = 2) -> tuple[int, ...]:
     """The shape of a cache of `num_blocks` blocks holding `num_kv_heads` heads (a rank's)."""
-    return (num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim)
+    return (num_blocks, num_kv_heads, num_layers, kv_parts, block_size, head_dim)
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -175,8 +184,8 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 
 def layer_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s K and V, each a strided view [num_blocks, block_size, kv_heads, head_dim]
-    (the attention contract of engine/attention.py)."""
-    return kv_cache[:, :, layer, 0].transpose(1, 2), kv_cache[:, :, layer, 1].transpose(1, 2)
+    (the attention contract of engine/attention.py); a latent cache's (one part) twice, the same view."""
+    return kv_cache[:, :, layer, 0].transpose(1, 2), kv_cache[:, :, layer, kv_cache.shape[3] - 1].transpose(1, 2)
 
 
 def head_bytes(kv_cache: torch.Tensor) -> int:

@@ -120,9 +120,11 @@ class LLMEngine:
         The model's KV heads, not this rank's: engines of any tensor_parallel_size can share blocks. Weight
         quantization is not in it (the KV layout is the same), beyond the weights' fingerprint."""
         m, kv = self.runner.model, self.config.kv_cache_dtype
+        latent = '' if m.kv_parts == 2 else ':latent'              # MLA's one vector a token (engine/kv_layout.py)
         return (f"{self.hf_config.model_type}:{self.hf_config.vocab_size}:{self.hf_config.hidden_size}:"
                 f"{self.runner.dtype}{'' if kv == 'auto' else ':kv-' + kv}:bs{self.block_size}:L{m.num_layers}:"
-                f"kv{m.total_kv_heads}x{m.head_dim}:v{KV_LAYOUT_VERSION}:{self.runner.weight_fingerprint()}{m.rope_tag}")
+                f"kv{m.total_kv_heads}x{m.head_dim}{latent}:v{KV_LAYOUT_VERSION}:"
+                f"{self.runner.weight_fingerprint()}{m.rope_tag}")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at TP 1)."""

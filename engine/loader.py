@@ -537,15 +537,16 @@ def iter_gguf_weights(path: Path, hf_config) -> Iterator[tuple[str, "torch.Tenso
                     path.name, ", ".join(sorted(unpacked)))
 
 
-def halves_from_pairs(rows: int, head_dim: int, rotary_dim: int | None = None) -> "torch.Tensor":
-    """The row order that turns each head's first `rotary_dim` rows (all of them by default) from interleaved pairs
-    (0, 1), (2, 3), ... into the halves (0, 2, ... | 1, 3, ...) that RoPE's rotate_half pairs, the rest of the head as
-    it is. It undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights), reads GLM's and ERNIE's
-    interleaved RoPE as every other model's, and gpt-oss's interleaved gate/up as gate's half then up's (all the rows
-    one head)."""
+def halves_from_pairs(rows: int, head_dim: int, rotary_dim: int | None = None, offset: int = 0) -> "torch.Tensor":
+    """The row order that turns `rotary_dim` rows of each head (all of them by default), from `offset` on, from
+    interleaved pairs (0, 1), (2, 3), ... into the halves (0, 2, ... | 1, 3, ...) that RoPE's rotate_half pairs, the
+    rest of the head as it is. It undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights), reads
+    GLM's, ERNIE's and DeepSeek's interleaved RoPE (DeepSeek's rotated rows last in a head) as every other model's,
+    and gpt-oss's interleaved gate/up as gate's half then up's (all the rows one head)."""
     import torch
     rd = head_dim if rotary_dim is None else rotary_dim
-    head = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2), torch.arange(rd, head_dim)])
+    head = torch.cat([torch.arange(offset), offset + torch.arange(0, rd, 2), offset + torch.arange(1, rd, 2),
+                      torch.arange(offset + rd, head_dim)])
     return (torch.arange(rows // head_dim)[:, None] * head_dim + head).flatten()
 
 
@@ -596,6 +597,30 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
             del parts[prefix]
     if parts:
         raise ModelLoadError(f"{model}: quantized layers without all of {', '.join(leaves)}: {sorted(parts)[:3]}")
+
+
+def iter_block_fp8_weights(model: str, block: tuple[int, int]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """A block-scaled FP8 checkpoint's tensors (DeepSeek-V3's, Qwen3-FP8's: each e4m3 weight beside its
+    weight_scale_inv, a scale per block), each quantized weight dequantized to fp32 once its scales are read (in
+    whichever file they are), every other tensor as it is. Read whole: a rank's share is cut afterwards
+    (shard_weights), since a scale covers rows and columns of the weight."""
+    import torch
+    from engine.quant import dequantize_fp8_blocks
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in iter_weights(model):
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "input_scale" or not (leaf == "weight_scale_inv" or leaf == "weight" and
+                                         tensor.dtype == torch.float8_e4m3fn):
+            yield name, tensor
+            continue
+        got = pending.setdefault(prefix, {})
+        got[leaf] = tensor
+        if len(got) == 2:
+            yield f"{prefix}.weight", dequantize_fp8_blocks(got["weight"], got["weight_scale_inv"], block)
+            del pending[prefix]
+    if pending:
+        raise ModelLoadError(f"{model}: block-wise FP8 weights without both weight and weight_scale_inv: "
+                             f"{sorted(pending)[:3]}")
 
 
 def shard_weights(weights: Iterator[tuple[str, "torch.Tensor | QuantWeight"]],

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,9 @@ class LoRAManager:
 
     def __init__(self, model, max_loras: int, max_rank: int, max_cpu_loras: int,
                  dtype: torch.dtype, device: torch.device):
+        if not hasattr(model.model.layers[0].self_attn, "qkv_proj"):
+            raise ConfigError(f"enable_lora: LoRA adapters of {model.config.model_type}'s multi-head latent attention "
+                              f"are not supported")
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.max_cpu_loras, self.dtype, self.device = max(max_cpu_loras, max_loras), dtype, device
         self.step = LoRAStep()

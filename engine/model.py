@@ -20,6 +20,9 @@ added at load), a GELU-gated MLP; Gemma 2/3 add a norm after attention and after
 sliding window with full attention (Gemma 3's with a RoPE of their own), Gemma 2 a softcap on attention scores and
 on the logits, Gemma 3 Qwen3's q/k norms. Phi-3's fused checkpoint tensors are split at load (`_unfused`); Granite
 scales its embeddings, each sublayer's output, its attention scores and its logits by multipliers of its config.
+
+DeepSeek-V2/V3 replace attention with multi-head latent attention (MLAAttention: one latent KV head in the cache,
+engine/kv_layout.py's kv_parts 1) and route their experts within groups (SparseMoE), beside shared experts.
 """
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ from engine.parallel import TPGroup, check_heads, query_heads_of, split_range, v
 from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_matmul, quantize_fp8, quantize_int8,
                           tinygemm_matmul, tinygemm_pack)
 
-MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"}
+# DeepSeek-V2/V2.5 and V3/V3.1/R1: multi-head latent attention (MLAAttention), experts routed within groups
+MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3"}
+MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"} | MLA_MODEL_TYPES
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
 FUSED_NAME_MODEL_TYPES = {"phi3", "glm4"}          # checkpoints that hold qkv_proj or gate_up_proj already fused
@@ -330,6 +335,7 @@ class Attention(nn.Module):
         self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.rope_kind = rope_kind(config, layer_idx)
         self.rotary_dim = rotary_dim(config, self.head_dim)
+        self.rope_head_dim = self.head_dim                # what the RoPE tables are built for (MLA: its k_pe's)
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
         # gpt-oss: a learned sink logit per query head, in every softmax (engine/attention.py); this rank's heads
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.model_type == "gpt_oss" else None
@@ -372,6 +378,87 @@ class Attention(nn.Module):
         return torch.cat([q.view(t, -1), k.view(t, -1), qkv[:, k_end:]], dim=1)
 
 
+def mla_scale(config) -> float:
+    """MLA's softmax scale: 1 / sqrt(the q/k head size), times YaRN's mscale(factor, mscale_all_dim) squared where the
+    RoPE is scaled so (DeepSeek's, as transformers computes it)."""
+    import math
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    all_dim = params.get("mscale_all_dim", 0) if params.get("rope_type", params.get("type", "default")) != "default" \
+        else 0
+    if all_dim and params.get("factor", 1.0) > 1:
+        mscale = 0.1 * all_dim * math.log(params["factor"]) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek's multi-head latent attention, run as vLLM and SGLang run it, over a latent cache: a token's keys and
+    values are one compressed vector c (kv_lora_rank, normed) and one rotated key part k_pe (qk_rope_head_dim) shared
+    by every head, and each head's key and value are c times that head's rows of kv_b_proj (W_uk, W_uv). Absorbing
+    W_uk into the query (q_nope W_uk: kv_lora_rank wide) makes each score [q_nope W_uk, q_pe] . [c, k_pe]: attention
+    with one KV head of kv_lora_rank + qk_rope_head_dim dims whose value is the key's first kv_lora_rank, which the
+    cache keeps once (kv_parts 1, engine/kv_layout.py); the output's first kv_lora_rank, times W_uv, is each head's
+    value. The cache holds 576 numbers a token and layer for DeepSeek-V3 where its 128 heads' keys and values would
+    be 40,960. Every attention path runs it as it runs MQA.
+
+    Queries come from q_proj (V2-Lite) or a low-rank q_a_proj, q_a_layernorm, q_b_proj. Under TP each rank computes
+    its heads (its rows of q_b_proj and kv_b_proj, its columns of o_proj) and keeps the whole latent, as a replicated
+    KV head. RoPE over DeepSeek's interleaved pairs: q's and k_pe's rows are permuted at load (_unfused)."""
+
+    def __init__(self, config, layer_idx: int, tp: TPGroup | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        heads = config.num_attention_heads
+        if tp is None:
+            self.q_heads = range(heads)
+        else:
+            self.q_heads = query_heads_of(check_heads(heads, 1, tp.size), heads, tp.rank)
+        self.kv_heads, self.num_heads, self.num_kv_heads = range(1), len(self.q_heads), 1
+        self.nope, self.rope_dim = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+        self.v_dim, self.rank = int(config.v_head_dim), int(config.kv_lora_rank)
+        self.qk_dim = self.nope + self.rope_dim
+        self.head_dim = self.rank + self.rope_dim        # the cache's one head
+        self.rotary_dim = self.rope_head_dim = self.rope_dim
+        self.q_size = self.num_heads * self.v_dim         # attention's output, o_proj's input
+        bias, hidden = bool(getattr(config, "attention_bias", False)), config.hidden_size
+        q_lora = getattr(config, "q_lora_rank", None)
+        if q_lora:
+            self.q_a_proj = nn.Linear(hidden, q_lora, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(q_lora, self.num_heads * self.qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)   # stays float
+        self.o_proj = row_linear(self.q_size, hidden, bias, tp)
+        self.scale = mla_scale(config)
+        self.window, self.softcap, self.sinks, self.rope_kind = 0, 0.0, None, None
+        self.q_norm = self.k_norm = None
+        self.full_qk_norm = False
+        self.one_kernel = False
+
+    def forward(self, x, ropes: dict, kv_cache: list[LayerKV], md: AttentionMetadata):
+        t = x.shape[0]
+        cos, sin = ropes[self.rope_kind]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, self.num_heads, self.qk_dim).split([self.nope, self.rope_dim], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]                # [heads, nope, rank], [heads, v, rank]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)          # [t, heads, rank]
+        q = torch.cat([q_latent, apply_rope(q_pe, cos, sin)], dim=-1).contiguous()
+        k = torch.cat([self.kv_a_layernorm(c.contiguous()), apply_rope(k_pe.reshape(t, 1, -1), cos, sin)[:, 0]],
+                      dim=-1).view(t, 1, self.head_dim)
+        k_cache, v_cache, k_scale, v_scale = kv_cache[self.layer_idx]
+        write_kv(k_cache, None, k, None, md.slot_mapping, k_scale, None)
+        o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=k, one_kernel=self.one_kernel,
+                            k_scale=k_scale, v_scale=v_scale)
+        o = torch.bmm(o[..., :self.rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)   # [t, heads, v]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
 class MLP(nn.Module):
     def __init__(self, config, tp: TPGroup | None = None, intermediate_size: int | None = None):
         super().__init__()
@@ -405,10 +492,12 @@ def _fused_moe_ops():
 
 
 def num_experts(config) -> int:
-    """Experts per MoE layer (Mixtral's num_local_experts, Qwen2/3-MoE's num_experts); 0 for a dense model."""
+    """Experts per MoE layer (Mixtral's num_local_experts, Qwen2/3-MoE's num_experts, DeepSeek's n_routed_experts); 0
+    for a dense model."""
     if config.model_type not in MOE_MODEL_TYPES:
         return 0
-    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+               or getattr(config, "n_routed_experts", None) or 0)
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
@@ -419,12 +508,15 @@ def is_moe_layer(config, layer_idx: int) -> bool:
     if config.model_type in ("qwen2_moe", "qwen3_moe"):
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+    if config.model_type in MLA_MODEL_TYPES:              # DeepSeek: dense first layers, then every moe_layer_freq-th
+        return layer_idx >= int(getattr(config, "first_k_dense_replace", 0) or 0) and \
+            layer_idx % int(getattr(config, "moe_layer_freq", 1) or 1) == 0
     return True
 
 
 def moe_intermediate_size(config) -> int:
     """Each expert's intermediate units: Qwen2/3-MoE's moe_intermediate_size, Mixtral's intermediate_size."""
-    if config.model_type in ("qwen2_moe", "qwen3_moe"):
+    if config.model_type in ("qwen2_moe", "qwen3_moe") or config.model_type in MLA_MODEL_TYPES:
         return int(config.moe_intermediate_size)
     return int(config.intermediate_size)
 
@@ -444,7 +536,8 @@ class SparseMoE(nn.Module):
     down become a QuantLinear (`packed`), read as stored, in place of that projection's stacked floats.
 
     Qwen2-MoE adds a shared expert every token passes through (a dense MLP of shared_expert_intermediate_size),
-    scaled by the sigmoid of its own gate; under TP its term joins the experts' before the one all-reduce."""
+    scaled by the sigmoid of its own gate; under TP its term joins the experts' before the one all-reduce. DeepSeek's
+    routing and shared experts: _deepseek_route and __init__."""
 
     def __init__(self, config, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
@@ -480,6 +573,23 @@ class SparseMoE(nn.Module):
         shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
         self.shared_expert = MLP(config, tp, shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
+        # DeepSeek: V3 scores experts by a sigmoid and chooses by score + a per-expert correction bias (the weights
+        # stay the scores); V2 by the softmax. Both may limit a token to its topk_group best groups of experts
+        # (n_group of them): V3 ranks a group by the sum of its two best, V2 ("group_limited_greedy") by its best.
+        # The chosen weights (renormalised where norm_topk_prob) are scaled by routed_scaling_factor, and
+        # n_shared_experts experts' worth of a dense MLP every token passes through (no gate) adds its term.
+        deepseek = config.model_type in MLA_MODEL_TYPES
+        self.sigmoid = config.model_type == "deepseek_v3"
+        n_group = int(getattr(config, "n_group", None) or 1) if deepseek else 1
+        grouped = self.sigmoid or getattr(config, "topk_method", None) == "group_limited_greedy"
+        self.groups = (n_group, int(config.topk_group)) if deepseek and grouped and n_group > 1 else None
+        if self.groups and (self.num_experts % n_group or not 0 < self.groups[1] <= n_group):
+            raise ModelLoadError(f"{self.num_experts} experts do not form {n_group} groups of which to keep "
+                                 f"{self.groups[1]}")
+        self.routed_scaling = float(getattr(config, "routed_scaling_factor", None) or 1.0) if deepseek else 1.0
+        self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts)) if self.sigmoid else None
+        n_shared = int(getattr(config, "n_shared_experts", None) or 0) if deepseek else 0
+        self.shared_experts = MLP(config, tp, moe_intermediate_size(config) * n_shared) if n_shared else None
 
     def pack(self, which: str, experts: list[list[QuantWeight]]) -> None:
         """Every expert's `which` ("gate_up_proj": its gate's and up's parts; "down_proj") as packed weights, in
@@ -493,11 +603,32 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k]) of each token: softmax in fp32, the top k, renormalised where the model
         does."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        logits = self.gate(x).float()
+        if self.sigmoid or self.groups:
+            return self._deepseek_route(logits, x.dtype)
+        probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def _deepseek_route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's routing (__init__): scores, the groups kept, the top k of those groups' experts by score (V3:
+        plus its correction bias), weighted by their scores."""
+        scores = logits.sigmoid() if self.sigmoid else torch.softmax(logits, dim=-1)
+        choice = scores + self.e_score_correction_bias.float() if self.sigmoid else scores
+        if self.groups is not None:
+            n_group, keep = self.groups
+            grouped = choice.view(choice.shape[0], n_group, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if self.sigmoid else grouped.amax(dim=-1)
+            kept = torch.zeros_like(group_scores, dtype=torch.bool)
+            kept.scatter_(1, torch.topk(group_scores, keep, dim=-1)[1], True)
+            choice = choice.masked_fill(~kept.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling).to(dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
@@ -545,6 +676,8 @@ class SparseMoE(nn.Module):
         """The experts' sum, plus the shared expert's gated term where the model has one, summed over the ranks."""
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
+        if self.shared_experts is not None:              # DeepSeek's: ungated
+            out = out + self.shared_experts.partial(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _projection(self, which: str):
@@ -559,7 +692,7 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, tp)
+        self.self_attn = (MLAAttention if config.model_type in MLA_MODEL_TYPES else Attention)(config, layer_idx, tp)
         self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else MLP(config, tp)
         # OLMo 2/3 normalise attention's and the MLP's outputs, not their inputs: no input_layernorm
         self.post_norm = config.model_type in POST_NORM_MODEL_TYPES
@@ -790,6 +923,12 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.index_select(dim, halves_from_pairs(t.shape[dim], t.shape[dim]))
 
 
+def _absorbed(parent: nn.Module, name: str) -> bool:
+    """MLA's kv_b_proj: read as a weight (absorbed into the query and the output), never run as a Linear, so neither
+    packed nor quantized."""
+    return isinstance(parent, MLAAttention) and name == "kv_b_proj"
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     import os
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -810,6 +949,9 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim      # this rank's KV heads
         self.total_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.kv_parts = 2                                 # engine/kv_layout.py: K and V, or MLA's one latent
+        if isinstance(attn, MLAAttention):
+            self.total_kv_heads, self.kv_parts = 1, 1
         self.num_layers = config.num_hidden_layers
         self.max_positions = max_positions
         # RoPE tables by rope_kind (Gemma 3's two; else one, under None), built by materialize() on the real device
@@ -851,8 +993,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_ropes(self, device: torch.device) -> None:
         kinds = {layer.self_attn.rope_kind for layer in self.model.layers}
-        self.ropes = {kind: RotaryEmbedding(self.config, self.head_dim, self.max_positions, kind).to(device)
-                      for kind in kinds}
+        dim = self.model.layers[0].self_attn.rope_head_dim
+        self.ropes = {kind: RotaryEmbedding(self.config, dim, self.max_positions, kind).to(device) for kind in kinds}
 
     @property
     def rope_tag(self) -> str:
@@ -937,7 +1079,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads, norms before each sublayer
         # and q/k norms per head
-        if self.has_moe or any(la.mlp.act_name not in STACK_ACTIVATIONS or la.post_norm or la.parallel
+        if self.has_moe or any(isinstance(la.self_attn, MLAAttention) or la.mlp.act_name not in STACK_ACTIVATIONS
+                               or la.post_norm or la.parallel
                                or la.self_attn.full_qk_norm
                                or la.self_attn.rotary_dim != la.self_attn.head_dim for la in layers):
             return None
@@ -997,7 +1140,7 @@ class LlamaForCausalLM(nn.Module):
         # a router stays as it is (as vLLM keeps it): it is small, and its rounding would move tokens' experts
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                  if isinstance(child, nn.Linear) and not (method == "fp8" and child is self.lm_head)
-                 and not isinstance(parent, SparseMoE)]
+                 and not isinstance(parent, SparseMoE) and not _absorbed(parent, name)]
         moes = [la.mlp for la in self.model.layers if isinstance(la.mlp, SparseMoE)]
         for moe in moes:                                  # each expert's gate/up and down, one scale per row
             for which in ("gate_up_proj", "down_proj"):
@@ -1021,7 +1164,7 @@ class LlamaForCausalLM(nn.Module):
     def prepack_linears(self) -> int:
         """After loading: swap every Linear for a PackedLinear (CPU fp32). Returns how many."""
         swaps = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
-                 if isinstance(child, nn.Linear)]
+                 if isinstance(child, nn.Linear) and not _absorbed(parent, name)]
         for parent, name, child in swaps:
             setattr(parent, name, PackedLinear(child.weight, child.bias))
         rows = [m for m in self.modules() if isinstance(m, RowParallelLinear) and m.quant is None]
@@ -1043,6 +1186,9 @@ class LlamaForCausalLM(nn.Module):
             name = text_weight_name(name)
             if name is None:
                 return 0, 0, 0
+        layer = self._LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= self.num_layers:
+            return 0, 0, 0                                # DeepSeek's multi-token prediction layers: not run
         expert = _EXPERT.match(name)
         if expert is not None:                            # every expert's run of units, as the dense MLP's
             moe = self.model.layers[int(expert.group(1))].mlp
@@ -1051,8 +1197,11 @@ class LlamaForCausalLM(nn.Module):
             run = moe.run
             return (1, run.start, run.stop) if expert.group(3) in ("down_proj", "w2") else (0, run.start, run.stop)
         attn, mlp = self.model.layers[0].self_attn, self.dense_mlp()
-        if ".shared_expert." in name:                     # Qwen2-MoE's: split as a dense MLP of its own width
-            mlp = self.get_submodule(name.split(".shared_expert.")[0] + ".shared_expert")
+        for shared in (".shared_expert.", ".shared_experts."):   # Qwen2-MoE's, DeepSeek's: a dense MLP of their width
+            if shared in name:
+                mlp = self.get_submodule(name.split(shared)[0] + shared[:-1])
+        if isinstance(attn, MLAAttention) and ".self_attn." in name:
+            return self._mla_shard(name, attn)
         d = attn.head_dim
         units = mlp.run if mlp is not None else range(0)
         rows = {"q_proj": range(attn.q_heads.start * d, attn.q_heads.stop * d),
@@ -1068,6 +1217,18 @@ class LlamaForCausalLM(nn.Module):
         if piece in cols and name.endswith(".weight"):
             return 1, cols[piece].start, cols[piece].stop
         return None                                       # norms, row-parallel biases: replicated
+
+    @staticmethod
+    def _mla_shard(name: str, attn: "MLAAttention") -> tuple[int, int, int] | None:
+        """MLA under TP: this rank's heads' rows of q (q_proj or q_b_proj) and kv_b_proj, their columns of o_proj; the
+        low-rank projections and their norms replicated."""
+        heads, piece = attn.q_heads, name.split(".")[-2]
+        per = {"q_proj": attn.qk_dim, "q_b_proj": attn.qk_dim, "kv_b_proj": attn.nope + attn.v_dim}
+        if piece in per:
+            return 0, heads.start * per[piece], heads.stop * per[piece]
+        if piece == "o_proj" and name.endswith(".weight"):
+            return 1, heads.start * attn.v_dim, heads.stop * attn.v_dim
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be filled. Packed
@@ -1095,7 +1256,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = name, None
             for piece, (fused, idx) in self._FUSED.items():
-                if f".{piece}." in name:
+                if f".{piece}." in name and not (".self_attn." in name and self.kv_parts == 1):   # MLA: no q/k/v
                     target, shard = name.replace(piece, fused), idx
                     break
             if target not in params:
@@ -1123,9 +1284,14 @@ class LlamaForCausalLM(nn.Module):
         checkpoints (each this rank's rows under TP)."""
         fuse = self.config.model_type in FUSED_NAME_MODEL_TYPES
         interleaved = self.config.model_type in INTERLEAVED_ROPE_MODEL_TYPES
+        mla = self.config.model_type in MLA_MODEL_TYPES
         for name, tensor in weights:
             if self.multimodal:
                 name = text_weight_name(name)
+                if name is None:
+                    continue
+            if mla:
+                name, tensor = self._mla_tensor(name, tensor)
                 if name is None:
                     continue
             if self.config.model_type == "glm4":        # its sandwich norms under Gemma 2's names
@@ -1156,6 +1322,28 @@ class LlamaForCausalLM(nn.Module):
                 start += size
                 yield part_name, tensor[lo:hi] if isinstance(tensor, torch.Tensor) else tensor.rows(slice(lo, hi))
 
+    _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+    def _mla_tensor(self, name: str, tensor):
+        """A DeepSeek checkpoint's tensor as load_weights takes it: (None, None) for its multi-token prediction layers
+        (past num_hidden_layers; not run); V3's correction bias under the MoE block; with RoPE over interleaved pairs
+        (V2's, V3's rope_interleave), the rotated rows of q (the last qk_rope_head_dim of each head) and of k_pe (the
+        last of kv_a_proj_with_mqa) reordered to the halves the rotation pairs, as for GLM's (_halves_from_pairs)."""
+        layer = self._LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= self.num_layers:
+            return None, None
+        name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+        attn = self.model.layers[0].self_attn
+        interleaved = self.config.model_type == "deepseek_v2" or getattr(self.config, "rope_interleave", True)
+        if interleaved and (".self_attn.q_proj." in name or ".self_attn.q_b_proj." in name or
+                            ".self_attn.kv_a_proj_with_mqa." in name):
+            head = attn.qk_dim if "kv_a_proj" not in name else attn.head_dim
+            if tensor.shape[0] % head:
+                raise ModelLoadError(f"{name}: {tensor.shape[0]} rows are not whole heads of {head}")
+            index = halves_from_pairs(tensor.shape[0], head, attn.rope_dim, offset=head - attn.rope_dim)
+            tensor = tensor.rows(index) if isinstance(tensor, QuantWeight) else tensor[index]
+        return name, tensor
+
     def _halves_from_pairs(self, tensor):
         """q or k's rows (weight or bias; this rank's whole heads), each head's rotated dims reordered from interleaved
         pairs (0, 1), (2, 3), ... to the halves (0, 2, ... | 1, 3, ...) the rotation pairs: the same scores, since q
@@ -1182,6 +1370,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             whole = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
             old = self.get_submodule(module)
+            if module.endswith(".kv_b_proj"):             # MLA absorbs it into q and the output: kept as floats
+                qw, target, name = parts[0]
+                self._copy_in(params[target], qw.dequantize(), target, None, name)
+                continue
             if not isinstance(old, (nn.Linear, RowParallelLinear)):
                 raise ModelLoadError(f"{module} cannot hold packed weights")
             if len(parts) < whole:

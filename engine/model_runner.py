@@ -17,12 +17,12 @@ from engine.cuda_graphs import CapturedGraph, bucket_for, capture, graph_keys, p
 from engine.errors import ConfigError
 from engine.kv_layout import KVCacheSpec
 from engine.input_batch import InputBatch, SequenceRows, StepInputs, StepShape, items_shape
-from engine.loader import (DUMMY_SHAPES, gguf_source, init_dummy_weights, iter_gguf_weights, iter_hf_quant_weights,
-                           iter_weights, names_gguf, shard_weights)
+from engine.loader import (DUMMY_SHAPES, gguf_source, init_dummy_weights, iter_block_fp8_weights, iter_gguf_weights,
+                           iter_hf_quant_weights, iter_weights, names_gguf, shard_weights)
 from engine.model import LlamaForCausalLM, can_prepack
 from engine.parallel import TPGroup
 from engine.pooling import pool_positions
-from engine.quant import hf_quant_method, resolve_quantization
+from engine.quant import fp8_block_size, hf_quant_method, resolve_quantization
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,11 @@ class ModelRunner:
             self.model.load_weights(shard_weights(iter_hf_quant_weights(model_path, quant_config,
                                                                         self.quantization == "none"),
                                                   self.model.weight_shard))
+        elif fp8_block_size(quant_config) is not None:      # block-scaled FP8: dequantized, then this rank's share
+            log.warning("%s holds block-wise FP8 weights: they run dequantized to %s (no block-scaled FP8 GEMM here "
+                        "yet), twice the checkpoint's bytes in bf16", model_path, self.dtype)
+            self.model.load_weights(shard_weights(iter_block_fp8_weights(model_path, fp8_block_size(quant_config)),
+                                                  self.model.weight_shard))
         else:
             self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
         if hf_method is None and self.quantization in ("int8", "fp8"):   # a float checkpoint quantized at load
@@ -204,7 +209,7 @@ class ModelRunner:
         """This rank's cache: its KV heads, the model's layers and head size, the block size and kv_cache_dtype."""
         m = self.model
         return KVCacheSpec(m.num_kv_heads, m.num_layers, self.block_size, m.head_dim, self.dtype,
-                           self.config.kv_cache_dtype)
+                           self.config.kv_cache_dtype, m.kv_parts)
 
     @property
     def block_bytes(self) -> int:

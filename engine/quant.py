@@ -248,15 +248,14 @@ def hf_quant_method(quant_config) -> str | None:
     if method not in HF_METHODS:
         raise ModelLoadError(f"this checkpoint holds {method or 'quantized'} weights (quantization_config in its "
                              f"config.json), which this engine does not load: GPTQ and AWQ (4-bit), FP8 (e4m3, "
-                             f"per-tensor or per-channel scales), GGUF and unquantized checkpoints load")
+                             f"per-tensor, per-channel or block-wise scales), GGUF and unquantized checkpoints load")
     if method == "compressed-tensors":
         compressed_tensors_scheme(q)                  # refuses what does not load, by name
         return method
     if method == "fp8":
-        if q.get("weight_block_size"):
-            raise ModelLoadError(f"this fp8 checkpoint has block-wise scales (weight_block_size "
-                                 f"{q['weight_block_size']}), which this engine does not load: FP8 with per-tensor "
-                                 f"or per-channel weight_scale loads")
+        if q.get("weight_block_size") is not None:      # DeepSeek-V3's, Qwen3-FP8's: dequantized at load
+            fp8_block_size(q)
+            return None
         return method
     bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
     problems = []
@@ -415,6 +414,31 @@ def quantize_fp8(weight: torch.Tensor) -> QuantWeight:
     scales = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
     qs = (w / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantWeight("f8", qs.contiguous(), scales.contiguous(), None, w.shape[1], "fp8")
+
+
+def fp8_block_size(quant_config) -> tuple[int, int] | None:
+    """An FP8 checkpoint's weight_block_size (rows, columns of each block that shares a scale: DeepSeek-V3's and
+    Qwen3-FP8's [128, 128]), None where its scales are per tensor or per channel. Such weights load dequantized to
+    the model's dtype (engine/loader.py iter_block_fp8_weights): there is no block-scaled FP8 GEMM here yet."""
+    q = quant_config if isinstance(quant_config, dict) or quant_config is None else quant_config.to_dict()
+    block = (q or {}).get("weight_block_size") if (q or {}).get("quant_method") == "fp8" else None
+    if block is None:
+        return None
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"weight_block_size {block!r}: two positive integers (rows, columns) load")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled FP8 weight [N, K] in fp32: each (block rows x block columns) tile of e4m3 codes times its
+    scale (weight_scale_inv [ceil(N / rows), ceil(K / columns)], as DeepSeek's checkpoints name it)."""
+    n, k = weight.shape
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    if weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != (rows, cols):
+        raise ModelLoadError(f"a block-wise FP8 weight must be float8_e4m3fn with scales [{rows}, {cols}] for its "
+                             f"{(n, k)} in blocks of {block}; got {weight.dtype} and {tuple(scale_inv.shape)}")
+    scales = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return weight.float() * scales
 
 
 def from_fp8(weight: torch.Tensor, scale: torch.Tensor) -> QuantWeight:

@@ -91,6 +91,10 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
                                                      # fused in the checkpoint
     ("gpt_oss", {}),                                 # attention sinks, windows, biases, YaRN; experts with biases
                                                      # and a clamped SwiGLU, gate/up interleaved in the checkpoint
+    ("deepseek_v3", {}),                             # MLA over a latent cache, queries through a low rank, RoPE
+                                                     # over interleaved pairs, YaRN's mscale; experts chosen in
+                                                     # groups by sigmoid + a correction bias, scaled; shared experts
+    ("deepseek_v2", {}),                             # MLA with a full-rank q; groups ranked by their best softmax
 ])
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM

@@ -393,7 +393,8 @@ def test_quantized_checkpoints_we_do_not_load_are_named(tmp_path):
                       (CT(format="marlin-24", weights={"num_bits": 4, "type": "int", "strategy": "group",
                                                        "group_size": 128}), "format 'marlin-24'"),
                       ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version gemv"),
-                      ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"), ({"quant_method": "bitsandbytes"}, "bitsandbytes")):
+                      ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+                      ({"quant_method": "bitsandbytes"}, "bitsandbytes")):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ModelLoadError, match=match):
             LLM(path, num_kv_blocks=16)
