@@ -27,8 +27,11 @@ HEAD_SHAPES = {              # (query heads, KV heads, head dim)
     "Llama-3-8B": (32, 8, 128),
     "Gemma-2-2B": (8, 4, 256),       # its layers' sliding window and score softcap (the cases below)
     "gpt-oss-20b": (64, 8, 64),      # its attention sinks and sliding window (the cases below)
+    # MLA: a TP-8 rank's 16 of 128 heads over one latent KV head of 512 + 64, the value its first 512 (the same view
+    # as the key: a latent cache, engine/kv_layout.py kv_parts 1)
+    "DeepSeek-V3": (16, 1, 576),
 }
-SPECIAL_SHAPES = ("Gemma-2-2B", "gpt-oss-20b")
+SPECIAL_SHAPES = ("Gemma-2-2B", "gpt-oss-20b", "DeepSeek-V3")
 # (context length, query length) per sequence: the query is the context's last tokens.
 GPU_SEQS = [(2047, 1), (300, 1), (33, 1),      # decodes, one over 64+ pages
             (512, 512),                         # a fresh prefill
@@ -56,12 +59,15 @@ class Case:
     window: int = 0                          # a sliding window (engine/attention.py), 0: none
     softcap: float = 0.0                     # Gemma 2's score softcap, 0: none
     sinks: bool = False                      # gpt-oss's sink logit per query head (random, seeded)
+    latent: bool = False                     # MLA's latent cache: V is K's view
+
 
     @property
     def name(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
         opts = (f" window {self.window}" if self.window else "") \
-            + (f" softcap {self.softcap:g}" if self.softcap else "") + (" sinks" if self.sinks else "")
+            + (f" softcap {self.softcap:g}" if self.softcap else "") + (" sinks" if self.sinks else "") \
+            + (" latent" if self.latent else "")
         return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{kv}{opts}{self.batch}"
 
 
@@ -77,18 +83,22 @@ def cases(cpu: bool) -> list[Case]:
     # gpt-oss's: sinks, on its sliding layers (a window of 128 on the GPU) and its full ones
     oss_window = 24 if cpu else 128
     out += [Case("gpt-oss-20b", dtype, 16, seqs, window=w, sinks=True) for dtype in dtypes for w in (0, oss_window)]
+    # DeepSeek's MLA: 16 query heads on one KV head of 576 dims that is its own value; an int8 latent cache too
+    out += [Case("DeepSeek-V3", dtype, 16, seqs, latent=True) for dtype in dtypes]
+    out += [Case("DeepSeek-V3", dtypes[0], 16, seqs, kv_cache_dtype="int8", latent=True)]
     if not cpu:
         out += [Case(model, dtype, 16, tuple(GPU_DECODE_SEQS), " decode") for model in dense for dtype in dtypes]
         out += [Case("Gemma-2-2B", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", window=window, softcap=50.0)
                 for dtype in dtypes]
         out += [Case("gpt-oss-20b", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", sinks=True) for dtype in dtypes]
+        out += [Case("DeepSeek-V3", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", latent=True) for dtype in dtypes]
     # a quantized cache (kv_cache_dtype): codes and scales, against the values they stand for
     out += [Case(model, dtypes[0], 16, seqs, kv_cache_dtype=kv) for model in dense for kv in ("int8", "fp8")]
     return out
 
 
 def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int = 0,
-                 spare_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                 spare_blocks: int = 3, kv_parts: int = 2) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A random mixed batch on the CPU in fp32. seqs: (context_len, query_len) per sequence, query = last tokens.
 
     Returns q, the full KV tensor (engine/kv_layout.py's layout) and the metadata; blocks are
@@ -125,7 +135,7 @@ def random_batch(seqs, num_heads: int, num_kv_heads: int, head_dim: int, block_s
         seq_lens_list=seq_lens,
         query_lens_list=query_lens,
     )
-    kv = torch.randn(kv_cache_shape(num_blocks, num_kv_heads, NUM_LAYERS, block_size, head_dim), generator=g)
+    kv = torch.randn(kv_cache_shape(num_blocks, num_kv_heads, NUM_LAYERS, block_size, head_dim, kv_parts), generator=g)
     q = torch.randn(qsl[-1], num_heads, head_dim, generator=g)
     return q, kv, md
 
@@ -134,8 +144,8 @@ def quantized_cache(kv: torch.Tensor, kv_cache_dtype: str) -> tuple[KVCacheSpec,
     """kv (a full cache in the model's layout, as random_batch makes it) stored in a quantized cache: returns its
     spec, the cache (bytes) and, in fp32 and kv's layout, the values its codes and scales stand for (the
     reference a kernel reading the quantized cache is judged against)."""
-    nb, heads, layers, _, bs, d = kv.shape
-    spec = KVCacheSpec(heads, layers, bs, d, kv.dtype, kv_cache_dtype)
+    nb, heads, layers, parts, bs, d = kv.shape
+    spec = KVCacheSpec(heads, layers, bs, d, kv.dtype, kv_cache_dtype, parts)
     cache, ref = spec.allocate(nb, torch.device("cpu")), torch.empty(kv.shape)
     for layer, views in enumerate(spec.layers(cache)):
         for src, codes_view, scale_view, dst in zip(layer_views(kv, layer), views[:2], views[2:],
@@ -177,7 +187,7 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     """One launch of `kernel` on the case's batch (layer 1 of the cache: strided K/V views), judged against the
     fp32 reference on the same rounded inputs."""
     heads, kv_heads, head_dim = HEAD_SHAPES[case.model]
-    q, kv, md = random_batch(case.seqs, heads, kv_heads, head_dim, case.block_size)
+    q, kv, md = random_batch(case.seqs, heads, kv_heads, head_dim, case.block_size, kv_parts=1 if case.latent else 2)
     q, kv = q.to(case.dtype), kv.to(case.dtype)                  # round once; the reference sees the same values
     scale = head_dim ** -0.5
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
@@ -198,7 +208,7 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     data = {"model": case.model, "heads": [heads, kv_heads, head_dim], "dtype": str(case.dtype).removeprefix("torch."),
             "block_size": case.block_size, "kv_cache_dtype": case.kv_cache_dtype,
             "seqs": [list(s) for s in case.seqs], "tokens": q.shape[0], "window": case.window,
-            "softcap": case.softcap, "sinks": case.sinks,
+            "softcap": case.softcap, "sinks": case.sinks, "latent": case.latent,
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "__name__", "custom"),
             "out_dtype_ok": out.dtype == case.dtype, "tolerance": {"atol": tol.atol, "rtol": tol.rtol},
             **stats.as_dict()}

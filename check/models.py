@@ -87,6 +87,15 @@ GPU_MODELS = {
                                        num_key_value_heads=8, head_dim=64, sliding_window=128, vocab_size=201088,
                                        max_position_embeddings=131072, pad_token_id=199999, bos_token_id=199998,
                                        eos_token_id=200002)),
+    # DeepSeek-V2-Lite's layers in 4 (one dense, then 64 experts of 1,408 units, 6 a token, 2 shared): MLA over a
+    # latent of 512 + 64 (a KV head of 576 in the kernel), a full-rank q, RoPE over interleaved pairs
+    "DeepSeek-V2-Lite-4L": ("deepseek_v2", dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                                                n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                                                first_k_dense_replace=1, num_hidden_layers=4, num_attention_heads=16,
+                                                num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                                                qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                                vocab_size=102400, max_position_embeddings=163840,
+                                                tie_word_embeddings=False)),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -117,6 +126,17 @@ CPU_MODELS = {
                                                       "beta_slow": 1.0, "truncate": False,
                                                       "original_max_position_embeddings": 64,
                                                       "rope_theta": 150000.0})),
+    # MLA over a latent cache; experts chosen in groups by sigmoid scores plus a correction bias; YaRN's mscale
+    "deepseek-v3-tiny": ("deepseek_v3", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                             n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                                             q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=16,
+                                             vocab_size=512, max_position_embeddings=512,
+                                             rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                              "original_max_position_embeddings": 128,
+                                                              "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                              "rope_theta": 10000.0})),
 }
 GPU_PROMPTS, GPU_NEW_TOKENS = (7, 60, 200, 450), 32
 CPU_PROMPTS, CPU_NEW_TOKENS = (5, 17, 40), 12
@@ -147,6 +167,9 @@ def build_checkpoint(out_dir: Path, model_type: str, config: dict, dtype: torch.
             for name, p in model.named_parameters():
                 if name.endswith(("sinks", "_bias", "router.bias")):
                     p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.02)
+        for name, b in model.named_buffers():             # DeepSeek-V3's correction biases start at 0 too
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.to(dtype).save_pretrained(out_dir)
     del model
     free_memory(device)
