@@ -201,6 +201,20 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
     "gpt-oss-120b": {"model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
                      "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880, "vocab_size": 201088,
                      "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128},
+    # DeepSeek's MLA: a latent of 512 + 64 a token and layer in the cache (on every GPU of a TP replica); experts
+    # with shared ones beside them, the first layers dense. V3's released weights are block FP8, which the engine
+    # loads dequantized to bf16 (the roofline's 2 bytes a parameter)
+    "deepseek-v3": {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+                    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
+                    "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
+                    "n_shared_experts": 1, "first_k_dense_replace": 3, "vocab_size": 129280},
+    "deepseek-v2-lite": {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+                         "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
+                         "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+                         "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+                         "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+                         "vocab_size": 102400},
 }
 
 
@@ -262,7 +276,8 @@ def kv_value_bytes(kv_cache_dtype: str, model: dict[str, Any], dtype_bytes: floa
     per-head fp32 scale (int8, fp8: engine/kv_layout.py)."""
     if kv_cache_dtype == "auto":
         return dtype_bytes
-    d = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    d = model["kv_lora_rank"] + model["qk_rope_head_dim"] if model.get("kv_lora_rank") else \
+        model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
     return 1.0 + 4.0 / d
 
 
@@ -295,17 +310,20 @@ class RooflineCost:
         heads, kv_heads = m["num_attention_heads"], m.get("num_key_value_heads", m["num_attention_heads"])
         d = m.get("head_dim") or h // heads
         attention = h * heads * d + 2 * h * kv_heads * d + heads * d * h
+        self.flops_per_pair = 4 * layers * heads * d
+        self.kv_bytes_per_token = int(2 * layers * kv_heads * d * self.kv_bytes_per_value)
+        if m.get("kv_lora_rank"):                    # MLA (engine/model.py MLAAttention), run absorbed
+            attention, self.flops_per_pair, self.kv_bytes_per_token = self._mla(m)
         experts, top_k, expert, sparse = moe_shape(m)
         dense_layer = attention + 3 * h * m["intermediate_size"]
-        shared = m.get("shared_expert_intermediate_size") or 0               # Qwen2-MoE's: every token's
-        sparse_layer = attention + h * experts + (3 * h * shared + h if shared else 0)   # + the router, then experts
+        shared = m.get("shared_expert_intermediate_size") or 0               # Qwen2-MoE's: every token's, gated
+        deepseek = (m.get("n_shared_experts") or 0) * (m.get("moe_intermediate_size") or 0)   # DeepSeek's: ungated
+        sparse_layer = attention + h * experts + (3 * h * shared + h if shared else 0) + 3 * h * deepseek
         held = (layers - sparse) * dense_layer + sparse * sparse_layer      # all but the experts
         self.params = held + sparse * experts * expert + m["vocab_size"] * h    # the embedding is read, not multiplied
         self.active_params = held + sparse * top_k * expert + m["vocab_size"] * h   # what one token multiplies by
         self.flops_per_token = 2 * self.active_params
         self.experts, self.top_k, self.expert_params, self.sparse_layers = experts, top_k, expert, sparse
-        self.flops_per_pair = 4 * layers * heads * d
-        self.kv_bytes_per_token = int(2 * layers * kv_heads * d * self.kv_bytes_per_value)
         self.window, windowed = model_windows(m)
         self.window_share = windowed / layers              # of the layers, those that read at most the window
         g = GPUS[self.gpu]
@@ -313,6 +331,19 @@ class RooflineCost:
         self.link = g["link"]
         self.layers, self.hidden = layers, h
         self.name = f"{self.tp}x {g['name']}, {m.get('name', 'model')}"
+
+    def _mla(self, m: dict[str, Any]) -> tuple[int, int, int]:
+        """MLA's (attention parameters of a layer, FLOPs per attention pair, KV bytes per token): q through its low
+        rank (or whole), the latent and k_pe, kv_b_proj, o; a pair's score over the latent + k_pe and its value over
+        the latent, per head (absorbed, as the engine runs it); the latent once a token and layer, held and read
+        by every GPU of the replica (its heads split, the latent not: vLLM's MLA under TP likewise)."""
+        h, heads, layers = m["hidden_size"], m["num_attention_heads"], m["num_hidden_layers"]
+        rank, rope, nope, v = m["kv_lora_rank"], m["qk_rope_head_dim"], m["qk_nope_head_dim"], m["v_head_dim"]
+        q_lora = m.get("q_lora_rank")
+        q = h * q_lora + q_lora * heads * (nope + rope) if q_lora else h * heads * (nope + rope)
+        attention = q + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
+        return attention, 2 * layers * heads * (2 * rank + rope), int(layers * (rank + rope) * self.kv_bytes_per_value
+                                                                      * self.tp)
 
     def weight_bytes_read(self, tokens: int | np.ndarray) -> float | np.ndarray:
         """Bytes of weights a step of `tokens` tokens reads: all of a dense model's; of a mixture of experts, the

@@ -1204,3 +1204,19 @@ def test_sliding_layers_read_at_most_their_window():
             assert (a < b).all() and (b - a > 0.7 * kv_only).all()      # most of the KV read is gone
     prompt = Batch(8192, windowed.pairs(8192, 0), 1, windowed.kv_read(8192))
     assert windowed.step_s(prompt) < full.step_s(Batch(8192, attention_pairs(8192, 0), 1, 8192))
+
+
+@pytest.mark.parametrize("preset, tp, total, active", [("deepseek-v3", 16, 671e9, 37e9),
+                                                       ("deepseek-v2-lite", 1, 15.7e9, 2.4e9)])
+def test_the_roofline_counts_deepseek_as_published_with_its_latent_cache(preset, tp, total, active):
+    """DeepSeek's published counts (V3: 671 B held without its multi-token prediction module, 37 B active; V2-Lite:
+    15.7 B and 2.4 B), its shared experts active in every sparse layer; MLA's cache is one latent of 512 + 64 a token
+    and layer, kept whole on every GPU of the replica, and a pair's attention runs over it absorbed."""
+    m = model_shape(preset)
+    cost = RooflineCost("h200", m, tp=tp)
+    assert cost.params + m["vocab_size"] * m["hidden_size"] == pytest.approx(total, rel=0.01)
+    assert cost.active_params == pytest.approx(active, rel=0.03)
+    layers, heads = m["num_hidden_layers"], m["num_attention_heads"]
+    assert cost.kv_bytes_per_token == layers * (512 + 64) * 2 * tp
+    assert cost.flops_per_pair == 2 * layers * heads * (512 + 64 + 512)
+    assert cost.experts == m["n_routed_experts"] and cost.sparse_layers == layers - m["first_k_dense_replace"]
