@@ -76,14 +76,16 @@ class LimitsConfig(_Section):
 
 class ToolsConfig(_Section):
     """Tool calling on chat completions (router/tools.py)."""
-    parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic", "harmony"] = Field(
+    parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic", "harmony", "deepseek_v3"] = Field(
         "auto", description="How `auto` tool calls are read from the model's output, as vLLM's parsers of the same "
         "names: hermes (<tool_call> JSON blocks: Qwen2.5, Qwen3, SmolLM2, Hermes), llama3_json (Llama 3.1's "
         "{\"name\", \"parameters\"} JSON), mistral ([TOOL_CALLS] and a JSON array, or name[ARGS]{...}: Mistral, "
         "Magistral, Devstral), pythonic ([fn(arg=value), ...]: Llama 3.2 and 4 with pythonic templates, ToolACE), "
-        "harmony (gpt-oss's commentary messages to functions.NAME; with reasoning.parser gpt_oss); "
+        "harmony (gpt-oss's commentary messages to functions.NAME; with reasoning.parser gpt_oss), deepseek_v3 "
+        "(DeepSeek-V3, R1 and V3.1's calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>); "
         "auto: mistral for a chat template that writes [TOOL_CALLS], pythonic for one that teaches the pythonic "
-        "form, harmony for gpt-oss's, llama3_json for one in Llama 3's JSON tool format, else hermes")
+        "form, harmony for gpt-oss's, deepseek_v3 for DeepSeek's, llama3_json for one in Llama 3's JSON tool "
+        "format, else hermes")
 
 
 class ChatConfig(_Section):

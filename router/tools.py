@@ -15,11 +15,15 @@ reads what follows [TOOL_CALLS]: a JSON array of {"name", "arguments"} (Mistral 
 require; `pythonic` reads a Python list of calls, [get_weather(city="Oslo"), ...] (Llama 3.2 and Llama 4 with
 their pythonic templates, ToolACE); `harmony` reads gpt-oss's calls, commentary messages to `functions.NAME`
 whose body is the arguments' JSON (router/reasoning.py's gpt_oss parser leaves them in the content, CALL_OPEN
-...). `auto` picks mistral for a template that writes [TOOL_CALLS], pythonic for
-one that teaches the pythonic form, llama3_json for one that speaks Llama 3's JSON, harmony for gpt-oss's (its
-<|channel|> markers), and hermes for every other.
-[TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: under `mistral` an `auto` request keeps special
-tokens' text, as vLLM's parser makes it, or its calls could not be found.
+...); `deepseek_v3` reads DeepSeek's calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>, each
+<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME then its arguments in a ```json fence (V3, R1) or NAME<｜tool▁sep｜>
+then the arguments' JSON (V3.1: vLLM's deepseek_v31), to <｜tool▁call▁end｜>. `auto` picks mistral for a template
+that writes [TOOL_CALLS], pythonic for one that teaches the pythonic form, llama3_json for one that speaks Llama 3's
+JSON, harmony for gpt-oss's (its <|channel|> markers), deepseek_v3 for DeepSeek's (its <｜tool▁calls▁begin｜>), and
+hermes for every other.
+[TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers, and DeepSeek's markers of its: under `mistral`
+and `deepseek_v3` an `auto` request keeps special tokens' text, as vLLM's parsers make it, or its calls could not be
+found.
 
 Choice: `required` and a named function are enforced with a grammar (engine/structured.py), as vLLM does: a
 named call's output is its arguments, a JSON object valid under the function's parameters schema; a
@@ -47,8 +51,15 @@ _PYTHON_TAG = "<|python_tag|>"
 _TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"                     # Mistral's
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around a pythonic list
 _PYTHONIC_TEMPLATE = "[func_name1(params_name1=params_value1"      # what pythonic templates teach
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "harmony")
-_OPENERS = {"hermes": _OPEN, "mistral": _TOOL_CALLS, "harmony": CALL_OPEN}   # the tag opening a call in the text
+# DeepSeek's (fullwidth bars, U+2581 for the spaces)
+_DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL, _DS_SEP, _DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+_DS_BLOCK = re.compile(re.escape(_DS_CALL) + r"(.*?)" + re.escape(_DS_SEP) + r"(.*?)(?:" + re.escape(_DS_CALL_END) +
+                       r"|$)", re.DOTALL)
+_DS_FENCE = re.compile(r"^\s*(\S+?)\s*\n```(?:json)?\s*\n?(.*?)\s*(?:```\s*)?$", re.DOTALL)
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "harmony", "deepseek_v3")
+_OPENERS = {"hermes": _OPEN, "mistral": _TOOL_CALLS, "harmony": CALL_OPEN,    # the tag opening a call in the text
+            "deepseek_v3": _DS_CALLS}
 _HARMONY_CALL = re.compile(re.escape(CALL_OPEN) + r"([A-Za-z0-9_.-]+)" + re.escape(H_MESSAGE) + r"(.*?)(" +
                            re.escape(CALL_END) + r"|$)", re.DOTALL)
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -64,6 +75,10 @@ SYSTEM_PYTHONIC = ("# Tools\n\nYou may call one or more functions to assist with
                    "{tools}\n\nTo call functions, respond with only a Python list of calls, in the format "
                    "[func_name1(params_name1=params_value1, params_name2=params_value2), func_name2(params)], and "
                    "nothing else.")
+SYSTEM_DEEPSEEK = ("# Tools\n\nYou may call one or more functions to assist with the user query. Their signatures:\n"
+                   "{tools}\n\nTo call functions, respond with " + _DS_CALLS + " then, for each call, " + _DS_CALL +
+                   "function" + _DS_SEP + "<function-name>\n```json\n<args-json-object>\n```" + _DS_CALL_END +
+                   ", and end with " + _DS_CALLS_END + ".")
 SYSTEM_JSON = ("# Tools\n\nYou may call one or more functions to assist with the user query. Their signatures:\n"
                "{tools}\n\nTo call functions, respond with only JSON objects separated by ';', each in the format "
                "{{\"name\": <function-name>, \"parameters\": <args-json-object>}}, and nothing else.")
@@ -86,7 +101,7 @@ def tool_format(tokenizer, parser: str = "auto") -> ToolFormat:
     if parser == "auto":
         llama = _PYTHON_TAG in template or '"parameters": ' in template
         parser = ("mistral" if _TOOL_CALLS in template else "pythonic" if _PYTHONIC_TEMPLATE in template else
-                  "harmony" if "<|channel|>" in template else
+                  "harmony" if "<|channel|>" in template else "deepseek_v3" if _DS_CALLS in template else
                   "llama3_json" if native and llama and _OPEN not in template else "hermes")
     if parser not in PARSERS:
         raise ValueError(f"tool parser must be auto or one of {', '.join(PARSERS)}, got {parser!r}")
@@ -160,7 +175,7 @@ class ToolPlan:
             return None, [ToolCall(c["name"], json.dumps(c["arguments"]), self.call_id()) for c in calls]
         names = {t["name"] for t in self.tools}
         parse = {"llama3_json": parse_llama3_json, "mistral": parse_mistral, "pythonic": parse_pythonic,
-                 "harmony": parse_harmony}
+                 "harmony": parse_harmony, "deepseek_v3": parse_deepseek_v3}
         return parse.get(self.format.parser, parse_hermes)(text, names)
 
     def call_id(self) -> str:
@@ -169,9 +184,9 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Mistral's [TOOL_CALLS] is a special token, and so are harmony's markers: an auto request's text must keep
-        special tokens' text."""
-        return self.mode == "auto" and self.format.parser in ("mistral", "harmony")
+        """Mistral's [TOOL_CALLS] is a special token, and so are harmony's and DeepSeek's markers: an auto request's
+        text must keep special tokens' text."""
+        return self.mode == "auto" and self.format.parser in ("mistral", "harmony", "deepseek_v3")
 
     def holdback(self, text: str) -> int:
         """auto, streaming: how much of `text` (all the choice's text so far) may go out as content: up to a
@@ -253,6 +268,34 @@ def parse_harmony(text: str, names: set[str]) -> tuple[str | None, list[ToolCall
         calls.append(ToolCall(name, json.dumps(obj)))
     content = _HARMONY_CALL.sub("", text).strip()
     return content or None, calls
+
+
+def parse_deepseek_v3(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    """DeepSeek's calls after <｜tool▁calls▁begin｜> (module docstring): V3's and R1's `function<｜tool▁sep｜>NAME`
+    with the arguments in a ```json fence, or V3.1's `NAME<｜tool▁sep｜>ARGUMENTS`; the last may lack its end (the
+    model stopped there). The text before is the content. A call of an unknown function, or whose arguments are not
+    JSON, leaves the whole text as content."""
+    at = text.find(_DS_CALLS)
+    if at < 0:
+        return text, []
+    calls = []
+    for head, body in _DS_BLOCK.findall(text[at:].replace(_DS_CALLS_END, "")):
+        if head.strip() == "function":                     # V3: the name, then its arguments fenced
+            fenced = _DS_FENCE.match(body)
+            if fenced is None:
+                return text, []
+            name, args = fenced.groups()
+        else:
+            name, args = head.strip(), body
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            return text, []
+        if name not in names or not isinstance(obj, dict):
+            return text, []
+        calls.append(ToolCall(name, json.dumps(obj)))
+    content = text[:at].strip()
+    return (content or None, calls) if calls else (text, [])
 
 
 def parse_llama3_json(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
@@ -420,6 +463,9 @@ def render(messages: list[dict[str, Any]], plan_: ToolPlan | None,
                     calls.append(json.dumps({"name": fn["name"], "parameters": args}))
                 elif fmt.parser == "mistral":
                     calls.append({"name": fn["name"], "arguments": args})
+                elif fmt.parser == "deepseek_v3":             # as DeepSeek-V3's template writes past calls
+                    calls.append(f"{_DS_CALL}function{_DS_SEP}{fn['name']}\n```json\n{json.dumps(args)}\n```"
+                                 f"{_DS_CALL_END}")
                 elif fmt.parser == "pythonic":
                     kwargs = args if isinstance(args, dict) else {}
                     calls.append(f"{fn['name']}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
@@ -429,13 +475,15 @@ def render(messages: list[dict[str, Any]], plan_: ToolPlan | None,
                 calls = [_TOOL_CALLS + json.dumps(calls)]
             elif fmt.parser == "pythonic":
                 calls = [f"[{', '.join(calls)}]"]
+            elif fmt.parser == "deepseek_v3":
+                calls = [_DS_CALLS + "".join(calls) + _DS_CALLS_END]
             content = ("; " if fmt.parser == "llama3_json" else "\n").join(([content] if content else []) + calls)
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": role, "content": content})
     if plan_ is not None:
-        system = {"llama3_json": SYSTEM_JSON, "mistral": SYSTEM_MISTRAL, "pythonic": SYSTEM_PYTHONIC}.get(fmt.parser,
-                                                                                                      SYSTEM)
+        system = {"llama3_json": SYSTEM_JSON, "mistral": SYSTEM_MISTRAL, "pythonic": SYSTEM_PYTHONIC,
+                  "deepseek_v3": SYSTEM_DEEPSEEK}.get(fmt.parser, SYSTEM)
         block = system.format(tools="\n".join(json.dumps({"type": "function", "function": t}) for t in plan_.tools))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}

@@ -311,6 +311,8 @@ def test_pythonic_calls_parse_and_anything_else_stays_content():
     ("mistral", ["Checking. [TOOL", '_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]']),
     ("pythonic", ["[get_weather(", 'city="Oslo")]']),
     ("pythonic", ["It is ", "sunny."]),
+    ("deepseek_v3", ["Checking. <｜tool▁calls", '▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
+                     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"]),
 ])
 def test_mistral_and_pythonic_streams_hold_back_only_what_may_be_a_call(parser, pieces):
     final, chunks = _run(chat(tools=[WEATHER, TIME]), pieces, ToolFormat(parser, True))
@@ -320,7 +322,8 @@ def test_mistral_and_pythonic_streams_hold_back_only_what_may_be_a_call(parser, 
         assert chunks[1]["choices"][0]["delta"] == {"content": "It is "}     # nothing that may start a call: sent
         assert body.choices[0].message.content == content == "It is sunny." and not calls
         return
-    assert "[TOOL" not in content and "get_weather" not in content and body.choices[0].finish_reason == "tool_calls"
+    assert "[TOOL" not in content and "<｜" not in content and "get_weather" not in content
+    assert body.choices[0].finish_reason == "tool_calls"
     assert content.strip() == (body.choices[0].message.content or "")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Oslo"})]
 
@@ -358,3 +361,47 @@ def test_the_template_picks_the_parser_and_mistral_keeps_special_tokens(smol_pat
         assert template_tools is None and msgs[2]["content"] == call
         assert ("[TOOL_CALLS]" if fmt.parser == "mistral" else "Python list of calls") in msgs[0]["content"]
         assert json.dumps(WEATHER) in msgs[0]["content"]
+
+
+DS_V3 = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+         '{"city": "Oslo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n'
+         '{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+DS_V31 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+          '<｜tool▁calls▁end｜>')
+
+
+def test_deepseek_calls_parse_in_v3s_and_v31s_forms():
+    """V3's and R1's: `function<｜tool▁sep｜>NAME` and the arguments in a ```json fence; V3.1's: NAME<｜tool▁sep｜>
+    then the JSON; the text before the calls is the content; a last call cut off after its JSON still counts.
+    Anything else (no calls, an unknown function, arguments that are not a JSON object) stays content."""
+    from router.tools import parse_deepseek_v3
+    names = {"get_weather", "get_time"}
+    content, calls = parse_deepseek_v3(DS_V3, names)
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "CET"})]
+    content, calls = parse_deepseek_v3(DS_V31, names)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    cut = DS_V3.split("<｜tool▁call▁end｜>")[0]                       # stopped before the call's end
+    assert [c.name for c in parse_deepseek_v3(cut, names)[1]] == ["get_weather"]
+    for text in ("It is sunny.", DS_V31.replace("get_weather", "launch"), DS_V31.replace('{"city": "Oslo"}', "[1]"),
+                 DS_V31.replace('"Oslo"}', '"Os'), "<｜tool▁calls▁begin｜>", DS_V3.replace("```json", "")):
+        assert parse_deepseek_v3(text, names) == (text, [])
+
+
+def test_deepseeks_template_picks_its_parser_and_past_calls_render_in_its_format():
+    """auto reads DeepSeek's markers in its template; an auto request keeps special tokens' text (the markers are
+    special tokens). A template without tool support gets DeepSeek's format in the system turn and the
+    conversation's calls written as DeepSeek writes them, which its parser reads back."""
+    fmt = tool_format(Templated("{% for m in messages %}{{ m.content }}<｜tool▁calls▁begin｜>{% endfor %}"))
+    assert fmt == ToolFormat("deepseek_v3", False)
+    req = oa.parse_request({"model": "m", "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"}]}, chat=True)
+    plan = oa.tool_plan(req, fmt)
+    assert plan.keeps_special_tokens
+    msgs, template_tools = oa.chat_messages(req, plan, fmt)
+    assert template_tools is None and "<｜tool▁calls▁begin｜>" in msgs[0]["content"]
+    content, [call] = plan.parse(msgs[2]["content"])
+    assert content is None and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
