@@ -30,8 +30,9 @@ HEAD_SHAPES = {              # (query heads, KV heads, head dim)
     # MLA: a TP-8 rank's 16 of 128 heads over one latent KV head of 512 + 64, the value its first 512 (the same view
     # as the key: a latent cache, engine/kv_layout.py kv_parts 1)
     "DeepSeek-V3": (16, 1, 576),
+    "Llama-4-Scout": (40, 8, 128),   # its chunked attention layers (the cases below)
 }
-SPECIAL_SHAPES = ("Gemma-2-2B", "gpt-oss-20b", "DeepSeek-V3")
+SPECIAL_SHAPES = ("Gemma-2-2B", "gpt-oss-20b", "DeepSeek-V3", "Llama-4-Scout")
 # (context length, query length) per sequence: the query is the context's last tokens.
 GPU_SEQS = [(2047, 1), (300, 1), (33, 1),      # decodes, one over 64+ pages
             (512, 512),                         # a fresh prefill
@@ -60,6 +61,7 @@ class Case:
     softcap: float = 0.0                     # Gemma 2's score softcap, 0: none
     sinks: bool = False                      # gpt-oss's sink logit per query head (random, seeded)
     latent: bool = False                     # MLA's latent cache: V is K's view
+    chunk: int = 0                           # Llama 4's attention chunk, 0: none
 
 
     @property
@@ -67,7 +69,7 @@ class Case:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
         opts = (f" window {self.window}" if self.window else "") \
             + (f" softcap {self.softcap:g}" if self.softcap else "") + (" sinks" if self.sinks else "") \
-            + (" latent" if self.latent else "")
+            + (" latent" if self.latent else "") + (f" chunk {self.chunk}" if self.chunk else "")
         return f"{self.model} {str(self.dtype).removeprefix('torch.')} bs{self.block_size}{kv}{opts}{self.batch}"
 
 
@@ -86,12 +88,16 @@ def cases(cpu: bool) -> list[Case]:
     # DeepSeek's MLA: 16 query heads on one KV head of 576 dims that is its own value; an int8 latent cache too
     out += [Case("DeepSeek-V3", dtype, 16, seqs, latent=True) for dtype in dtypes]
     out += [Case("DeepSeek-V3", dtypes[0], 16, seqs, kv_cache_dtype="int8", latent=True)]
+    # Llama 4's chunked layers: chunks shorter than most contexts (its 8,192 cut to fit the cases' contexts)
+    chunk = 16 if cpu else 256
+    out += [Case("Llama-4-Scout", dtype, 16, seqs, chunk=chunk) for dtype in dtypes]
     if not cpu:
         out += [Case(model, dtype, 16, tuple(GPU_DECODE_SEQS), " decode") for model in dense for dtype in dtypes]
         out += [Case("Gemma-2-2B", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", window=window, softcap=50.0)
                 for dtype in dtypes]
         out += [Case("gpt-oss-20b", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", sinks=True) for dtype in dtypes]
         out += [Case("DeepSeek-V3", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", latent=True) for dtype in dtypes]
+        out += [Case("Llama-4-Scout", dtype, 16, tuple(GPU_DECODE_SEQS), " decode", chunk=chunk) for dtype in dtypes]
     # a quantized cache (kv_cache_dtype): codes and scales, against the values they stand for
     out += [Case(model, dtypes[0], 16, seqs, kv_cache_dtype=kv) for model in dense for kv in ("int8", "fp8")]
     return out
@@ -165,19 +171,19 @@ def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadat
 
 # -- kernels ----------------------------------------------------------------------------------------
 def triton_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-                  window: int = 0, softcap: float = 0.0, sinks=None):
+                  window: int = 0, softcap: float = 0.0, sinks=None, chunk: int = 0):
     from engine.triton_attention import triton_paged_attention
     return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                   md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale, window=window,
-                                  softcap=softcap, sinks=sinks)
+                                  softcap=softcap, sinks=sinks, chunk=chunk)
 
 
 def cpu_kernel(q, k_cache, v_cache, md: AttentionMetadata, scale: float, k_scale=None, v_scale=None,
-               window: int = 0, softcap: float = 0.0, sinks=None):
+               window: int = 0, softcap: float = 0.0, sinks=None, chunk: int = 0):
     """The C++ CPU kernel (engine/cpu_attention.py); fp32 queries, fp32 or quantized caches."""
     from engine.cpu_attention import paged_attention_varlen
     return paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-                                  k_scale, v_scale, window, softcap, sinks)
+                                  k_scale, v_scale, window, softcap, sinks, chunk)
 
 
 KERNELS: dict[str, Kernel] = {"triton": triton_kernel, "cpu": cpu_kernel}
@@ -192,6 +198,7 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     scale = head_dim ** -0.5
     fn = KERNELS[kernel] if isinstance(kernel, str) else kernel
     opts = {"window": case.window, "softcap": case.softcap} if case.window or case.softcap else {}
+    opts.update({"chunk": case.chunk} if case.chunk else {})
     sinks = torch.randn(heads, generator=torch.Generator().manual_seed(7)) * 2 if case.sinks else None
     if case.kv_cache_dtype == "auto":
         extra = {"sinks": sinks} if sinks is not None else {}
@@ -208,7 +215,7 @@ def run_case(case: Case, kernel: str | Kernel, device: torch.device, layer: int 
     data = {"model": case.model, "heads": [heads, kv_heads, head_dim], "dtype": str(case.dtype).removeprefix("torch."),
             "block_size": case.block_size, "kv_cache_dtype": case.kv_cache_dtype,
             "seqs": [list(s) for s in case.seqs], "tokens": q.shape[0], "window": case.window,
-            "softcap": case.softcap, "sinks": case.sinks, "latent": case.latent,
+            "softcap": case.softcap, "sinks": case.sinks, "latent": case.latent, "chunk": case.chunk,
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "__name__", "custom"),
             "out_dtype_ok": out.dtype == case.dtype, "tolerance": {"atol": tol.atol, "rtol": tol.rtol},
             **stats.as_dict()}

@@ -13,7 +13,9 @@ Two per-layer options (Mistral, Gemma 2/3, Qwen2 with use_sliding_window): `wind
 query at position p sees the keys at positions p - W + 1 .. p (transformers' `kv_idx > q_idx - W`); `softcap` C > 0
 (Gemma 2): each scaled score s becomes C * tanh(s / C) before the softmax. 0 turns either off. And `sinks`
 [num_heads] (gpt-oss), a learned logit per query head that joins each row's softmax as one more score with no value:
-the row's weights sum to less than 1 (transformers' `s_aux`). None: none.
+the row's weights sum to less than 1 (transformers' `s_aux`). None: none. And `chunk` C > 0 (Llama 4's chunked
+attention layers): positions fall in chunks of C, and the query at p sees only its own chunk's keys, p - p % C .. p
+(transformers' chunked causal mask).
 
 A quantized cache (kv_cache_dtype int8 / fp8, engine/kv_layout.py) adds k_scale/v_scale [num_blocks, block_size,
 num_kv_heads] (fp32, strided views too): write_kv stores codes and scales, and every reader turns a row back into
@@ -118,31 +120,34 @@ def _row_view(cache: torch.Tensor, row: int) -> tuple[torch.Tensor, int, int, in
 
 def paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
                     k_new=None, v_new=None, one_kernel: bool = False, k_scale=None, v_scale=None,
-                    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    chunk: int = 0) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere. `one_kernel` (CPU): every query, long
     prefill chunks too, goes to the C++ kernel, whose rows do not depend on how a prompt was chunked or how
     much of it was cached. Models with quantized activations need that to stay equal to themselves: there a
     last-bit difference between SDPA and the kernel can move an int8 code, and the greedy path with it.
-    k_scale/v_scale: a quantized cache's scales; window, softcap, sinks: the layer's (module docstring)."""
+    k_scale/v_scale: a quantized cache's scales; window, softcap, sinks, chunk: the layer's (module docstring)."""
     if q.is_cuda:
         from engine.triton_attention import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens,
                                       md.query_start_loc, md.max_query_len, scale, k_scale=k_scale, v_scale=v_scale,
-                                      window=window, softcap=softcap, sinks=sinks)
+                                      window=window, softcap=softcap, sinks=sinks, chunk=chunk)
     from engine import cpu_attention
     kernel = q.dtype == torch.float32 and (k_cache.dtype == torch.float32 or k_scale is not None) \
         and cpu_attention.available()
     if kernel and one_kernel:
         return cpu_attention.paged_attention_varlen(q, k_cache, v_cache, md.block_tables, md.seq_lens,
-                                                    md.query_start_loc, scale, k_scale, v_scale, window, softcap, sinks)
+                                                    md.query_start_loc, scale, k_scale, v_scale, window, softcap, sinks,
+                                                    chunk)
     return paged_attention_torch(q, k_cache, v_cache, md, scale, k_new, v_new, decode_kernel=kernel,
-                                 k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
+                                 k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, sinks=sinks,
+                                 chunk=chunk)
 
 
 def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: float,
                           k_new=None, v_new=None, decode_kernel: bool = False,
                           k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Reference: single-token queries batched in one SDPA call, longer queries one by one.
 
     `k_new`/`v_new` (the batch's fresh K/V) let a prefill with no cached context skip the gather;
@@ -153,7 +158,7 @@ def paged_attention_torch(q, k_cache, v_cache, md: AttentionMetadata, scale: flo
     qsl = [0]
     for n in md.query_lens_list:
         qsl.append(qsl[-1] + n)
-    scales, opts = (k_scale, v_scale), (window, softcap, sinks)
+    scales, opts = (k_scale, v_scale), (window, softcap, sinks, chunk)
     if decode_kernel:
         from engine.cpu_attention import paged_attention_varlen
         short = [i for i, n in enumerate(md.query_lens_list) if n <= SHORT_QUERY]
@@ -221,11 +226,11 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, n_tokens: int, scal
     return out[:, :, :n_tokens]
 
 
-def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0, sinks=None):
+def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0, sinks=None, chunk: int = 0):
     """q [n, H, D] are the last n positions of a context k/v [Hkv, ctx, D]."""
     n, ctx = q.shape[0], k.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]
-    if n == ctx and not window and not softcap and sinks is None:
+    if n == ctx and not window and not softcap and sinks is None and not chunk:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos_q = torch.arange(ctx - n, ctx).unsqueeze(1)
@@ -233,12 +238,14 @@ def _prefill_attention(q, k, v, scale, window: int = 0, softcap: float = 0.0, si
         mask = keys <= pos_q                                           # [n, ctx]
         if window:
             mask &= keys > pos_q - window
+        if chunk:
+            mask &= keys >= pos_q - pos_q % chunk
         o = _attention(qh, kh, vh, mask, scale, softcap, sinks)
     return o[0].transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor, scale, k_scale=None, v_scale=None,
-                      window: int = 0, softcap: float = 0.0, sinks=None):
+                      window: int = 0, softcap: float = 0.0, sinks=None, chunk: int = 0):
     """q [B, H, D], one new token per sequence; keys padded to the longest context."""
     lens = seq_lens.tolist()
     max_len = max(lens)
@@ -248,6 +255,8 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens: torch.Tensor,
     mask = keys < ends
     if window:
         mask &= keys >= ends - window
+    if chunk:
+        mask &= keys >= (ends - 1) - (ends - 1) % chunk
     o = _attention(q.unsqueeze(2), k, v, mask[:, None, None, :], scale, softcap, sinks)
     return o.squeeze(2)
 

@@ -345,6 +345,7 @@ struct Problem {
   int64_t window;                                 // > 0: a query at p sees keys p - window + 1 .. p only
   float softcap;                                  // > 0: scores s become softcap * tanh(s / softcap)
   const float* sinks;                             // [Hq]: each query head's sink logit (gpt-oss); nullptr: none
+  int64_t chunk;                                  // > 0: a query at p sees keys p - p % chunk .. p only (Llama 4)
 };
 
 struct Scratch {
@@ -358,7 +359,8 @@ struct Scratch {
 // a second sweep for the weighted V sums. A row skips the tiles wholly past its range (a prompt's
 // causal half): they would score -inf and weigh exactly 0, so its result is the same bits as if it
 // swept them, and the same whichever rows share its call or its task. With a sliding window a row's range
-// starts at its first visible token, and the tiles wholly before it are skipped the same way.
+// starts at its first visible token, and the tiles wholly before it are skipped the same way; so does an attention
+// chunk's (a query sees only the keys of its own chunk of positions).
 template <bool SIMD, class T>
 void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int64_t h1, Scratch& w) {
   constexpr bool QUANT = !std::is_same<T, float>::value;
@@ -371,7 +373,10 @@ void attend(const Problem& P, int64_t b, int64_t j0, int64_t j1, int64_t h0, int
   const int64_t tiles = (past + (j1 - j0) + TILE - 1) / TILE, Lp = tiles * TILE;
   // row r's visible tokens [first(r), seen(r)), and its tiles' start and end: those are all it scores and weighs
   auto seen = [&](int64_t r) { return past + (r % R) / G + 1; };
-  auto first = [&](int64_t r) { return P.window > 0 ? std::max<int64_t>(0, seen(r) - P.window) : int64_t(0); };
+  auto first = [&](int64_t r) {
+    const int64_t w = P.window > 0 ? std::max<int64_t>(0, seen(r) - P.window) : int64_t(0);
+    return P.chunk > 0 ? std::max(w, (seen(r) - 1) / P.chunk * P.chunk) : w;
+  };
   auto begin = [&](int64_t r) { return first(r) / TILE * TILE; };
   auto end = [&](int64_t r) { return (seen(r) + TILE - 1) / TILE * TILE; };
   const int64_t t_begin = begin(0);                  // row 0 (query token j0) sees the earliest tokens
@@ -495,8 +500,8 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                   const c10::optional<torch::Tensor>& query_start_loc, double scale,
                   const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                  int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks) {
-  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap: >= 0 (0: none)");
+                  int64_t window, double softcap, const c10::optional<torch::Tensor>& sinks, int64_t chunk) {
+  TORCH_CHECK(window >= 0 && softcap >= 0 && chunk >= 0, "window, softcap and chunk: >= 0 (0: none)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "q [T, H, D], caches [blocks, block_size, kv_heads, D]");
   const Cache kind = cache_kind(k_cache);
@@ -556,7 +561,7 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
             vsc, st(v_scale, 0), st(v_scale, 1), st(v_scale, 2),
             btp, maxb, slp, qslp, out.data_ptr<float>(), out.stride(0), out.stride(1),
             Hkv, Hq / Hkv, D, bs, static_cast<float>(scale), window, static_cast<float>(softcap),
-            sinks.has_value() ? sk.data_ptr<float>() : nullptr};
+            sinks.has_value() ? sk.data_ptr<float>() : nullptr, chunk};
   const bool simd = VW > 0 && D % VW == 0;
   // Tasks are (sequence, kv head) pairs, numbered sequence-major, so a single sequence still spreads
   // its kv heads over the threads. Where a token's heads are one row (stride(2) == D), a thread's
@@ -611,24 +616,25 @@ torch::Tensor run(torch::Tensor q, const torch::Tensor& k_cache, const torch::Te
 }  // namespace
 
 // q [T, H, D]: sequence i owns q[qsl[i]:qsl[i+1]], the last tokens of its seq_lens[i]-token
-// context, causal among themselves (and within `window` tokens, where > 0; scores soft-capped where softcap > 0;
-// each query head's sink logit joining its softmax, where sinks are given).
+// context, causal among themselves (and within `window` tokens, where > 0; within their `chunk` of positions, where
+// > 0; scores soft-capped where softcap > 0; each query head's sink logit joining its softmax, where sinks are given).
 torch::Tensor paged_attention_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      torch::Tensor query_start_loc, double scale,
                                      c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                                     int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
+                                     int64_t window, double softcap, c10::optional<torch::Tensor> sinks,
+                                     int64_t chunk) {
   return run(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale, window, softcap,
-             sinks);
+             sinks, chunk);
 }
 
 // One query token per sequence (the n = 1 case).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
-                           int64_t window, double softcap, c10::optional<torch::Tensor> sinks) {
+                           int64_t window, double softcap, c10::optional<torch::Tensor> sinks, int64_t chunk) {
   return run(q, k_cache, v_cache, block_tables, seq_lens, c10::nullopt, scale, k_scale, v_scale, window, softcap,
-             sinks);
+             sinks, chunk);
 }
 
 // Structured output (engine/structured.py): logits[rows[i], t] = -inf wherever bit t of bitmask[rows[i]] is 0.

@@ -33,24 +33,24 @@ __all__ = ["available", "paged_attention_varlen", "paged_decode_attention", "app
 
 def paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            scale: float, k_scale=None, v_scale=None, window: int = 0,
-                           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D], fp32; the contract of engine/attention.py (a sliding window, a softcap and
-    attention sinks included): sequence i owns
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D], fp32; the contract of engine/attention.py (a sliding window, a softcap,
+    attention sinks and attention chunks included): sequence i owns
     q[qsl[i]:qsl[i+1]], the last tokens of its seq_lens[i]-token context, causal among themselves.
     Any mix of query lengths; meant for short ones (a long prefill chunk scores into an
     [n * G, context] buffer per task and is better served by SDPA). A quantized cache (int8 or fp8 codes,
     engine/kv_layout.py) comes with its scales [blocks, block_size, kv_heads]; each tile of a head's rows is
     turned into floats once, as it is read."""
     return _load().paged_attention_varlen(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                          k_scale, v_scale, int(window), float(softcap), sinks)
+                                          k_scale, v_scale, int(window), float(softcap), sinks, int(chunk))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
                            k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence) -> [B, H, D]: the n = 1 case of the above."""
     return _load().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, int(window),
-                                float(softcap), sinks)
+                                float(softcap), sinks, int(chunk))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

@@ -193,7 +193,7 @@ class DecoderStack {
       attn::rope_write_kv(qkv, cos[l.rope], sin[l.rope], k_[i], v_[i], slot_mapping, H_, G_, ks_[i], vs_[i]);
       torch::Tensor q = qkv.narrow(1, 0, H_ * D_).view({T, H_, D_});
       torch::Tensor o = attn::paged_attention_varlen(q, k_[i], v_[i], block_tables, seq_lens, query_start_loc,
-                                                     scale_, ks_[i], vs_[i], l.window, l.softcap, c10::nullopt);
+                                                     scale_, ks_[i], vs_[i], l.window, l.softcap, c10::nullopt, 0);
       o = linear(l, 1, l.o, o.reshape({T, H_ * D_}));
       if (l.attn_out_norm.has_value()) o = attn::rms_norm(o, *l.attn_out_norm, eps_, c10::nullopt);
       if (l.residual_mult != 1.0) o = o * l.residual_mult;
@@ -227,11 +227,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
-        py::arg("sinks") = py::none(), nogil);
+        py::arg("sinks") = py::none(), py::arg("chunk") = 0, nogil);
   m.def("paged_decode", &attn::paged_decode, "one query token per sequence over the paged cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("window") = 0,
-        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), nogil);
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none(), py::arg("chunk") = 0, nogil);
   m.def("rms_norm", &attn::rms_norm, "RMSNorm of rows, with an optional residual added first (in place)",
         py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("residual") = py::none(), nogil);
   m.def("rope_write_kv", &attn::rope_write_kv, "rotate q and k in place, store k and v at their cache slots",

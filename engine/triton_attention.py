@@ -29,7 +29,7 @@ def _find_seq(qsl_ptr, q_block_idx, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, ks_ptr, vs_ptr, sinks_ptr,
-    scale_log2, num_seqs, num_heads, n_rows, window, softcap,
+    scale_log2, num_seqs, num_heads, n_rows, window, softcap, chunk,
     s_qt, s_qh, s_qd,
     s_ot, s_oh, s_od,
     s_kb, s_ks, s_kh, s_kd,
@@ -40,7 +40,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr, DOT_PREC: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, CHUNK: tl.constexpr,
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -82,6 +82,10 @@ def _paged_attention_kernel(
     tile_lo = 0
     if WINDOW:
         tile_lo = tl.maximum(ctx_len + q_block_local * BLOCK_Q - window + 1, 0) // TILE_N
+    # An attention chunk: keys before the first query's chunk likewise.
+    if CHUNK:
+        first_q = ctx_len + q_block_local * BLOCK_Q
+        tile_lo = tl.maximum(tile_lo, (first_q - first_q % chunk) // TILE_N)
     n = tl.arange(0, TILE_N)
     bt_row = bt_ptr + seq.to(tl.int64) * s_bt0
     k_head = k_ptr + kv_head * s_kh
@@ -116,6 +120,8 @@ def _paged_attention_kernel(
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        if CHUNK:
+            visible = visible & (k_pos[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -199,12 +205,12 @@ def _sm_count(device: torch.device) -> int:
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            max_query_len: int, scale: float, num_splits: int | None = None,
                            k_scale=None, v_scale=None, window: int = 0, softcap: float = 0.0,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged cache; same contract as `paged_attention_torch`.
     `num_splits`: key slices per program (None: num_kv_splits decides; the tests set it). A quantized cache
     (int8 or fp8 codes) comes with its scales [blocks, block_size, kv_heads] (k_scale, v_scale). window, softcap:
     a sliding window and a score softcap (engine/attention.py; 0: none), constants of a layer; sinks [H] fp32: each
-    head's sink logit (gpt-oss; None: none).
+    head's sink logit (gpt-oss; None: none); chunk: Llama 4's attention chunk (0: none).
 
     CUDA-graph safe: the grid and constexprs follow from shapes (tokens, sequences) and the host int
     max_query_len (the query width of a captured decode/verify step); nothing reads device memory
@@ -254,12 +260,12 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     _paged_attention_kernel[grid + (splits,)](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         part_m, part_l, part_acc, ks, vs, sinks if sinks is not None else out,
-        float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows, int(window), float(softcap),
+        float(scale) * 1.4426950408889634, num_seqs, num_heads, n_rows, int(window), float(softcap), int(chunk),
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *scale_strides, QUANT=quant, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_P=head_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         DOT_PREC=dot_prec, NUM_SPLITS=splits, WINDOW=bool(window), SOFTCAP=bool(softcap), SINKS=sinks is not None,
-        num_warps=num_warps,
+        CHUNK=bool(chunk), num_warps=num_warps,
     )
     if splits > 1:
         _combine_splits[(n_rows,)](out, part_m, part_l, part_acc, sinks if sinks is not None else out, num_heads,

@@ -63,9 +63,11 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
         | {("Gemma-2-2B", d, 16, "auto", 24, cap) for d in ("float32", "float16") for cap in (0.0, 50.0)} \
         | {("gpt-oss-20b", d, 16, "auto", w, 0.0) for d in ("float32", "float16") for w in (0, 24)} \
         | {("DeepSeek-V3", d, 16, "auto", 0, 0.0) for d in ("float32", "float16")} \
-        | {("DeepSeek-V3", "float32", 16, "int8", 0, 0.0)}                  # MLA's latent cache, V the key's view
+        | {("DeepSeek-V3", "float32", 16, "int8", 0, 0.0)} \
+        | {("Llama-4-Scout", d, 16, "auto", 0, 0.0) for d in ("float32", "float16")}   # its chunks
     assert all(r["data"]["sinks"] == (r["data"]["model"] == "gpt-oss-20b") for r in attention)
     assert all(r["data"]["latent"] == (r["data"]["model"] == "DeepSeek-V3") for r in attention)
+    assert all((r["data"]["chunk"] == 16) == (r["data"]["model"] == "Llama-4-Scout") for r in attention)
     assert all(r["data"]["kernel"] == "triton" and r["data"]["max_abs_err"] < 1e-2 for r in attention)
 
     models = {r["case"]: r["data"] for r in rows["models"]}

@@ -243,10 +243,10 @@ def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_process():
         lock.unlink(missing_ok=True)
 
 
-def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0, sinks=None):
+def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0, sinks=None, chunk=0):
     """Attention written out token by token from the block tables: the query at position p weighs the keys at
-    max(0, p - window + 1) .. p (all of 0 .. p without a window), its scores capped as C * tanh(s / C), its head's
-    sink logit one more score of the softmax, with no value (gpt-oss)."""
+    max(0, p - window + 1) .. p (all of 0 .. p without a window; from p - p % chunk with Llama 4's chunks), its scores
+    capped as C * tanh(s / C), its head's sink logit one more score of the softmax, with no value (gpt-oss)."""
     bs, heads = k_cache.shape[1], k_cache.shape[2]
     group, out, t = q.shape[1] // heads, torch.empty_like(q), 0
     for i, (ctx, n) in enumerate(zip(md.seq_lens_list, md.query_lens_list)):
@@ -255,6 +255,7 @@ def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0, sinks=None):
         v = torch.stack([v_cache[b, o] for b, o in slots])
         for p in range(ctx - n, ctx):
             lo = max(0, p - window + 1) if window else 0
+            lo = max(lo, p - p % chunk) if chunk else lo
             for h in range(q.shape[1]):
                 s = (k[lo:p + 1, h // group] @ q[t, h]) * scale
                 if softcap:
@@ -289,6 +290,28 @@ def test_sliding_window_and_softcap(window, softcap):
     dec = [0, 1, 2]
     one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
                                                window=window, softcap=softcap)
+    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("chunk,window", [(8, 0), (16, 0), (1, 0), (16, 6)])
+def test_attention_chunks(chunk, window):
+    """Llama 4's chunked attention in every CPU path against attention written out: a query sees only the keys of
+    its chunk of positions (decodes at a chunk's first token and mid-chunk, a verify step across a boundary, a prompt
+    chunk and a fresh prompt over several chunks); chunks of 1 see only the token itself; a window inside the chunk
+    as well."""
+    q, k, v, md = _batch([5, 40, 61, 30, 45], 6, 2, 32, qlens=[1, 1, 4, 30, 20])
+    want = _naive(q, k, v, md, 0.125, window, chunk=chunk)
+    for name, got in [
+        ("torch", paged_attention_torch(q, k, v, md, 0.125, window=window, chunk=chunk)),
+        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, window=window,
+                                                           chunk=chunk)),
+        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
+                                                            md.query_start_loc, 0.125, window=window, chunk=chunk))]:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert not torch.allclose(_naive(q, k, v, md, 0.125, window), want, atol=1e-3)     # the chunks change it
+    dec = [0, 1, 2]
+    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
+                                               window=window, chunk=chunk)
     torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
 
 

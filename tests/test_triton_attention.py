@@ -115,6 +115,20 @@ def test_sliding_window_and_softcap(window, softcap, num_splits):
     assert not torch.allclose(ref, paged_attention_torch(q, k_cache, v_cache, md, 0.2), atol=1e-3)
 
 
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_attention_chunks(num_splits):
+    """Llama 4's chunked layers (chunks of 16) against the torch reference: decodes mid-chunk, a prompt chunk whose
+    query tile starts chunks past the first key (whole key tiles skipped), a fresh prompt over several chunks; split
+    over the keys too."""
+    q, kv, md = random_batch([(37, 1), (70, 20), (40, 40), (9, 1)], 4, 2, 32, 16, seed=5)
+    k_cache, v_cache = layer_views(kv, 1)
+    out = triton_paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                 md.max_query_len, 0.2, num_splits=num_splits, chunk=16)
+    ref = paged_attention_torch(q, k_cache, v_cache, md, 0.2, chunk=16)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ref, paged_attention_torch(q, k_cache, v_cache, md, 0.2), atol=1e-3)
+
+
 @pytest.mark.parametrize("window, num_splits", [(0, None), (12, 4)])
 def test_attention_sinks(window, num_splits):
     """gpt-oss's sinks (a logit per query head, with no value) against the torch reference (checked token by token in
