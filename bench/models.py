@@ -34,6 +34,17 @@ DEEPSEEK_TINY = {
 }
 
 
+# Llama 4's tiny config: chunks of 8 positions on its RoPE layers (0 and 1), layer 2 without RoPE and with a query
+# temperature that grows every 4 positions; q/k L2 norms; 4 experts, 1 a token, on layers 0 and 2, layer 1 dense
+# (its own width); llama3's RoPE scaling
+LLAMA4_TINY = dict(head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=4,
+                   num_experts_per_tok=1, moe_layers=[0, 2], no_rope_layers=[1, 1, 0], attention_chunk_size=8,
+                   floor_scale=4, attn_scale=0.1, use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                   rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                    "rope_theta": 500000.0})
+
+
 def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
     """A random-weight HF checkpoint (safetensors) of a tiny GQA config, saved like a real one."""
     import torch
@@ -52,6 +63,8 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
                    pad_token_id=0, bos_token_id=1, eos_token_id=2,
                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    elif model_type in ("llama4_text", "llama4"):
+        cfg.update(LLAMA4_TINY)
     elif model_type in DEEPSEEK_TINY:                      # MLA; 8 experts in 4 groups, 2 a token; a dense layer
         cfg.update(DEEPSEEK_TINY[model_type])
     elif model_type in GEMMA_TINY:
@@ -67,9 +80,19 @@ def make_tiny_checkpoint(tmp_dir, model_type: str, **overrides) -> str:
                                                          num_attention_heads=2, image_size=28, patch_size=14),
                                       mm_tokens_per_image=4, image_token_index=cfg["vocab_size"] - 1,
                                       boi_token_index=cfg["vocab_size"] - 3, eoi_token_index=cfg["vocab_size"] - 2)
+    elif model_type == "llama4":     # Llama 4 Scout's and Maverick's checkpoint: its text model beside a tiny vision
+        config = AutoConfig.for_model("llama4", text_config=cfg, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64),
+            image_token_index=cfg["vocab_size"] - 1, boi_token_index=cfg["vocab_size"] - 3,
+            eoi_token_index=cfg["vocab_size"] - 2, tie_word_embeddings=False)
     else:
         config = AutoConfig.for_model(model_type, **cfg)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type == "llama4":
+        from transformers import Llama4ForConditionalGeneration
+        model = Llama4ForConditionalGeneration._from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if model_type in GEMMA_TINY or model_type == "gemma3":    # Gemma starts its norms at 0 (1 + 0): make them count
         with torch.no_grad():
             for name, p in model.named_parameters():

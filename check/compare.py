@@ -64,7 +64,10 @@ def hf_greedy(model, prompts: list[list[int]], n: int, top_k: int = TOP_K) -> li
     """transformers' greedy reference that never stops early (EOS disabled, like ignore_eos), for every prompt in
     one generate call: left-padded, with the attention mask (transformers then derives each row's positions from
     it), so n forwards serve the whole batch. Padding changes matmul shapes, so a logprob may move by ~1e-5: far
-    inside the near-tie gap."""
+    inside the near-tie gap. Llama 4 runs one prompt at a time: transformers' Llama 4 takes its NoPE layers' query
+    temperature from the cache's length, not from the position ids, so padding would shift it."""
+    if getattr(model.config, "model_type", "") == "llama4_text" and len(prompts) > 1:
+        return [hf_greedy(model, [p], n, top_k)[0] for p in prompts]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)

@@ -96,6 +96,19 @@ GPU_MODELS = {
                                                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
                                                 vocab_size=102400, max_position_embeddings=163840,
                                                 tie_word_embeddings=False)),
+    # Llama-4-Scout's layers in 4 (16 experts of 8,192 units, 1 a token, on their input; a shared expert; q/k L2 norms;
+    # the fourth layer without RoPE, with its query temperature), its chunks cut from 8,192 to 128 so the prompts
+    # cross them
+    "Llama-4-Scout-4L": ("llama4_text", dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                                             num_local_experts=16, num_experts_per_tok=1, num_hidden_layers=4,
+                                             num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                                             attention_chunk_size=128, vocab_size=202048, use_qk_norm=True,
+                                             max_position_embeddings=10485760, pad_token_id=200018,
+                                             bos_token_id=200000, eos_token_id=200008,
+                                             rope_parameters={"rope_type": "llama3", "factor": 16.0,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                                              "original_max_position_embeddings": 8192,
+                                                              "rope_theta": 500000.0})),
 }
 CPU_MODELS = {
     "llama-tiny": ("llama", {**DUMMY_SHAPES["llama-tiny"], "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0,
@@ -126,6 +139,13 @@ CPU_MODELS = {
                                                       "beta_slow": 1.0, "truncate": False,
                                                       "original_max_position_embeddings": 64,
                                                       "rope_theta": 150000.0})),
+    # chunked attention (chunks of 8), a NoPE layer with its temperature, q/k L2 norms, top-1 experts on their input
+    "llama4-tiny": ("llama4_text", dict(hidden_size=64, intermediate_size=48, intermediate_size_mlp=96,
+                                        num_local_experts=4, num_experts_per_tok=1, moe_layers=[0], num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
+                                        vocab_size=512, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                                        eos_token_id=2)),
     # MLA over a latent cache; experts chosen in groups by sigmoid scores plus a correction bias; YaRN's mscale
     "deepseek-v3-tiny": ("deepseek_v3", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                              n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,

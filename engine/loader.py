@@ -236,10 +236,11 @@ def gguf_source(model: str) -> Path | None:
 # Multimodal checkpoints whose language model Baton serves, text only (Gemma 3's 4B, 12B and 27B ship only as
 # these): the config's text_config, the language model's tensors read under their text names (transformers' saved
 # layout, language_model.model.*, and its 4.52+ one, model.language_model.*); the vision tower is not read.
-MULTIMODAL_TEXT = {"gemma3"}
+MULTIMODAL_TEXT = {"gemma3", "llama4"}
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                    "vision_model.", "model.vision_model.")          # Gemma 3's, Llama 4's
 
 
 def text_weight_name(name: str) -> str | None:

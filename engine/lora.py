@@ -48,7 +48,9 @@ _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 # adapter with that A and its rows of B (the same products)
 _FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _PARTS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-_WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+# Llama 4 names its MLP feed_forward
+_WEIGHT = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|feed_forward)\.(\w+_proj)\.lora_([AB])"
+                     r"(?:\.default)?\.weight$")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -174,7 +176,8 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
     cfg = read_adapter_config(path)
     tensors = _read_tensors(path)
     config, layers, head_dim = model.config, model.num_layers, model.model.layers[0].self_attn.head_dim
-    hidden, inter = config.hidden_size, config.intermediate_size
+    hidden = config.hidden_size
+    inter = getattr(config, "intermediate_size_mlp", None) or config.intermediate_size     # Llama 4's dense width
     q = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
     dims = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
@@ -204,7 +207,7 @@ def load_adapter(request: LoRARequest, model, max_rank: int, dtype: torch.dtype)
         if module not in TARGETS or layer >= layers:
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} has no place in this model "
                             f"({layers} layers; modules {', '.join(TARGETS)})")
-        if m.group(2) == "mlp" and not hasattr(model.model.layers[layer].mlp, "gate_up_proj"):
+        if m.group(2) != "self_attn" and not hasattr(model.model.layers[layer].mlp, "gate_up_proj"):
             raise LoRAError(f"LoRA adapter {request.lora_name!r}: tensor {name!r} adapts layer {layer}'s MLP, a "
                             f"mixture of experts: adapters of experts are not supported (attention's are)")
         pairs.setdefault((layer, module), {})[which] = t

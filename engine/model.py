@@ -22,7 +22,9 @@ on the logits, Gemma 3 Qwen3's q/k norms. Phi-3's fused checkpoint tensors are s
 scales its embeddings, each sublayer's output, its attention scores and its logits by multipliers of its config.
 
 DeepSeek-V2/V3 replace attention with multi-head latent attention (MLAAttention: one latent KV head in the cache,
-engine/kv_layout.py's kv_parts 1) and route their experts within groups (SparseMoE), beside shared experts.
+engine/kv_layout.py's kv_parts 1) and route their experts within groups (SparseMoE), beside shared experts. Llama 4
+adds chunked attention (engine/attention.py), a query temperature on its NoPE layers, q/k L2 norms and experts
+weighted on their input.
 """
 from __future__ import annotations
 
@@ -45,14 +47,17 @@ from engine.quant import (TINYGEMM_MAX_M, QuantWeight, fp8_gemm_supported, fp8_m
 
 # DeepSeek-V2/V2.5 and V3/V3.1/R1: multi-head latent attention (MLAAttention), experts routed within groups
 MLA_MODEL_TYPES = {"deepseek_v2", "deepseek_v3"}
-MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"} | MLA_MODEL_TYPES
+# Llama 4 (Scout, Maverick; text): chunked attention on three layers of four, no RoPE (and a query temperature) on the
+# fourth, q/k L2 norms, RoPE over interleaved pairs; experts top-1 by sigmoid, weighted on their input, a shared one
+LLAMA4_MODEL_TYPES = {"llama4_text"}
+MOE_MODEL_TYPES = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"} | MLA_MODEL_TYPES | LLAMA4_MODEL_TYPES
 FUSED_MOE: bool | None = None         # the fused MoE kernel: None, on CUDA; tests set True (the Triton interpreter)
 GEMMA_MODEL_TYPES = {"gemma", "gemma2", "gemma3_text"}
 FUSED_NAME_MODEL_TYPES = {"phi3", "glm4"}          # checkpoints that hold qkv_proj or gate_up_proj already fused
 SANDWICH_NORM_MODEL_TYPES = {"gemma2", "gemma3_text", "glm4"}   # a norm after attention and after the MLP as well
 # RoPE over interleaved pairs (2i, 2i + 1) of each head's rotated dims (GPT-J's, GLM's, ERNIE's): q and k's rows are
 # permuted at load so that the pairs become the halves the rotation pairs (LlamaForCausalLM._unfused)
-INTERLEAVED_ROPE_MODEL_TYPES = {"glm4", "ernie4_5", "cohere2"}
+INTERLEAVED_ROPE_MODEL_TYPES = {"glm4", "ernie4_5", "cohere2", "llama4_text"}
 # attention and the MLP side by side on one norm's output, their sum joining the residual (Cohere's); LayerNorms
 PARALLEL_BLOCK_MODEL_TYPES = {"cohere2"}
 POST_NORM_MODEL_TYPES = {"olmo2", "olmo3", "exaone4"}   # norms after attention and after the MLP only, none before
@@ -83,7 +88,7 @@ def rope_kind(config, layer_idx: int) -> str | None:
     type (Gemma 3: theta 10,000 for sliding layers, 1,000,000 and maybe a scaling for full ones; OLMo 3); "nope" for
     a layer without position encoding (SmolLM3's every fourth: its no_rope_layers entry 0; EXAONE 4's global layers),
     whose table rotates by nothing (cos 1, sin 0: exact), so every attention path runs it as it runs the others."""
-    nope = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
+    nope = getattr(config, "no_rope_layers", None) if config.model_type in ("smollm3", "llama4_text") else None
     if nope is not None and not nope[layer_idx]:
         return "nope"
     if config.model_type in ("exaone4", "cohere2") and getattr(config, "sliding_window", None) and \
@@ -336,6 +341,16 @@ class Attention(nn.Module):
         self.rope_kind = rope_kind(config, layer_idx)
         self.rotary_dim = rotary_dim(config, self.head_dim)
         self.rope_head_dim = self.head_dim                # what the RoPE tables are built for (MLA: its k_pe's)
+        llama4 = config.model_type in LLAMA4_MODEL_TYPES
+        types = getattr(config, "layer_types", None) or []
+        # Llama 4: a chunked layer's queries see their own chunk of positions only (engine/attention.py)
+        self.chunk = int(config.attention_chunk_size or 0) if llama4 and layer_idx < len(types) and \
+            types[layer_idx] == "chunked_attention" else 0
+        # ... its RoPE layers' q and k L2-normalised per head (no weight; before the rotation, which keeps norms)
+        self.l2_qk_norm = llama4 and bool(config.use_qk_norm) and self.rope_kind != "nope"
+        self.l2_eps = float(config.rms_norm_eps) if self.l2_qk_norm else 0.0
+        # ... and its NoPE layers' queries scaled by a temperature that grows with position (LlamaForCausalLM.forward)
+        self.temperature = llama4 and bool(config.attn_temperature_tuning) and self.rope_kind == "nope"
         self.one_kernel = False                           # set for quantized weights (engine/attention.py)
         # gpt-oss: a learned sink logit per query head, in every softmax (engine/attention.py); this rank's heads
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.model_type == "gpt_oss" else None
@@ -344,7 +359,7 @@ class Attention(nn.Module):
         """ropes: this step's cos/sin tables by rope_kind."""
         rope = ropes[self.rope_kind]
         qkv = self.qkv_proj(x)
-        if self.q_norm is not None:
+        if self.q_norm is not None or self.l2_qk_norm:
             qkv = self._qk_norm(qkv)
         k_cache, v_cache, k_scale, v_scale = kv_cache[self.layer_idx]
         # rotate and store in one op: fp32 caches, and int8 ones (fp8 codes are written by write_kv)
@@ -361,9 +376,11 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if not fused:
             write_kv(k_cache, v_cache, k, v, md.slot_mapping, k_scale, v_scale)
+        if self.temperature:
+            q = (q * ropes["q_temperature"]).to(q.dtype)
         o = paged_attention(q, k_cache, v_cache, md, self.scale, k_new=k, v_new=v, one_kernel=self.one_kernel,
                             k_scale=k_scale, v_scale=v_scale, window=self.window, softcap=self.softcap,
-                            sinks=self.sinks)
+                            sinks=self.sinks, chunk=self.chunk)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -371,6 +388,12 @@ class Attention(nn.Module):
         """Qwen3's: each head's q and k normalised over head_dim (before the rotation, as transformers does); OLMo's:
         the whole q and the whole k projection, each normalised over all its heads."""
         t, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
+        if self.l2_qk_norm:                               # Llama 4's: no weight
+            q = F.rms_norm(qkv[:, :q_end].reshape(t * self.num_heads, self.head_dim), (self.head_dim,), None,
+                           self.l2_eps)
+            k = F.rms_norm(qkv[:, q_end:k_end].reshape(t * self.num_kv_heads, self.head_dim), (self.head_dim,), None,
+                           self.l2_eps)
+            return torch.cat([q.view(t, -1), k.view(t, -1), qkv[:, k_end:]], dim=1)
         if self.full_qk_norm:
             return torch.cat([self.q_norm(qkv[:, :q_end]), self.k_norm(qkv[:, q_end:k_end]), qkv[:, k_end:]], dim=1)
         q = self.q_norm(qkv[:, :q_end].reshape(t * self.num_heads, self.head_dim))
@@ -434,9 +457,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)   # stays float
         self.o_proj = row_linear(self.q_size, hidden, bias, tp)
         self.scale = mla_scale(config)
-        self.window, self.softcap, self.sinks, self.rope_kind = 0, 0.0, None, None
+        self.window, self.softcap, self.sinks, self.rope_kind, self.chunk = 0, 0.0, None, None, 0
         self.q_norm = self.k_norm = None
-        self.full_qk_norm = False
+        self.full_qk_norm = self.l2_qk_norm = self.temperature = False
         self.one_kernel = False
 
     def forward(self, x, ropes: dict, kv_cache: list[LayerKV], md: AttentionMetadata):
@@ -508,6 +531,10 @@ def is_moe_layer(config, layer_idx: int) -> bool:
     if config.model_type in ("qwen2_moe", "qwen3_moe"):
         step = getattr(config, "decoder_sparse_step", 1) or 1
         return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+    if config.model_type in LLAMA4_MODEL_TYPES:           # Llama 4: its moe_layers (Maverick's every other one)
+        layers = getattr(config, "moe_layers", None)
+        step = int(getattr(config, "interleave_moe_layer_step", 1) or 1)
+        return layer_idx in layers if layers is not None else (layer_idx + 1) % step == 0
     if config.model_type in MLA_MODEL_TYPES:              # DeepSeek: dense first layers, then every moe_layer_freq-th
         return layer_idx >= int(getattr(config, "first_k_dense_replace", 0) or 0) and \
             layer_idx % int(getattr(config, "moe_layer_freq", 1) or 1) == 0
@@ -589,6 +616,10 @@ class SparseMoE(nn.Module):
         self.routed_scaling = float(getattr(config, "routed_scaling_factor", None) or 1.0) if deepseek else 1.0
         self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts)) if self.sigmoid else None
         n_shared = int(getattr(config, "n_shared_experts", None) or 0) if deepseek else 0
+        # Llama 4: each token's top expert by its logit, weighted by the logit's sigmoid on the expert's input (not its
+        # output), and a shared expert of the experts' width, ungated as DeepSeek's
+        self.llama4 = config.model_type in LLAMA4_MODEL_TYPES
+        n_shared = 1 if self.llama4 else n_shared
         self.shared_experts = MLP(config, tp, moe_intermediate_size(config) * n_shared) if n_shared else None
 
     def pack(self, which: str, experts: list[list[QuantWeight]]) -> None:
@@ -606,6 +637,9 @@ class SparseMoE(nn.Module):
         logits = self.gate(x).float()
         if self.sigmoid or self.groups:
             return self._deepseek_route(logits, x.dtype)
+        if self.llama4:                                   # the top logits' sigmoids
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.sigmoid(top).to(x.dtype), experts
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -632,13 +666,17 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed else None
+        moe_ops = _fused_moe_ops() if (x.is_cuda if FUSED_MOE is None else FUSED_MOE) and not self.packed and \
+            not (self.llama4 and self.top_k > 1) else None
         if moe_ops is not None:
+            x_in = x
+            if self.llama4:                               # one expert a token: its weight scales its input
+                x_in, weights = x * weights, torch.ones_like(weights)
             pairs_per_expert = x.shape[0] * self.top_k / self.num_experts     # from shapes: a graph may hold it
             extra = {} if not self.gpt_oss else {
                 "b13": self.experts.gate_up_proj_bias, "activation": self._gpt_oss_gate,
                 "b2": self.experts.down_proj_bias if self.down_bias_here else None}
-            out = moe_ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
+            out = moe_ops.fused_moe(x_in, self.experts.gate_up_proj, self.experts.down_proj, weights, experts,
                                     block_m=64 if pairs_per_expert >= 64 else 16, block_n=64, block_k=64,
                                     expert_start=self.local.start, **extra)
             return self._finish(x, out)
@@ -659,6 +697,9 @@ class SparseMoE(nn.Module):
                 if self.down_bias_here:
                     y = y + self.experts.down_proj_bias[i]
                 y = y * pair_weights[start - n:start, None]
+            elif self.llama4:                             # the weight on the expert's input
+                gate, up = gate_up(i, x[rows] * pair_weights[start - n:start, None]).split(self.intermediate, dim=-1)
+                y = down(i, F.silu(gate) * up)
             else:
                 gate, up = gate_up(i, x[rows]).split(self.intermediate, dim=-1)
                 y = down(i, F.silu(gate) * up) * pair_weights[start - n:start, None]
@@ -676,7 +717,7 @@ class SparseMoE(nn.Module):
         """The experts' sum, plus the shared expert's gated term where the model has one, summed over the ranks."""
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x)
-        if self.shared_experts is not None:              # DeepSeek's: ungated
+        if self.shared_experts is not None:              # DeepSeek's and Llama 4's: ungated
             out = out + self.shared_experts.partial(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -693,7 +734,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, tp: TPGroup | None = None, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = (MLAAttention if config.model_type in MLA_MODEL_TYPES else Attention)(config, layer_idx, tp)
-        self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else MLP(config, tp)
+        dense = getattr(config, "intermediate_size_mlp", None) if config.model_type in LLAMA4_MODEL_TYPES else None
+        self.mlp = SparseMoE(config, tp, expert_parallel) if is_moe_layer(config, layer_idx) else \
+            MLP(config, tp, dense)
         # OLMo 2/3 normalise attention's and the MLP's outputs, not their inputs: no input_layernorm
         self.post_norm = config.model_type in POST_NORM_MODEL_TYPES
         self.parallel = config.model_type in PARALLEL_BLOCK_MODEL_TYPES     # Cohere: one norm for both sublayers
@@ -918,6 +961,29 @@ def _gpt_oss_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
         raise ModelLoadError(f"MXFP4 experts without both blocks and scales: {sorted(pending)[:3]}")
 
 
+_LLAMA4_NAMES = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.shared_expert.", ".mlp.shared_experts."),
+                 (".feed_forward.", ".mlp."))
+
+
+def llama4_name(name: str) -> str:
+    """A Llama 4 checkpoint's name as the other mixtures': feed_forward is the MLP, its router the gate, its shared
+    expert DeepSeek's ungated shared_experts."""
+    for old, new in _LLAMA4_NAMES:
+        if old in name:
+            return name.replace(old, new)
+    return name
+
+
+def _llama4_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Llama 4 checkpoint's tensors under llama4_name, its stacked experts (gate_up_proj [E, H, 2I]: gate's
+    columns then up's; down_proj [E, I, H]) as the other mixtures' stacked experts ([E, 2I, H], [E, H, I])."""
+    for name, t in weights:
+        name = llama4_name(name)
+        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and t.dim() == 3:
+            t = t.transpose(1, 2).contiguous()
+        yield name, t
+
+
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     """gpt-oss's gate/up pairs along `dim` (gate at even indices, up at odd) as gate's half, then up's."""
     return t.index_select(dim, halves_from_pairs(t.shape[dim], t.shape[dim]))
@@ -966,6 +1032,8 @@ class LlamaForCausalLM(nn.Module):
         self.logit_scale = float(config.logit_scale) if config.model_type in PARALLEL_BLOCK_MODEL_TYPES else 1.0
         self.multimodal = getattr(config, "multimodal", None)   # engine/loader.py: the text of a Gemma 3 4B+
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.q_temperature = (float(config.floor_scale), float(config.attn_scale)) if any(
+            getattr(la.self_attn, "temperature", False) for la in self.model.layers) else None
         self._stack, self._stack_kv = None, None        # cpu_stack(): the C++ forward, when it applies
         self._stack_lora = None                          # the LoRA adapters' step (engine/lora.py), where it has them
         vocab = config.vocab_size if tp is None else vocab_range(config.vocab_size, tp.rank, tp.size)[1]
@@ -1028,6 +1096,10 @@ class LlamaForCausalLM(nn.Module):
                                         plan.rows if plan else None, plan.row_slots if plan else None)
         else:
             ropes = {kind: rope.tables(positions) for kind, rope in self.ropes.items()}
+            if self.q_temperature is not None:           # Llama 4's NoPE layers: log1p(floor((p + 1) / f)) * a + 1
+                floor_scale, attn_scale = self.q_temperature
+                ropes["q_temperature"] = (torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) *
+                                          attn_scale + 1.0).view(-1, 1, 1)
             for layer in self.model.layers[:num_layers]:
                 h, residual = layer(h, residual, ropes, kv_cache, md)
         if residual is not None:
@@ -1080,6 +1152,7 @@ class LlamaForCausalLM(nn.Module):
         # the C++ stack runs dense MLPs of SiLU or GELU gates, RoPE over whole heads, norms before each sublayer
         # and q/k norms per head
         if self.has_moe or any(isinstance(la.self_attn, MLAAttention) or la.mlp.act_name not in STACK_ACTIVATIONS
+                               or la.self_attn.chunk or la.self_attn.l2_qk_norm or la.self_attn.temperature
                                or la.post_norm or la.parallel
                                or la.self_attn.full_qk_norm
                                or la.self_attn.rotary_dim != la.self_attn.head_dim for la in layers):
@@ -1189,6 +1262,8 @@ class LlamaForCausalLM(nn.Module):
         layer = self._LAYER.match(name)
         if layer is not None and int(layer.group(1)) >= self.num_layers:
             return 0, 0, 0                                # DeepSeek's multi-token prediction layers: not run
+        if self.config.model_type in LLAMA4_MODEL_TYPES:
+            name = llama4_name(name)
         expert = _EXPERT.match(name)
         if expert is not None:                            # every expert's run of units, as the dense MLP's
             moe = self.model.layers[int(expert.group(1))].mlp
@@ -1239,6 +1314,8 @@ class LlamaForCausalLM(nn.Module):
         packed_experts: dict[tuple[int, str], dict[int, QuantWeight]] = {}    # (layer, part) -> expert -> weight
         if self.config.model_type == "gpt_oss":
             weights = _gpt_oss_tensors(weights)
+        if self.config.model_type in LLAMA4_MODEL_TYPES:
+            weights = _llama4_tensors(weights)
         for name, tensor in self._unfused(weights):
             if "rotary_emb" in name:
                 continue

@@ -61,6 +61,9 @@ TINY_MODELS = {
     # grouped routing replicated, the shared experts split by units (49: uneven)
     "deepseek-v3": ("deepseek_v3", dict(moe_intermediate_size=49)),
     "deepseek-v2": ("deepseek_v2", dict(intermediate_size=161)),   # q_proj without a low rank; the dense layer uneven
+    # chunked attention, q/k L2 norms and the NoPE layer's temperature by heads; each rank's heads' rows permuted for
+    # its RoPE pairs; top-1 experts weighted on their input, split by units (49: uneven) with the shared expert
+    "llama4": ("llama4_text", dict(intermediate_size=49)),
 }
 
 
@@ -97,7 +100,8 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
 
 
 # the families added after the first eleven run in the full suite only (`slow`): make test-fast keeps its 3 minutes
-SLOW_TINY = {"smollm3", "ministral", "gpt-oss", "exaone4", "seed-oss", "glm4", "cohere2", "deepseek-v3", "deepseek-v2"}
+SLOW_TINY = {"smollm3", "ministral", "gpt-oss", "exaone4", "seed-oss", "glm4", "cohere2", "deepseek-v3", "deepseek-v2",
+             "llama4"}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TINY else n
@@ -145,19 +149,20 @@ def test_prefix_cache_and_kv_events_are_unchanged(tiny_pair):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "gpt-oss", "deepseek-v3", "llama4"])
 def test_expert_parallel_tp2_holds_whole_experts_and_gives_tp1s_tokens(tmp_path, name):
     """enable_expert_parallel: rank 0 holds experts 0-1 of 5, whole (every unit), rank 1 experts 2-4; each adds its
     experts' terms (gpt-oss's down bias too) and the block's one all-reduce sums them (a shared expert's term split
     by units, as before)."""
     kind, overrides = TINY_MODELS[name]
-    experts = {"num_local_experts": 5} if kind == "gpt_oss" else {"num_experts": 5} if kind != "deepseek_v3" else \
-        {"n_routed_experts": 5, "n_group": 1, "first_k_dense_replace": 0}     # 5 experts form no 4 groups
+    experts = {"num_local_experts": 5} if kind in ("gpt_oss", "llama4_text") else {"num_experts": 5} \
+        if kind != "deepseek_v3" else {"n_routed_experts": 5, "n_group": 1, "first_k_dense_replace": 0}   # no 4 groups
     path = make_tiny_checkpoint(tmp_path, kind, **{**overrides, **experts})
     tp1, ep = engine(path, 1), engine(path, 2, enable_expert_parallel=True)
     try:
         moe = ep.runner.model.model.layers[0].mlp
-        width = ep.hf_config.intermediate_size if kind == "gpt_oss" else ep.hf_config.moe_intermediate_size
+        width = ep.hf_config.intermediate_size if kind in ("gpt_oss", "llama4_text") else \
+            ep.hf_config.moe_intermediate_size
         assert moe.local == range(0, 2) and moe.run == range(0, width) and moe.intermediate == width
         assert tuple(moe.experts.gate_up_proj.shape[:2]) == (2, 2 * moe.intermediate)
         assert_same_greedy(generate(tp1, PROMPTS), generate(ep, PROMPTS))
