@@ -209,6 +209,17 @@ MODELS = {    # Hugging Face config fields of models operators size clusters for
                     "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
                     "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
                     "n_shared_experts": 1, "first_k_dense_replace": 3, "vocab_size": 129280},
+    # Llama 4: every layer (Scout) or every other one (Maverick) sparse, one expert a token beside a shared one; the
+    # dense layers of their own width; chunked attention on three layers of four (not priced: the roofline reads
+    # their whole context)
+    "llama-4-scout": {"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
+                      "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192,
+                      "intermediate_size_mlp": 16384, "num_local_experts": 16, "num_experts_per_tok": 1,
+                      "interleave_moe_layer_step": 1, "vocab_size": 202048},
+    "llama-4-maverick": {"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48,
+                         "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                         "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 128,
+                         "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "vocab_size": 202048},
     "deepseek-v2-lite": {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
                          "num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512,
                          "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
@@ -315,9 +326,11 @@ class RooflineCost:
         if m.get("kv_lora_rank"):                    # MLA (engine/model.py MLAAttention), run absorbed
             attention, self.flops_per_pair, self.kv_bytes_per_token = self._mla(m)
         experts, top_k, expert, sparse = moe_shape(m)
-        dense_layer = attention + 3 * h * m["intermediate_size"]
+        llama4 = m.get("model_type") == "llama4_text"
+        dense_layer = attention + 3 * h * (m["intermediate_size_mlp"] if llama4 else m["intermediate_size"])
         shared = m.get("shared_expert_intermediate_size") or 0               # Qwen2-MoE's: every token's, gated
         deepseek = (m.get("n_shared_experts") or 0) * (m.get("moe_intermediate_size") or 0)   # DeepSeek's: ungated
+        deepseek += m["intermediate_size"] if llama4 else 0                  # Llama 4's, ungated as DeepSeek's
         sparse_layer = attention + h * experts + (3 * h * shared + h if shared else 0) + 3 * h * deepseek
         held = (layers - sparse) * dense_layer + sparse * sparse_layer      # all but the experts
         self.params = held + sparse * experts * expert + m["vocab_size"] * h    # the embedding is read, not multiplied

@@ -1220,3 +1220,17 @@ def test_the_roofline_counts_deepseek_as_published_with_its_latent_cache(preset,
     assert cost.kv_bytes_per_token == layers * (512 + 64) * 2 * tp
     assert cost.flops_per_pair == 2 * layers * heads * (512 + 64 + 512)
     assert cost.experts == m["n_routed_experts"] and cost.sparse_layers == layers - m["first_k_dense_replace"]
+
+
+@pytest.mark.parametrize("preset, total, active, sparse", [("llama-4-scout", 109e9, 17e9, 48),
+                                                           ("llama-4-maverick", 400e9, 17e9, 24)])
+def test_the_roofline_counts_llama4_as_published(preset, total, active, sparse):
+    """Meta's counts (with the untied head): Scout 109 B held, Maverick 400 B, both 17 B active: one expert a token
+    beside the shared one in every sparse layer (Scout's every layer, Maverick's every other), the dense layers of
+    their own width (intermediate_size_mlp)."""
+    m = model_shape(preset)
+    cost = RooflineCost("h200", m, tp=8)
+    head = m["vocab_size"] * m["hidden_size"]
+    assert cost.params + head == pytest.approx(total, rel=0.02)
+    assert cost.active_params + head == pytest.approx(active, rel=0.02)
+    assert cost.sparse_layers == sparse and cost.top_k == 1
