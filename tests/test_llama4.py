@@ -22,6 +22,7 @@ def llama4(tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("llama4"), "llama4_text")
 
 
+@pytest.mark.slow
 def test_lora_adapts_attention_and_the_dense_layer_and_refuses_the_shared_expert(llama4, tmp_path):
     """An adapter of q/k/v/o (their rows permuted for the interleaved RoPE, as the weights are) and of the dense
     layer's MLP (PEFT's names under feed_forward, its own width): Baton under it gives transformers' tokens with it

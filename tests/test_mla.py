@@ -84,6 +84,7 @@ def test_weights_quantized_at_load_keep_kv_b_proj_in_floats(v3):
     assert float(errors.median()) < 0.1 * max(float(w.abs().max()) for w in want)
 
 
+@pytest.mark.slow
 def test_latent_blocks_pulled_over_nixl_give_the_tokens_of_one_engine(v3):
     """A prefix pull engine to engine over NIXL (tests/test_kvtransfer_engines.py's): the puller takes the source's
     latent blocks and computes only the rest; the tokens equal an engine computing it all."""
@@ -158,6 +159,7 @@ def write_block_fp8(src: str, dst, block: tuple[int, int]) -> tuple[str, str]:
     return str(dst / "fp8"), str(dst / "ref")
 
 
+@pytest.mark.slow
 def test_block_fp8_checkpoints_load_as_the_values_their_blocks_stand_for(v3, tmp_path):
     """DeepSeek-V3's (and Qwen3-FP8's) block-wise FP8: each tile of codes times its scale, blocks cut at the edges
     included, loaded as the model's floats: the same log-probabilities and tokens as a float checkpoint of those
