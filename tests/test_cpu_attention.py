@@ -268,6 +268,21 @@ def _naive(q, k_cache, v_cache, md, scale, window=0, softcap=0.0, sinks=None, ch
     return out
 
 
+def _every_cpu_path_gives(want, q, k, v, md, **opts) -> None:
+    """The torch reference, the kernel for its short queries, the one kernel for all and the decode entry point
+    (sequences 0-2's single tokens) each give `want` under the layer's options (window, softcap, sinks, chunk)."""
+    for name, got in [
+        ("torch", paged_attention_torch(q, k, v, md, 0.125, **opts)),
+        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, **opts)),
+        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
+                                                            md.query_start_loc, 0.125, **opts))]:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    dec = [0, 1, 2]
+    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
+                                               **opts)
+    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("window,softcap", [(8, 0.0), (20, 0.0), (0, 5.0), (8, 5.0), (1, 0.0)])
 def test_sliding_window_and_softcap(window, softcap):
     """A sliding window (Mistral, Gemma 2/3) and a score softcap (Gemma 2) in every CPU path, against attention
@@ -277,20 +292,9 @@ def test_sliding_window_and_softcap(window, softcap):
     q, k, v, md = _batch([5, 40, 61, 30, 45], 6, 2, 32, qlens=[1, 1, 4, 30, 20])
     q = q * 3
     want = _naive(q, k, v, md, 0.125, window, softcap)
-    for name, got in [
-        ("torch", paged_attention_torch(q, k, v, md, 0.125, window=window, softcap=softcap)),
-        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, window=window,
-                                                           softcap=softcap)),
-        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
-                                                            md.query_start_loc, 0.125, window=window,
-                                                            softcap=softcap))]:
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    _every_cpu_path_gives(want, q, k, v, md, window=window, softcap=softcap)
     whole = _naive(q, k, v, md, 0.125)
     assert not torch.allclose(whole, want, atol=1e-3)                  # the options change what a test sees
-    dec = [0, 1, 2]
-    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
-                                               window=window, softcap=softcap)
-    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("chunk,window", [(8, 0), (16, 0), (1, 0), (16, 6)])
@@ -301,18 +305,8 @@ def test_attention_chunks(chunk, window):
     as well."""
     q, k, v, md = _batch([5, 40, 61, 30, 45], 6, 2, 32, qlens=[1, 1, 4, 30, 20])
     want = _naive(q, k, v, md, 0.125, window, chunk=chunk)
-    for name, got in [
-        ("torch", paged_attention_torch(q, k, v, md, 0.125, window=window, chunk=chunk)),
-        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, window=window,
-                                                           chunk=chunk)),
-        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
-                                                            md.query_start_loc, 0.125, window=window, chunk=chunk))]:
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    _every_cpu_path_gives(want, q, k, v, md, window=window, chunk=chunk)
     assert not torch.allclose(_naive(q, k, v, md, 0.125, window), want, atol=1e-3)     # the chunks change it
-    dec = [0, 1, 2]
-    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
-                                               window=window, chunk=chunk)
-    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("window", [0, 8])
@@ -322,18 +316,8 @@ def test_attention_sinks(window):
     q, k, v, md = _batch([5, 40, 61, 30, 45], 6, 2, 32, qlens=[1, 1, 4, 30, 20])
     sinks = torch.tensor([2.0, -1.0, 0.5, 4.0, -3.0, 1.0])
     want = _naive(q, k, v, md, 0.125, window, sinks=sinks)
-    for name, got in [
-        ("torch", paged_attention_torch(q, k, v, md, 0.125, window=window, sinks=sinks)),
-        ("kernel for short queries", paged_attention_torch(q, k, v, md, 0.125, decode_kernel=True, window=window,
-                                                           sinks=sinks)),
-        ("one kernel", cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens,
-                                                            md.query_start_loc, 0.125, window=window, sinks=sinks))]:
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
+    _every_cpu_path_gives(want, q, k, v, md, window=window, sinks=sinks)
     assert not torch.allclose(_naive(q, k, v, md, 0.125, window), want, atol=1e-3)     # the sinks change it
-    dec = [0, 1, 2]
-    one = cpu_attention.paged_decode_attention(q[[0, 1, 5]], k, v, md.block_tables[dec], md.seq_lens[dec], 0.125,
-                                               window=window, sinks=sinks)
-    torch.testing.assert_close(one, want[[0, 1, 5]], atol=2e-5, rtol=2e-5)
     with pytest.raises(RuntimeError, match="sinks"):
         cpu_attention.paged_attention_varlen(q, k, v, md.block_tables, md.seq_lens, md.query_start_loc, 0.125,
                                              sinks=sinks[:4])

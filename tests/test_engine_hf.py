@@ -99,7 +99,12 @@ def test_smollm2_batched_chunked_matches_transformers_and_itself_alone(smol_path
 def test_tiny_random_models_match_transformers(tmp_path, model_type, extra):
     from transformers import AutoModelForCausalLM
     path = make_tiny_checkpoint(tmp_path, model_type, **extra)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _matches_transformers(path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+
+
+def _matches_transformers(path: str, hf) -> None:
+    """Greedy continuations of five random prompts (5-70 tokens) equal transformers' up to a near-tie, alone; and
+    batched in prefill chunks of 16 they equal themselves alone, exactly."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 48, 70)]
     want = hf_greedy(hf, prompts, 32)
@@ -119,21 +124,13 @@ def test_llama4_matches_transformers(tmp_path, model_type):
     with its query temperature, q/k L2 norms, RoPE over interleaved pairs with llama3's scaling, top-1 experts
     weighted on their input beside a shared expert and a dense layer of its own width; and Scout's and Maverick's
     multimodal checkpoint, served as text (against transformers' language model of it: its multimodal forward
-    of text alone fails in this transformers)."""
+    of text alone fails in this transformers). The reference runs one prompt at a time (check/compare.py
+    hf_greedy)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     path = make_tiny_checkpoint(tmp_path, model_type)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval().language_model \
         if model_type == "llama4" else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 33, 48, 70)]
-    want = hf_greedy(hf, prompts, 32)                 # one prompt at a time (check/compare.py hf_greedy)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP_K)
-    alone = LLM(path, block_size=8, num_kv_blocks=64)
-    alone_outs = [alone.generate([p], params)[0] for p in prompts]
-    for out, ref in zip(alone_outs, want):
-        check_greedy_close(baton_greedy(out), ref)
-    batched = LLM(path, block_size=8, num_kv_blocks=64, max_num_batched_tokens=16)
-    assert [o.token_ids for o in batched.generate(prompts, params)] == [o.token_ids for o in alone_outs]
+    _matches_transformers(path, hf)
 
 
 LONGROPE = {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.4, 2.9, 3.5],
