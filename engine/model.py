@@ -442,7 +442,7 @@ class MLAAttention(nn.Module):
         self.v_dim, self.rank = int(config.v_head_dim), int(config.kv_lora_rank)
         self.qk_dim = self.nope + self.rope_dim
         self.head_dim = self.rank + self.rope_dim        # the cache's one head
-        self.rotary_dim = self.rope_head_dim = self.rope_dim
+        self.rope_head_dim = self.rope_dim
         self.q_size = self.num_heads * self.v_dim         # attention's output, o_proj's input
         bias, hidden = bool(getattr(config, "attention_bias", False)), config.hidden_size
         q_lora = getattr(config, "q_lora_rank", None)
@@ -457,10 +457,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.num_heads * (self.nope + self.v_dim), bias=False)   # stays float
         self.o_proj = row_linear(self.q_size, hidden, bias, tp)
         self.scale = mla_scale(config)
-        self.window, self.softcap, self.sinks, self.rope_kind, self.chunk = 0, 0.0, None, None, 0
-        self.q_norm = self.k_norm = None
-        self.full_qk_norm = self.l2_qk_norm = self.temperature = False
-        self.one_kernel = False
+        self.rope_kind, self.one_kernel = None, False      # one RoPE table; set for quantized weights
 
     def forward(self, x, ropes: dict, kv_cache: list[LayerKV], md: AttentionMetadata):
         t = x.shape[0]
