@@ -65,9 +65,13 @@ class LLMEngine:
         self.hf_config = hf
         # a draft model's weights load first, so the KV budget leaves them room (model_runner.plan_kv_blocks)
         self.draft_runner = None
-        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+        method = config.speculative_config.method if config.speculative_config is not None else None
+        if method == "draft_model":
             from engine.spec.decoder import load_draft_runner
             self.draft_runner = load_draft_runner(config, hf, self.max_model_len)
+        elif method in ("eagle", "mtp"):                  # a head that reads the target's hidden states
+            from engine.spec.head import load_head_runner
+            self.draft_runner = load_head_runner(config, self.runner, self.max_model_len)
         self.executor.allocate_kv(self.draft_runner)
         self.block_size = config.block_size
         if self.runner.num_blocks * self.block_size < self.max_model_len:
@@ -385,7 +389,10 @@ class LLMEngine:
         t0 = device_clock(self.runner.device)
         masks = StepMasks.start([s for s, _ in sched.scheduled], self.hf_config.vocab_size) \
             if self._grammars is not None and self.runner.device.type == "cuda" else None   # fill during the forward
-        logits, samplers, prompt_rows, pooled = self.runner.execute(sched.scheduled)
+        capture = self.spec is not None and self.spec.reads_hidden
+        logits, samplers, prompt_rows, pooled, hidden = self.runner.execute(sched.scheduled, capture)
+        if hidden:
+            self.spec.observe_hidden(hidden)
         for seq, n in sched.scheduled:
             if not seq.spec_tokens:                     # a verify step advances after acceptance
                 self.scheduler.on_computed(seq, n)

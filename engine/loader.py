@@ -317,27 +317,53 @@ def shared_tokenizer(model: str):
     return tokenizer
 
 
-def iter_weights(model: str, shard_of: Callable[[str], tuple[int, int, int] | None] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) from every *.safetensors file, with a clear error for a bad file.
+def iter_weights(model: str, shard_of: Callable[[str], tuple[int, int, int] | None] | None = None,
+                 keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) from every *.safetensors file (else every pytorch_model*.bin: EAGLE heads ship so),
+    with a clear error for a bad file.
 
     `shard_of(name)` -> (dim, start, stop) reads only that slice of a tensor (a tensor-parallel rank's
     part, through safetensors' get_slice: no rank ever holds a full copy); None reads all of it.
+    `keep(name)` False skips a tensor unread (a draft head's few tensors of its target's checkpoint).
     """
     from safetensors import safe_open
     files = sorted(Path(model).glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {model}")
+        yield from _iter_torch_bins(model, shard_of, keep)
+        return
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for name in fh.keys():
+                    if keep is not None and not keep(name):
+                        continue
                     part = shard_of(name) if shard_of is not None else None
                     yield name, fh.get_tensor(name) if part is None else read_slice(fh, name, *part)
         except ModelLoadError:
             raise
         except Exception as e:                             # noqa: BLE001 - truncated or corrupt file
             raise ModelLoadError(f"weights file {f} is truncated or corrupt: {e}") from e
+
+
+def _iter_torch_bins(model: str, shard_of, keep) -> Iterator[tuple[str, torch.Tensor]]:
+    """pytorch_model*.bin state dicts, loaded as tensors only (weights_only: no pickled code runs)."""
+    import torch
+    files = sorted(Path(model).glob("pytorch_model*.bin"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors (or pytorch_model*.bin) weights in {model}")
+    for f in files:
+        try:
+            state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:                             # noqa: BLE001
+            raise ModelLoadError(f"weights file {f} is truncated or corrupt: {e}") from e
+        for name, tensor in state.items():
+            if keep is not None and not keep(name):
+                continue
+            part = shard_of(name) if shard_of is not None else None
+            if part is not None:
+                dim, start, stop = part
+                tensor = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+            yield name, tensor.contiguous()
 
 
 # GGUF tensor names -> Hugging Face names (llama.cpp's convert_hf_to_gguf, reversed)
@@ -551,7 +577,8 @@ def halves_from_pairs(rows: int, head_dim: int, rotary_dim: int | None = None, o
     return (torch.arange(rows // head_dim)[:, None] * head_dim + head).flatten()
 
 
-def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
+def iter_hf_quant_weights(model: str, quant_config, dequantize: bool, keep: Callable[[str], bool] | None = None
+                          ) -> Iterator[tuple[str, "torch.Tensor | QuantWeight"]]:
     """A GPTQ, AWQ or FP8 checkpoint's tensors: each quantized linear (GPTQ/AWQ: its qweight, qzeros and scales;
     FP8: its e4m3 weight and weight_scale) as one packed "<linear>.weight" (engine/quant.py; fp32 when
     `dequantize`), every other tensor as it is. An FP8 checkpoint's static input_scale is not used: activations
@@ -571,7 +598,7 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
     if act_order:                      # each input column's group: act-order groups columns out of order
         leaves += ("g_idx",)
     parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_weights(model):
+    for name, tensor in iter_weights(model, keep=keep):
         prefix, _, leaf = name.rpartition(".")
         # activations are scaled per token; symmetric weights' zero points are 0; g_idx without act-order: k // group
         if leaf in ("input_scale", "input_zero_point", "weight_zero_point", "weight_g_idx") or \
@@ -600,7 +627,8 @@ def iter_hf_quant_weights(model: str, quant_config, dequantize: bool) -> Iterato
         raise ModelLoadError(f"{model}: quantized layers without all of {', '.join(leaves)}: {sorted(parts)[:3]}")
 
 
-def iter_block_fp8_weights(model: str, block: tuple[int, int]) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iter_block_fp8_weights(model: str, block: tuple[int, int], keep: Callable[[str], bool] | None = None
+                           ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """A block-scaled FP8 checkpoint's tensors (DeepSeek-V3's, Qwen3-FP8's: each e4m3 weight beside its
     weight_scale_inv, a scale per block), each quantized weight dequantized to fp32 once its scales are read (in
     whichever file they are), every other tensor as it is. Read whole: a rank's share is cut afterwards
@@ -608,7 +636,7 @@ def iter_block_fp8_weights(model: str, block: tuple[int, int]) -> Iterator[tuple
     import torch
     from engine.quant import dequantize_fp8_blocks
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in iter_weights(model):
+    for name, tensor in iter_weights(model, keep=keep):
         prefix, _, leaf = name.rpartition(".")
         if leaf == "input_scale" or not (leaf == "weight_scale_inv" or leaf == "weight" and
                                          tensor.dtype == torch.float8_e4m3fn):

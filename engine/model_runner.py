@@ -115,7 +115,7 @@ class ModelRunner:
         hf_method = None if dummy else hf_quant_method(quant_config)
         self.quantization = resolve_quantization(config.quantization, gguf, names_gguf(config.model), self.device,
                                                  hf_method)
-        key = None if dummy or tp is not None else weights_key(
+        key = None if dummy or tp is not None or not self.shareable else weights_key(
             model_path, gguf if self.quantization == "gguf" else None, hf_config, self.device, self.dtype,
             self.quantization)
         shared = loaded_weights(key)
@@ -139,26 +139,38 @@ class ModelRunner:
         self.graph_keys: list[tuple[int, int]] = []        # (batch size, query width) of the graphs to replay
         self._graphs: dict[tuple[int, int], CapturedGraph] = {}
 
+    shareable = True          # engines of one process may share these weights (a draft head's are its own)
+
+    def new_model(self, hf_config, max_model_len: int, tp: TPGroup | None) -> LlamaForCausalLM:
+        """The module the checkpoint loads into (on the meta device)."""
+        return LlamaForCausalLM(hf_config, max_positions=max_model_len, tp=tp,
+                                expert_parallel=self.config.enable_expert_parallel)
+
+    def checkpoint_tensors(self, weights):
+        """The checkpoint's tensors as the model takes them (a draft head renames its own)."""
+        return weights
+
+    keep: Callable[[str], bool] | None = None      # tensors of the checkpoint to read (None: all)
+
     def _load(self, model_path, hf_config, max_model_len, tp, dummy, gguf, hf_method, quant_config) -> None:
         with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, max_positions=max_model_len, tp=tp,
-                                     expert_parallel=self.config.enable_expert_parallel)
+            model = self.new_model(hf_config, max_model_len, tp)
         self.model = model.materialize(self.device, self.dtype).eval()
+        shard, keep = self.model.weight_shard, self.keep
         if dummy:
             init_dummy_weights(self.model, self.config.seed)
         elif self.quantization == "gguf":
-            self.model.load_weights(shard_weights(iter_gguf_weights(gguf, hf_config), self.model.weight_shard))
+            self.model.load_weights(self.checkpoint_tensors(shard_weights(iter_gguf_weights(gguf, hf_config), shard)))
         elif hf_method is not None:
-            self.model.load_weights(shard_weights(iter_hf_quant_weights(model_path, quant_config,
-                                                                        self.quantization == "none"),
-                                                  self.model.weight_shard))
+            self.model.load_weights(self.checkpoint_tensors(shard_weights(
+                iter_hf_quant_weights(model_path, quant_config, self.quantization == "none", keep), shard)))
         elif fp8_block_size(quant_config) is not None:      # block-scaled FP8: dequantized, then this rank's share
             log.warning("%s holds block-wise FP8 weights: they run dequantized to %s (no block-scaled FP8 GEMM here "
                         "yet), twice the checkpoint's bytes in bf16", model_path, self.dtype)
-            self.model.load_weights(shard_weights(iter_block_fp8_weights(model_path, fp8_block_size(quant_config)),
-                                                  self.model.weight_shard))
+            self.model.load_weights(self.checkpoint_tensors(shard_weights(
+                iter_block_fp8_weights(model_path, fp8_block_size(quant_config), keep), shard)))
         else:
-            self.model.load_weights(iter_weights(model_path, self.model.weight_shard))
+            self.model.load_weights(self.checkpoint_tensors(iter_weights(model_path, shard, keep)))
         if hf_method is None and self.quantization in ("int8", "fp8"):   # a float checkpoint quantized at load
             self.model.quantize_linears(self.quantization)
         if can_prepack(self.device, self.dtype):
@@ -270,11 +282,14 @@ class ModelRunner:
         log.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
 
     # -- one forward ------------------------------------------------------------------------------
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list, list, list]:
+    def execute(self, scheduled: list[tuple[Sequence, int]], capture: bool = False
+                ) -> tuple[torch.Tensor, list, list, list, list]:
         """Run the model over the scheduled tokens; logits for sequences that now sample, and for prompt
         chunks that want prompt logprobs. Returns the logits, the samplers (sequence, first row) and the
-        prompt chunks (sequence, first row, first position, rows): SequenceRows.prepare; and the final hidden
-        states each embedding request pools this step: (sequence, rows) (engine/pooling.py).
+        prompt chunks (sequence, first row, first position, rows): SequenceRows.prepare; the final hidden
+        states each embedding request pools this step: (sequence, rows) (engine/pooling.py); and with `capture`
+        (a draft head reads them: engine/spec/head.py), every other sequence's final hidden states:
+        (sequence, the position of its first row, rows).
 
         A sequence's tokens are its token_ids followed by its draft tokens (seq.spec_tokens). One that
         reaches its end samples: a plain one gets one logits row, a speculating one gets 1 + k rows
@@ -285,10 +300,17 @@ class ModelRunner:
         if self.lora is not None:                           # each token's adapter slot, loading what is missing
             self.lora.prepare_step([seq.lora_key for seq, _ in scheduled], shape.query_lens)
         owners, flat = pooled_rows(scheduled)
-        if not owners:
-            return self.forward_step(shape, ids, tables), samplers, prompt_rows, []
+        captured, at = [], 0
+        for seq, q in scheduled if capture else ():
+            if seq.pooling is None:
+                captured.append((seq, seq.num_computed_tokens, len(flat), len(flat) + q))
+                flat.extend(range(at, at + q))
+            at += q
+        if not flat:
+            return self.forward_step(shape, ids, tables), samplers, prompt_rows, [], []
         logits, hidden = self.forward_step(shape, ids, tables, hidden=flat)
-        return logits, samplers, prompt_rows, [(seq, hidden[a:b]) for seq, a, b in owners]
+        return logits, samplers, prompt_rows, [(seq, hidden[a:b]) for seq, a, b in owners], \
+            [(seq, first, hidden[a:b]) for seq, first, a, b in captured]
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""

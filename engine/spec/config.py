@@ -7,19 +7,21 @@ from typing import Any
 
 from engine.errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "layer_skip")
+METHODS = ("ngram", "draft_model", "layer_skip", "eagle", "mtp")
+ALIASES = {"deepseek_mtp": "mtp"}           # vLLM's older name of DeepSeek's multi-token prediction
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4       # the most drafts per step; adaptive depth picks 0..this
-    model: str | None = None              # draft_model: a smaller model sharing the target's tokenizer
+    model: str | None = None              # draft_model: a smaller model sharing the target's tokenizer; eagle: the
+                                          # EAGLE head's checkpoint (engine/spec/head.py)
     prompt_lookup_min: int = 1            # ngram: shortest tail n-gram to look up
     prompt_lookup_max: int = 4            # ngram: longest
     num_layers: int | None = None         # layer_skip: how many of the target's first layers draft
     adaptive: bool = True                 # choose k per request each step (False: always the max)
-    draft_kv_blocks: int | None = None    # draft_model: blocks of its own KV cache (default: the target's)
+    draft_kv_blocks: int | None = None    # draft_model, eagle, mtp: blocks of its own KV cache (default: the target's)
     # adaptive: seconds of a target step over T tokens, [[T, seconds], ...] with T increasing, instead of measuring
     # them at start-up (several seconds on a CPU): the same depth decisions on every start and machine, as
     # measured once (the engine still scales the table by the steps it times)
@@ -37,7 +39,7 @@ class SpeculativeConfig:
             raise ConfigError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
         if "method" not in value:
             raise ConfigError(f"speculative_config needs a method: one of {', '.join(METHODS)}")
-        return cls(**value)
+        return cls(**{**value, "method": ALIASES.get(value["method"], value["method"])})
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -50,8 +52,11 @@ class SpeculativeConfig:
             bad(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
         if self.method == "draft_model" and not self.model:
             bad('method "draft_model" needs "model": the path of a draft model')
-        if self.method != "draft_model" and self.model is not None:
-            bad(f'"model" applies to method "draft_model", not {self.method!r}')
+        if self.method == "eagle" and not self.model:
+            bad('method "eagle" needs "model": the path of an EAGLE head trained for the target')
+        if self.method not in ("draft_model", "eagle") and self.model is not None:
+            bad(f'"model" applies to methods "draft_model" and "eagle", not {self.method!r}'
+                + (" (mtp drafts with the target's own prediction layer)" if self.method == "mtp" else ""))
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             bad(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

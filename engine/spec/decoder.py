@@ -26,7 +26,7 @@ from engine.sequence import Sequence
 from engine.spec.adaptive import PROBE_EVERY, DepthController, LinearCost, StepCost
 from engine.spec.config import SpeculativeConfig
 from engine.spec.metrics import SpecMetrics
-from engine.spec.proposers import DraftModelProposer, LayerSkipProposer, NgramProposer
+from engine.spec.proposers import DraftModelProposer, HiddenStateProposer, LayerSkipProposer, NgramProposer
 from engine.spec.rejection import VerifyRows, rejection_sample
 from engine.structured import cut_drafts
 
@@ -70,7 +70,23 @@ class SpecDecoder:
                 raise ConfigError(f"speculative_config: num_layers must be below the target's {total} layers, "
                                   f"got {cfg.num_layers}")
             return LayerSkipProposer(e.runner, cfg.num_layers, e.kv.allocate_slots)
+        if cfg.method in ("eagle", "mtp"):
+            runner = e.draft_runner                          # engine/spec/head.py, loaded before the KV caches
+            log.info("%s head: %.1f MiB of weights, %d KV blocks", cfg.method, runner.weight_bytes / 2**20,
+                     runner.num_blocks)
+            return HiddenStateProposer(runner, KVCacheManager(BlockPool(runner.num_blocks, runner.block_size,
+                                                                        enable_caching=False), ""))
         return self._load_draft_model()
+
+    @property
+    def reads_hidden(self) -> bool:
+        """Whether the proposer reads the target's hidden states (the runner then keeps every row's)."""
+        return isinstance(self.drafter, HiddenStateProposer)
+
+    def observe_hidden(self, rows: list) -> None:
+        """A forward's final hidden states: (sequence, its first position, rows)."""
+        for seq, first, hidden in rows:
+            self.drafter.observe(seq, first, hidden)
 
     def _load_draft_model(self) -> DraftModelProposer:
         """The engine loaded the draft's weights before sizing its KV caches (load_draft_runner)."""

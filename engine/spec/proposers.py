@@ -187,3 +187,97 @@ class LayerSkipProposer(_ModelProposer):
         if not self.allocate_slots(seq, 1 + k):
             return None
         return [seq.token_ids[-1]], seq.num_tokens - 1, seq.block_table
+
+
+@dataclass
+class _HeadState:
+    base: int                                  # the real position of the head's position 0
+    hidden: torch.Tensor                       # the target's hidden states of real positions `at`.., not yet fed
+    at: int                                    # base + fed
+    fed: int = 0                               # head positions fed from the target's hidden states (their KV kept)
+    blocks: list[int] = field(default_factory=list)
+
+
+class HiddenStateProposer(Proposer):
+    """EAGLE and MTP heads (engine/spec/head.py): they read the target's final hidden states, which every forward of
+    the target leaves here (observe). Head position i holds the K/V of (token at real position base + i + 1, the
+    target's hidden state at base + i). `base` is the first position whose hidden state the head saw: 0 after a
+    whole prefill; past a prefix hit, a prompt pulled from a prefill replica or a resume, the head attends from
+    where the target's forwards began (the earlier hidden states were never computed here). Its positions count
+    from base (RoPE scores depend on distances only), its blocks are its own (like a draft model's)."""
+    model_based = True
+    num_layers = None
+
+    def __init__(self, runner, kv: KVCacheManager):
+        self.runner, self.kv = runner, kv
+        self.pool = kv.pool
+        self.state: dict[str, _HeadState] = {}
+
+    def observe(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        """A forward of the target computed rows of seq from real position `first`. A verify step's rows past the
+        accepted drafts stay until the next forward's rows replace them: only positions below num_computed_tokens
+        are ever fed."""
+        st = self.state.get(seq.request_id)
+        if st is None or not st.at <= first <= st.at + len(st.hidden):
+            # new, or not where it left off (computed again after a preemption): the head starts again at `first`
+            self.release(seq)
+            self.state[seq.request_id] = _HeadState(base=first, hidden=rows, at=first)
+            return
+        st.hidden = rows if first == st.at else torch.cat([st.hidden[:first - st.at], rows])
+
+    def draft(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[tuple[int, float]]]:
+        """The first pass feeds each request the positions the head has not read, from the target's hidden states;
+        later passes feed the last draft with the head's own output."""
+        live = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            st = self.state.get(seq.request_id)
+            end = seq.num_computed_tokens                           # real positions below have hidden states
+            if k <= 0 or st is None or not st.at < end <= st.at + len(st.hidden):
+                continue
+            if not self.kv.grow(st.blocks, end - st.base + k):
+                self.release(seq)                                   # no room in the head's cache: no drafts now
+                continue
+            live.append((i, seq, k, st, end))
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        out: dict[int, torch.Tensor] = {}
+        timings = []
+        for depth in range(max((k for _, _, k, _, _ in live), default=0)):
+            active = [(i, seq, st, end) for i, seq, k, st, end in live if k > depth]
+            items, hidden = [], []
+            for i, seq, st, end in active:
+                if depth == 0:
+                    feed = seq.token_ids[st.at + 1:end + 1]
+                    items.append((feed, st.fed, st.blocks, 1))
+                    hidden.append(st.hidden[:end - st.at])
+                else:
+                    items.append(([tokens[i][-1]], end - st.base + depth - 1, st.blocks, 1))
+                    hidden.append(out[i])
+            t0 = device_clock(self.runner.device)
+            logits = self.runner.forward_batch(items, hidden=torch.cat(hidden))
+            for r, (i, *_) in enumerate(active):
+                out[i] = self.runner.out[r:r + 1]
+            picks, q = draft_sample(logits, [seq for _, seq, _, _ in active], [tokens[i] for i, *_ in active])
+            for r, (i, *_) in enumerate(active):
+                tokens[i].append(picks[r])
+                if q[r] is not None:
+                    probs[i].append(q[r])
+            timings.append((len(active), device_clock(self.runner.device) - t0))
+        for i, seq, k, st, end in live:                             # what was fed from the target stays
+            st.hidden, st.at, st.fed = st.hidden[end - st.at:], end, end - st.base
+        return [Draft(tokens[i], torch.stack(probs[i]) if probs[i] else None) for i in range(len(seqs))], timings
+
+    def rollback(self, seq: Sequence) -> None:
+        """Blocks past the positions fed from the target go (the chained drafts' K/V is rewritten next time)."""
+        st = self.state.get(seq.request_id)
+        if st is not None:
+            self.kv.shrink(st.blocks, st.fed + 1)
+
+    def release(self, seq: Sequence) -> None:
+        st = self.state.pop(seq.request_id, None)
+        if st is not None:
+            self.kv.release(st.blocks)
+
+    def stats(self) -> dict:
+        return {"spec_draft_kv_blocks_used": self.kv.pool.num_used_blocks,
+                "spec_draft_kv_blocks_total": self.kv.pool.num_blocks}
