@@ -69,7 +69,7 @@ class LLMEngine:
         if method == "draft_model":
             from engine.spec.decoder import load_draft_runner
             self.draft_runner = load_draft_runner(config, hf, self.max_model_len)
-        elif method in ("eagle", "mtp"):                  # a head that reads the target's hidden states
+        elif method in ("eagle", "eagle3", "mtp"):                  # a head that reads the target's hidden states
             from engine.spec.head import load_head_runner
             self.draft_runner = load_head_runner(config, self.runner, self.max_model_len)
         self.executor.allocate_kv(self.draft_runner)

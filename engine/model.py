@@ -1076,14 +1076,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md: AttentionMetadata, logits_indices,
-                num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
+                num_layers: int | None = None, hidden_indices: torch.Tensor | None = None,
+                aux_layers: tuple[int, ...] | None = None):
         """`num_layers` runs only the first layers, then the final norm and head (layer-skip drafts).
         `hidden_indices`: rows whose final hidden states (after the last norm) embedding requests pool; given, the
-        forward returns (logits, those hidden states)."""
+        forward returns (logits, those hidden states). `aux_layers` (with hidden_indices; an EAGLE-3 head reads them):
+        it returns (logits, those hidden states, the residual stream entering each of those layers at those rows,
+        side by side)."""
         h, residual = self.model.embed_tokens(input_ids), None
         if self.embed_scale is not None:                 # in the embeddings' dtype, as transformers rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        stack = self.cpu_stack(h, kv_cache)
+        aux = [] if aux_layers is not None and hidden_indices is not None else None
+        stack = self.cpu_stack(h, kv_cache) if aux is None else None      # the C++ stack runs every layer at once
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
             plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
             h, residual = stack.forward(h, [r.cos[positions] for r in self.ropes.values()],
@@ -1097,7 +1101,9 @@ class LlamaForCausalLM(nn.Module):
                 floor_scale, attn_scale = self.q_temperature
                 ropes["q_temperature"] = (torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) *
                                           attn_scale + 1.0).view(-1, 1, 1)
-            for layer in self.model.layers[:num_layers]:
+            for i, layer in enumerate(self.model.layers[:num_layers]):
+                if aux is not None and i in aux_layers:
+                    aux.append(h[hidden_indices] if residual is None else (h + residual)[hidden_indices])
                 h, residual = layer(h, residual, ropes, kv_cache, md)
         if residual is not None:
             h = residual.add_(h)
@@ -1108,6 +1114,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = self.tp.gather_to_driver(self.lm_head(h))
             logits = None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
+        if aux is not None:
+            return logits, pooled, torch.cat(aux, dim=-1)
         return logits if hidden_indices is None else (logits, pooled)
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:

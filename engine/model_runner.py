@@ -308,9 +308,10 @@ class ModelRunner:
             at += q
         if not flat:
             return self.forward_step(shape, ids, tables), samplers, prompt_rows, [], []
-        logits, hidden = self.forward_step(shape, ids, tables, hidden=flat)
+        logits, hidden, *aux = self.forward_step(shape, ids, tables, hidden=flat)
+        drafted = aux[0] if aux else hidden                 # an EAGLE-3 head reads layers' streams, others the last
         return logits, samplers, prompt_rows, [(seq, hidden[a:b]) for seq, a, b in owners], \
-            [(seq, first, hidden[a:b]) for seq, first, a, b in captured]
+            [(seq, first, drafted[a:b]) for seq, first, a, b in captured]
 
     def release(self, request_id: str) -> None:
         """The sequence finished, was aborted or preempted: free its rows of the persistent tables."""
@@ -370,7 +371,12 @@ class ModelRunner:
         graph.graph.replay()
         return graph.logits[:shape.num_tokens]
 
+    aux_layers: tuple[int, ...] | None = None      # layers whose input streams an EAGLE-3 head reads
+
     def _model(self, x: StepInputs, num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
+        if hidden_indices is not None and self.aux_layers is not None:
+            return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers,
+                              hidden_indices=hidden_indices, aux_layers=self.aux_layers)
         return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers,
                           hidden_indices=hidden_indices)
 

@@ -44,6 +44,41 @@ def write_eagle_head(target: str, dst: Path, fc_bias: bool = False, seed: int = 
     return str(dst)
 
 
+def write_eagle3_head(target: str, dst: Path, draft_vocab: int = 200, aux: list[int] | None = None,
+                      seed: int = 4) -> str:
+    """An EAGLE-3 head for `target` as its checkpoints hold it: fc over three of the target's streams, "midlayer."
+    whose attention reads twice the width, its own final norm and head over `draft_vocab` of the target's ids (d2t:
+    each one's offset to its target id; t2d: the target's ids it covers)."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
+        cfg["intermediate_size"]
+    d = h // heads
+    head_cfg = {**cfg, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"],
+                "draft_vocab_size": draft_vocab}
+    if aux is not None:
+        head_cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(head_cfg))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    ids = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[ids] = True
+    m = "midlayer."
+    tensors = {"fc.weight": rand(h, 3 * h), m + "self_attn.q_proj.weight": rand(heads * d, 2 * h),
+               m + "self_attn.k_proj.weight": rand(kv * d, 2 * h), m + "self_attn.v_proj.weight": rand(kv * d, 2 * h),
+               m + "self_attn.o_proj.weight": rand(h, heads * d), m + "mlp.gate_proj.weight": rand(inter, h),
+               m + "mlp.up_proj.weight": rand(inter, h), m + "mlp.down_proj.weight": rand(h, inter),
+               "lm_head.weight": rand(draft_vocab, h) * 4, "d2t": ids - torch.arange(draft_vocab), "t2d": t2d}
+    for norm in (m + "input_layernorm", m + "hidden_norm", m + "post_attention_layernorm", "norm"):
+        tensors[norm + ".weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    save_file(tensors, dst / "model.safetensors")
+    return str(dst)
+
+
 def add_mtp_layer(src: str, dst: Path, copy_of_target: bool = False, seed: int = 5) -> str:
     """`src` (a DeepSeek-V3) with the layer its num_nextn_predict_layers promises, as DeepSeek's release holds it:
     model.layers.{num_hidden_layers}. with a decoder layer, enorm, hnorm, eh_proj, shared_head.norm and copies of the
@@ -87,6 +122,16 @@ def eagle(llama, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def llama8(tmp_path_factory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama8"), "llama", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def eagle3(llama8, tmp_path_factory) -> str:
+    return write_eagle3_head(llama8, tmp_path_factory.mktemp("eagle3") / "head", aux=[1, 4, 6])
+
+
+@pytest.fixture(scope="module")
 def v3_mtp(tmp_path_factory) -> str:
     v3 = make_tiny_checkpoint(tmp_path_factory.mktemp("v3"), "deepseek_v3")
     return add_mtp_layer(v3, tmp_path_factory.mktemp("v3mtp") / "ckpt")
@@ -109,6 +154,60 @@ def spy_drafts(llm: LLM) -> list:
         return drafts, timings
     drafter.draft = draft
     return records
+
+
+class HFEagle3:
+    """EAGLE-3's formula, written out (transformers has no EAGLE-3 model): the target's streams from transformers'
+    hidden states (hidden_states[i] enters layer i), the head's layer in plain torch with transformers' norms, MLP and
+    rotary tables."""
+
+    def __init__(self, target: str, head: str):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+        self.target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        cfg = AutoConfig.from_pretrained(head)
+        self.cfg, self.w = cfg, load_file(Path(head) / "model.safetensors")
+        self.aux = cfg.eagle_config["eagle_aux_hidden_state_layer_ids"]
+        self.norms = {}
+        for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+            self.norms[name] = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norms[name].weight.data.copy_(self.w[name + ".weight"])
+        self.mlp = LlamaMLP(cfg)
+        self.mlp.load_state_dict({k[len("midlayer.mlp."):]: v for k, v in self.w.items() if ".mlp." in k})
+        self.rope = LlamaRotaryEmbedding(cfg)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        cfg, w, t = self.cfg, self.w, x.shape[0]
+        d = cfg.hidden_size // cfg.num_attention_heads
+        q, k, v = (x @ w[f"midlayer.self_attn.{p}_proj.weight"].T for p in "qkv")
+        q = q.view(t, -1, d).transpose(0, 1)[None]
+        k, v = (y.view(t, -1, d).transpose(0, 1)[None] for y in (k, v))
+        cos, sin = self.rope(x[None], torch.arange(t)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o[0].transpose(0, 1).reshape(t, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], base: int, k: int) -> list[torch.Tensor]:
+        n, w = self.norms, self.w
+        states = self.target.model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        hidden = torch.cat([states[i][0] for i in self.aux], -1)[base:] @ w["fc.weight"].T
+        embeds = self.target.model.embed_tokens(torch.tensor(tokens[base + 1:]))
+        ids = torch.arange(len(w["d2t"])) + w["d2t"]
+        out = []
+        for _ in range(k):
+            x = torch.cat([n["midlayer.input_layernorm"](embeds), n["midlayer.hidden_norm"](hidden)], -1)
+            r = hidden + self.attention(x)
+            y = r + self.mlp(n["midlayer.post_attention_layernorm"](r))
+            logits = torch.full((self.cfg.vocab_size,), float("-inf"))
+            logits[ids] = n["norm"](y[-1]) @ w["lm_head.weight"].T
+            out.append(logits)
+            embeds = torch.cat([embeds, self.target.model.embed_tokens(logits.argmax()[None])])
+            hidden = torch.cat([hidden, y[-1:]])
+        return out
 
 
 class HFHead:
@@ -190,9 +289,9 @@ def check_drafts(records: list, ref: HFHead) -> int:
     return compared
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
-def test_drafts_are_the_heads_formula_and_greedy_output_is_the_targets(method, llama, eagle, v3_mtp):
-    target, head = (llama, eagle) if method == "eagle" else (v3_mtp, None)
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_drafts_are_the_heads_formula_and_greedy_output_is_the_targets(method, llama, eagle, llama8, eagle3, v3_mtp):
+    target, head = {"eagle": (llama, eagle), "eagle3": (llama8, eagle3), "mtp": (v3_mtp, None)}[method]
     want = [o.token_ids for o in LLM(target, **KW).generate(PROMPTS, GREEDY)]
     llm = LLM(target, speculative_config=spec(method, head), max_num_batched_tokens=48, **KW)
     records = spy_drafts(llm)
@@ -201,7 +300,8 @@ def test_drafts_are_the_heads_formula_and_greedy_output_is_the_targets(method, l
     assert again.metrics.num_cached_tokens == 32
     assert again.token_ids == LLM(target, **KW).generate([PROMPTS[2][:33] + [1, 2, 3]], GREEDY)[0].token_ids
     assert {base for _, base, _ in records} == {0, 32}
-    assert check_drafts(records, HFHead(target, method, head)) > 0.9 * sum(len(d) for *_, d in records)
+    ref = HFEagle3(target, head) if method == "eagle3" else HFHead(target, method, head)
+    assert check_drafts(records, ref) > 0.9 * sum(len(d) for *_, d in records)
     stats = llm.engine.stats()
     assert stats["spec_num_draft_tokens"] == sum(len(d) for *_, d in records) > 100
     assert_no_leak(llm)
@@ -247,6 +347,15 @@ def test_nothing_leaks_through_preemption_and_aborts(llama, eagle):
     assert_no_leak(llm)
 
 
+def test_an_eagle3_head_reads_the_layers_its_config_names(llama8, tmp_path):
+    """Without eagle_aux_hidden_state_layer_ids, the streams entering layers 2, L/2 and L-3 (vLLM's choice)."""
+    llm = LLM(llama8, speculative_config=spec("eagle3", write_eagle3_head(llama8, tmp_path / "h")), **KW)
+    assert llm.engine.runner.aux_layers == (2, 4, 5)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == \
+        [o.token_ids for o in LLM(llama8, **KW).generate(PROMPTS[:2], GREEDY)]
+    assert llm.engine.stats()["spec_num_draft_tokens"] > 0
+
+
 def test_an_eagle_head_in_pytorch_bins_loads(llama, eagle, tmp_path):
     """EAGLE's own checkpoints are pytorch_model.bin files: the same head, the same drafts."""
     binned = tmp_path / "bin"
@@ -263,6 +372,7 @@ def test_an_eagle_head_in_pytorch_bins_loads(llama, eagle, tmp_path):
 
 @pytest.mark.parametrize("method,extra,words", [
     ("eagle", {}, 'needs "model"'),
+    ("eagle3", {}, 'needs "model"'),
     ("mtp", {"model": "x"}, "own prediction layer"),
 ])
 def test_bad_head_configs_are_clear_errors(method, extra, words):
@@ -276,6 +386,8 @@ def test_heads_that_do_not_fit_the_target_are_refused(llama, v3_mtp, tmp_path):
     other = make_tiny_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
     with pytest.raises(ConfigError, match="trained for another model"):
         LLM(llama, speculative_config=spec("eagle", write_eagle_head(other, tmp_path / "head")), **KW)
+    with pytest.raises(ConfigError, match=r"three of the target's 3 layers, got \[1, 4, 6\]"):
+        LLM(llama, speculative_config=spec("eagle3", write_eagle3_head(llama, tmp_path / "e3", aux=[1, 4, 6])), **KW)
     bare = make_tiny_checkpoint(tmp_path / "v3", "deepseek_v3")              # promises a layer it does not hold
     with pytest.raises(ModelLoadError, match="mtp head"):
         LLM(bare, speculative_config=spec("mtp"), **KW)

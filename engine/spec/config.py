@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "layer_skip", "eagle", "mtp")
+METHODS = ("ngram", "draft_model", "layer_skip", "eagle", "eagle3", "mtp")
 ALIASES = {"deepseek_mtp": "mtp"}           # vLLM's older name of DeepSeek's multi-token prediction
 
 
@@ -15,13 +15,13 @@ ALIASES = {"deepseek_mtp": "mtp"}           # vLLM's older name of DeepSeek's mu
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4       # the most drafts per step; adaptive depth picks 0..this
-    model: str | None = None              # draft_model: a smaller model sharing the target's tokenizer; eagle: the
-                                          # EAGLE head's checkpoint (engine/spec/head.py)
+    model: str | None = None              # draft_model: a smaller model sharing the target's tokenizer; eagle, eagle3: the
+                                          # EAGLE or EAGLE-3 head's checkpoint (engine/spec/head.py)
     prompt_lookup_min: int = 1            # ngram: shortest tail n-gram to look up
     prompt_lookup_max: int = 4            # ngram: longest
     num_layers: int | None = None         # layer_skip: how many of the target's first layers draft
     adaptive: bool = True                 # choose k per request each step (False: always the max)
-    draft_kv_blocks: int | None = None    # draft_model, eagle, mtp: blocks of its own KV cache (default: the target's)
+    draft_kv_blocks: int | None = None    # draft_model, eagle(3), mtp: blocks of its own KV cache (default: the target's)
     # adaptive: seconds of a target step over T tokens, [[T, seconds], ...] with T increasing, instead of measuring
     # them at start-up (several seconds on a CPU): the same depth decisions on every start and machine, as
     # measured once (the engine still scales the table by the steps it times)
@@ -52,10 +52,10 @@ class SpeculativeConfig:
             bad(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
         if self.method == "draft_model" and not self.model:
             bad('method "draft_model" needs "model": the path of a draft model')
-        if self.method == "eagle" and not self.model:
-            bad('method "eagle" needs "model": the path of an EAGLE head trained for the target')
-        if self.method not in ("draft_model", "eagle") and self.model is not None:
-            bad(f'"model" applies to methods "draft_model" and "eagle", not {self.method!r}'
+        if self.method in ("eagle", "eagle3") and not self.model:
+            bad(f'method "{self.method}" needs "model": the path of a head trained for the target')
+        if self.method not in ("draft_model", "eagle", "eagle3") and self.model is not None:
+            bad(f'"model" applies to methods "draft_model", "eagle" and "eagle3", not {self.method!r}'
                 + (" (mtp drafts with the target's own prediction layer)" if self.method == "mtp" else ""))
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             bad(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "

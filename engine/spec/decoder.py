@@ -70,7 +70,7 @@ class SpecDecoder:
                 raise ConfigError(f"speculative_config: num_layers must be below the target's {total} layers, "
                                   f"got {cfg.num_layers}")
             return LayerSkipProposer(e.runner, cfg.num_layers, e.kv.allocate_slots)
-        if cfg.method in ("eagle", "mtp"):
+        if cfg.method in ("eagle", "eagle3", "mtp"):
             runner = e.draft_runner                          # engine/spec/head.py, loaded before the KV caches
             log.info("%s head: %.1f MiB of weights, %d KV blocks", cfg.method, runner.weight_bytes / 2**20,
                      runner.num_blocks)

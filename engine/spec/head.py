@@ -1,15 +1,22 @@
-"""Draft heads that read the target's hidden states: EAGLE's and DeepSeek's multi-token prediction (MTP) module.
+"""Draft heads that read the target's hidden states: EAGLE's, EAGLE-3's and DeepSeek's multi-token prediction (MTP).
 
-Both draft token t+2 from the token t+1 and the target's final hidden state at position t (after its last norm),
-through one decoder layer of their own with its own KV cache (one layer of it), and score with the target's head:
+Each drafts token t+2 from the token t+1 and the target's hidden state at position t, through decoder layers of its
+own with their own KV cache:
 
-- eagle (EAGLE-1, Li et al. 2024; vLLM's "eagle" checkpoints): fc([embed(t+1); h_t]), then its decoder layers, the
-  first without its input norm; the target's lm_head on the sum, no norm before it.
-- mtp (DeepSeek-V3's released `model.layers.{num_hidden_layers}`): eh_proj([enorm(embed(t+1)); hnorm(h_t)]), one of
-  the target's own decoder layers (MLA and experts), its shared_head.norm, then the target's lm_head.
+- eagle (EAGLE-1, Li et al. 2024; vLLM's "eagle" checkpoints): fc([embed(t+1); h_t]) with h_t the target's final
+  hidden state (after its last norm), then its decoder layers, the first without its input norm; the target's
+  lm_head on the sum, no norm before it.
+- eagle3 (EAGLE-3, Li et al. 2025; vLLM's "eagle3"): h_t is fc of three of the target's residual streams side by side
+  (entering layers 2, L/2 and L-3, or the head config's eagle_aux_hidden_state_layer_ids); the first layer's attention
+  reads [input_norm(embed(t+1)); hidden_norm(h_t)] (twice the width), the stream carries h_t; a final norm and a head
+  of its own over a draft vocabulary (d2t maps its ids to the target's).
+- mtp (DeepSeek-V3's released `model.layers.{num_hidden_layers}`): eh_proj([enorm(embed(t+1)); hnorm(h_t)]) with h_t
+  the target's final hidden state, one of the target's own decoder layers (MLA and experts), its shared_head.norm,
+  then the target's lm_head.
 
-Both use the target's embedding and head (the papers' shared modules: the checkpoints' copies are not read). Drafting
-further than one token feeds the head its own output (the sum before any norm) in place of h_t, as vLLM does.
+The target's embedding (and, but for EAGLE-3, its head) are used, as the papers share them: a checkpoint's copies are
+not read. Drafting further than one token feeds the head its own output (the sum before any norm) in place of h_t, as
+vLLM does.
 """
 from __future__ import annotations
 
@@ -32,48 +39,101 @@ class SpecHead(LlamaForCausalLM):
     output at those rows: what the next draft reads as its hidden state). `hidden`: one row per input token, the
     target's final hidden state at the position before that token (or the head's own output, when chaining)."""
 
-    def __init__(self, config, max_positions: int, kind: str, fc_bias: bool = False):
+    def __init__(self, config, max_positions: int, kind: str, fc_bias: bool = False, own_embedding: bool = False):
         super().__init__(config, max_positions)
         h = config.hidden_size
         self.kind = kind
-        self.model.embed_tokens, self.lm_head = None, None          # the target's: set by share()
+        self.lm_head = None                                          # the target's: set by share()
+        if not own_embedding:
+            self.model.embed_tokens = None
         self._shared: tuple[nn.Module, nn.Module] | None = None
+        self.register_buffer("d2t", None)                           # EAGLE-3: draft id -> target id - draft id
         if kind == "eagle":
             self.fc = nn.Linear(2 * h, h, bias=fc_bias)
             self.model.layers[0].input_layernorm = nn.Identity()     # EAGLE's first layer reads fc's output as is
             self.model.norm = nn.Identity()                          # and the head reads the layers' sum as is
+        elif kind == "eagle3":
+            self.fc = nn.Linear(3 * int(getattr(config, "target_hidden_size", None) or h), h, bias=False)
+            first = self.model.layers[0]
+            attn = first.self_attn                                   # its attention reads [embedding; hidden]
+            attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=attn.qkv_proj.bias is not None)
+            first.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+            self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+            self.draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+            self.target_vocab = config.vocab_size
+            self.lm_head = nn.Linear(h, self.draft_vocab, bias=False)
+            if self.draft_vocab != config.vocab_size:
+                self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
         else:
             self.enorm = RMSNorm(h, config.rms_norm_eps)
             self.hnorm = RMSNorm(h, config.rms_norm_eps)
             self.eh_proj = nn.Linear(2 * h, h, bias=False)
 
     def share(self, target: LlamaForCausalLM) -> None:
-        """Take the target's embedding and head (plain attributes: not this module's parameters)."""
-        self._shared = (target.model.embed_tokens, target.lm_head)
+        """Take the target's embedding (unless the head has its own) and head (EAGLE-1, MTP): plain attributes, not this
+        module's parameters."""
+        embed = self.model.embed_tokens if self.model.embed_tokens is not None else target.model.embed_tokens
+        self._shared = (embed, self.lm_head if self.lm_head is not None else target.lm_head)
 
     def tie_weights(self) -> None:
         pass
+
+    def load_weights(self, weights) -> None:
+        """EAGLE-3's d2t is a buffer, not a parameter: taken here, the rest as any model's."""
+        def rest():
+            for name, tensor in weights:
+                if name == "d2t":
+                    if self.d2t is None or tensor.shape != self.d2t.shape:
+                        raise ModelLoadError(f"d2t of {tensor.shape[0]} ids, for a draft vocabulary of "
+                                             f"{self.draft_vocab}")
+                    self.d2t.copy_(tensor)
+                    self._d2t_loaded = True
+                elif name != "t2d":
+                    yield name, tensor
+        self._d2t_loaded = False
+        super().load_weights(rest())
+        if self.d2t is not None and not self._d2t_loaded:
+            raise ModelLoadError(f"a draft vocabulary of {self.draft_vocab} ids needs d2t, its map to the target's")
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md, logits_indices, hidden):
         embed, head = self._shared
         e = embed(input_ids)
-        if self.kind == "eagle":
-            x = self.fc(torch.cat([e, hidden.to(e.dtype)], dim=-1))
-        else:
-            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], dim=-1))
+        hidden = hidden.to(e.dtype)
         ropes = {kind: rope.tables(positions) for kind, rope in self.ropes.items()}
-        residual = None
-        for layer in self.model.layers:
+        layers = self.model.layers
+        if self.kind == "eagle3":
+            if hidden.shape[-1] != e.shape[-1]:                      # the target's three streams: fc them
+                hidden = self.fc(hidden)
+            first = layers[0]
+            if self.norm_before_residual:
+                h = first.hidden_norm(hidden)
+                residual = h.clone()
+            else:
+                residual, h = hidden.clone(), first.hidden_norm(hidden)
+            a = first.self_attn(torch.cat([first.input_layernorm(e), h], dim=-1), ropes, kv_cache, md)
+            x = first.mlp(first.post_attention_layernorm.add(a, residual))
+            layers = layers[1:]
+        else:
+            x = self.fc(torch.cat([e, hidden], dim=-1)) if self.kind == "eagle" else \
+                self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden)], dim=-1))
+            residual = None
+        for layer in layers:
             x, residual = layer(x, residual, ropes, kv_cache, md)
         out = (residual + x)[logits_indices]
-        return head(self.model.norm(out)).float(), out
+        logits = head(self.model.norm(out)).float()
+        if self.kind == "eagle3" and self.draft_vocab != self.target_vocab:    # onto the target's ids, -inf elsewhere
+            full = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"))
+            full[:, torch.arange(self.draft_vocab, device=logits.device) + self.d2t] = logits
+            logits = full
+        return logits, out
 
 
 def _eagle_name(name: str) -> str:
-    """An EAGLE checkpoint's names (with or without "model."), as SpecHead's."""
-    name = name.removeprefix("model.")
-    return name if name.startswith("fc.") else f"model.{name}"
+    """An EAGLE or EAGLE-3 checkpoint's names (with or without "model."; EAGLE-3's layer as "midlayer."), as
+    SpecHead's."""
+    name = name.removeprefix("model.").replace("midlayer.", "layers.0.")
+    return name if name.startswith(("fc.", "lm_head.")) or name in ("d2t", "t2d") else f"model.{name}"
 
 
 class HeadRunner(ModelRunner):
@@ -81,26 +141,26 @@ class HeadRunner(ModelRunner):
     shareable = False
 
     def __init__(self, config, path: str, hf_config, kind: str, target: ModelRunner, max_model_len: int,
-                 fc_bias: bool = False):
-        self.kind, self.fc_bias = kind, fc_bias
+                 fc_bias: bool = False, own_embedding: bool = False):
+        self.kind, self.fc_bias, self.own_embedding = kind, fc_bias, own_embedding
         self.mtp_layer = target.hf_config.num_hidden_layers
         prefix = f"model.layers.{self.mtp_layer}."
         if kind == "mtp":                 # the target's checkpoint: only its prediction layer, no shared copies
             self.keep = lambda n: n.startswith(prefix) and n[len(prefix):] not in (
                 "embed_tokens.weight", "shared_head.head.weight")
-        else:                             # the original EAGLE code's layer 0 keeps an input norm it never runs
+        elif kind == "eagle":             # the original EAGLE code's layer 0 keeps an input norm it never runs
             self.keep = lambda n: n.removeprefix("model.") not in (
                 "embed_tokens.weight", "lm_head.weight", "layers.0.input_layernorm.weight")
         super().__init__(config, path, hf_config, max_model_len)
         self.model.share(target.model)
 
     def new_model(self, hf_config, max_model_len, tp):
-        return SpecHead(hf_config, max_model_len, self.kind, self.fc_bias)
+        return SpecHead(hf_config, max_model_len, self.kind, self.fc_bias, self.own_embedding)
 
     def checkpoint_tensors(self, weights):
         prefix = f"model.layers.{self.mtp_layer}."
         for name, tensor in weights:
-            if self.kind == "eagle":
+            if self.kind != "mtp":
                 yield _eagle_name(name), tensor
                 continue
             rest = name[len(prefix):]
@@ -128,8 +188,9 @@ class HeadRunner(ModelRunner):
 
 
 def load_head_runner(config, target: ModelRunner, max_model_len: int) -> HeadRunner:
-    """The draft head of speculative_config (eagle: its checkpoint; mtp: the target's own prediction layer), loaded
-    before the KV caches are sized (model_runner.allocate_kv_caches)."""
+    """The draft head of speculative_config (eagle, eagle3: its checkpoint; mtp: the target's own prediction layer),
+    loaded before the KV caches are sized (model_runner.allocate_kv_caches). An EAGLE-3 head sets the target runner's
+    aux_layers: the streams its forwards then keep."""
     from engine.config import EngineConfig
     from engine.loader import gguf_source, load_config, resolve_model
     spec, target_hf = config.speculative_config, target.hf_config
@@ -150,19 +211,32 @@ def load_head_runner(config, target: ModelRunner, max_model_len: int) -> HeadRun
         # one layer, built as the target's layer num_hidden_layers is (DeepSeek-V3's: experts)
         hf.first_k_dense_replace = 0 if is_moe_layer(target_hf, target_hf.num_hidden_layers) else 1
         hf.moe_layer_freq, hf.num_hidden_layers, hf.tie_word_embeddings = 1, 1, False
-        fc_bias = False
+        fc_bias, own_embedding = False, False
     else:
         path = resolve_model(spec.model)
         hf = load_config(path)
+        name = "an EAGLE-3" if spec.method == "eagle3" else "an EAGLE"
         if hf.model_type != "llama":
-            raise ConfigError(f"speculative_config: an EAGLE head is a Llama decoder layer; {spec.model} is "
+            raise ConfigError(f"speculative_config: {name} head is a Llama decoder layer; {spec.model} is "
                               f"{hf.model_type!r}")
-        if hf.hidden_size != target_hf.hidden_size or hf.vocab_size != target_hf.vocab_size:
-            raise ConfigError(f"speculative_config: the EAGLE head {spec.model} reads hidden states of "
-                              f"{hf.hidden_size} over a vocabulary of {hf.vocab_size}; the target has "
-                              f"{target_hf.hidden_size} and {target_hf.vocab_size}: it was trained for another model")
+        reads = int(getattr(hf, "target_hidden_size", None) or hf.hidden_size)
+        own_embedding = spec.method == "eagle3" and _has_tensor(path, "embed_tokens.weight")
+        if reads != target_hf.hidden_size or hf.vocab_size != target_hf.vocab_size or \
+                hf.hidden_size != target_hf.hidden_size and not own_embedding:
+            raise ConfigError(f"speculative_config: the head {spec.model} reads hidden states of {reads} over a "
+                              f"vocabulary of {hf.vocab_size}; the target has {target_hf.hidden_size} and "
+                              f"{target_hf.vocab_size}: it was trained for another model")
         fc_bias = _has_tensor(path, "fc.bias")
         hf.tie_word_embeddings = False
+        if spec.method == "eagle3":                          # the target's streams the head reads, entering these
+            n = target_hf.num_hidden_layers
+            ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or \
+                (getattr(hf, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids") or (2, n // 2, n - 3)
+            ids = tuple(int(i) for i in ids)
+            if len(ids) != 3 or not all(0 <= i < n for i in ids):
+                raise ConfigError(f"speculative_config: the EAGLE-3 head reads three of the target's {n} layers, "
+                                  f"got {list(ids)}")
+            target.aux_layers = ids
     limit = getattr(hf, "max_position_embeddings", max_model_len)
     if limit < max_model_len:
         raise ConfigError(f"speculative_config: the draft head has {limit} positions, fewer than max_model_len "
@@ -173,7 +247,7 @@ def load_head_runner(config, target: ModelRunner, max_model_len: int) -> HeadRun
                         enforce_eager=True, load_format="dummy" if c.load_format == "dummy" else "auto",
                         quantization="auto" if c.quantization in ("gguf", "auto") else c.quantization)
     try:
-        return HeadRunner(dcfg, path, hf, spec.method, target, max_model_len, fc_bias)
+        return HeadRunner(dcfg, path, hf, spec.method, target, max_model_len, fc_bias, own_embedding)
     except ModelLoadError as e:
         raise ModelLoadError(f"speculative_config: the {spec.method} head of {path}: {e}") from None
 
