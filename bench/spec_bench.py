@@ -446,11 +446,13 @@ def plot(result: dict, path: Path) -> None:
 # -- the command ---------------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="ngram", choices=("ngram", "layer_skip", "draft_model"),
+    p.add_argument("--method", default="ngram", choices=("ngram", "layer_skip", "draft_model", "eagle", "eagle3", "mtp"),
                    help="speculation of workloads (a)-(c), adaptive depth (default: ngram)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of that method (default 4)")
     p.add_argument("--num-layers", type=int, default=8, help="--method layer_skip: drafting layers")
-    p.add_argument("--draft-model", default=None, help="--method draft_model: the draft's path")
+    p.add_argument("--draft-model", default=None,
+                   help="--method draft_model: the draft's path; eagle, eagle3: the head's (`baton bench eagle-head` "
+                        "trains an EAGLE-3 head)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help=f"tokens per batch-1 request (default {FULL['max_tokens']}, quick {QUICK['max_tokens']})")
     p.add_argument("--batch-max-tokens", type=int, default=None,
@@ -472,9 +474,9 @@ def _main_spec(args) -> dict:
         spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
     elif args.method == "layer_skip":
         spec["num_layers"] = args.num_layers
-    else:
+    elif args.method != "mtp":
         if not args.draft_model:
-            raise SystemExit("baton bench spec: --method draft_model needs --draft-model PATH")
+            raise SystemExit(f"baton bench spec: --method {args.method} needs --draft-model PATH")
         spec["model"] = args.draft_model
     return spec
 

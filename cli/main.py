@@ -12,6 +12,8 @@ import sys
 BENCHES = {
     "engine": ("bench.engine_bench", "engine throughput and latency against transformers"),
     "spec": ("bench.spec_bench", "batch-1 inter-token latency with and without speculative decoding"),
+    "eagle-head": ("bench.eagle_head", "train a small EAGLE-3 head for a model on its own text (for `bench spec "
+                                       "--method eagle3`): its held-out first-draft accuracy"),
     "transfer": ("bench.transfer_bench", "one request's KV between two processes: NIXL vs the Ray fallback vs a copy"),
     "cluster": ("bench.cluster_bench", "open-loop HTTP load: prefix-aware vs pow2 routing, disaggregated vs colocated"),
     "autoscale": ("bench.autoscale_bench", "coupled vs independent pool autoscaling on a load step (fluid model)"),

@@ -120,8 +120,8 @@ class EngineKnobs(_Schema):
                                   "(a run of them) rather than a share of every expert's units, as vLLM's "
                                   "--enable-expert-parallel; no effect on dense models or at TP 1")
     speculative_config: dict[str, Any] | None = _knob(
-        "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip, "
-                              "num_speculative_tokens, ...} (off when unset)")
+        "speculative_config", "Speculative decoding, vLLM-style: {method: ngram | draft_model | layer_skip | eagle | "
+                              "eagle3 | mtp, num_speculative_tokens, ...} (off when unset)")
 
     generation_config: str | None = _knob(
         "generation_config", "The model's generation_config.json, as vLLM reads it: auto (its sampling fields "

@@ -39,7 +39,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # ranks one model is sharded over (KV heads: engine/kv_layout.py)
     distributed_executor_backend: str = "mp"  # TP workers: "mp" (processes) or "ray" (actors): engine/executor.py
     enable_expert_parallel: bool = False      # MoE under TP: each rank holds whole experts, not a share of each
-    speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip", ...}
+    speculative_config: Any = None            # dict, vLLM-style: {"method": "ngram" | "draft_model" | "layer_skip" |
+    #                                           "eagle" | "eagle3" | "mtp", ...} (engine/spec/config.py)
     enable_lora: bool = False                 # serve LoRA adapters (engine/lora.py) beside the base model
     max_loras: int = 1                        # adapters in device slots: at most this many in one step
     max_lora_rank: int = 16                   # the largest adapter rank accepted

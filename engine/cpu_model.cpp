@@ -149,7 +149,9 @@ class DecoderStack {
                                                    const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                                                    const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
                                                    int64_t num_layers, const c10::optional<torch::Tensor>& lora_rows,
-                                                   const c10::optional<torch::Tensor>& lora_slots) const {
+                                                   const c10::optional<torch::Tensor>& lora_slots,
+                                                   const std::vector<int64_t>& aux_layers,
+                                                   const c10::optional<torch::Tensor>& aux_out) const {
     const int64_t L = num_layers < 0 ? this->num_layers() : std::min(num_layers, this->num_layers());
     TORCH_CHECK(static_cast<int64_t>(k_.size()) == this->num_layers(), "set_kv before forward");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x: fp32 [T, hidden]");
@@ -172,9 +174,18 @@ class DecoderStack {
         lora::apply(in, l.lora[which]->a, l.lora[which]->bt, ad->rows, ad->slots, y);
       return y;
     };
+    // an EAGLE-3 head's streams: the residual stream entering each of aux_layers, side by side in aux_out [T, n x hidden]
+    if (!aux_layers.empty())
+      TORCH_CHECK(aux_out.has_value() && aux_out->size(0) == T &&
+                  aux_out->size(1) == static_cast<int64_t>(aux_layers.size()) * x.size(1), "aux_out: [T, n x hidden]");
     torch::Tensor residual;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
+      for (size_t j = 0; j < aux_layers.size(); ++j)
+        if (aux_layers[j] == i) {
+          torch::Tensor dst = aux_out->narrow(1, static_cast<int64_t>(j) * x.size(1), x.size(1));
+          if (i == 0) dst.copy_(x); else at::add_out(dst, x, residual);
+        }
       torch::Tensor h;
       if (i == 0) {
         residual = x;
@@ -265,5 +276,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("num_layers") = -1,
-           py::arg("lora_rows") = py::none(), py::arg("lora_slots") = py::none(), nogil);
+           py::arg("lora_rows") = py::none(), py::arg("lora_slots") = py::none(),
+           py::arg("aux_layers") = std::vector<int64_t>(), py::arg("aux_out") = py::none(), nogil);
 }

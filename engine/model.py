@@ -1087,14 +1087,18 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:                 # in the embeddings' dtype, as transformers rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         aux = [] if aux_layers is not None and hidden_indices is not None else None
-        stack = self.cpu_stack(h, kv_cache) if aux is None else None      # the C++ stack runs every layer at once
+        stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
             plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
+            streams = None if aux is None else h.new_empty(h.shape[0], len(aux_layers) * h.shape[1])
             h, residual = stack.forward(h, [r.cos[positions] for r in self.ropes.values()],
                                         [r.sin[positions] for r in self.ropes.values()], md.slot_mapping,
                                         md.block_tables, md.seq_lens, md.query_start_loc,
                                         -1 if num_layers is None else num_layers,
-                                        plan.rows if plan else None, plan.row_slots if plan else None)
+                                        plan.rows if plan else None, plan.row_slots if plan else None,
+                                        list(aux_layers or ()), streams)
+            if aux is not None:
+                aux.append(streams[hidden_indices])
         else:
             ropes = {kind: rope.tables(positions) for kind, rope in self.ropes.items()}
             if self.q_temperature is not None:           # Llama 4's NoPE layers: log1p(floor((p + 1) / f)) * a + 1

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.models import make_tiny_checkpoint
-from engine import LLM, ConfigError, SamplingParams
+from engine import LLM, ConfigError, SamplingParams, cpu_model
 from engine.errors import ModelLoadError
 from tests.test_spec_decode import assert_no_leak
 
@@ -391,3 +391,20 @@ def test_heads_that_do_not_fit_the_target_are_refused(llama, v3_mtp, tmp_path):
     bare = make_tiny_checkpoint(tmp_path / "v3", "deepseek_v3")              # promises a layer it does not hold
     with pytest.raises(ModelLoadError, match="mtp head"):
         LLM(bare, speculative_config=spec("mtp"), **KW)
+
+
+@pytest.mark.skipif(not cpu_model.available(), reason="no C++ compiler: the kernels are not built")
+def test_the_cpu_stack_keeps_the_same_streams_for_eagle3(llama8, eagle3, monkeypatch):
+    """A packed target runs its layers in the C++ stack, which copies out the streams an EAGLE-3 head reads: the same
+    drafts, bit for bit, as the module-by-module forward's."""
+    runs = []
+    for on in (True, False):
+        monkeypatch.setenv("BATON_CPU_STACK", "1" if on else "0")
+        cpu_model.stack_enabled.cache_clear()
+        llm = LLM(llama8, quantization="int8", speculative_config=spec("eagle3", eagle3), **KW)
+        records = spy_drafts(llm)
+        outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.runner.model._stack                    # packed: the stack applies (when enabled)
+        runs.append((outs, records))
+    cpu_model.stack_enabled.cache_clear()
+    assert runs[0] == runs[1] and len(runs[0][1]) > 10
