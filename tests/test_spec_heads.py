@@ -26,17 +26,41 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 KW = dict(block_size=8, num_kv_blocks=96, max_model_len=256)
 
 
+def head_config(target: str, **extra) -> dict:
+    """A Llama layer's config of the target's widths (the decoder layer of an EAGLE head, whatever the target's family)."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "torch_dtype")
+    return {"model_type": "llama", **{k: cfg[k] for k in keep if k in cfg}, "num_hidden_layers": 1,
+            "tie_word_embeddings": False, **extra}
+
+
+def _random_layer(cfg: dict, g: torch.Generator, prefix: str, attn_in: int) -> dict[str, torch.Tensor]:
+    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
+        cfg["intermediate_size"]
+    d = h // heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+    out = {prefix + "self_attn.q_proj.weight": rand(heads * d, attn_in),
+           prefix + "self_attn.k_proj.weight": rand(kv * d, attn_in),
+           prefix + "self_attn.v_proj.weight": rand(kv * d, attn_in),
+           prefix + "self_attn.o_proj.weight": rand(h, heads * d), prefix + "mlp.gate_proj.weight": rand(inter, h),
+           prefix + "mlp.up_proj.weight": rand(inter, h), prefix + "mlp.down_proj.weight": rand(h, inter)}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{prefix}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    return out
+
+
 def write_eagle_head(target: str, dst: Path, fc_bias: bool = False, seed: int = 3) -> str:
     """An EAGLE-1 head for `target` as EAGLE's checkpoints hold it: fc over [embedding; hidden], one Llama layer under
     "layers.0." (with the input norm the original code keeps and never runs), no embedding or head of its own."""
-    cfg = json.loads((Path(target) / "config.json").read_text())
+    cfg = head_config(target, architectures=["LlamaForCausalLMEagle"])
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1,
-                                                 "architectures": ["LlamaForCausalLMEagle"]}))
+    (dst / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(seed)
-    h, last = cfg["hidden_size"], cfg["num_hidden_layers"] - 1
-    tensors = {k.replace(f"model.layers.{last}.", "layers.0."): v + 0.05 * torch.randn(v.shape, generator=g)
-               for k, v in load_file(Path(target) / "model.safetensors").items() if f".layers.{last}." in k}
+    h = cfg["hidden_size"]
+    tensors = _random_layer(cfg, g, "layers.0.", h)
     tensors["fc.weight"] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
     if fc_bias:
         tensors["fc.bias"] = 0.1 * torch.randn(h, generator=g)
@@ -49,32 +73,21 @@ def write_eagle3_head(target: str, dst: Path, draft_vocab: int = 200, aux: list[
     """An EAGLE-3 head for `target` as its checkpoints hold it: fc over three of the target's streams, "midlayer."
     whose attention reads twice the width, its own final norm and head over `draft_vocab` of the target's ids (d2t:
     each one's offset to its target id; t2d: the target's ids it covers)."""
-    cfg = json.loads((Path(target) / "config.json").read_text())
-    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
-        cfg["intermediate_size"]
-    d = h // heads
-    head_cfg = {**cfg, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"],
-                "draft_vocab_size": draft_vocab}
+    cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
     if aux is not None:
-        head_cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps(head_cfg))
+    (dst / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
-
+    h = cfg["hidden_size"]
     ids = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
     t2d[ids] = True
-    m = "midlayer."
-    tensors = {"fc.weight": rand(h, 3 * h), m + "self_attn.q_proj.weight": rand(heads * d, 2 * h),
-               m + "self_attn.k_proj.weight": rand(kv * d, 2 * h), m + "self_attn.v_proj.weight": rand(kv * d, 2 * h),
-               m + "self_attn.o_proj.weight": rand(h, heads * d), m + "mlp.gate_proj.weight": rand(inter, h),
-               m + "mlp.up_proj.weight": rand(inter, h), m + "mlp.down_proj.weight": rand(h, inter),
-               "lm_head.weight": rand(draft_vocab, h) * 4, "d2t": ids - torch.arange(draft_vocab), "t2d": t2d}
-    for norm in (m + "input_layernorm", m + "hidden_norm", m + "post_attention_layernorm", "norm"):
-        tensors[norm + ".weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    tensors = {**_random_layer(cfg, g, "midlayer.", 2 * h), "fc.weight": torch.randn(h, 3 * h, generator=g) / 8,
+               "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               "norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               "lm_head.weight": torch.randn(draft_vocab, h, generator=g) / 2, "d2t": ids - torch.arange(draft_vocab),
+               "t2d": t2d}
     save_file(tensors, dst / "model.safetensors")
     return str(dst)
 
@@ -141,9 +154,10 @@ def spec(method: str, head: str | None = None, k: int = 3) -> dict:
     return {"method": method, "num_speculative_tokens": k, "adaptive": False, **({"model": head} if head else {})}
 
 
-def spy_drafts(llm: LLM) -> list:
-    """Every draft the engine proposes: (the sequence's tokens then, its head's base position, the drafts)."""
-    drafter, records = llm.engine.spec.drafter, []
+def spy_drafts(llm) -> list:
+    """Every draft the engine (an LLM's or an LLMEngine) proposes: (the sequence's tokens then, its head's base
+    position, the drafts)."""
+    drafter, records = getattr(llm, "engine", llm).spec.drafter, []
     inner = drafter.draft
 
     def draft(seqs, ks):

@@ -210,19 +210,57 @@ def test_smollm2_tp2_equals_tp1(smol_path, kv):
 @pytest.mark.parametrize("spec", [  # the fast tier keeps layer_skip (drafts from the TP model itself)
     pytest.param({"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}, marks=pytest.mark.slow),
     {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 2, "adaptive": False},
-    pytest.param({"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow)],
-    ids=["ngram", "layer_skip", "draft_model"])
-def test_speculation_with_tp2_keeps_greedy_output(tiny_paths, spec):
+    pytest.param({"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow),
+    pytest.param({"method": "eagle", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow),
+    {"method": "eagle3", "num_speculative_tokens": 2, "adaptive": False}],
+    ids=["ngram", "layer_skip", "draft_model", "eagle", "eagle3"])
+def test_speculation_with_tp2_keeps_greedy_output(tiny_paths, spec, tmp_path):
     """ngram drafts without a model; layer_skip with the sharded target's first layers; a draft model runs
-    unsharded on rank 0 (vLLM's draft_tensor_parallel_size=1)."""
+    unsharded on rank 0 (vLLM's draft_tensor_parallel_size=1), and so do EAGLE heads, with whole copies of the
+    target's embedding (and, for EAGLE-1, its tied head) read from its checkpoint."""
+    from test_spec_heads import write_eagle3_head, write_eagle_head
     path = tiny_paths["qwen2-tied"]
     if spec["method"] == "draft_model":
         spec = {**spec, "model": path}
+    elif spec["method"] in ("eagle", "eagle3"):
+        write = write_eagle_head if spec["method"] == "eagle" else write_eagle3_head
+        spec = {**spec, "model": write(path, tmp_path / "head")}
     ref = generate(engine(path, 1), PROMPTS)
     eng = engine(path, 2, speculative_config=spec)
     try:
         assert_same_greedy(ref, generate(eng, PROMPTS))
         assert eng.stats()["spec_num_draft_tokens"] > 0
+        if spec["method"] in ("eagle", "eagle3"):      # whole copies on rank 0; TP 1's drafts
+            assert eng.draft_runner.model.model.embed_tokens.weight.shape[0] == eng.hf_config.vocab_size
+            same_drafts_as_tp1(path, spec, eng)
+    finally:
+        eng.shutdown()
+
+
+def same_drafts_as_tp1(path: str, spec: dict, tp2: LLMEngine) -> None:
+    """The head drafts at TP 2 what it drafts at TP 1 (the target's hidden states it reads are whole on rank 0),
+    request by request, but where a near-tie of the sums' order parts them."""
+    from test_spec_heads import spy_drafts
+    runs = []
+    for eng in (engine(path, 1, speculative_config=spec), tp2):
+        records = spy_drafts(eng)
+        generate(eng, [[3, 4, 5] * 7, list(range(120, 160))])          # prompts neither has cached
+        runs.append(records)
+    assert len(runs[0]) > 5
+    assert sum(a == b for a, b in zip(*runs)) >= 0.8 * len(runs[0])
+
+
+def test_deepseek_mtp_with_tp2_keeps_greedy_output(tmp_path):
+    """DeepSeek-V3's prediction layer drafts on rank 0 beside a TP 2 target (its heads split, its latent whole)."""
+    from test_spec_heads import add_mtp_layer
+    path = add_mtp_layer(make_tiny_checkpoint(tmp_path / "v3", "deepseek_v3"), tmp_path / "mtp")
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    ref = generate(engine(path, 1), PROMPTS)
+    eng = engine(path, 2, speculative_config=spec)
+    try:
+        assert_same_greedy(ref, generate(eng, PROMPTS))
+        assert eng.stats()["spec_num_draft_tokens"] > 0
+        same_drafts_as_tp1(path, spec, eng)
     finally:
         eng.shutdown()
 

@@ -39,13 +39,16 @@ class SpecHead(LlamaForCausalLM):
     output at those rows: what the next draft reads as its hidden state). `hidden`: one row per input token, the
     target's final hidden state at the position before that token (or the head's own output, when chaining)."""
 
-    def __init__(self, config, max_positions: int, kind: str, fc_bias: bool = False, own_embedding: bool = False):
+    def __init__(self, config, max_positions: int, kind: str, fc_bias: bool = False, own_embedding: bool = False,
+                 own_head: bool = False, tied: bool = False):
         super().__init__(config, max_positions)
         h = config.hidden_size
         self.kind = kind
-        self.lm_head = None                                          # the target's: set by share()
+        if not own_head:
+            self.lm_head = None                                      # the target's: set by share()
         if not own_embedding:
             self.model.embed_tokens = None
+        self.tie_word_embeddings = own_head and tied                 # a copy of a tied target's: one tensor
         self._shared: tuple[nn.Module, nn.Module] | None = None
         self.register_buffer("d2t", None)                           # EAGLE-3: draft id -> target id - draft id
         if kind == "eagle":
@@ -76,7 +79,8 @@ class SpecHead(LlamaForCausalLM):
         self._shared = (embed, self.lm_head if self.lm_head is not None else target.lm_head)
 
     def tie_weights(self) -> None:
-        pass
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            super().tie_weights()
 
     def load_weights(self, weights) -> None:
         """EAGLE-3's d2t is a buffer, not a parameter: taken here, the rest as any model's."""
@@ -141,12 +145,21 @@ class HeadRunner(ModelRunner):
     shareable = False
 
     def __init__(self, config, path: str, hf_config, kind: str, target: ModelRunner, max_model_len: int,
-                 fc_bias: bool = False, own_embedding: bool = False):
-        self.kind, self.fc_bias, self.own_embedding = kind, fc_bias, own_embedding
+                 target_path: str, fc_bias: bool = False, own_embedding: bool = False):
+        self.kind, self.fc_bias, self.target_path = kind, fc_bias, target_path
         self.mtp_layer = target.hf_config.num_hidden_layers
+        # under TP the target's embedding and head are vocabulary shards, run with collectives: the head, on rank 0
+        # alone, holds whole copies, read from the target's checkpoint
+        self.copies = target.tp is not None
+        self.tied = bool(getattr(target.hf_config, "tie_word_embeddings", False))
+        self.own_embedding = own_embedding or self.copies
+        self.own_head = kind != "eagle3" and self.copies
+        self.from_target = [n for n, own in (("model.embed_tokens.weight", own_embedding),
+                                             ("lm_head.weight", kind == "eagle3" or self.tied))
+                            if self.copies and not own]
         prefix = f"model.layers.{self.mtp_layer}."
-        if kind == "mtp":                 # the target's checkpoint: only its prediction layer, no shared copies
-            self.keep = lambda n: n.startswith(prefix) and n[len(prefix):] not in (
+        if kind == "mtp":                 # the target's checkpoint: only its prediction layer (and copies)
+            self.keep = lambda n: n in self.from_target or n.startswith(prefix) and n[len(prefix):] not in (
                 "embed_tokens.weight", "shared_head.head.weight")
         elif kind == "eagle":             # the original EAGLE code's layer 0 keeps an input norm it never runs
             self.keep = lambda n: n.removeprefix("model.") not in (
@@ -155,11 +168,16 @@ class HeadRunner(ModelRunner):
         self.model.share(target.model)
 
     def new_model(self, hf_config, max_model_len, tp):
-        return SpecHead(hf_config, max_model_len, self.kind, self.fc_bias, self.own_embedding)
+        return SpecHead(hf_config, max_model_len, self.kind, self.fc_bias, self.own_embedding, self.own_head,
+                        self.tied)
 
     def checkpoint_tensors(self, weights):
+        from engine.loader import iter_weights
         prefix = f"model.layers.{self.mtp_layer}."
         for name, tensor in weights:
+            if name in self.from_target:                          # mtp: its copies come with the layer's tensors
+                yield name, tensor
+                continue
             if self.kind != "mtp":
                 yield _eagle_name(name), tensor
                 continue
@@ -170,6 +188,8 @@ class HeadRunner(ModelRunner):
                 yield "model.norm.weight", tensor
             else:
                 yield "model.layers.0." + rest, tensor
+        if self.from_target and self.kind != "mtp":
+            yield from iter_weights(self.target_path, keep=lambda n: n in self.from_target)
 
     def forward_batch(self, items, num_layers=None, hidden: torch.Tensor | None = None):
         """items as ModelRunner.forward_batch's; `hidden` one row per fed token (zeros when None: profiling).
@@ -194,11 +214,12 @@ def load_head_runner(config, target: ModelRunner, max_model_len: int) -> HeadRun
     from engine.config import EngineConfig
     from engine.loader import gguf_source, load_config, resolve_model
     spec, target_hf = config.speculative_config, target.hf_config
-    if target.tp is not None:
-        raise ConfigError(f"speculative_config: method {spec.method!r} under tensor parallelism is not supported yet "
-                          f"(its head takes the target's whole embedding and head); use ngram or draft_model")
+    target_path = resolve_model(config.model)
+    if target.tp is not None and gguf_source(target_path) is not None:
+        raise ConfigError(f"speculative_config: method {spec.method!r} under tensor parallelism reads whole copies of "
+                          f"the target's embedding and head from a Hugging Face checkpoint, not a GGUF")
     if spec.method == "mtp":
-        path = resolve_model(config.model)
+        path = target_path
         layers = int(getattr(target_hf, "num_nextn_predict_layers", 0) or 0)
         if target_hf.model_type not in MLA_MODEL_TYPES or layers < 1:
             raise ConfigError(f"speculative_config: method 'mtp' needs a checkpoint with multi-token prediction "
@@ -247,7 +268,7 @@ def load_head_runner(config, target: ModelRunner, max_model_len: int) -> HeadRun
                         enforce_eager=True, load_format="dummy" if c.load_format == "dummy" else "auto",
                         quantization="auto" if c.quantization in ("gguf", "auto") else c.quantization)
     try:
-        return HeadRunner(dcfg, path, hf, spec.method, target, max_model_len, fc_bias, own_embedding)
+        return HeadRunner(dcfg, path, hf, spec.method, target, max_model_len, target_path, fc_bias, own_embedding)
     except ModelLoadError as e:
         raise ModelLoadError(f"speculative_config: the {spec.method} head of {path}: {e}") from None
 
