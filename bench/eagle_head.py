@@ -38,11 +38,20 @@ SUBJECTS = ["volcanoes", "the printing press", "honeybees", "compound interest",
             "vaccines", "the stock market", "octopuses", "solar panels", "the Silk Road", "recycling plastic",
             "sleep", "earthquakes", "coffee", "the immune system", "electric cars", "tides", "origami",
             "the human heart", "coral reefs", "public libraries", "bicycles", "rainbows", "ancient Egypt",
-            "machine translation", "mountain climbing", "penguins", "the moon landing", "wind turbines"]
+            "machine translation", "mountain climbing", "penguins", "the moon landing", "wind turbines",
+            "medieval castles", "the Olympic Games", "bread yeast", "hurricanes", "the telescope", "spiders",
+            "the Amazon rainforest", "credit cards", "the piano", "deserts", "the internet", "dinosaurs",
+            "bridges", "chocolate", "the French Revolution", "submarines", "elephants", "lightning",
+            "paper money", "the human brain", "trains", "mushrooms", "satellites", "democracy", "rivers",
+            "the camera", "wolves", "batteries", "tea", "skyscrapers", "the alphabet", "clouds", "antibiotics",
+            "the compass", "whales", "gardening"]
 TEMPLATES = ["Explain {s} to a curious ten-year-old.", "Write a short story in which {s} matter to the plot.",
              "List five surprising facts about {s}.", "What are the main arguments for and against {s}?",
              "Write a haiku and then a limerick about {s}.", "Summarize the history of {s} in one paragraph.",
-             "Give me three questions a teacher could ask about {s}, with answers."]
+             "Give me three questions a teacher could ask about {s}, with answers.",
+             "Write a short dialogue between two friends arguing about {s}.",
+             "Describe {s} in the style of a travel guide.",
+             "What would change if {s} had never existed?"]
 
 
 def prompts(n: int, seed: int) -> list[str]:
@@ -197,7 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training + held-out prompts (default and most: {len(SUBJECTS) * len(TEMPLATES)})")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens of each answer (default 192)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="the head's vocabulary (default 4096)")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch", type=int, default=8, help="sequences a step (default 8)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)

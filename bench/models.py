@@ -1,6 +1,13 @@
 """Random-weight checkpoints of tiny configs, saved like real ones: what the tests and the CPU benchmarks that
-measure the system rather than the model (reliability, chaos) load."""
+measure the system rather than the model (reliability, chaos) load; and random EAGLE heads for them."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 # Gemma's tiny configs: head_dim apart from hidden / heads (Gemma's own 256), a query_pre_attn_scalar apart from it;
@@ -170,3 +177,75 @@ def mxfp4_experts(checkpoint_dir) -> None:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     with open(os.path.join(checkpoint_dir, "config.json"), "w") as f:
         json.dump(config, f)
+
+
+# -- EAGLE heads: random ones in their checkpoints' formats (tests, the GPU check) ------------------------------
+def head_config(target: str, **extra) -> dict:
+    """A Llama layer's config of the target's widths (the decoder layer of an EAGLE head, whatever the target's family)."""
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "torch_dtype")
+    return {"model_type": "llama", **{k: cfg[k] for k in keep if k in cfg}, "num_hidden_layers": 1,
+            "tie_word_embeddings": False, **extra}
+
+
+def _random_layer(cfg: dict, g: "torch.Generator", prefix: str, attn_in: int) -> dict[str, "torch.Tensor"]:
+    import torch
+    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
+        cfg["intermediate_size"]
+    d = h // heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+    out = {prefix + "self_attn.q_proj.weight": rand(heads * d, attn_in),
+           prefix + "self_attn.k_proj.weight": rand(kv * d, attn_in),
+           prefix + "self_attn.v_proj.weight": rand(kv * d, attn_in),
+           prefix + "self_attn.o_proj.weight": rand(h, heads * d), prefix + "mlp.gate_proj.weight": rand(inter, h),
+           prefix + "mlp.up_proj.weight": rand(inter, h), prefix + "mlp.down_proj.weight": rand(h, inter)}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"{prefix}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    return out
+
+
+def write_eagle_head(target: str, dst: Path, fc_bias: bool = False, seed: int = 3) -> str:
+    """An EAGLE-1 head for `target` as EAGLE's checkpoints hold it: fc over [embedding; hidden], one Llama layer under
+    "layers.0." (with the input norm the original code keeps and never runs), no embedding or head of its own."""
+    import torch
+    from safetensors.torch import save_file
+    cfg = head_config(target, architectures=["LlamaForCausalLMEagle"])
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+    h = cfg["hidden_size"]
+    tensors = _random_layer(cfg, g, "layers.0.", h)
+    tensors["fc.weight"] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
+    if fc_bias:
+        tensors["fc.bias"] = 0.1 * torch.randn(h, generator=g)
+    save_file(tensors, dst / "model.safetensors")
+    return str(dst)
+
+
+def write_eagle3_head(target: str, dst: Path, draft_vocab: int = 200, aux: list[int] | None = None,
+                      seed: int = 4) -> str:
+    """An EAGLE-3 head for `target` as its checkpoints hold it: fc over three of the target's streams, "midlayer."
+    whose attention reads twice the width, its own final norm and head over `draft_vocab` of the target's ids (d2t:
+    each one's offset to its target id; t2d: the target's ids it covers)."""
+    import torch
+    from safetensors.torch import save_file
+    cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+    if aux is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(seed)
+    h = cfg["hidden_size"]
+    ids = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {**_random_layer(cfg, g, "midlayer.", 2 * h), "fc.weight": torch.randn(h, 3 * h, generator=g) / 8,
+               "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               "norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+               "lm_head.weight": torch.randn(draft_vocab, h, generator=g) / 2, "d2t": ids - torch.arange(draft_vocab),
+               "t2d": t2d}
+    save_file(tensors, dst / "model.safetensors")
+    return str(dst)

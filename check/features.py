@@ -6,7 +6,7 @@ model in the engine's dtype (bf16 on CUDA; fp32 in the CPU dry mode).
 - LoRA: an adapter (written here in PEFT's format, on q, v and down) through the engine's LoRA kernels (Triton on
   CUDA) gives the greedy tokens of the same model with the adapter merged into its weights, up to a near-tie.
 - Speculative decoding: n-gram drafts verified on the device give the greedy tokens of plain decoding, up to a
-  near-tie.
+  near-tie; so do a random EAGLE-3 head's (the target's streams kept on the device, the head run there).
 - Beam search: a width of 1 gives the greedy tokens, up to a near-tie.
 
 The near-tie rule is check/compare.py's; on a GPU its gap is the models part's bf16 tolerance (the two runs round
@@ -149,6 +149,29 @@ def spec_row(path: str, cpu: bool) -> Row:
     return row
 
 
+def eagle_row(path: str, cpu: bool, workdir: Path) -> Row:
+    """A random EAGLE-3 head (written here in its checkpoints' format) drafting from the target's streams: the
+    runner keeps them on the device, the head's layer runs there; the greedy tokens are plain decoding's."""
+    from bench.models import write_eagle3_head
+    from engine import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=TOP_K)
+    plain = _engine(path, cpu)
+    n = plain.engine.hf_config.num_hidden_layers
+    prompts = _prompts(plain.engine.hf_config.vocab_size, 3)
+    want = plain.generate(prompts, params)
+    del plain
+    head = write_eagle3_head(path, workdir / "eagle3", draft_vocab=128, aux=[0, n // 2, n - 1])
+    spec = _engine(path, cpu, speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                                                  "adaptive": False})
+    got = spec.generate(prompts, params)
+    row = _close("speculative decoding (EAGLE-3 head) vs plain greedy", got, want, MAX_LOGPROB_GAP if cpu else GPU_GAP)
+    drafts = sum(o.metrics.spec_num_draft_tokens for o in got)
+    row.data["drafts"] = drafts
+    if not drafts:
+        row.status, row.result = FAIL, row.result + "; no draft was proposed"
+    return row
+
+
 def beam_row(path: str, cpu: bool) -> Row:
     """A beam's tokens with each round's top logprobs read as a greedy output (its rounds run each beam's prompt
     on the cached prefix, so in bf16 a near-tie may round the other way)."""
@@ -202,6 +225,7 @@ def check_features(path: str, cpu: bool, log: Callable[[str], None] = lambda m: 
         for name, fn in (("structured output", lambda: structured_row(path, cpu)),
                          ("LoRA", lambda: lora_row(path, cpu, Path(tmp))),
                          ("speculative decoding", lambda: spec_row(path, cpu)),
+                         ("EAGLE-3", lambda: eagle_row(path, cpu, Path(tmp))),
                          ("beam search", lambda: beam_row(path, cpu))):
             log(f"features: {name}")
             try:

@@ -108,6 +108,8 @@ def test_cpu_dry_mode_runs_every_part_through_the_cli_and_passes(tmp_path):
     assert lora["adapter_changes_the_text"] and not lora["errors"] and lora["prompts"] == 3
     spec = features["speculative decoding (n-gram) vs plain greedy"]
     assert spec["drafts"] > 0 and spec["accepted"] > 0 and not spec["errors"]
+    eagle = features["speculative decoding (EAGLE-3 head) vs plain greedy"]
+    assert eagle["drafts"] > 0 and eagle["equal"] == 3 and not eagle["errors"]
     assert features["beam search, width 1 vs greedy"]["equal"] == 2
 
     (pull,) = rows["kv_pull"]

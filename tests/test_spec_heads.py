@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.models import make_tiny_checkpoint
+from bench.models import make_tiny_checkpoint, write_eagle3_head, write_eagle_head
 from engine import LLM, ConfigError, SamplingParams, cpu_model
 from engine.errors import ModelLoadError
 from tests.test_spec_decode import assert_no_leak
@@ -24,72 +24,6 @@ from tests.test_spec_decode import assert_no_leak
 PROMPTS = [list(range(10, 40)), [7, 8, 9] * 9, list(range(100, 137)), [5, 6] * 20]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 KW = dict(block_size=8, num_kv_blocks=96, max_model_len=256)
-
-
-def head_config(target: str, **extra) -> dict:
-    """A Llama layer's config of the target's widths (the decoder layer of an EAGLE head, whatever the target's family)."""
-    cfg = json.loads((Path(target) / "config.json").read_text())
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-            "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "torch_dtype")
-    return {"model_type": "llama", **{k: cfg[k] for k in keep if k in cfg}, "num_hidden_layers": 1,
-            "tie_word_embeddings": False, **extra}
-
-
-def _random_layer(cfg: dict, g: torch.Generator, prefix: str, attn_in: int) -> dict[str, torch.Tensor]:
-    h, heads, kv, inter = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
-        cfg["intermediate_size"]
-    d = h // heads
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
-    out = {prefix + "self_attn.q_proj.weight": rand(heads * d, attn_in),
-           prefix + "self_attn.k_proj.weight": rand(kv * d, attn_in),
-           prefix + "self_attn.v_proj.weight": rand(kv * d, attn_in),
-           prefix + "self_attn.o_proj.weight": rand(h, heads * d), prefix + "mlp.gate_proj.weight": rand(inter, h),
-           prefix + "mlp.up_proj.weight": rand(inter, h), prefix + "mlp.down_proj.weight": rand(h, inter)}
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        out[f"{prefix}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
-    return out
-
-
-def write_eagle_head(target: str, dst: Path, fc_bias: bool = False, seed: int = 3) -> str:
-    """An EAGLE-1 head for `target` as EAGLE's checkpoints hold it: fc over [embedding; hidden], one Llama layer under
-    "layers.0." (with the input norm the original code keeps and never runs), no embedding or head of its own."""
-    cfg = head_config(target, architectures=["LlamaForCausalLMEagle"])
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-    h = cfg["hidden_size"]
-    tensors = _random_layer(cfg, g, "layers.0.", h)
-    tensors["fc.weight"] = torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5
-    if fc_bias:
-        tensors["fc.bias"] = 0.1 * torch.randn(h, generator=g)
-    save_file(tensors, dst / "model.safetensors")
-    return str(dst)
-
-
-def write_eagle3_head(target: str, dst: Path, draft_vocab: int = 200, aux: list[int] | None = None,
-                      seed: int = 4) -> str:
-    """An EAGLE-3 head for `target` as its checkpoints hold it: fc over three of the target's streams, "midlayer."
-    whose attention reads twice the width, its own final norm and head over `draft_vocab` of the target's ids (d2t:
-    each one's offset to its target id; t2d: the target's ids it covers)."""
-    cfg = head_config(target, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
-    if aux is not None:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(seed)
-    h = cfg["hidden_size"]
-    ids = torch.randperm(cfg["vocab_size"], generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
-    t2d[ids] = True
-    tensors = {**_random_layer(cfg, g, "midlayer.", 2 * h), "fc.weight": torch.randn(h, 3 * h, generator=g) / 8,
-               "midlayer.hidden_norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-               "norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-               "lm_head.weight": torch.randn(draft_vocab, h, generator=g) / 2, "d2t": ids - torch.arange(draft_vocab),
-               "t2d": t2d}
-    save_file(tensors, dst / "model.safetensors")
-    return str(dst)
 
 
 def add_mtp_layer(src: str, dst: Path, copy_of_target: bool = False, seed: int = 5) -> str:
@@ -422,3 +356,39 @@ def test_the_cpu_stack_keeps_the_same_streams_for_eagle3(llama8, eagle3, monkeyp
         runs.append((outs, records))
     cpu_model.stack_enabled.cache_clear()
     assert runs[0] == runs[1] and len(runs[0][1]) > 10
+
+
+def test_an_eagle3_head_over_the_whole_vocabulary_needs_no_map(llama8, tmp_path):
+    """A head whose draft vocabulary is the target's: its d2t, if it ships one, is all zeros and maps nothing."""
+    head = write_eagle3_head(llama8, tmp_path / "h", draft_vocab=300)
+    llm = LLM(llama8, speculative_config=spec("eagle3", head), **KW)
+    assert not llm.engine.draft_runner.model.mapped
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == \
+        [o.token_ids for o in LLM(llama8, **KW).generate(PROMPTS[:2], GREEDY)]
+
+
+def test_vllms_older_name_for_mtp_is_taken():
+    from engine.spec.config import SpeculativeConfig
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 1}).method == "mtp"
+
+
+def test_a_long_prompts_hidden_states_are_fed_as_they_pile_up(llama8, eagle3, monkeypatch):
+    """A prompt's chunks feed the head once CATCH_UP_ROWS rows wait (here 16; 256 in use), not all at its first draft:
+    no request holds more than that and a chunk; the drafts are still the formula's."""
+    from engine.spec import proposers
+    monkeypatch.setattr(proposers, "CATCH_UP_ROWS", 16)
+    llm = LLM(llama8, speculative_config=spec("eagle3", eagle3), max_num_batched_tokens=24, **KW)
+    drafter, most = llm.engine.spec.drafter, [0]
+    inner = drafter.catch_up
+
+    def catch_up(seqs):
+        inner(seqs)
+        most[0] = max([most[0]] + [len(st.hidden) for st in drafter.state.values()])
+    drafter.catch_up = catch_up
+    records = spy_drafts(llm)
+    prompts = [list(range(3, 150)), [9, 8, 7, 6] * 30]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
+        [o.token_ids for o in LLM(llama8, **KW).generate(prompts, GREEDY)]
+    assert 0 < most[0] < 16 + 24
+    assert check_drafts(records, HFEagle3(llama8, eagle3)) > 0.9 * sum(len(d) for *_, d in records)
+    assert_no_leak(llm)

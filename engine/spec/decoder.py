@@ -87,6 +87,7 @@ class SpecDecoder:
         """A forward's final hidden states: (sequence, its first position, rows)."""
         for seq, first, hidden in rows:
             self.drafter.observe(seq, first, hidden)
+        self.drafter.catch_up([seq for seq, _, _ in rows])
 
     def _load_draft_model(self) -> DraftModelProposer:
         """The engine loaded the draft's weights before sizing its KV caches (load_draft_runner)."""

@@ -65,8 +65,8 @@ class SpecHead(LlamaForCausalLM):
             self.draft_vocab = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
             self.target_vocab = config.vocab_size
             self.lm_head = nn.Linear(h, self.draft_vocab, bias=False)
-            if self.draft_vocab != config.vocab_size:
-                self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long))
+            self.mapped = self.draft_vocab != config.vocab_size      # or a d2t that moves ids (load_weights)
         else:
             self.enorm = RMSNorm(h, config.rms_norm_eps)
             self.hnorm = RMSNorm(h, config.rms_norm_eps)
@@ -77,6 +77,12 @@ class SpecHead(LlamaForCausalLM):
         module's parameters."""
         embed = self.model.embed_tokens if self.model.embed_tokens is not None else target.model.embed_tokens
         self._shared = (embed, self.lm_head if self.lm_head is not None else target.lm_head)
+
+    def materialize(self, device, dtype) -> "SpecHead":
+        super().materialize(device, dtype)
+        if self.d2t is not None:                                     # storage, not a parameter: zeroed (no map)
+            self.d2t.zero_()
+        return self
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
@@ -89,15 +95,18 @@ class SpecHead(LlamaForCausalLM):
                 if name == "d2t":
                     if self.d2t is None or tensor.shape != self.d2t.shape:
                         raise ModelLoadError(f"d2t of {tensor.shape[0]} ids, for a draft vocabulary of "
-                                             f"{self.draft_vocab}")
+                                             f"{getattr(self, 'draft_vocab', 0)}")
                     self.d2t.copy_(tensor)
                     self._d2t_loaded = True
                 elif name != "t2d":
                     yield name, tensor
         self._d2t_loaded = False
         super().load_weights(rest())
-        if self.d2t is not None and not self._d2t_loaded:
-            raise ModelLoadError(f"a draft vocabulary of {self.draft_vocab} ids needs d2t, its map to the target's")
+        if self.d2t is not None:
+            if self.mapped and not self._d2t_loaded:
+                raise ModelLoadError(f"a draft vocabulary of {self.draft_vocab} ids needs d2t, its map to the "
+                                     f"target's {self.target_vocab}")
+            self.mapped = self.mapped or bool(self.d2t.any())
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_cache, md, logits_indices, hidden):
@@ -126,7 +135,7 @@ class SpecHead(LlamaForCausalLM):
             x, residual = layer(x, residual, ropes, kv_cache, md)
         out = (residual + x)[logits_indices]
         logits = head(self.model.norm(out)).float()
-        if self.kind == "eagle3" and self.draft_vocab != self.target_vocab:    # onto the target's ids, -inf elsewhere
+        if self.kind == "eagle3" and self.mapped:                   # onto the target's ids, -inf elsewhere
             full = logits.new_full((logits.shape[0], self.target_vocab), float("-inf"))
             full[:, torch.arange(self.draft_vocab, device=logits.device) + self.d2t] = logits
             logits = full
@@ -263,10 +272,13 @@ def load_head_runner(config, target: ModelRunner, max_model_len: int) -> HeadRun
         raise ConfigError(f"speculative_config: the draft head has {limit} positions, fewer than max_model_len "
                           f"{max_model_len}")
     c = config
+    # the head's linears run as the target's do: int8 beside a GGUF or int8 target (the same kernels; in fp32 on
+    # CPU a head of a few million weights read every draft costs a fifth of a packed SmolLM2 step), fp8 beside fp8
+    quantization = {"gguf": "int8", "int8": "int8", "fp8": "fp8"}.get(target.quantization, "auto")
     dcfg = EngineConfig(model=path, dtype=c.dtype, device=c.device, block_size=c.block_size, seed=c.seed,
                         max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                         enforce_eager=True, load_format="dummy" if c.load_format == "dummy" else "auto",
-                        quantization="auto" if c.quantization in ("gguf", "auto") else c.quantization)
+                        quantization=quantization)
     try:
         return HeadRunner(dcfg, path, hf, spec.method, target, max_model_len, target_path, fc_bias, own_embedding)
     except ModelLoadError as e:

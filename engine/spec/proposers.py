@@ -189,6 +189,9 @@ class LayerSkipProposer(_ModelProposer):
         return [seq.token_ids[-1]], seq.num_tokens - 1, seq.block_table
 
 
+CATCH_UP_ROWS = 256          # a request's hidden-state rows waiting for the head: fed at once past this many
+
+
 @dataclass
 class _HeadState:
     base: int                                  # the real position of the head's position 0
@@ -224,6 +227,29 @@ class HiddenStateProposer(Proposer):
             self.state[seq.request_id] = _HeadState(base=first, hidden=rows, at=first)
             return
         st.hidden = rows if first == st.at else torch.cat([st.hidden[:first - st.at], rows])
+
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Feed the head the rows of requests that piled up CATCH_UP_ROWS or more (a long prompt's chunks: their hidden
+        states would otherwise wait in memory until its first draft, three streams a token for EAGLE-3), at every
+        position whose next token is known; no logits. Their K/V is what the first draft pass would write."""
+        items, hidden, done = [], [], []
+        for seq in seqs:
+            st = self.state.get(seq.request_id)
+            if st is None or len(st.hidden) < CATCH_UP_ROWS:
+                continue
+            end = min(seq.num_computed_tokens, seq.num_tokens - 1, st.at + len(st.hidden))   # i reads token i + 1
+            if end <= st.at:
+                continue
+            if not self.kv.grow(st.blocks, end - st.base):
+                self.release(seq)                                   # no room: it starts again at its next rows
+                continue
+            items.append((seq.token_ids[st.at + 1:end + 1], st.fed, st.blocks, 0))
+            hidden.append(st.hidden[:end - st.at])
+            done.append((st, end))
+        if items:
+            self.runner.forward_batch(items, hidden=torch.cat(hidden))
+            for st, end in done:
+                st.hidden, st.at, st.fed = st.hidden[end - st.at:], end, end - st.base
 
     def draft(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[tuple[int, float]]]:
         """The first pass feeds each request the positions the head has not read, from the target's hidden states;
