@@ -1086,7 +1086,7 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self.model.embed_tokens(input_ids), None
         if self.embed_scale is not None:                 # in the embeddings' dtype, as transformers rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        aux = [] if aux_layers is not None and hidden_indices is not None else None
+        aux = {} if aux_layers is not None and hidden_indices is not None else None
         stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
             plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
@@ -1098,7 +1098,7 @@ class LlamaForCausalLM(nn.Module):
                                         plan.rows if plan else None, plan.row_slots if plan else None,
                                         list(aux_layers or ()), streams)
             if aux is not None:
-                aux.append(streams[hidden_indices])
+                aux = {None: streams[hidden_indices]}
         else:
             ropes = {kind: rope.tables(positions) for kind, rope in self.ropes.items()}
             if self.q_temperature is not None:           # Llama 4's NoPE layers: log1p(floor((p + 1) / f)) * a + 1
@@ -1107,7 +1107,7 @@ class LlamaForCausalLM(nn.Module):
                                           attn_scale + 1.0).view(-1, 1, 1)
             for i, layer in enumerate(self.model.layers[:num_layers]):
                 if aux is not None and i in aux_layers:
-                    aux.append(h[hidden_indices] if residual is None else (h + residual)[hidden_indices])
+                    aux[i] = h[hidden_indices] if residual is None else (h + residual)[hidden_indices]
                 h, residual = layer(h, residual, ropes, kv_cache, md)
         if residual is not None:
             h = residual.add_(h)
@@ -1118,8 +1118,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = self.tp.gather_to_driver(self.lm_head(h))
             logits = None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
-        if aux is not None:
-            return logits, pooled, torch.cat(aux, dim=-1)
+        if aux is not None:                              # in aux_layers' order (the stack's, side by side already)
+            return logits, pooled, aux[None] if None in aux else torch.cat([aux[i] for i in aux_layers], dim=-1)
         return logits if hidden_indices is None else (logits, pooled)
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
