@@ -5,8 +5,8 @@ No EAGLE head for SmolLM2 can be downloaded here, so `baton bench spec --method 
 machine. EAGLE-3's recipe in miniature (Li et al. 2025):
   1. the target answers training prompts greedily through Baton (subjects and templates disjoint from
      `bench spec`'s prompts); a tenth of them are held out;
-  2. transformers runs the target over each prompt + answer and keeps the residual streams entering layers 2, L/2
-     and L-3 (what Baton's runner keeps for an EAGLE-3 head);
+  2. Baton's engine reads each prompt + answer and keeps the residual streams entering layers 2, L/2 and L-3 (what
+     its runner keeps for an EAGLE-3 head, in the numbers it serves with: the default model packed);
   3. the head learns token t+2 from token t+1 and those streams at t: cross-entropy over a draft vocabulary of the
      text's most frequent tokens (d2t maps them to the target's ids). The first draft only: later drafts read the
      head's own output, which EAGLE-3 trains with its training-time test and this does not.
@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import math
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -136,17 +137,32 @@ def generate(model: str | None, texts: list[str], max_tokens: int) -> list[list[
 
 
 @torch.no_grad()
-def target_streams(path: str, seqs: list[list[int]], aux: tuple[int, ...]):
-    """Per sequence: the target's embeddings of its tokens and its residual streams entering the aux layers."""
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def target_streams(model: str | None, path: str, seqs: list[list[int]], aux: tuple[int, ...], workdir: Path):
+    """Per sequence: the target's embeddings of its tokens and the residual streams entering the aux layers, as Baton
+    serves it (the default model in its packed types): an engine with a placeholder EAGLE-3 head (random, only there
+    to make the runner keep the streams) reads each sequence as a prompt, and its drafter's rows are taken."""
+    from bench.models import write_eagle3_head
+    from engine import LLM, SamplingParams
+    placeholder = write_eagle3_head(path, workdir / "placeholder", draft_vocab=16, aux=list(aux))
+    llm = LLM(model, max_model_len=1024, kv_cache_memory=256 << 20, enable_prefix_caching=False,
+              speculative_config={"method": "eagle3", "model": placeholder, "num_speculative_tokens": 1})
+    drafter, rows = llm.engine.spec.drafter, {}
+    inner = drafter.observe
+
+    def observe(seq, first, hidden):
+        rows.setdefault(seq.request_id, []).append((first, hidden.float().clone()))
+        inner(seq, first, hidden)
+    drafter.observe = observe
+    embed = llm.engine.runner.model.model.embed_tokens
     out = []
-    for i, s in enumerate(seqs):
-        states = hf.model(torch.tensor([s]), output_hidden_states=True).hidden_states
-        out.append((hf.model.embed_tokens(torch.tensor(s)), torch.cat([states[a][0] for a in aux], -1)))
-        if (i + 1) % 20 == 0:
-            log(f"  target streams of {i + 1}/{len(seqs)} sequences")
-    return hf.config, out
+    for i in range(0, len(seqs), 16):
+        rows.clear()
+        for s, o in zip(seqs[i:i + 16], llm.generate(seqs[i:i + 16], SamplingParams(temperature=0, max_tokens=1))):
+            chunks = sorted(rows[o.request_id], key=lambda c: c[0])
+            assert chunks[0][0] == 0
+            out.append((embed(torch.tensor(s)).float(), torch.cat([h for _, h in chunks])[:len(s)]))
+        log(f"  target streams of {len(out)}/{len(seqs)} sequences")
+    return out
 
 
 def batches(items: list, size: int, rng: random.Random):
@@ -230,8 +246,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = AutoConfig.from_pretrained(path)
     n = cfg.num_hidden_layers
     aux = (2, n // 2, n - 3)
-    log(f"the target's streams entering layers {aux}, from transformers")
-    cfg, streams = target_streams(path, seqs, aux)
+    log(f"the target's streams entering layers {aux}, from Baton's engine")
+    with tempfile.TemporaryDirectory(prefix="baton-eagle-") as tmp:
+        streams = target_streams(args.model, path, seqs, aux, Path(tmp))
     items = [(s, e, st) for s, (e, st) in zip(seqs, streams)]
     held = max(1, len(items) // 10)
     train, test = items[held:], items[:held]
