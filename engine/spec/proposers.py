@@ -136,7 +136,22 @@ class _ModelProposer(Proposer):
         return drafts, timings
 
 
-class DraftModelProposer(_ModelProposer):
+class _OwnCache(Proposer):
+    """A proposer with a KV cache of its own (self.kv: its block pool's manager; self.state: each request's blocks)."""
+    kv: KVCacheManager
+    state: dict
+
+    def release(self, seq: Sequence) -> None:
+        st = self.state.pop(seq.request_id, None)
+        if st is not None:
+            self.kv.release(st.blocks)
+
+    def stats(self) -> dict:
+        return {"spec_draft_kv_blocks_used": self.kv.pool.num_used_blocks,
+                "spec_draft_kv_blocks_total": self.kv.pool.num_blocks}
+
+
+class DraftModelProposer(_OwnCache, _ModelProposer):
     def __init__(self, runner, kv: KVCacheManager):
         super().__init__(runner, None)
         self.kv = kv                                     # the draft cache's own blocks
@@ -166,14 +181,6 @@ class DraftModelProposer(_ModelProposer):
         del st.fed[n:]
         self.kv.shrink(st.blocks, n + 1)
 
-    def release(self, seq: Sequence) -> None:
-        st = self.state.pop(seq.request_id, None)
-        if st is not None:
-            self.kv.release(st.blocks)
-
-    def stats(self) -> dict:
-        return {"spec_draft_kv_blocks_used": self.kv.pool.num_used_blocks,
-                "spec_draft_kv_blocks_total": self.kv.pool.num_blocks}
 
 
 class LayerSkipProposer(_ModelProposer):
@@ -201,7 +208,7 @@ class _HeadState:
     blocks: list[int] = field(default_factory=list)
 
 
-class HiddenStateProposer(Proposer):
+class HiddenStateProposer(_OwnCache):
     """EAGLE and MTP heads (engine/spec/head.py): they read the target's final hidden states, which every forward of
     the target leaves here (observe). Head position i holds the K/V of (token at real position base + i + 1, the
     target's hidden state at base + i). `base` is the first position whose hidden state the head saw: 0 after a
@@ -299,11 +306,3 @@ class HiddenStateProposer(Proposer):
         if st is not None:
             self.kv.shrink(st.blocks, st.fed + 1)
 
-    def release(self, seq: Sequence) -> None:
-        st = self.state.pop(seq.request_id, None)
-        if st is not None:
-            self.kv.release(st.blocks)
-
-    def stats(self) -> dict:
-        return {"spec_draft_kv_blocks_used": self.kv.pool.num_used_blocks,
-                "spec_draft_kv_blocks_total": self.kv.pool.num_blocks}
