@@ -142,7 +142,8 @@ def test_every_problem_is_listed_at_once():
     ({"decode": {"engine": {"kv_cache_memory": "lots"}}}, "decode.engine.kv_cache_memory: must be bytes"),
     ({"decode": {"engine": {"max_model_len": "long"}}}, "decode.engine.max_model_len: Input should be a valid integer"),
     ({"decode": {"engine": {"speculative_config": {"method": "magic"}}}},
-     "decode.engine.speculative_config: method must be one of ngram, draft_model, layer_skip, got 'magic'"),
+     "decode.engine.speculative_config: method must be one of ngram, draft_model, layer_skip, eagle, eagle3, mtp, "
+     "got 'magic'"),
     ({"prefill": {"engine": {"block_size": 32}}},
      "prefill.engine.block_size (32) and decode.engine.block_size (16) must match"),
     ({"decode": {"engine": {"kv_cache_dtype": "int8"}}},

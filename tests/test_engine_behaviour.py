@@ -357,13 +357,13 @@ def test_async_engine_survives_a_failing_step(smol_path):
     runner = llm.engine.runner
     real_execute, calls = runner.execute, []
 
-    def flaky(scheduled):
+    def flaky(scheduled, *rest):
         # once, at the first step that runs both requests (the second may be added a few steps after the
         # first on a loaded machine: a fixed step number would sometimes fail only one of them)
         if len(scheduled) == 2 and not calls:
             calls.append(len(scheduled))
             raise RuntimeError("injected fault")
-        return real_execute(scheduled)
+        return real_execute(scheduled, *rest)
 
     async def collect(prompt, max_tokens=12):
         outs = []

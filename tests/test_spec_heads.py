@@ -239,9 +239,10 @@ def check_drafts(records: list, ref: HFHead) -> int:
     return compared
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_drafts_are_the_heads_formula_and_greedy_output_is_the_targets(method, llama, eagle, llama8, eagle3, v3_mtp):
-    target, head = {"eagle": (llama, eagle), "eagle3": (llama8, eagle3), "mtp": (v3_mtp, None)}[method]
+@pytest.mark.parametrize("method", ["eagle", "eagle3", pytest.param("mtp", marks=pytest.mark.slow)])
+def test_drafts_are_the_heads_formula_and_greedy_output_is_the_targets(method, request):
+    names = {"eagle": ("llama", "eagle"), "eagle3": ("llama8", "eagle3"), "mtp": ("v3_mtp", None)}[method]
+    target, head = (None if n is None else request.getfixturevalue(n) for n in names)   # only the ones it reads
     want = [o.token_ids for o in LLM(target, **KW).generate(PROMPTS, GREEDY)]
     llm = LLM(target, speculative_config=spec(method, head), max_num_batched_tokens=48, **KW)
     records = spy_drafts(llm)
@@ -257,6 +258,7 @@ def test_drafts_are_the_heads_formula_and_greedy_output_is_the_targets(method, l
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path):
     """A one-layer DeepSeek-V3 whose prediction layer computes what the target computes (less its first token): its
     drafts are the target's next tokens, so most are accepted, and the output is the target's."""
@@ -276,6 +278,7 @@ def test_an_mtp_layer_that_copies_the_target_is_accepted(tmp_path):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_nothing_leaks_through_preemption_and_aborts(llama, eagle):
     """A cache too small for every request at once preempts some (their head state goes and starts again where the
     target computes again); aborted requests free the head's blocks; the output is the target's."""
@@ -297,6 +300,7 @@ def test_nothing_leaks_through_preemption_and_aborts(llama, eagle):
     assert_no_leak(llm)
 
 
+@pytest.mark.slow
 def test_an_eagle3_head_reads_the_layers_its_config_names(llama8, tmp_path):
     """Without eagle_aux_hidden_state_layer_ids, the streams entering layers 2, L/2 and L-3 (vLLM's choice)."""
     llm = LLM(llama8, speculative_config=spec("eagle3", write_eagle3_head(llama8, tmp_path / "h")), **KW)
@@ -306,6 +310,7 @@ def test_an_eagle3_head_reads_the_layers_its_config_names(llama8, tmp_path):
     assert llm.engine.stats()["spec_num_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_an_eagle_head_in_pytorch_bins_loads(llama, eagle, tmp_path):
     """EAGLE's own checkpoints are pytorch_model.bin files: the same head, the same drafts."""
     binned = tmp_path / "bin"
@@ -330,7 +335,7 @@ def test_bad_head_configs_are_clear_errors(method, extra, words):
         LLM("dummy-tiny", speculative_config={"method": method, **extra})
 
 
-def test_heads_that_do_not_fit_the_target_are_refused(llama, v3_mtp, tmp_path):
+def test_heads_that_do_not_fit_the_target_are_refused(llama, tmp_path):
     with pytest.raises(ConfigError, match="multi-token prediction"):
         LLM(llama, speculative_config=spec("mtp"), **KW)               # a Llama has no prediction layer
     other = make_tiny_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
@@ -343,6 +348,7 @@ def test_heads_that_do_not_fit_the_target_are_refused(llama, v3_mtp, tmp_path):
         LLM(bare, speculative_config=spec("mtp"), **KW)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu_model.available(), reason="no C++ compiler: the kernels are not built")
 def test_the_cpu_stack_keeps_the_same_streams_for_eagle3(llama8, eagle3, monkeypatch):
     """A packed target runs its layers in the C++ stack, which copies out the streams an EAGLE-3 head reads: the same
@@ -360,6 +366,7 @@ def test_the_cpu_stack_keeps_the_same_streams_for_eagle3(llama8, eagle3, monkeyp
     assert runs[0] == runs[1] and len(runs[0][1]) > 10
 
 
+@pytest.mark.slow
 def test_an_eagle3_head_over_the_whole_vocabulary_needs_no_map(llama8, tmp_path):
     """A head whose draft vocabulary is the target's: its d2t, if it ships one, is all zeros and maps nothing."""
     head = write_eagle3_head(llama8, tmp_path / "h", draft_vocab=300)
@@ -374,6 +381,7 @@ def test_vllms_older_name_for_mtp_is_taken():
     assert SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 1}).method == "mtp"
 
 
+@pytest.mark.slow
 def test_a_long_prompts_hidden_states_are_fed_as_they_pile_up(llama8, eagle3, monkeypatch):
     """A prompt's chunks feed the head once CATCH_UP_ROWS rows wait (here 16; 256 in use), not all at its first draft:
     no request holds more than that and a chunk; the drafts are still the formula's."""

@@ -212,7 +212,7 @@ def test_smollm2_tp2_equals_tp1(smol_path, kv):
     {"method": "layer_skip", "num_layers": 2, "num_speculative_tokens": 2, "adaptive": False},
     pytest.param({"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow),
     pytest.param({"method": "eagle", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow),
-    {"method": "eagle3", "num_speculative_tokens": 2, "adaptive": False}],
+    pytest.param({"method": "eagle3", "num_speculative_tokens": 2, "adaptive": False}, marks=pytest.mark.slow)],
     ids=["ngram", "layer_skip", "draft_model", "eagle", "eagle3"])
 def test_speculation_with_tp2_keeps_greedy_output(tiny_paths, spec, tmp_path):
     """ngram drafts without a model; layer_skip with the sharded target's first layers; a draft model runs
@@ -250,6 +250,7 @@ def same_drafts_as_tp1(path: str, spec: dict, tp2: LLMEngine) -> None:
     assert sum(a == b for a, b in zip(*runs)) >= 0.8 * len(runs[0])
 
 
+@pytest.mark.slow
 def test_deepseek_mtp_with_tp2_keeps_greedy_output(tmp_path):
     """DeepSeek-V3's prediction layer drafts on rank 0 beside a TP 2 target (its heads split, its latent whole)."""
     from test_spec_heads import add_mtp_layer
