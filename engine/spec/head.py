@@ -14,9 +14,10 @@ own with their own KV cache:
   the target's final hidden state, one of the target's own decoder layers (MLA and experts), its shared_head.norm,
   then the target's lm_head.
 
-The target's embedding (and, but for EAGLE-3, its head) are used, as the papers share them: a checkpoint's copies are
-not read. Drafting further than one token feeds the head its own output (the sum before any norm) in place of h_t, as
-vLLM does.
+The target's embedding (and, but for EAGLE-3, its head) are used, as the papers share them: a head checkpoint's copies
+are not read (an EAGLE-3 head's own embedding is, where it ships one). Under TP the head runs on rank 0 with whole
+copies read from the target's checkpoint (HeadRunner). Drafting further than one token feeds the head its own output
+(the sum before any norm) in place of h_t, as vLLM does; an MTP checkpoint's first prediction layer drafts every depth.
 """
 from __future__ import annotations
 
