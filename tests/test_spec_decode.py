@@ -353,5 +353,5 @@ def test_cli_generate_takes_a_speculative_config(capsys):
     assert out.out.strip() and "24 tokens" in out.err
     assert main(["generate", "--speculative-config", "{method: ngram", "hi"]) == 2
     assert "not valid JSON" in capsys.readouterr().err
-    assert main(["generate", "--speculative-config", '{"method": "eagle"}', "hi"]) == 2
+    assert main(["generate", "--speculative-config", '{"method": "medusa"}', "hi"]) == 2
     assert "method must be one of" in capsys.readouterr().err
