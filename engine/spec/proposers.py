@@ -141,6 +141,10 @@ class _OwnCache(Proposer):
     kv: KVCacheManager
     state: dict
 
+    @property
+    def pool(self):
+        return self.kv.pool
+
     def release(self, seq: Sequence) -> None:
         st = self.state.pop(seq.request_id, None)
         if st is not None:
@@ -209,8 +213,8 @@ class _HeadState:
 
 
 class HiddenStateProposer(_OwnCache):
-    """EAGLE and MTP heads (engine/spec/head.py): they read the target's final hidden states, which every forward of
-    the target leaves here (observe). Head position i holds the K/V of (token at real position base + i + 1, the
+    """EAGLE, EAGLE-3 and MTP heads (engine/spec/head.py): they read the target's hidden states (its final ones, or
+    EAGLE-3's three streams), which every forward of the target leaves here (observe). Head position i holds the K/V of (token at real position base + i + 1, the
     target's hidden state at base + i). `base` is the first position whose hidden state the head saw: 0 after a
     whole prefill; past a prefix hit, a prompt pulled from a prefill replica or a resume, the head attends from
     where the target's forwards began (the earlier hidden states were never computed here). Its positions count
@@ -220,7 +224,6 @@ class HiddenStateProposer(_OwnCache):
 
     def __init__(self, runner, kv: KVCacheManager):
         self.runner, self.kv = runner, kv
-        self.pool = kv.pool
         self.state: dict[str, _HeadState] = {}
 
     def observe(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
