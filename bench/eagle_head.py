@@ -94,9 +94,13 @@ class Eagle3Head(nn.Module):
 
     def forward(self, embeds: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """embeds [B, T, H] of tokens t+1, streams [B, T, 3H] at t -> draft logits [B, T, V_d]."""
+        return self.lm_head(self.norm(self.layer(embeds, self.fc(streams))))
+
+    def layer(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder layer over [B, T] positions (causal): embeds of tokens t+1 and the hidden states at t (fc of the
+        target's streams, or the head's own output when drafting further) -> its output before the final norm."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         b, t, _ = embeds.shape
-        hidden = self.fc(streams)
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
         q = self.q_proj(x).view(b, t, self.heads, self.d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
@@ -107,20 +111,37 @@ class Eagle3Head(nn.Module):
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
         r = hidden + self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         m = self.post_attention_layernorm(r)
-        y = r + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
-        return self.lm_head(self.norm(y))
+        return r + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    @classmethod
+    def load(cls, path: str) -> tuple["Eagle3Head", torch.Tensor]:
+        """An EAGLE-3 checkpoint (written here or anywhere in its format, one layer) as this module, and its draft ids'
+        target ids (d2t applied)."""
+        from safetensors.torch import load_file
+        from transformers import AutoConfig
+        cfg = AutoConfig.from_pretrained(path)
+        tensors = load_file(Path(path) / "model.safetensors")
+        head = cls(cfg, tensors["lm_head.weight"].shape[0])
+        names = {v: k for k, v in head._names().items()}
+        head.load_state_dict({names[k]: v for k, v in tensors.items() if k in names})
+        return head, torch.arange(len(tensors["d2t"])) + tensors["d2t"]
+
+    def _names(self) -> dict[str, str]:
+        """This module's parameter -> EAGLE-3's name for it."""
+        m = "midlayer."
+        out = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            out[f"{name}.weight"] = f"{m}{name}.weight"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{name}.weight"] = f"{m}self_attn.{name}.weight"
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{name}.weight"] = f"{m}mlp.{name}.weight"
+        return out
 
     def checkpoint(self, ids: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
         """The tensors under EAGLE-3's names."""
-        m = "midlayer."
-        out = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
-        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            out[f"{m}{name}.weight"] = getattr(self, name).weight
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"{m}self_attn.{name}.weight"] = getattr(self, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{m}mlp.{name}.weight"] = getattr(self, name).weight
-        out = {k: v.detach().contiguous().clone() for k, v in out.items()}
+        params = dict(self.named_parameters())
+        out = {theirs: params[ours].detach().contiguous().clone() for ours, theirs in self._names().items()}
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         out["d2t"], out["t2d"] = ids - torch.arange(len(ids)), t2d

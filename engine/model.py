@@ -1086,7 +1086,8 @@ class LlamaForCausalLM(nn.Module):
         h, residual = self.model.embed_tokens(input_ids), None
         if self.embed_scale is not None:                 # in the embeddings' dtype, as transformers rounds it
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        aux = {} if aux_layers is not None and hidden_indices is not None else None
+        aux = {} if aux_layers is not None and hidden_indices is not None else None     # layer -> its stream's rows
+        streams = None
         stack = self.cpu_stack(h, kv_cache)
         if stack is not None:                            # the same ops in C++, the GIL released (engine/cpu_model.py)
             plan = self._stack_lora.groups if self._stack_lora is not None else None     # None: no adapter this step
@@ -1096,9 +1097,9 @@ class LlamaForCausalLM(nn.Module):
                                         md.block_tables, md.seq_lens, md.query_start_loc,
                                         -1 if num_layers is None else num_layers,
                                         plan.rows if plan else None, plan.row_slots if plan else None,
-                                        list(aux_layers or ()), streams)
+                                        list(aux_layers) if aux is not None else [], streams)
             if aux is not None:
-                aux = {None: streams[hidden_indices]}
+                streams = streams[hidden_indices]
         else:
             ropes = {kind: rope.tables(positions) for kind, rope in self.ropes.items()}
             if self.q_temperature is not None:           # Llama 4's NoPE layers: log1p(floor((p + 1) / f)) * a + 1
@@ -1107,8 +1108,10 @@ class LlamaForCausalLM(nn.Module):
                                           attn_scale + 1.0).view(-1, 1, 1)
             for i, layer in enumerate(self.model.layers[:num_layers]):
                 if aux is not None and i in aux_layers:
-                    aux[i] = h[hidden_indices] if residual is None else (h + residual)[hidden_indices]
+                    aux[i] = h[hidden_indices] if residual is None else h[hidden_indices] + residual[hidden_indices]
                 h, residual = layer(h, residual, ropes, kv_cache, md)
+            if aux is not None:                          # side by side in aux_layers' order, as the stack writes them
+                streams = torch.cat([aux[i] for i in aux_layers], dim=-1)
         if residual is not None:
             h = residual.add_(h)
         pooled = None if hidden_indices is None else self.model.norm(h[hidden_indices])
@@ -1118,8 +1121,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = self.tp.gather_to_driver(self.lm_head(h))
             logits = None if logits is None else self._cap(logits[:, :self.config.vocab_size].float())
-        if aux is not None:                              # in aux_layers' order (the stack's, side by side already)
-            return logits, pooled, aux[None] if None in aux else torch.cat([aux[i] for i in aux_layers], dim=-1)
+        if aux is not None:
+            return logits, pooled, streams
         return logits if hidden_indices is None else (logits, pooled)
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:

@@ -349,14 +349,18 @@ class ModelRunner:
         size = bucket_for(len(shape.query_lens), width, self.graph_keys) if width else None
         if size is not None and tables.shape[1] <= self.inputs.max_blocks:
             return self.forward_padded(shape, ids, tables, size)
+        rows = None if hidden is None else torch.tensor(hidden, dtype=torch.long).to(self.device, non_blocking=True)
+        return self._model(self.stage(shape, ids, tables), num_layers, rows)
+
+    def stage(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray) -> StepInputs:
+        """A step's inputs on the device, in the step buffers (or, larger than a step: profiling, a draft's
+        catch-up, buffers for this call only)."""
         batch = self.inputs
         if not batch.fits(len(ids), len(shape.query_lens), tables.shape[1]):
-            # larger than a step (profiling, a draft model's catch-up): buffers for this call only
             batch = InputBatch(len(ids), len(shape.query_lens), tables.shape[1], self.block_size, self.device,
                                pin=False)
         batch.stage(shape, ids, tables)
-        rows = None if hidden is None else torch.tensor(hidden, dtype=torch.long).to(self.device, non_blocking=True)
-        return self._model(batch.to_device(shape), num_layers, rows)
+        return batch.to_device(shape)
 
     def forward_padded(self, shape: StepShape, ids: np.ndarray, tables: np.ndarray, size: int) -> torch.Tensor:
         """A uniform step padded to `size` sequences: its graph replayed on CUDA, the padded batch run
@@ -374,11 +378,8 @@ class ModelRunner:
     aux_layers: tuple[int, ...] | None = None      # layers whose input streams an EAGLE-3 head reads
 
     def _model(self, x: StepInputs, num_layers: int | None = None, hidden_indices: torch.Tensor | None = None):
-        if hidden_indices is not None and self.aux_layers is not None:
-            return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers,
-                              hidden_indices=hidden_indices, aux_layers=self.aux_layers)
         return self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, num_layers=num_layers,
-                          hidden_indices=hidden_indices)
+                          hidden_indices=hidden_indices, aux_layers=self.aux_layers)
 
 
 def pooled_rows(scheduled: list) -> tuple[list[tuple[Sequence, int, int]], list[int]]:

@@ -107,53 +107,30 @@ def spy_drafts(llm) -> list:
 
 
 class HFEagle3:
-    """EAGLE-3's formula, written out (transformers has no EAGLE-3 model): the target's streams from transformers'
-    hidden states (hidden_states[i] enters layer i), the head's layer in plain torch with transformers' norms, MLP and
-    rotary tables."""
+    """EAGLE-3's formula as `baton bench eagle-head` trains it (bench/eagle_head.py Eagle3Head: plain torch with
+    transformers' rotary tables; transformers has no EAGLE-3 model), over the target's streams from transformers'
+    hidden states (hidden_states[i] enters layer i). The engine agreeing with it is also what makes a head the bench
+    trains worth loading."""
 
     def __init__(self, target: str, head: str):
         from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
-        self.target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-        cfg = AutoConfig.from_pretrained(head)
-        self.cfg, self.w = cfg, load_file(Path(head) / "model.safetensors")
-        self.aux = cfg.eagle_config["eagle_aux_hidden_state_layer_ids"]
-        self.norms = {}
-        for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
-            self.norms[name] = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.norms[name].weight.data.copy_(self.w[name + ".weight"])
-        self.mlp = LlamaMLP(cfg)
-        self.mlp.load_state_dict({k[len("midlayer.mlp."):]: v for k, v in self.w.items() if ".mlp." in k})
-        self.rope = LlamaRotaryEmbedding(cfg)
 
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-        cfg, w, t = self.cfg, self.w, x.shape[0]
-        d = cfg.hidden_size // cfg.num_attention_heads
-        q, k, v = (x @ w[f"midlayer.self_attn.{p}_proj.weight"].T for p in "qkv")
-        q = q.view(t, -1, d).transpose(0, 1)[None]
-        k, v = (y.view(t, -1, d).transpose(0, 1)[None] for y in (k, v))
-        cos, sin = self.rope(x[None], torch.arange(t)[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        rep = cfg.num_attention_heads // cfg.num_key_value_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return o[0].transpose(0, 1).reshape(t, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+        from bench.eagle_head import Eagle3Head
+        self.target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        self.aux = AutoConfig.from_pretrained(head).eagle_config["eagle_aux_hidden_state_layer_ids"]
+        self.head, self.ids = Eagle3Head.load(head)
+        self.vocab = self.target.config.vocab_size
 
     @torch.no_grad()
     def drafts(self, tokens: list[int], base: int, k: int) -> list[torch.Tensor]:
-        n, w = self.norms, self.w
         states = self.target.model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
-        hidden = torch.cat([states[i][0] for i in self.aux], -1)[base:] @ w["fc.weight"].T
+        hidden = self.head.fc(torch.cat([states[i][0] for i in self.aux], -1)[base:])
         embeds = self.target.model.embed_tokens(torch.tensor(tokens[base + 1:]))
-        ids = torch.arange(len(w["d2t"])) + w["d2t"]
         out = []
         for _ in range(k):
-            x = torch.cat([n["midlayer.input_layernorm"](embeds), n["midlayer.hidden_norm"](hidden)], -1)
-            r = hidden + self.attention(x)
-            y = r + self.mlp(n["midlayer.post_attention_layernorm"](r))
-            logits = torch.full((self.cfg.vocab_size,), float("-inf"))
-            logits[ids] = n["norm"](y[-1]) @ w["lm_head.weight"].T
+            y = self.head.layer(embeds[None], hidden[None])[0]
+            logits = torch.full((self.vocab,), float("-inf"))
+            logits[self.ids] = self.head.lm_head(self.head.norm(y[-1]))
             out.append(logits)
             embeds = torch.cat([embeds, self.target.model.embed_tokens(logits.argmax()[None])])
             hidden = torch.cat([hidden, y[-1:]])

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.errors import ConfigError, ModelLoadError
-from engine.input_batch import InputBatch, items_shape
+from engine.input_batch import items_shape
 from engine.model import MLA_MODEL_TYPES, LlamaForCausalLM, RMSNorm, is_moe_layer
 from engine.model_runner import ModelRunner
 
@@ -205,12 +205,7 @@ class HeadRunner(ModelRunner):
         """items as ModelRunner.forward_batch's; `hidden` one row per fed token (zeros when None: profiling).
         Returns the logits rows; the head's output at them is left in `self.out`."""
         shape, ids, tables = items_shape(items, self.block_size)
-        batch = self.inputs
-        if not batch.fits(len(ids), len(shape.query_lens), tables.shape[1]):
-            batch = InputBatch(len(ids), len(shape.query_lens), tables.shape[1], self.block_size, self.device,
-                               pin=False)
-        batch.stage(shape, ids, tables)
-        x = batch.to_device(shape)
+        x = self.stage(shape, ids, tables)
         if hidden is None:
             hidden = torch.zeros(len(ids), self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         logits, self.out = self.model(x.input_ids, x.positions, self.kv_layers, x.md, x.logits_indices, hidden)
